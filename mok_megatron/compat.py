@@ -1,0 +1,97 @@
+"""Every version difference of torch / Megatron-Core / Transformer Engine / apex in one place.
+
+Other modules import the names below instead of writing their own ``try/except ImportError``.
+Nothing here imports Transformer Engine eagerly: TE is optional and is only detected.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.util
+from functools import cache
+
+import torch
+from packaging.version import Version
+
+# Megatron-Core releases this package is tested against: [min, max).
+MCORE_MIN = Version("0.19.0")
+MCORE_MAX = Version("0.20.0")
+TESTED_MCORE = "0.19.2"
+
+
+def dist_version(name: str) -> str | None:
+    """Installed version of a distribution, or None."""
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+@cache
+def mcore_version() -> Version | None:
+    v = dist_version("megatron-core")
+    return Version(v) if v else None
+
+
+def check_mcore_version() -> None:
+    """Raise if the installed megatron-core is outside the range we support."""
+    v = mcore_version()
+    if v is None:
+        raise ImportError(
+            "megatron-core is not installed; mok_megatron needs megatron-core "
+            f">={MCORE_MIN},<{MCORE_MAX} (pip install 'megatron-core~={TESTED_MCORE}')."
+        )
+    if not (MCORE_MIN <= Version(v.base_version) < MCORE_MAX):
+        raise ImportError(
+            f"megatron-core {v} is installed; mok_megatron supports >={MCORE_MIN},<{MCORE_MAX} "
+            f"(tested with {TESTED_MCORE}). Install a supported version."
+        )
+
+
+@cache
+def have_te() -> bool:
+    """Transformer Engine for PyTorch importable (as Megatron-Core itself decides)."""
+    if importlib.util.find_spec("transformer_engine") is None:
+        return False
+    from megatron.core.extensions.transformer_engine import HAVE_TE
+
+    return bool(HAVE_TE)
+
+
+def te_version() -> str | None:
+    for name in ("transformer-engine", "transformer_engine", "transformer-engine-torch"):
+        v = dist_version(name)
+        if v:
+            return v
+    return None
+
+
+@cache
+def have_apex() -> bool:
+    """NVIDIA apex (not the unrelated PyPI project named ``apex``)."""
+    try:
+        return importlib.util.find_spec("apex.normalization") is not None
+    except ModuleNotFoundError:
+        return False
+
+
+@cache
+def have_triton() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+def grouped_mm_fn():
+    """The grouped GEMM entry point of this torch: ``F.grouped_mm`` (>= 2.10) or ``torch._grouped_mm``."""
+    fn = getattr(torch.nn.functional, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
+    if fn is None:
+        raise ImportError(
+            f"torch {torch.__version__} has neither torch.nn.functional.grouped_mm nor "
+            "torch._grouped_mm; mok_megatron needs torch>=2.9."
+        )
+    return fn
+
+
+def cuda_capability() -> tuple[int, int] | None:
+    if not torch.cuda.is_available():
+        return None
+    return torch.cuda.get_device_capability()

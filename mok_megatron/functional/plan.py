@@ -1,0 +1,189 @@
+"""The dispatch plan: everything combine needs to undo dispatch, computed once per layer call.
+
+Legend:
+    T  local tokens       E  global experts       L  local experts (E / EP)
+    N  rows this rank sends (expert-major)        R  rows this rank's experts receive
+    EP expert-parallel size                        TP expert-tensor-parallel size (ETP)
+
+Host synchronisation: at most one small device-to-host copy per call, of the ``[EP, TP, E]`` token
+counts, and only when the row counts are data-dependent and crossing ranks (EP*TP > 1 and not
+drop-and-pad) or when the row count itself is data-dependent (capacity without padding, router
+padding). Dropless with EP*TP == 1 and drop-and-pad never read the device.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from mok_megatron.config import MoKConfig
+from mok_megatron.functional.comm import group_size
+from mok_megatron.ops.routing import SlotMap, capacity_order, dropless_order, expert_counts, slot_map
+
+
+@dataclass(frozen=True)
+class EPGroups:
+    """Process groups of one MoE layer: expert-parallel, expert-tensor-parallel and both together.
+
+    Rank ``ep * TP + tp`` of ``tp_ep`` is EP rank ``ep``, ETP rank ``tp`` (Megatron's ordering).
+    """
+
+    ep: object = None
+    tp: object = None
+    tp_ep: object = None
+
+    @property
+    def ep_size(self) -> int:
+        return group_size(self.ep)
+
+    @property
+    def tp_size(self) -> int:
+        return group_size(self.tp)
+
+    @property
+    def ep_rank(self) -> int:
+        return 0 if self.ep is None else dist.get_rank(self.ep)
+
+    @property
+    def tp_rank(self) -> int:
+        return 0 if self.tp is None else dist.get_rank(self.tp)
+
+    @classmethod
+    def from_pg_collection(cls, pg_collection) -> "EPGroups":
+        return cls(ep=pg_collection.ep, tp=pg_collection.expt_tp, tp_ep=pg_collection.tp_ep)
+
+
+@dataclass(frozen=True)
+class DispatchPlan:
+    """Frozen result of routing on this rank; dispatch produces it and combine consumes it."""
+
+    hidden_shape: torch.Size  # layer input shape, restored by combine
+    num_tokens: int  # T
+    token_idx_N: torch.Tensor  # [N] token of each sent row
+    expert_idx_N: torch.Tensor  # [N] global expert of each sent row
+    slots: SlotMap  # [T, K] each token's rows (combine / permute-backward)
+    send_splits: tuple[int, ...]  # [EP] rows to each EP rank
+    recv_splits: tuple[int, ...]  # [EP] rows from each EP rank (this ETP rank's share)
+    tp_splits: tuple[int, ...]  # [TP] rows each ETP peer received (all-gather sizes)
+    sort_idx_R: torch.Tensor | None  # [R] source-major -> expert-major gather; None if identity
+    unsort_idx_R: torch.Tensor | None  # [R] inverse of sort_idx_R
+    tokens_per_expert_L: torch.Tensor  # [L] int64 on device
+    capacity: int | None  # rows per expert in drop-and-pad mode
+    groups: EPGroups
+
+    @property
+    def num_sent(self) -> int:
+        return int(self.token_idx_N.shape[0])
+
+
+def _chunk_sort_index(sizes_SL: torch.Tensor, total: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gather index turning chunks ordered (source s, local expert l) into (l, s) order, and its inverse."""
+    device = sizes_SL.device
+    flat_sl = sizes_SL.reshape(-1)
+    start_sl = (torch.cumsum(flat_sl, 0) - flat_sl).view_as(sizes_SL)
+    sizes_ls = sizes_SL.t().reshape(-1)
+    start_ls = start_sl.t().reshape(-1)
+    dst_start = torch.cumsum(sizes_ls, 0) - sizes_ls
+    pos = torch.arange(total, device=device)
+    src_base = torch.repeat_interleave(start_ls, sizes_ls, output_size=total)
+    dst_base = torch.repeat_interleave(dst_start, sizes_ls, output_size=total)
+    sort_idx = src_base + (pos - dst_base)
+    unsort_idx = torch.empty_like(sort_idx)
+    unsort_idx[sort_idx] = pos
+    return sort_idx, unsort_idx
+
+
+def build_plan(
+    hidden_shape: torch.Size,
+    routing_map_TE: torch.Tensor,
+    probs_TE: torch.Tensor,
+    cfg: MoKConfig,
+    groups: EPGroups,
+) -> DispatchPlan:
+    """Route this rank's tokens: the plan dispatch and combine run on (one collective at most)."""
+    num_tokens, num_experts = routing_map_TE.shape
+    if num_experts != cfg.num_experts:
+        raise ValueError(
+            f"routing map has {num_experts} experts, the MoK layer was built for {cfg.num_experts}"
+        )
+    if probs_TE.shape != routing_map_TE.shape:
+        raise ValueError(
+            f"probs {tuple(probs_TE.shape)} and routing_map {tuple(routing_map_TE.shape)} differ in shape"
+        )
+    device = routing_map_TE.device
+    ep, tp = groups.ep_size, groups.tp_size
+    if ep != cfg.ep_size or tp != cfg.etp_size:
+        raise ValueError(f"groups have EP={ep}, ETP={tp}; the config says EP={cfg.ep_size}, ETP={cfg.etp_size}")
+    ep_rank, tp_rank = groups.ep_rank, groups.tp_rank
+    L = cfg.num_local_experts
+    lo = ep_rank * L
+
+    if cfg.router_pad_multiple:
+        from megatron.core.transformer.moe.moe_utils import pad_routing_map
+
+        routing_map_TE = pad_routing_map(routing_map_TE.clone(), cfg.router_pad_multiple)
+
+    capacity = None
+    sizes_SL = None  # [TP*EP, L] rows per (source, local expert) after the gather, on device
+    if cfg.pad_to_capacity:
+        capacity = cfg.capacity(num_tokens)
+        token_idx, expert_idx = capacity_order(routing_map_TE, capacity)
+        offsets_E = torch.arange(num_experts, device=device) * capacity
+        send = (capacity * L,) * ep
+        recv = (capacity * L,) * ep
+        tp_splits = (capacity * L * ep,) * tp
+        tokens_per_expert = torch.full((L,), capacity * ep * tp, dtype=torch.int64, device=device)
+        if L > 1 and ep * tp > 1:
+            sizes_SL = torch.full((tp * ep, L), capacity, dtype=torch.int64, device=device)
+        num_recv = capacity * L * ep * tp
+    else:
+        counts_E = expert_counts(routing_map_TE)
+        offsets_E = torch.cumsum(counts_E, 0) - counts_E
+        if ep * tp > 1:
+            all_counts = counts_E.new_empty((ep * tp, num_experts))
+            dist.all_gather_into_tensor(all_counts, counts_E, group=groups.tp_ep)
+            all_counts = all_counts.view(ep, tp, num_experts)
+            host = all_counts.cpu()  # the one host sync of this call
+            mine = host[ep_rank, tp_rank]
+            num_sent = int(mine.sum())
+            send = tuple(int(v) for v in mine.view(ep, L).sum(1))
+            local_host = host[:, :, lo : lo + L]  # [EP, TP, L]
+            recv = tuple(int(v) for v in local_host[:, tp_rank].sum(1))
+            tp_splits = tuple(int(v) for v in local_host.sum(dim=(0, 2)))
+            num_recv = int(local_host.sum())
+            local_dev = all_counts[:, :, lo : lo + L]
+            tokens_per_expert = local_dev.sum(dim=(0, 1))
+            if L > 1:
+                # After the ETP all-gather rows are ordered (tp, ep, local expert).
+                sizes_SL = local_dev.transpose(0, 1).reshape(tp * ep, L)
+        else:
+            if cfg.dropless and not cfg.router_pad_multiple:
+                num_sent = num_tokens * cfg.topk  # static: no sync
+            else:
+                num_sent = int(counts_E.sum())  # data-dependent row count: one sync
+            send = recv = (num_sent,)
+            tp_splits = (num_sent,)
+            tokens_per_expert = counts_E
+            num_recv = num_sent
+        token_idx, expert_idx = dropless_order(routing_map_TE, num_sent)
+
+    sort_idx = unsort_idx = None
+    if sizes_SL is not None:
+        sort_idx, unsort_idx = _chunk_sort_index(sizes_SL, num_recv)
+    return DispatchPlan(
+        hidden_shape=hidden_shape,
+        num_tokens=num_tokens,
+        token_idx_N=token_idx,
+        expert_idx_N=expert_idx,
+        slots=slot_map(routing_map_TE, probs_TE, offsets_E, cfg.topk),
+        send_splits=send,
+        recv_splits=recv,
+        tp_splits=tp_splits,
+        sort_idx_R=sort_idx,
+        unsort_idx_R=unsort_idx,
+        tokens_per_expert_L=tokens_per_expert,
+        capacity=capacity,
+        groups=groups,
+    )

@@ -1,0 +1,168 @@
+"""``MoKGroupedMLP``: Megatron's experts interface on stacked weights and grouped GEMMs.
+
+Legend: L local experts, F1 fc1 rows on this rank (2F with a GLU), F FFN width on this rank, H hidden.
+
+Parameters (one tensor per projection, so the grouped GEMM reads them in place):
+    fc1_weight  [L, F1, H]   slice l == expert l's ``linear_fc1.weight`` in Megatron's SequentialMLP
+    fc2_weight  [L, H, F]    slice l == expert l's ``linear_fc2.weight``
+
+``sharded_state_dict`` emits exactly the ShardedTensors of ``SequentialMLP`` / ``TEGroupedMLP`` (same
+keys, global shapes and offsets, including the SwiGLU split), so ``dist_checkpointing`` checkpoints
+move between the three layouts. ``load_state_dict`` also accepts plain (non-distributed) state dicts
+in either Megatron layout (see ``mok_megatron.checkpoint``).
+"""
+
+from __future__ import annotations
+
+import torch
+from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
+from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
+from megatron.core.transformer.mlp import apply_swiglu_sharded_factory
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
+from megatron.core.utils import get_pg_rank, get_pg_size
+
+from mok_megatron.config import MoKConfig, MoKConfigError
+from mok_megatron.functional.experts import expert_mlp
+
+
+def _init_device(config) -> torch.device:
+    if config.use_cpu_initialization or not torch.cuda.is_available():
+        return torch.device("cpu")
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+class MoKGroupedMLP(MegatronModule):
+    """Routed experts: ``forward(x, tokens_per_expert, permuted_probs) -> (out, None)``."""
+
+    def __init__(
+        self,
+        num_local_experts: int,
+        config,
+        pg_collection=None,
+        name: str | None = None,
+        mok_config: MoKConfig | None = None,
+    ):
+        super().__init__(config=config)
+        pg = pg_collection if pg_collection is not None else get_default_pg_collection()
+        self.ep_group, self.tp_group, self.dp_group = pg.ep, pg.expt_tp, pg.expt_dp
+        self.mok_config = mok_config or MoKConfig.from_megatron(
+            config, ep_size=get_pg_size(self.ep_group), etp_size=get_pg_size(self.tp_group)
+        )
+        cfg = self.mok_config
+        if num_local_experts != cfg.num_local_experts:
+            raise MoKConfigError(
+                f"MoKGroupedMLP got num_local_experts={num_local_experts}, but num_moe_experts="
+                f"{cfg.num_experts} over EP={cfg.ep_size} gives {cfg.num_local_experts}."
+            )
+        self.num_local_experts = num_local_experts
+        fc1_rows = cfg.activation.fc1_multiplier() * cfg.local_ffn_size
+        device = _init_device(config)
+        dtype = config.params_dtype
+        self.fc1_weight = torch.nn.Parameter(
+            torch.empty(num_local_experts, fc1_rows, cfg.hidden_size, device=device, dtype=dtype)
+        )
+        self.fc2_weight = torch.nn.Parameter(
+            torch.empty(num_local_experts, cfg.hidden_size, cfg.local_ffn_size, device=device, dtype=dtype)
+        )
+        if config.perform_initialization:
+            self.reset_parameters()
+        for param, tp_dim in ((self.fc1_weight, 1), (self.fc2_weight, 2)):
+            set_tensor_model_parallel_attributes(param, is_parallel=True, dim=tp_dim, stride=1)
+            param.allreduce = False  # reduced over the expert-data-parallel group, not all DP ranks
+
+    def reset_parameters(self) -> None:
+        """Initialise each expert like Megatron does, under the expert-parallel RNG stream."""
+        from megatron.core.tensor_parallel.random import (
+            get_cuda_rng_tracker,
+            get_expert_parallel_rng_tracker_name,
+        )
+
+        tracker = get_cuda_rng_tracker()
+        use_fork = tracker.is_initialized() and get_expert_parallel_rng_tracker_name() in tracker.get_states()
+        ctx = tracker.fork(get_expert_parallel_rng_tracker_name()) if use_fork else torch.random.fork_rng(devices=[])
+        with ctx, torch.no_grad():
+            for e in range(self.num_local_experts):
+                self.config.init_method(self.fc1_weight[e])
+                self.config.output_layer_init_method(self.fc2_weight[e])
+
+    def forward(self, permuted_local_hidden_states, tokens_per_expert, permuted_probs):
+        out = expert_mlp(
+            permuted_local_hidden_states,
+            permuted_probs,
+            tokens_per_expert,
+            self.fc1_weight,
+            self.fc2_weight,
+            self.mok_config.activation,
+            apply_probs_on_input=self.mok_config.apply_probs_on_input,
+        )
+        return out, None
+
+    def backward_dw(self) -> None:
+        """Weight gradients are computed in backward (``delay_wgrad_compute`` is rejected at build)."""
+
+    # ---- checkpoints -------------------------------------------------------------------------
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        from mok_megatron.checkpoint import to_mok_layout
+
+        to_mok_layout(state_dict, prefix, self.num_local_experts)
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None):
+        """ShardedTensors identical to SequentialMLP's (and TEGroupedMLP's), one per expert."""
+        singleton = bool((metadata or {}).get("singleton_local_shards", False))
+        gated = self.mok_config.activation.gated
+        return {
+            f"{prefix}fc1_weight": self._expert_factory(
+                self.fc1_weight, prefix, "linear_fc1.weight", 0, sharded_offsets, singleton, gated
+            ),
+            f"{prefix}fc2_weight": self._expert_factory(
+                self.fc2_weight, prefix, "linear_fc2.weight", 1, sharded_offsets, singleton, False
+            ),
+        }
+
+    def _expert_factory(self, param, prefix, leaf, tp_axis, sharded_offsets, singleton, swiglu):
+        num_global = get_pg_size(self.ep_group) * self.num_local_experts
+        first = get_pg_rank(self.ep_group) * self.num_local_experts
+        tp_rank, tp_size = get_pg_rank(self.tp_group), get_pg_size(self.tp_group)
+        replica_id = (0, 0, get_pg_rank(self.dp_group))
+
+        def expert_tensor(i: int, t_i: torch.Tensor, rid) -> ShardedTensor:
+            g = first + i
+            if singleton:
+                key, offsets = f"{prefix}experts.{g}.{leaf}", tuple(sharded_offsets)
+            else:
+                key = f"{prefix}experts.{leaf}"
+                offsets = (*sharded_offsets, (len(sharded_offsets), g, num_global))
+            return ShardedTensor.from_rank_offsets(
+                key,
+                t_i,
+                *offsets,
+                (tp_axis + len(offsets), tp_rank, tp_size),
+                replica_id=rid,
+                prepend_axis_num=len(offsets),
+            ), offsets
+
+        def build(key, data, rid, flattened_range):
+            if flattened_range is not None:
+                raise ValueError("MoKGroupedMLP checkpoints do not support flattened (DP-sharded) ranges")
+            out = []
+            for i in range(data.shape[0]):
+                sh, offsets = expert_tensor(i, data[i], rid)
+                if swiglu:  # split [gate; up] exactly as Megatron's MLP does
+                    f = apply_swiglu_sharded_factory(sh, offsets, singleton)
+                    out.append(f.build_fn(f.key, data[i], rid, None))
+                else:
+                    out.append([sh])
+            return out
+
+        def merge(loaded):
+            if swiglu:
+                sh, offsets = expert_tensor(0, param.data[0], replica_id)
+                merge_one = apply_swiglu_sharded_factory(sh, offsets, singleton).merge_fn
+            else:
+                merge_one = lambda sub: sub[0]  # noqa: E731
+            return torch.stack([merge_one(sub) for sub in loaded], 0)
+
+        return ShardedTensorFactory(f"{prefix}{leaf}", param, build, merge, replica_id)

@@ -1,0 +1,71 @@
+"""``MoKMoELayer``: Megatron's ``MoELayer`` with MoK's dispatcher.
+
+Everything else is Megatron's own: the router (top-k, score functions, expert bias, group-limited
+routing, aux / seq-aux / global-aux / z losses, capacity dropping), shared experts, latent projections,
+recompute of the whole layer, and the six-phase split that Megatron's schedules drive. The experts come
+from the spec (``MoKGroupedMLP`` in MoK's specs; Megatron's experts work too).
+
+Megatron-Core 0.19 builds its dispatcher with a hard-coded if/elif, so the layer is built as an
+``alltoall`` layer and the dispatcher is then replaced (MoK matches alltoall semantics exactly).
+"""
+
+from __future__ import annotations
+
+import copy
+
+from megatron.core.transformer.moe.moe_layer import MoELayer
+from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
+from megatron.core.utils import get_pg_size
+
+from mok_megatron.config import MoKConfig, MoKConfigError
+from mok_megatron.mcore.dispatcher import MoKTokenDispatcher
+
+
+class MoKMoELayer(MoELayer):
+    def __init__(
+        self,
+        config,
+        submodules=None,
+        layer_number: int | None = None,
+        pg_collection=None,
+        is_mtp_layer: bool = False,
+        name: str | None = None,
+    ):
+        pg = pg_collection if pg_collection is not None else get_default_pg_collection()
+        # Validate everything before Megatron builds anything (and before any collective).
+        mok_config = MoKConfig.from_megatron(
+            config, ep_size=get_pg_size(pg.ep), etp_size=get_pg_size(pg.expt_tp)
+        )
+        if config.transformer_impl == "inference_optimized":
+            raise MoKConfigError(
+                "transformer_impl='inference_optimized' uses Megatron's inference dispatchers; the MoK "
+                "layer is for training. Use Megatron's inference MoE spec for inference."
+            )
+        kind = config.moe_token_dispatcher_type
+        if kind not in ("alltoall", "mok"):
+            raise MoKConfigError(
+                f"moe_token_dispatcher_type={kind!r}: the MoK layer replaces Megatron's alltoall "
+                "dispatcher; set --moe-token-dispatcher-type alltoall (or mok with our Megatron-LM "
+                f"patch), or use Megatron's own layer spec for {kind!r}."
+            )
+        if kind == "mok":  # Megatron-Core only knows how to build the types it hard-codes
+            config = copy.copy(config)
+            config.moe_token_dispatcher_type = "alltoall"
+        super().__init__(
+            config=config,
+            submodules=submodules,
+            layer_number=layer_number,
+            pg_collection=pg,
+            is_mtp_layer=is_mtp_layer,
+            name=name,
+        )
+        self.mok_config = mok_config
+        self.token_dispatcher = MoKTokenDispatcher(
+            self.num_local_experts,
+            self.local_expert_indices,
+            config=self.config,
+            pg_collection=pg,
+            mok_config=mok_config,
+        )
+        if self.use_shared_expert and self.shared_expert_overlap:
+            self.token_dispatcher.set_shared_experts(self.shared_experts)

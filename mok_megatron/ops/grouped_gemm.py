@@ -1,0 +1,120 @@
+"""Grouped expert GEMM (forward, dgrad, wgrad) on ``torch.nn.functional.grouped_mm``.
+
+Legend (shape suffixes):
+    M  rows (tokens routed to this rank's local experts, grouped by expert)
+    K  input features of the GEMM
+    N  output features of the GEMM
+    G  groups (local experts)
+
+Row block ``g`` of ``x_MK`` (rows ``offs_G[g-1]:offs_G[g]``) is multiplied by ``w_GNK[g].T``.
+Weights are stored like ``torch.nn.Linear`` weights, ``[out, in]`` per expert, so a MoK weight slice
+``w_GNK[g]`` is byte-for-byte Megatron's ``linear_fc*.weight`` of expert ``g``.
+
+``grouped_linear`` is the autograd op used by the experts. It takes the device offsets (no host
+sync). ``grouped_linear_reference`` is the plain per-expert loop it must agree with; it is also the
+fallback where torch's kernel cannot run (fp64, strides not 16-byte aligned, pre-Hopper CUDA).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mok_megatron.compat import grouped_mm_fn
+
+_GMM = grouped_mm_fn()
+_KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def kernel_supports(x_MK: torch.Tensor, w_GNK: torch.Tensor) -> bool:
+    """Whether torch's grouped GEMM kernel accepts these operands on this device."""
+    if x_MK.dtype not in _KERNEL_DTYPES or w_GNK.dtype != x_MK.dtype:
+        return False
+    if x_MK.device.type == "cuda":
+        major, _ = torch.cuda.get_device_capability(x_MK.device)
+        if major < 8:
+            return False
+    elif x_MK.device.type != "cpu":
+        return False
+    # Every row stride must be a multiple of 16 bytes (K and N in elements * itemsize).
+    item = x_MK.element_size()
+    _, n, k = w_GNK.shape
+    return (k * item) % 16 == 0 and (n * item) % 16 == 0
+
+
+def offsets_from_counts(tokens_per_expert_G: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Inclusive cumulative row offsets ``[G]`` (int32, on ``device``) as the kernel wants them."""
+    return torch.cumsum(tokens_per_expert_G.to(device=device, dtype=torch.int64), 0).to(torch.int32)
+
+
+def _fwd(x_MK, w_GNK, offs_G):
+    return _GMM(x_MK, w_GNK.transpose(-2, -1), offs=offs_G)
+
+
+def _dgrad(dy_MN, w_GNK, offs_G):
+    return _GMM(dy_MN, w_GNK, offs=offs_G)
+
+
+def _wgrad(dy_MN, x_MK, offs_G):
+    # [N, M] x [M, K] -> [G, N, K]; dy_MN.t() is a view with unit row stride, which the kernel takes.
+    return _GMM(dy_MN.t(), x_MK, offs=offs_G)
+
+
+class _GroupedLinear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x_MK, w_GNK, offs_G):
+        ctx.save_for_backward(x_MK, w_GNK, offs_G)
+        if x_MK.shape[0] == 0:
+            return x_MK.new_zeros((0, w_GNK.shape[1]))
+        return _fwd(x_MK, w_GNK, offs_G)
+
+    @staticmethod
+    def backward(ctx, dy_MN):
+        x_MK, w_GNK, offs_G = ctx.saved_tensors
+        if x_MK.shape[0] == 0:
+            return x_MK.new_zeros(x_MK.shape), torch.zeros_like(w_GNK), None
+        dy_MN = dy_MN.contiguous()
+        dx_MK = _dgrad(dy_MN, w_GNK, offs_G) if ctx.needs_input_grad[0] else None
+        dw_GNK = None
+        if ctx.needs_input_grad[1]:
+            dw_GNK = _wgrad(dy_MN, x_MK, offs_G)
+            # Experts that received no rows get an exact zero, whatever the kernel leaves there.
+            counts_G = torch.diff(offs_G, prepend=offs_G.new_zeros(1))
+            dw_GNK = dw_GNK * (counts_G > 0).to(dw_GNK.dtype).view(-1, 1, 1)
+        return dx_MK, dw_GNK, None
+
+
+def grouped_linear(x_MK: torch.Tensor, w_GNK: torch.Tensor, offs_G: torch.Tensor) -> torch.Tensor:
+    """``y_MN[rows of g] = x_MK[rows of g] @ w_GNK[g].T`` with autograd; no host synchronisation.
+
+    Inputs:  x_MK  [M, K] (fp32/bf16/fp16), w_GNK [G, N, K] same dtype, offs_G [G] int32 inclusive
+             row offsets on x's device with offs_G[-1] == M.
+    Outputs: y_MN  [M, N], x's dtype.
+    Falls back to ``grouped_linear_reference`` (one host read of the offsets) where the kernel cannot
+    run.
+    """
+    if x_MK.dim() != 2 or w_GNK.dim() != 3 or x_MK.shape[1] != w_GNK.shape[2]:
+        raise ValueError(
+            f"grouped_linear: x {tuple(x_MK.shape)} and w {tuple(w_GNK.shape)} do not fit; "
+            "expected x [M, K] and w [G, N, K]."
+        )
+    if offs_G.shape != (w_GNK.shape[0],):
+        raise ValueError(
+            f"grouped_linear: offs has shape {tuple(offs_G.shape)}, expected ({w_GNK.shape[0]},) "
+            "(one inclusive offset per expert)."
+        )
+    if not kernel_supports(x_MK, w_GNK):
+        counts = torch.diff(offs_G.long(), prepend=offs_G.new_zeros(1, dtype=torch.long))
+        return grouped_linear_reference(x_MK, w_GNK, counts.tolist())
+    return _GroupedLinear.apply(x_MK.contiguous(), w_GNK, offs_G.to(torch.int32))
+
+
+def grouped_linear_reference(x_MK: torch.Tensor, w_GNK: torch.Tensor, counts: list[int]) -> torch.Tensor:
+    """Pure-torch reference: one ``x_g @ w_g.T`` per group, concatenated (autograd through torch)."""
+    if sum(counts) != x_MK.shape[0]:
+        raise ValueError(f"grouped_linear_reference: counts sum to {sum(counts)}, x has {x_MK.shape[0]} rows")
+    outs = []
+    for g, x_g in enumerate(torch.split(x_MK, counts)):
+        outs.append(x_g @ w_GNK[g].t())
+    if not outs:
+        return x_MK.new_zeros((0, w_GNK.shape[1]))
+    return torch.cat(outs, 0)

@@ -1,0 +1,87 @@
+"""Permute tokens into the expert-major layout and combine expert outputs back, deterministically.
+
+Legend:
+    T  local tokens          N  permuted rows          H  hidden size
+    K  slots per token (router top-k)
+
+``permute_tokens``: ``x_NH[r] = x_TH[token_idx_N[r]]``. Its gradient is the per-token sum of the row
+gradients, computed through the slot map as a gather (no atomics, same order every run).
+
+``combine_tokens``: ``out_TH[t] = sum_k y_NH[row_TK[t, k]]`` over valid slots, summed in fp32 and in
+ascending expert order. Its gradient copies each token's gradient to its rows (each row belongs to at
+most one slot, so this is a plain indexed copy).
+
+``permute_tokens_reference`` / ``combine_tokens_reference`` are the index_select / index_add versions
+(Megatron's unfused path) that the tests hold these against.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mok_megatron.ops.routing import SlotMap
+
+
+def _gather_sum(src_NH: torch.Tensor, slots: SlotMap, out_dtype: torch.dtype) -> torch.Tensor:
+    num_tokens, k = slots.row_TK.shape
+    hidden = src_NH.shape[-1]
+    if src_NH.shape[0] == 0 or k == 0:
+        return src_NH.new_zeros((num_tokens, hidden), dtype=out_dtype)
+    picked_TKH = src_NH.index_select(0, slots.row_TK.reshape(-1)).view(num_tokens, k, hidden)
+    acc = torch.float32 if src_NH.dtype in (torch.bfloat16, torch.float16) else src_NH.dtype
+    picked_TKH = torch.where(slots.valid_TK.unsqueeze(-1), picked_TKH.to(acc), 0)
+    return picked_TKH.sum(dim=1).to(out_dtype)
+
+
+def _scatter_copy(src_TH: torch.Tensor, slots: SlotMap, num_rows: int) -> torch.Tensor:
+    num_tokens, k = slots.row_TK.shape
+    out_NH = src_TH.new_zeros((num_rows, src_TH.shape[-1]))
+    if num_rows == 0 or k == 0:
+        return out_NH
+    rows = slots.row_TK[slots.valid_TK]
+    tokens = torch.arange(num_tokens, device=src_TH.device).view(-1, 1).expand(-1, k)[slots.valid_TK]
+    out_NH.index_copy_(0, rows, src_TH.index_select(0, tokens))
+    return out_NH
+
+
+class _Permute(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x_TH, token_idx_N, row_TK, valid_TK):
+        ctx.slots = SlotMap(row_TK, valid_TK)
+        ctx.num_tokens = x_TH.shape[0]
+        return x_TH.index_select(0, token_idx_N)
+
+    @staticmethod
+    def backward(ctx, dx_NH):
+        return _gather_sum(dx_NH.contiguous(), ctx.slots, dx_NH.dtype), None, None, None
+
+
+class _Combine(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, y_NH, row_TK, valid_TK):
+        ctx.slots = SlotMap(row_TK, valid_TK)
+        ctx.num_rows = y_NH.shape[0]
+        return _gather_sum(y_NH, ctx.slots, y_NH.dtype)
+
+    @staticmethod
+    def backward(ctx, dout_TH):
+        return _scatter_copy(dout_TH.contiguous(), ctx.slots, ctx.num_rows), None, None
+
+
+def permute_tokens(x_TH: torch.Tensor, token_idx_N: torch.Tensor, slots: SlotMap) -> torch.Tensor:
+    """Inputs: x_TH [T, H]; token_idx_N [N] int64; slots (row_TK, valid_TK). Output: x_NH [N, H]."""
+    return _Permute.apply(x_TH, token_idx_N, slots.row_TK, slots.valid_TK)
+
+
+def combine_tokens(y_NH: torch.Tensor, slots: SlotMap) -> torch.Tensor:
+    """Inputs: y_NH [N, H] (already scaled by the router probabilities); slots. Output: [T, H]."""
+    return _Combine.apply(y_NH, slots.row_TK, slots.valid_TK)
+
+
+def permute_tokens_reference(x_TH: torch.Tensor, token_idx_N: torch.Tensor) -> torch.Tensor:
+    return x_TH.index_select(0, token_idx_N)
+
+
+def combine_tokens_reference(y_NH: torch.Tensor, token_idx_N: torch.Tensor, num_tokens: int) -> torch.Tensor:
+    out = torch.zeros((num_tokens, y_NH.shape[-1]), dtype=y_NH.dtype, device=y_NH.device)
+    return out.index_add(0, token_idx_N, y_NH)

@@ -1,0 +1,132 @@
+"""Layer specs that put the MoK MoE layer into Megatron-Core models.
+
+Functions (Megatron-Core users)::
+
+    from mok_megatron.spec import get_gpt_layer_with_mok_spec, get_gpt_decoder_block_spec_with_mok
+    layer_spec = get_gpt_layer_with_mok_spec(use_te=False)          # every layer an MoK MoE layer
+    block_spec = get_gpt_decoder_block_spec_with_mok(config, use_transformer_engine=True)
+    # honours moe_layer_freq (dense and MoE layers mixed); MTP specs built from it are MoK too
+    GPTModel(config, transformer_layer_spec=block_spec, ...)
+
+Module-level specs for Megatron-LM's ``--spec mok_megatron.spec <name>`` (every layer MoE):
+
+    gpt_layer_local                 Megatron-Core modules (no TE), MoK MoE
+    gpt_layer_local_qk_layernorm    same with QK layernorm
+    gpt_layer_te                    Transformer Engine attention/norms (needs TE), MoK MoE
+    gpt_layer_te_qk_layernorm       same with QK layernorm (Qwen3)
+    gpt_layer_te_mla                TE with multi-latent attention (DeepSeek-V3)
+
+``mokify(spec)`` turns any Megatron layer or block spec into its MoK twin: each MoE ``mlp`` builder
+keeps its router and shared-expert builders and gets ``MoKMoELayer`` + ``MoKGroupedMLP``.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from functools import partial
+
+from megatron.core.transformer.moe.moe_layer import MoELayer, MoESubmodules
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+
+from mok_megatron.compat import have_te
+from mok_megatron.config import MoKConfigError
+from mok_megatron.mcore.experts import MoKGroupedMLP
+from mok_megatron.mcore.layer import MoKMoELayer
+
+
+def _require_te(what: str) -> None:
+    if not have_te():
+        raise MoKConfigError(
+            f"{what} needs Transformer Engine, which is not installed here. Install the 'te' extra "
+            "(pip install 'mok-megatron[te]'), or use the non-TE spec (use_te=False / gpt_layer_local)."
+        )
+
+
+def _mok_mlp(mlp):
+    """The MoK version of a Megatron MoE ``mlp`` builder (a partial of MoELayer or a ModuleSpec)."""
+    if isinstance(mlp, partial) and isinstance(mlp.func, type) and issubclass(mlp.func, MoELayer):
+        sub = mlp.keywords.get("submodules")
+        new_sub = dataclasses.replace(sub, experts=MoKGroupedMLP) if sub is not None else MoESubmodules(experts=MoKGroupedMLP)
+        kwargs = dict(mlp.keywords, submodules=new_sub)
+        return partial(MoKMoELayer, *mlp.args, **kwargs)
+    if isinstance(mlp, ModuleSpec) and isinstance(mlp.module, type) and issubclass(mlp.module, MoELayer):
+        new = copy.copy(mlp)
+        new.module = MoKMoELayer
+        if isinstance(mlp.submodules, MoESubmodules):
+            new.submodules = dataclasses.replace(mlp.submodules, experts=MoKGroupedMLP)
+        return new
+    return mlp
+
+
+def mokify(spec):
+    """Return a copy of a Megatron layer spec / block spec whose MoE layers are MoK layers."""
+    if isinstance(spec, TransformerBlockSubmodules):
+        return dataclasses.replace(spec, layer_specs=[mokify(s) for s in spec.layer_specs])
+    if isinstance(spec, ModuleSpec) and spec.submodules is not None and hasattr(spec.submodules, "mlp"):
+        new = copy.copy(spec)
+        new.submodules = dataclasses.replace(spec.submodules, mlp=_mok_mlp(spec.submodules.mlp))
+        return new
+    return spec
+
+
+def get_gpt_layer_with_mok_spec(
+    use_te: bool = False,
+    qk_layernorm: bool = False,
+    multi_latent_attention: bool = False,
+    normalization: str | None = None,
+    **kwargs,
+) -> ModuleSpec:
+    """A GPT transformer layer whose MLP is the MoK MoE layer (TE or Megatron-Core modules).
+
+    Extra keyword arguments go to Megatron's ``get_gpt_layer_with_transformer_engine_spec`` /
+    ``get_gpt_layer_local_spec``.
+    """
+    from megatron.core.models.gpt import gpt_layer_specs as g
+
+    if use_te:
+        _require_te("get_gpt_layer_with_mok_spec(use_te=True)")
+        base = g.get_gpt_layer_with_transformer_engine_spec(
+            num_experts=1, moe_grouped_gemm=True, qk_layernorm=qk_layernorm,
+            multi_latent_attention=multi_latent_attention, **kwargs,
+        )
+    else:
+        base = g.get_gpt_layer_local_spec(
+            num_experts=1, qk_layernorm=qk_layernorm, multi_latent_attention=multi_latent_attention,
+            normalization=normalization, **kwargs,
+        )
+    return mokify(base)
+
+
+def get_gpt_decoder_block_spec_with_mok(config, use_transformer_engine: bool, **kwargs) -> TransformerBlockSubmodules:
+    """Megatron's GPT decoder block spec (dense/MoE pattern from ``moe_layer_freq``) with MoK MoE layers."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+
+    if use_transformer_engine:
+        _require_te("get_gpt_decoder_block_spec_with_mok(use_transformer_engine=True)")
+    return mokify(get_gpt_decoder_block_spec(config, use_transformer_engine, **kwargs))
+
+
+# ---- module-level specs for `--spec mok_megatron.spec <name>` ------------------------------------
+
+_LAZY = {
+    "gpt_layer_local": lambda: get_gpt_layer_with_mok_spec(use_te=False),
+    "gpt_layer_local_qk_layernorm": lambda: get_gpt_layer_with_mok_spec(use_te=False, qk_layernorm=True),
+    "gpt_layer_te": lambda: get_gpt_layer_with_mok_spec(use_te=True),
+    "gpt_layer_te_qk_layernorm": lambda: get_gpt_layer_with_mok_spec(use_te=True, qk_layernorm=True),
+    "gpt_layer_te_mla": lambda: get_gpt_layer_with_mok_spec(use_te=True, multi_latent_attention=True, qk_layernorm=True),
+}
+
+
+def __getattr__(name: str):
+    # Built on first access, so importing this module never needs TE.
+    if name in _LAZY:
+        spec = _LAZY[name]()
+        globals()[name] = spec
+        return spec
+    raise AttributeError(f"module 'mok_megatron.spec' has no attribute {name!r}; specs: {sorted(_LAZY)}")
+
+
+def __dir__():
+    return sorted(list(globals()) + list(_LAZY))
