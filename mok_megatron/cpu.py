@@ -9,8 +9,9 @@ Megatron-Core 0.19 assumes CUDA in a handful of places that have nothing to do w
    On CPU every op is synchronous, so stream and event objects become inert stand-ins.
 2. ``torch.cuda.current_device()``: used as ``device=`` for new tensors (router buffers,
    ``_AllToAll`` outputs, linear weights). It returns ``"cpu"``.
-3. Split sizes given to ``all_to_all_single`` as tensors: NCCL accepts them, gloo only takes lists
-   of ints. The wrapper converts them (a host read, which on CPU costs nothing).
+3. Collectives gloo rejects: split sizes given to ``all_to_all_single`` as tensors (gloo takes only
+   lists of ints; converted here), and ``all_gather`` / ``reduce_scatter`` with pieces of unequal
+   size (Megatron's expert-TP gather/scatter; gloo needs equal pieces, so they are padded).
 4. The CUDA RNG: ``model_parallel_cuda_manual_seed`` and Megatron's RNG tracker save, fork and
    restore CUDA generator states. In CPU mode they use the CPU generator instead, so tracked
    forks (expert-parallel init, dropout) keep their meaning.
@@ -112,6 +113,42 @@ def _make_all_to_all_single(orig):
     return all_to_all_single
 
 
+def _pad0(t: torch.Tensor, rows: int) -> torch.Tensor:
+    if t.shape[0] == rows:
+        return t
+    return torch.cat([t, t.new_zeros((rows - t.shape[0],) + tuple(t.shape[1:]))], 0)
+
+
+def _make_all_gather(orig):
+    def all_gather(tensor_list, tensor, group=None, async_op=False):
+        shapes = {tuple(t.shape) for t in tensor_list}
+        if len(shapes) == 1 or async_op:
+            return orig(tensor_list, tensor, group=group, async_op=async_op)
+        # gloo only gathers equal shapes: pad every piece to the largest along dim 0.
+        width = max(t.shape[0] for t in tensor_list)
+        padded = [torch.empty((width,) + tuple(t.shape[1:]), dtype=t.dtype) for t in tensor_list]
+        orig(padded, _pad0(tensor, width).contiguous(), group=group)
+        for dst, src in zip(tensor_list, padded):
+            dst.copy_(src[: dst.shape[0]])
+
+    all_gather.__wrapped__ = orig
+    return all_gather
+
+
+def _make_reduce_scatter(orig):
+    def reduce_scatter(output, input_list, op=dist.ReduceOp.SUM, group=None, async_op=False):
+        shapes = {tuple(t.shape) for t in input_list}
+        if len(shapes) == 1 or async_op:
+            return orig(output, input_list, op=op, group=group, async_op=async_op)
+        width = max(t.shape[0] for t in input_list)
+        out = torch.empty((width,) + tuple(output.shape[1:]), dtype=output.dtype)
+        orig(out, [_pad0(t, width).contiguous() for t in input_list], op=op, group=group)
+        output.copy_(out[: output.shape[0]])
+
+    reduce_scatter.__wrapped__ = orig
+    return reduce_scatter
+
+
 def _cpu_get_rng_state(device="cuda", clone=False, graph_safe=False):
     return torch.get_rng_state()
 
@@ -167,6 +204,8 @@ def enable(force: bool = False) -> None:
         _replace(mrandom, "_get_cuda_rng_state", _cpu_get_rng_state)
         _replace(mrandom, "_set_cuda_rng_state", _cpu_set_rng_state)
         _replace(dist, "all_to_all_single", _make_all_to_all_single(dist.all_to_all_single))
+        _replace(dist, "all_gather", _make_all_gather(dist.all_gather))
+        _replace(dist, "reduce_scatter", _make_reduce_scatter(dist.reduce_scatter))
         logging.getLogger(mrandom.__name__).addFilter(_RNG_FILTER)
 
 

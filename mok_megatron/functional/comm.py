@@ -45,26 +45,32 @@ def all_to_all_v(x_SH: torch.Tensor, out_splits: Sequence[int], in_splits: Seque
     return _AllToAllV.apply(x_SH, tuple(out_splits), tuple(in_splits), group)
 
 
+def _pad_rows(x: torch.Tensor, rows: int) -> torch.Tensor:
+    if x.shape[0] == rows:
+        return x
+    return torch.cat([x, x.new_zeros((rows - x.shape[0],) + tuple(x.shape[1:]))], 0)
+
+
 def _all_gather_v(x: torch.Tensor, splits: Sequence[int], group) -> torch.Tensor:
+    # Uneven sizes are padded to the largest: gloo's allgather only takes equal sizes.
     x = x.contiguous()
+    width = max(splits)
+    out = x.new_empty((width * len(splits),) + tuple(x.shape[1:]))
+    dist.all_gather_into_tensor(out, _pad_rows(x, width), group=group)
     if len(set(splits)) == 1:
-        out = x.new_empty((sum(splits),) + tuple(x.shape[1:]))
-        dist.all_gather_into_tensor(out, x, group=group)
         return out
-    parts = [x.new_empty((n,) + tuple(x.shape[1:])) for n in splits]
-    dist.all_gather(parts, x, group=group)
-    return torch.cat(parts, 0)
+    return torch.cat([out[r * width : r * width + n] for r, n in enumerate(splits)], 0)
 
 
 def _reduce_scatter_v(x: torch.Tensor, splits: Sequence[int], group) -> torch.Tensor:
     x = x.contiguous()
     rank = dist.get_rank(group)
-    out = x.new_empty((splits[rank],) + tuple(x.shape[1:]))
-    if len(set(splits)) == 1:
-        dist.reduce_scatter_tensor(out, x, group=group)
-    else:
-        dist.reduce_scatter(out, list(torch.split(x, list(splits), 0)), group=group)
-    return out
+    width = max(splits)
+    if len(set(splits)) != 1:
+        x = torch.cat([_pad_rows(c, width) for c in torch.split(x, list(splits), 0)], 0)
+    out = x.new_empty((width,) + tuple(x.shape[1:]))
+    dist.reduce_scatter_tensor(out, x, group=group)
+    return out[: splits[rank]]
 
 
 class _AllGatherV(torch.autograd.Function):

@@ -142,7 +142,7 @@ def build_plan(
         counts_E = expert_counts(routing_map_TE)
         offsets_E = torch.cumsum(counts_E, 0) - counts_E
         if ep * tp > 1:
-            all_counts = counts_E.new_empty((ep * tp, num_experts))
+            all_counts = counts_E.new_empty((ep * tp * num_experts,))
             dist.all_gather_into_tensor(all_counts, counts_E, group=groups.tp_ep)
             all_counts = all_counts.view(ep, tp, num_experts)
             host = all_counts.cpu()  # the one host sync of this call

@@ -1,0 +1,217 @@
+"""Case functions that run on every worker rank (see tests/pool.py), and their shared builders.
+
+Each case builds Megatron-Core's own ``MoELayer`` (alltoall dispatcher, ``SequentialMLP`` experts) as the
+reference and the MoK layer, copies the reference weights into MoK (through ``load_state_dict``, which
+converts the expert layout), runs forward and backward on the same per-rank input and upstream
+gradient, and returns the largest differences.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+_PARALLEL = {"key": None}
+
+
+def setup_parallel(tp: int = 1, ep: int = 1, etp: int | None = None, pp: int = 1) -> None:
+    """(Re)initialise Megatron's parallel state for this layout, reusing it when unchanged."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    key = (tp, ep, etp, pp)
+    if _PARALLEL["key"] != key:
+        if ps.model_parallel_is_initialized():
+            _destroy_groups(ps)
+        ps.initialize_model_parallel(
+            tensor_model_parallel_size=tp,
+            pipeline_model_parallel_size=pp,
+            expert_model_parallel_size=ep,
+            expert_tensor_parallel_size=etp,
+        )
+        _PARALLEL["key"] = key
+    model_parallel_cuda_manual_seed(1234)
+
+
+def _destroy_groups(ps) -> None:
+    """destroy_model_parallel forgets Megatron's groups without freeing them; free them too (each
+    gloo group holds threads and sockets, and layouts change many times in one worker)."""
+    import torch.distributed as dist
+
+    world = dist.group.WORLD
+    seen = set()
+    for value in list(vars(ps).values()):
+        groups = value if isinstance(value, (list, tuple)) else [value]
+        for g in groups:
+            if isinstance(g, dist.ProcessGroup) and g is not world and id(g) not in seen:
+                seen.add(id(g))
+                try:
+                    dist.destroy_process_group(g)
+                except Exception:
+                    pass
+    ps.destroy_model_parallel()
+
+
+MODES = {
+    # name: config overrides
+    "dropless": {},
+    "drop_probs": dict(moe_expert_capacity_factor=0.75, moe_token_drop_policy="probs"),
+    "drop_position": dict(moe_expert_capacity_factor=0.75, moe_token_drop_policy="position"),
+    "pad_probs": dict(moe_expert_capacity_factor=0.75, moe_token_drop_policy="probs", moe_pad_expert_input_to_capacity=True),
+    "pad_position": dict(moe_expert_capacity_factor=0.75, moe_token_drop_policy="position", moe_pad_expert_input_to_capacity=True),
+    "rpad16": {},  # router padding for quantization, alignment 16 (fp8 tensorwise)
+    "rpad32": {},  # alignment 32 (mxfp8)
+}
+
+ACTIVATIONS = {
+    "swiglu": dict(gated_linear_unit=True, activation_func=F.silu),
+    "geglu": dict(gated_linear_unit=True, activation_func=F.gelu),
+    "gelu": dict(gated_linear_unit=False, activation_func=F.gelu),
+    "relu": dict(gated_linear_unit=False, activation_func=F.relu),
+    "squared_relu": dict(gated_linear_unit=False, activation_func="squared_relu"),
+    "quick_geglu_clamp": dict(gated_linear_unit=True, activation_func="quick_gelu", activation_func_clamp_value=0.5, glu_linear_offset=1.0),
+}
+
+
+def make_config(tp=1, ep=1, etp=1, topk=2, score="softmax", shared=False, shared_overlap=False,
+                mode="dropless", act="swiglu", num_experts=8, hidden=16, ffn=8, **extra):
+    from megatron.core.activations import squared_relu
+    from megatron.core.fusions.fused_bias_geglu import quick_gelu
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    act_kw = dict(ACTIVATIONS[act])
+    act_kw["activation_func"] = {"squared_relu": squared_relu, "quick_gelu": quick_gelu}.get(
+        act_kw["activation_func"], act_kw["activation_func"]
+    )
+    kw = dict(
+        num_layers=1,
+        hidden_size=hidden,
+        num_attention_heads=4,
+        num_moe_experts=num_experts,
+        moe_ffn_hidden_size=ffn,
+        moe_router_topk=topk,
+        moe_router_score_function=score,
+        moe_router_pre_softmax=(topk == 1 and score == "softmax"),
+        moe_token_dispatcher_type="alltoall",
+        moe_router_load_balancing_type="aux_loss",
+        moe_aux_loss_coeff=1e-2,
+        tensor_model_parallel_size=tp,
+        expert_model_parallel_size=ep,
+        expert_tensor_parallel_size=etp,
+        sequence_parallel=tp > 1,
+        use_cpu_initialization=True,
+        init_method_std=0.3,  # outputs of order one, so differences are meaningful
+        add_bias_linear=False,
+        params_dtype=torch.float32,
+        **act_kw,
+    )
+    if shared:
+        kw.update(moe_shared_expert_intermediate_size=16, moe_shared_expert_overlap=shared_overlap)
+    kw.update(MODES[mode])
+    kw.update(extra)
+    cfg = TransformerConfig(**kw)
+    if mode in ("rpad16", "rpad32"):
+        # TransformerConfig only accepts router padding with FP8, and FP8 needs Transformer Engine.
+        # Without TE, set it after validation: both layers then pad the routing map to the FP8
+        # alignment (Megatron's SequentialMLP also pads per-expert rows; the math stays in fp32).
+        cfg.moe_router_padding_for_quantization = True
+        cfg.fp8 = "e4m3"
+        from megatron.core.enums import Fp8Recipe
+
+        cfg.fp8_recipe = Fp8Recipe.tensorwise if mode == "rpad16" else Fp8Recipe.mxfp8
+    return cfg
+
+
+def build_layers(cfg, layer_number: int = 1):
+    """(reference Megatron MoELayer, MoK layer) with identical weights."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_submodules
+
+    from mok_megatron.spec import get_gpt_layer_with_mok_spec
+
+    ref = get_gpt_layer_local_submodules(num_experts=cfg.num_moe_experts).mlp(config=cfg)
+    mok = get_gpt_layer_with_mok_spec(use_te=False).submodules.mlp(config=cfg)
+    for m in (ref, mok):
+        m.set_layer_number(layer_number)
+        m.train()
+    missing = mok.load_state_dict(ref.state_dict(), strict=True)
+    assert not missing.missing_keys and not missing.unexpected_keys
+    return ref, mok
+
+
+def _aux_losses():
+    from megatron.core.transformer.moe.moe_utils import get_moe_metrics_tracker
+
+    tracker = get_moe_metrics_tracker()
+    vals = {}
+    for name, entry in getattr(tracker, "metrics", {}).items():
+        v = entry.values if hasattr(entry, "values") else entry
+        if torch.is_tensor(v) and bool((v != 0).any()):
+            vals[name] = v.detach().clone()
+    tracker.clear() if hasattr(tracker, "clear") else None
+    return vals
+
+
+def run_layer(layer, x, dout):
+    x = x.clone().requires_grad_(True)
+    _aux_losses()
+    out, bias = layer(x)
+    assert bias is None
+    aux = _aux_losses()
+    out.backward(dout)
+    grads = {n: p.grad.detach().clone() for n, p in layer.named_parameters() if p.grad is not None}
+    return out.detach(), x.grad.detach(), grads, aux
+
+
+def _maxdiff(a, b) -> float:
+    return float((a - b).abs().max()) if a.numel() else 0.0
+
+
+def compare(ref_res, mok_res) -> dict:
+    """Largest absolute differences (and the scale of the reference) between two run_layer results."""
+    from mok_megatron.checkpoint import convert_state_dict
+
+    (o1, gx1, g1, a1), (o2, gx2, g2, a2) = ref_res, mok_res
+    g1 = convert_state_dict(g1, "mok")
+    assert set(g1) == set(g2), f"parameter sets differ: {sorted(set(g1) ^ set(g2))}"
+    out = {
+        "out": _maxdiff(o1, o2),
+        "out_scale": float(o1.abs().max()) if o1.numel() else 0.0,
+        "dx": _maxdiff(gx1, gx2),
+        "dx_scale": float(gx1.abs().max()) if gx1.numel() else 0.0,
+    }
+    for k in g1:
+        out[f"grad:{k}"] = _maxdiff(g1[k], g2[k])
+    assert set(a1) == set(a2), f"aux losses differ: {sorted(a1)} vs {sorted(a2)}"
+    for k in a1:
+        out[f"aux:{k}"] = _maxdiff(a1[k], a2[k])
+    out["aux_names"] = sorted(a1)
+    return out
+
+
+def parity_case(rank, world, *, tp=1, ep=1, etp=1, seq=16, batch=2, seed=0, steps=1, router_bias=None, **cfg_kw):
+    """Reference vs MoK on this rank's input; ``steps`` forward/backward passes (router state such as
+    the expert-bias token counts and the global-aux-loss window carries over between them).
+
+    ``router_bias``: {expert: value} written into the router's expert bias to force routing (needs
+    moe_router_enable_expert_bias)."""
+    setup_parallel(tp=tp, ep=ep, etp=etp)
+    cfg = make_config(tp=tp, ep=ep, etp=etp, **cfg_kw)
+    torch.manual_seed(seed)
+    ref, mok = build_layers(cfg)
+    if router_bias:
+        for layer in (ref, mok):
+            with torch.no_grad():
+                for e, v in router_bias.items():
+                    layer.router.expert_bias[e] = v
+    seen_counts = []  # rows each local MoK expert received, per forward
+    mok.experts.register_forward_pre_hook(lambda m, args: seen_counts.append([int(v) for v in args[1].tolist()]))
+    g = torch.Generator().manual_seed(1000 * seed + rank)
+    results = []
+    for _ in range(steps):
+        x = torch.randn(seq // tp, batch, cfg.hidden_size, generator=g)
+        dout = torch.randn(seq // tp, batch, cfg.hidden_size, generator=g)
+        results.append(compare(run_layer(ref, x, dout), run_layer(mok, x, dout)))
+    worst = {k: max(r[k] for r in results) for k in results[0] if k != "aux_names"}
+    worst["aux_names"] = results[0]["aux_names"]
+    worst["tokens_per_expert"] = seen_counts[-1]
+    return worst

@@ -1,0 +1,42 @@
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from tests.pool import WorkerPool  # noqa: E402
+
+WORLD = 4
+
+
+class _PoolHandle:
+    """One worker pool for the whole session; restarted after a failed case."""
+
+    def __init__(self):
+        self._pool: WorkerPool | None = None
+
+    def run(self, target: str, timeout: float = 180.0, **kwargs):
+        if self._pool is None or not self._pool.alive:
+            self._pool = WorkerPool(WORLD)
+        return self._pool.run(target, timeout=timeout, **kwargs)
+
+    def close(self):
+        if self._pool is not None:
+            self._pool.close()
+
+
+@pytest.fixture(scope="session")
+def pool():
+    handle = _PoolHandle()
+    yield handle
+    handle.close()
+
+
+def pytest_collection_modifyitems(config, items):
+    if os.environ.get("MOK_SLOW") == "1":
+        return
+    skip = pytest.mark.skip(reason="slow test: set MOK_SLOW=1 to run")
+    for item in items:
+        if "slow" in item.keywords:
+            item.add_marker(skip)
