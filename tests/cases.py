@@ -215,3 +215,38 @@ def parity_case(rank, world, *, tp=1, ep=1, etp=1, seq=16, batch=2, seed=0, step
     worst["aux_names"] = results[0]["aux_names"]
     worst["tokens_per_expert"] = seen_counts[-1]
     return worst
+
+
+def build_error_case(rank, world, *, ep=4, **cfg_kw):
+    """Build a MoK layer from a bad config on every rank; return the error text (or None)."""
+    from mok_megatron.config import MoKConfigError
+
+    setup_parallel(ep=ep)
+    cfg = make_config(ep=1, **cfg_kw)  # the config may disagree with the live EP group on purpose
+    try:
+        build_mok_only(cfg)
+    except MoKConfigError as e:
+        return str(e)
+    return None
+
+
+def build_mok_only(cfg):
+    from mok_megatron.spec import get_gpt_layer_with_mok_spec
+
+    return get_gpt_layer_with_mok_spec(use_te=False).submodules.mlp(config=cfg)
+
+
+def forward_error_case(rank, world, *, ep=2, **cfg_kw):
+    """Build a valid layer whose forward must fail on every rank before any collective."""
+    from mok_megatron.config import MoKConfigError
+
+    setup_parallel(ep=ep)
+    cfg = make_config(ep=ep, **cfg_kw)
+    torch.manual_seed(0)
+    layer = build_mok_only(cfg)
+    layer.set_layer_number(1)
+    try:
+        layer(torch.randn(16, 2, cfg.hidden_size))
+    except (MoKConfigError, ValueError) as e:
+        return str(e)
+    return None

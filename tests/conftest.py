@@ -40,3 +40,35 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "slow" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="module")
+def single_rank():
+    """This process as a one-rank gloo world with Megatron's parallel state (CPU mode without CUDA)."""
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+
+    from tests.pool import free_port
+
+    own = not dist.is_initialized()
+    if own:
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+        dist.init_process_group("gloo", rank=0, world_size=1, timeout=timedelta(seconds=60))
+    import mok_megatron.cpu
+
+    if not torch.cuda.is_available():
+        mok_megatron.cpu.enable()
+    from tests.cases import setup_parallel
+
+    setup_parallel()
+    yield
+    if own:
+        from megatron.core import parallel_state as ps
+
+        ps.destroy_model_parallel()
+        dist.destroy_process_group()
+        from tests import cases
+
+        cases._PARALLEL["key"] = None
