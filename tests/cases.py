@@ -14,7 +14,7 @@ import torch.nn.functional as F
 _PARALLEL = {"key": None}
 
 
-def setup_parallel(tp: int = 1, ep: int = 1, etp: int | None = None, pp: int = 1) -> None:
+def setup_parallel(tp: int = 1, ep: int = 1, etp: int | None = None, pp: int = 1, seed: int = 1234) -> None:
     """(Re)initialise Megatron's parallel state for this layout, reusing it when unchanged."""
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
@@ -30,7 +30,7 @@ def setup_parallel(tp: int = 1, ep: int = 1, etp: int | None = None, pp: int = 1
             expert_tensor_parallel_size=etp,
         )
         _PARALLEL["key"] = key
-    model_parallel_cuda_manual_seed(1234)
+    model_parallel_cuda_manual_seed(seed)
 
 
 def _destroy_groups(ps) -> None:
@@ -250,3 +250,81 @@ def forward_error_case(rank, world, *, ep=2, **cfg_kw):
     except (MoKConfigError, ValueError) as e:
         return str(e)
     return None
+
+
+def _gather_experts(layer, ep_group, tp_group, gated: bool = True) -> dict:
+    """Full global expert weights of a MoK or Megatron layer, identical on every rank."""
+    import torch.distributed as dist
+
+    from mok_megatron.checkpoint import convert_state_dict
+
+    sd = convert_state_dict({k: v.detach() for k, v in layer.state_dict().items() if torch.is_tensor(v)}, "mok")
+    out = {}
+    for key, local in sd.items():
+        if key.startswith("experts."):
+            if key == "experts.fc1_weight" and dist.get_world_size(tp_group) > 1:
+                # [L, 2F/TP, H] holds [gate_tp; up_tp] with a GLU: gather gates and ups separately.
+                halves = []
+                for half in local.chunk(2 if gated else 1, dim=1):
+                    parts = [torch.empty_like(half) for _ in range(dist.get_world_size(tp_group))]
+                    dist.all_gather(parts, half.contiguous(), group=tp_group)
+                    halves.append(torch.cat(parts, 1))
+                local = torch.cat(halves, 1)
+            elif key == "experts.fc2_weight" and dist.get_world_size(tp_group) > 1:
+                parts = [torch.empty_like(local) for _ in range(dist.get_world_size(tp_group))]
+                dist.all_gather(parts, local.contiguous(), group=tp_group)
+                local = torch.cat(parts, 2)
+            parts = [torch.empty_like(local) for _ in range(dist.get_world_size(ep_group))]
+            dist.all_gather(parts, local.contiguous(), group=ep_group)
+            out[key] = torch.cat(parts, 0)
+        else:
+            out[key] = local.clone()
+    return out
+
+
+def _build_one(kind: str, cfg):
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_submodules
+
+    if kind == "mok":
+        layer = build_mok_only(cfg)
+    else:
+        layer = get_gpt_layer_local_submodules(num_experts=cfg.num_moe_experts).mlp(config=cfg)
+    layer.set_layer_number(1)
+    return layer
+
+
+def dist_ckpt_case(rank, world, *, path, save, load, act="swiglu"):
+    """Save a layer with dist_checkpointing in one (kind, tp, ep, etp) layout, load it into a freshly
+    initialised layer in another; return whether every tensor came back bitwise."""
+    import torch.distributed as dist
+    from megatron.core import dist_checkpointing, parallel_state as ps
+
+    def layer_for(spec, seed):
+        kind, tp, ep, etp = spec
+        setup_parallel(tp=tp, ep=ep, etp=etp, seed=seed)
+        torch.manual_seed(seed)
+        cfg = make_config(tp=tp, ep=ep, etp=etp, shared=True, act=act)
+        return _build_one(kind, cfg)
+
+    gated = ACTIVATIONS[act]["gated_linear_unit"]
+
+    def gather(layer):
+        return _gather_experts(layer, ps.get_expert_model_parallel_group(), ps.get_expert_tensor_parallel_group(), gated)
+
+    saved = layer_for(save, seed=1)
+    want = gather(saved)
+    dist_checkpointing.save(saved.sharded_state_dict(prefix="moe."), path)
+    dist.barrier()
+
+    fresh = layer_for(load, seed=2)
+    before = gather(fresh)
+    state = dist_checkpointing.load(fresh.sharded_state_dict(prefix="moe."), path)
+    fresh.load_state_dict({k[len("moe."):]: v for k, v in state.items()}, strict=True)
+    got = gather(fresh)
+    keys = sorted(k for k in want if k.startswith("experts."))
+    return {
+        "expert_keys": keys,
+        "bitwise": {k: bool(torch.equal(want[k], got[k])) for k in keys},
+        "changed_by_load": {k: not torch.equal(before[k], got[k]) for k in keys},
+        "router_bitwise": bool(torch.equal(want["router.weight"], got["router.weight"])) if load[1:] == save[1:] else None,
+    }

@@ -11,6 +11,7 @@ not all answer within its timeout kills the pool (the next call starts a fresh o
 
 from __future__ import annotations
 
+import atexit
 import importlib
 import os
 import queue
@@ -81,11 +82,13 @@ class WorkerPool:
         self._tasks = [ctx.Queue() for _ in range(world_size)]
         port = free_port()
         self._procs = [
-            ctx.Process(target=_worker, args=(r, world_size, port, self._tasks[r], self._results), daemon=True)
+            # Not daemons: dist_checkpointing's writer starts helper processes of its own.
+            ctx.Process(target=_worker, args=(r, world_size, port, self._tasks[r], self._results), daemon=False)
             for r in range(world_size)
         ]
         for p in self._procs:
             p.start()
+        atexit.register(self.close)
         self._calls = 0
         self.alive = True
         ready = 0

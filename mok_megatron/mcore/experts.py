@@ -20,6 +20,7 @@ from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attri
 from megatron.core.transformer.mlp import apply_swiglu_sharded_factory
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
+from megatron.core.transformer.utils import make_sharded_object_for_checkpoint
 from megatron.core.utils import get_pg_rank, get_pg_size
 
 from mok_megatron.config import MoKConfig, MoKConfigError
@@ -144,6 +145,19 @@ class MoKGroupedMLP(MegatronModule):
                 prepend_axis_num=len(offsets),
             ), offsets
 
+        extra_key = leaf.replace(".weight", "._extra_state")
+
+        def extra_state(i: int):
+            # Megatron's linears also save an `_extra_state` object per expert (None for local
+            # linears); writing it too keeps MoK checkpoints loadable by SequentialMLP/TEGroupedMLP.
+            g = first + i
+            if singleton:
+                key, offsets = f"{prefix}experts.{g}.{extra_key}", tuple(sharded_offsets)
+            else:
+                key = f"{prefix}experts.{extra_key}"
+                offsets = (*sharded_offsets, (len(sharded_offsets), g, num_global))
+            return make_sharded_object_for_checkpoint(None, key, offsets, replica_id=(0, tp_rank, replica_id[2]))
+
         def build(key, data, rid, flattened_range):
             if flattened_range is not None:
                 raise ValueError("MoKGroupedMLP checkpoints do not support flattened (DP-sharded) ranges")
@@ -152,9 +166,9 @@ class MoKGroupedMLP(MegatronModule):
                 sh, offsets = expert_tensor(i, data[i], rid)
                 if swiglu:  # split [gate; up] exactly as Megatron's MLP does
                     f = apply_swiglu_sharded_factory(sh, offsets, singleton)
-                    out.append(f.build_fn(f.key, data[i], rid, None))
+                    out.append([*f.build_fn(f.key, data[i], rid, None), extra_state(i)])
                 else:
-                    out.append([sh])
+                    out.append([sh, extra_state(i)])
             return out
 
         def merge(loaded):
@@ -162,7 +176,7 @@ class MoKGroupedMLP(MegatronModule):
                 sh, offsets = expert_tensor(0, param.data[0], replica_id)
                 merge_one = apply_swiglu_sharded_factory(sh, offsets, singleton).merge_fn
             else:
-                merge_one = lambda sub: sub[0]  # noqa: E731
-            return torch.stack([merge_one(sub) for sub in loaded], 0)
+                merge_one = lambda parts: parts[0]  # noqa: E731
+            return torch.stack([merge_one(sub[:-1]) for sub in loaded], 0)  # sub[-1]: extra state
 
         return ShardedTensorFactory(f"{prefix}{leaf}", param, build, merge, replica_id)
