@@ -12,7 +12,9 @@ Megatron-Core 0.19 assumes CUDA in a handful of places that have nothing to do w
 3. Collectives gloo rejects: split sizes given to ``all_to_all_single`` as tensors (gloo takes only
    lists of ints; converted here), and ``all_gather`` / ``reduce_scatter`` with pieces of unequal
    size (Megatron's expert-TP gather/scatter; gloo needs equal pieces, so they are padded).
-4. The CUDA RNG: ``model_parallel_cuda_manual_seed`` and Megatron's RNG tracker save, fork and
+4. ``device="cuda"`` written into Megatron code: the default causal attention mask
+   (``transformer.utils.get_default_causal_mask``, also bound in ``fusions.fused_softmax``).
+5. The CUDA RNG: ``model_parallel_cuda_manual_seed`` and Megatron's RNG tracker save, fork and
    restore CUDA generator states. In CPU mode they use the CPU generator instead, so tracked
    forks (expert-parallel init, dropout) keep their meaning.
 
@@ -149,6 +151,10 @@ def _make_reduce_scatter(orig):
     return reduce_scatter
 
 
+def _cpu_causal_mask(sq: int) -> torch.Tensor:
+    return torch.triu(torch.ones(sq, sq), diagonal=1).bool()
+
+
 def _cpu_get_rng_state(device="cuda", clone=False, graph_safe=False):
     return torch.get_rng_state()
 
@@ -187,7 +193,9 @@ def enable(force: bool = False) -> None:
                 "mok_megatron.cpu.enable(): CUDA is available on this machine, so CPU mode would "
                 "hide the GPU paths. Run on the GPU, or pass force=True to use the CPU anyway."
             )
+        import megatron.core.fusions.fused_softmax as mfused_softmax
         import megatron.core.tensor_parallel.random as mrandom
+        import megatron.core.transformer.utils as mtutils
 
         cuda = torch.cuda
         _replace(cuda, "Stream", CpuStream)
@@ -203,6 +211,8 @@ def enable(force: bool = False) -> None:
         _replace(cuda, "manual_seed", lambda seed: torch.default_generator.manual_seed(int(seed)))
         _replace(mrandom, "_get_cuda_rng_state", _cpu_get_rng_state)
         _replace(mrandom, "_set_cuda_rng_state", _cpu_set_rng_state)
+        _replace(mtutils, "get_default_causal_mask", _cpu_causal_mask)
+        _replace(mfused_softmax, "get_default_causal_mask", _cpu_causal_mask)
         _replace(dist, "all_to_all_single", _make_all_to_all_single(dist.all_to_all_single))
         _replace(dist, "all_gather", _make_all_gather(dist.all_gather))
         _replace(dist, "reduce_scatter", _make_reduce_scatter(dist.reduce_scatter))

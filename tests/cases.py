@@ -31,6 +31,10 @@ def setup_parallel(tp: int = 1, ep: int = 1, etp: int | None = None, pp: int = 1
         )
         _PARALLEL["key"] = key
     model_parallel_cuda_manual_seed(seed)
+    # Megatron's global MoE metrics tracker sizes its entries by the first model's layer count.
+    from megatron.core.transformer.moe.moe_logging import destroy_moe_metrics_tracker
+
+    destroy_moe_metrics_tracker()
 
 
 def _destroy_groups(ps) -> None:
@@ -328,3 +332,92 @@ def dist_ckpt_case(rank, world, *, path, save, load, act="swiglu"):
         "changed_by_load": {k: not torch.equal(before[k], got[k]) for k in keys},
         "router_bitwise": bool(torch.equal(want["router.weight"], got["router.weight"])) if load[1:] == save[1:] else None,
     }
+
+
+def tiny_gpt_config(tp=1, ep=1, etp=1, layers=3, moe_layer_freq=None, **extra):
+    """A tiny MoE GPT config (dense + MoE layers, shared expert, aux loss)."""
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    kw = dict(
+        num_layers=layers,
+        hidden_size=32,
+        num_attention_heads=4,
+        ffn_hidden_size=64,
+        num_moe_experts=8,
+        moe_ffn_hidden_size=16,
+        moe_shared_expert_intermediate_size=16,
+        moe_router_topk=2,
+        moe_token_dispatcher_type="alltoall",
+        moe_router_load_balancing_type="aux_loss",
+        moe_aux_loss_coeff=1e-2,
+        moe_layer_freq=moe_layer_freq or [1, 0, 1][:layers],
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        normalization="RMSNorm",
+        add_bias_linear=False,
+        tensor_model_parallel_size=tp,
+        expert_model_parallel_size=ep,
+        expert_tensor_parallel_size=etp,
+        sequence_parallel=tp > 1,
+        use_cpu_initialization=True,
+        params_dtype=torch.float32,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+    )
+    kw.update(extra)
+    return TransformerConfig(**kw)
+
+
+def build_gpt(cfg, mok: bool, vocab=64, seq=16, mtp=False):
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_mtp_block_spec
+    from megatron.core.models.gpt.gpt_model import GPTModel
+
+    from mok_megatron.spec import get_gpt_decoder_block_spec_with_mok
+
+    block = (get_gpt_decoder_block_spec_with_mok if mok else get_gpt_decoder_block_spec)(
+        cfg, use_transformer_engine=False, normalization="RMSNorm"
+    )
+    mtp_spec = get_gpt_mtp_block_spec(cfg, block, use_transformer_engine=False) if mtp else None
+    return GPTModel(
+        config=cfg, transformer_layer_spec=block, vocab_size=vocab, max_sequence_length=seq,
+        position_embedding_type="rope", mtp_block_spec=mtp_spec,
+    )
+
+
+def gpt_parity_case(rank, world, *, tp=1, ep=1, etp=1, steps=2, mtp=False):
+    """Megatron GPTModel with Megatron's MoE layers vs the same model with MoK's: loss and every
+    parameter gradient over a few steps of plain SGD."""
+    from mok_megatron.checkpoint import convert_state_dict
+    from mok_megatron.mcore.layer import MoKMoELayer
+
+    setup_parallel(tp=tp, ep=ep, etp=etp)
+    extra = dict(mtp_num_layers=1, mtp_loss_scaling_factor=0.1) if mtp else {}
+    cfg = tiny_gpt_config(tp=tp, ep=ep, etp=etp, **extra)
+    torch.manual_seed(0)
+    ref = build_gpt(cfg, mok=False, mtp=mtp)
+    mok = build_gpt(cfg, mok=True, mtp=mtp)
+    n_mok = sum(isinstance(m, MoKMoELayer) for m in mok.modules())
+    mok.load_state_dict(ref.state_dict(), strict=True)
+    g = torch.Generator().manual_seed(rank // tp)  # TP peers see the same batch
+    losses, worst = [], 0.0
+    for _ in range(steps):
+        tokens = torch.randint(0, 64, (2, 16), generator=g)
+        labels = torch.roll(tokens, -1, 1)
+        pos = torch.arange(16).expand(2, -1)
+        step = []
+        for model in (ref, mok):
+            model.zero_grad(set_to_none=True)
+            loss = model(tokens, pos, None, labels=labels).float().mean()
+            loss.backward()
+            step.append((loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}))
+        (l1, g1), (l2, g2) = step
+        g1 = convert_state_dict(g1, "mok")
+        assert set(g1) == set(g2), sorted(set(g1) ^ set(g2))
+        worst = max([worst, float((l1 - l2).abs())] + [float((g1[k] - g2[k]).abs().max()) for k in g1])
+        losses.append((float(l1), float(l2)))
+        with torch.no_grad():  # same SGD step on both
+            for model in (ref, mok):
+                for p in model.parameters():
+                    if p.grad is not None:
+                        p -= 0.1 * p.grad
+    return {"losses": losses, "worst": worst, "mok_layers": n_mok}
