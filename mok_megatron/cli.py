@@ -1,0 +1,71 @@
+"""The ``mok`` command line: ``mok env``, ``mok demo``, ``mok convert``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+
+def _env(argv) -> int:
+    p = argparse.ArgumentParser(prog="mok env", description="Versions, GPUs, FP8 recipes, and what is missing.")
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    ns = p.parse_args(argv)
+    from mok_megatron.env import format_report, report
+
+    r = report()
+    print(json.dumps(r, indent=2) if ns.json else format_report(r))
+    return 0
+
+
+def _convert(argv) -> int:
+    p = argparse.ArgumentParser(
+        prog="mok convert",
+        description="Rewrite the MoE expert weights of a torch.save'd state dict into another layout "
+        "(mok, sequential = Megatron SequentialMLP, te_grouped = Megatron TEGroupedMLP). "
+        "dist_checkpointing checkpoints need no conversion.",
+    )
+    p.add_argument("src")
+    p.add_argument("dst")
+    p.add_argument("--to", required=True, choices=("mok", "sequential", "te_grouped"))
+    p.add_argument("--key", default=None, help="the state dict lives under this key of the file (e.g. model)")
+    ns = p.parse_args(argv)
+    import torch
+
+    from mok_megatron.checkpoint import convert_state_dict, expert_prefixes
+
+    obj = torch.load(ns.src, map_location="cpu", weights_only=False)
+    sd = obj[ns.key] if ns.key else obj
+    n = len(expert_prefixes(sd))
+    if n == 0:
+        print(f"mok convert: no MoE expert weights found in {ns.src}", file=sys.stderr)
+        return 1
+    converted = convert_state_dict(sd, ns.to)
+    if ns.key:
+        obj = dict(obj)
+        obj[ns.key] = converted
+    else:
+        obj = converted
+    torch.save(obj, ns.dst)
+    print(f"mok convert: {n} MoE layer(s) -> {ns.to}, written to {ns.dst}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    commands = {
+        "env": _env,
+        "demo": lambda rest: __import__("mok_megatron.demo", fromlist=["main"]).main(rest),
+        "convert": _convert,
+    }
+    if not argv or argv[0] in ("-h", "--help") or argv[0] not in commands:
+        print("usage: mok {env,demo,convert} [options]\n\n"
+              "  env      versions, GPUs, FP8 recipes available here, and what is missing\n"
+              "  demo     pretrain a tiny MoE GPT with the MoK layer (the main job)\n"
+              "  convert  move expert weights of a saved state dict between MoK / Megatron layouts")
+        return 0 if argv and argv[0] in ("-h", "--help") else 2
+    return commands[argv[0]](argv[1:])
+
+
+if __name__ == "__main__":
+    sys.exit(main())
