@@ -44,7 +44,8 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(scope="module")
 def single_rank():
-    """This process as a one-rank gloo world with Megatron's parallel state (CPU mode without CUDA)."""
+    """This process as a one-rank world with Megatron's parallel state: NCCL on a GPU, else gloo in
+    CPU mode."""
     from datetime import timedelta
 
     import torch
@@ -55,7 +56,10 @@ def single_rank():
     own = not dist.is_initialized()
     if own:
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
-        dist.init_process_group("gloo", rank=0, world_size=1, timeout=timedelta(seconds=60))
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        if torch.cuda.is_available():
+            torch.cuda.set_device(0)
+        dist.init_process_group(backend, rank=0, world_size=1, timeout=timedelta(seconds=60))
     import mok_megatron.cpu
 
     if not torch.cuda.is_available():
