@@ -93,3 +93,56 @@ def test_demo_over_nccl(tmp_path):
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     s = json.loads(out.read_text())
     assert s["backend"] == "nccl" and s["loss_last"] < 0.8 * s["loss_first"]
+
+
+def _two_gpu_worker(rank, port, out_path, dtype_name):
+    import os
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", rank=rank, world_size=2, timeout=timedelta(seconds=120))
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    from mok_megatron.bench import _config, build
+    from mok_megatron.checkpoint import convert_state_dict
+
+    ps.initialize_model_parallel(expert_model_parallel_size=2)
+    model_parallel_cuda_manual_seed(7)
+    dtype = getattr(torch, dtype_name)
+    cfg = _config(dict(hidden=512, ffn=256, experts=16, topk=4, tokens=2048), dtype)
+    cfg.expert_model_parallel_size = 2
+    ref, mok = build("megatron", cfg).cuda(), build("mok", cfg).cuda()
+    mok.load_state_dict(convert_state_dict(ref.state_dict(), "mok"), strict=False)
+    g = torch.Generator().manual_seed(rank)
+    x = torch.randn(2048, 1, 512, generator=g).to("cuda", dtype)
+    dout = torch.randn(2048, 1, 512, generator=g).to("cuda", dtype)
+    res = []
+    for layer in (ref, mok):
+        xi = x.clone().requires_grad_()
+        out, _ = layer(xi)
+        out.backward(dout)
+        gr = convert_state_dict({n: p.grad for n, p in layer.named_parameters()}, "mok")
+        res.append((out.float(), xi.grad.float(), {k: v.float() for k, v in gr.items()}))
+    (o1, d1, g1), (o2, d2, g2) = res
+    errs = {"out": _rel(o1, o2), "dx": _rel(d1, d2), **{k: _rel(g1[k], g2[k]) for k in g1}}
+    with open(f"{out_path}.{rank}", "w") as f:
+        json.dump(errs, f)
+    dist.destroy_process_group()
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+@pytest.mark.parametrize("dtype,tol", [("float32", 1e-4), ("bfloat16", 3e-2)])
+def test_layer_parity_ep2_over_nccl(tmp_path, dtype, tol):
+    import torch.multiprocessing as mp
+
+    from tests.pool import free_port
+
+    out = str(tmp_path / "errs")
+    mp.spawn(_two_gpu_worker, args=(free_port(), out, dtype), nprocs=2, join=True)
+    for rank in (0, 1):
+        errs = json.loads(open(f"{out}.{rank}").read())
+        assert max(errs.values()) < tol, (rank, errs)
