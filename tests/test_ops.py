@@ -91,13 +91,22 @@ def test_capacity_order_pads_with_routed_tokens_first():
 
 def test_slot_map_hand_worked_and_skips_zero_probability_routes():
     rm = torch.tensor([[1, 0, 1], [0, 1, 1], [1, 1, 0], [0, 0, 1]], dtype=torch.bool)
+    tok, exp = dropless_order(rm, int(rm.sum()))  # rows: t0e0 t2e0 t1e1 t2e1 t0e2 t1e2 t3e2
     probs = rm.float() * 0.5
     probs[1, 2] = 0.0  # e.g. a router-padding route: routed but weightless
-    offsets = torch.tensor([0, 2, 4])  # expert-major layout of dropless_order above
-    slots = slot_map(rm, probs, offsets, topk=2)
+    slots = slot_map(tok, probs[tok, exp] != 0, num_tokens=4, topk=2)
     # token 0 -> rows 0 (e0) and 4 (e2); token 1 -> row 2 (e1) only; token 2 -> 1, 3; token 3 -> 6
     assert slots.row_TK[slots.valid_TK].tolist() == [0, 4, 2, 1, 3, 6]
     assert slots.valid_TK.tolist() == [[True, True], [True, False], [True, True], [True, False]]
+
+
+def test_slot_map_dropless_fast_path():
+    rm = torch.tensor([[1, 0, 1], [0, 1, 1], [1, 1, 0]], dtype=torch.bool)
+    tok, _ = dropless_order(rm, 6)  # rows: t0e0 t2e0 t1e1 t2e1 t0e2 t1e2
+    slots = slot_map(tok, None, num_tokens=3, topk=2)
+    assert slots.valid_TK is None and slots.row_TK.tolist() == [[0, 4], [2, 5], [1, 3]]
+    with pytest.raises(ValueError, match=r"5 rows for 3 tokens x top-2"):
+        slot_map(tok[:5], None, num_tokens=3, topk=2)
 
 
 def _random_routing(num_tokens, num_experts, topk, seed):
@@ -114,8 +123,7 @@ def test_permute_and_combine_match_references(num_tokens, num_experts, topk):
     rm, probs = _random_routing(num_tokens, num_experts, topk, seed=num_tokens)
     n = int(rm.sum())
     tok, exp = dropless_order(rm, n)
-    counts = rm.sum(0)
-    slots = slot_map(rm, probs, torch.cumsum(counts, 0) - counts, topk)
+    slots = slot_map(tok, probs[tok, exp] != 0, num_tokens, topk)
     x = torch.randn(num_tokens, 8, requires_grad=True)
     y = permute_tokens(x, tok, slots)
     torch.testing.assert_close(y, permute_tokens_reference(x, tok))
@@ -136,8 +144,7 @@ def test_permute_and_combine_match_references(num_tokens, num_experts, topk):
 def test_combine_is_deterministic_in_bf16():
     rm, probs = _random_routing(256, 16, 8, seed=3)
     tok, _ = dropless_order(rm, int(rm.sum()))
-    counts = rm.sum(0)
-    slots = slot_map(rm, probs, torch.cumsum(counts, 0) - counts, 8)
+    slots = slot_map(tok, None, 256, 8)
     rows = torch.randn(int(rm.sum()), 32).bfloat16()
     a, b = combine_tokens(rows, slots), combine_tokens(rows, slots)
     assert torch.equal(a, b)

@@ -130,7 +130,6 @@ def build_plan(
     if cfg.pad_to_capacity:
         capacity = cfg.capacity(num_tokens)
         token_idx, expert_idx = capacity_order(routing_map_TE, capacity)
-        offsets_E = torch.arange(num_experts, device=device) * capacity
         send = (capacity * L,) * ep
         recv = (capacity * L,) * ep
         tp_splits = (capacity * L * ep,) * tp
@@ -140,7 +139,6 @@ def build_plan(
         num_recv = capacity * L * ep * tp
     else:
         counts_E = expert_counts(routing_map_TE)
-        offsets_E = torch.cumsum(counts_E, 0) - counts_E
         if ep * tp > 1:
             all_counts = counts_E.new_empty((ep * tp * num_experts,))
             dist.all_gather_into_tensor(all_counts, counts_E, group=groups.tp_ep)
@@ -169,6 +167,11 @@ def build_plan(
             num_recv = num_sent
         token_idx, expert_idx = dropless_order(routing_map_TE, num_sent)
 
+    if cfg.dropless and not cfg.router_pad_multiple:
+        slots = slot_map(token_idx, None, num_tokens, cfg.topk)  # exactly top-k rows per token
+    else:
+        # Dropped routes have no row; capacity / router padding rows carry probability zero.
+        slots = slot_map(token_idx, probs_TE[token_idx, expert_idx] != 0, num_tokens, cfg.topk)
     sort_idx = unsort_idx = None
     if sizes_SL is not None:
         sort_idx, unsort_idx = _chunk_sort_index(sizes_SL, num_recv)
@@ -177,7 +180,7 @@ def build_plan(
         num_tokens=num_tokens,
         token_idx_N=token_idx,
         expert_idx_N=expert_idx,
-        slots=slot_map(routing_map_TE, probs_TE, offsets_E, cfg.topk),
+        slots=slots,
         send_splits=send,
         recv_splits=recv,
         tp_splits=tp_splits,

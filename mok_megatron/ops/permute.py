@@ -7,8 +7,8 @@ Legend:
 ``permute_tokens``: ``x_NH[r] = x_TH[token_idx_N[r]]``. Its gradient is the per-token sum of the row
 gradients, computed through the slot map as a gather (no atomics, same order every run).
 
-``combine_tokens``: ``out_TH[t] = sum_k y_NH[row_TK[t, k]]`` over valid slots, summed in fp32 and in
-ascending expert order. Its gradient copies each token's gradient to its rows (each row belongs to at
+``combine_tokens``: ``out_TH[t] = sum_k y_NH[row_TK[t, k]]`` over valid slots, accumulated in fp32
+(rounded once) in ascending expert order. Its gradient copies each token's gradient to its rows (each row belongs to at
 most one slot, so this is a plain indexed copy).
 
 ``permute_tokens_reference`` / ``combine_tokens_reference`` are the index_select / index_add versions
@@ -22,26 +22,30 @@ import torch
 from mok_megatron.ops.routing import SlotMap
 
 
-def _gather_sum(src_NH: torch.Tensor, slots: SlotMap, out_dtype: torch.dtype) -> torch.Tensor:
+def _gather_sum(src_NH: torch.Tensor, slots: SlotMap) -> torch.Tensor:
     num_tokens, k = slots.row_TK.shape
     hidden = src_NH.shape[-1]
     if src_NH.shape[0] == 0 or k == 0:
-        return src_NH.new_zeros((num_tokens, hidden), dtype=out_dtype)
+        return src_NH.new_zeros((num_tokens, hidden))
     picked_TKH = src_NH.index_select(0, slots.row_TK.reshape(-1)).view(num_tokens, k, hidden)
-    acc = torch.float32 if src_NH.dtype in (torch.bfloat16, torch.float16) else src_NH.dtype
-    picked_TKH = torch.where(slots.valid_TK.unsqueeze(-1), picked_TKH.to(acc), 0)
-    return picked_TKH.sum(dim=1).to(out_dtype)
+    if slots.valid_TK is not None:
+        picked_TKH = torch.where(slots.valid_TK.unsqueeze(-1), picked_TKH, 0)
+    # Reductions accumulate bf16/fp16 in fp32 and round once.
+    return picked_TKH.sum(dim=1)
 
 
 def _scatter_copy(src_TH: torch.Tensor, slots: SlotMap, num_rows: int) -> torch.Tensor:
     num_tokens, k = slots.row_TK.shape
-    out_NH = src_TH.new_zeros((num_rows, src_TH.shape[-1]))
+    hidden = src_TH.shape[-1]
     if num_rows == 0 or k == 0:
-        return out_NH
-    rows = slots.row_TK[slots.valid_TK]
-    tokens = torch.arange(num_tokens, device=src_TH.device).view(-1, 1).expand(-1, k)[slots.valid_TK]
-    out_NH.index_copy_(0, rows, src_TH.index_select(0, tokens))
-    return out_NH
+        return src_TH.new_zeros((num_rows, hidden))
+    rows = slots.row_TK.reshape(-1)
+    if slots.valid_TK is not None:
+        # Invalid slots write into a spare row that is dropped (no mask indexing: no host sync).
+        rows = torch.where(slots.valid_TK.reshape(-1), rows, num_rows)
+    out_NH = src_TH.new_zeros((num_rows + 1, hidden))
+    out_NH.index_copy_(0, rows, src_TH.unsqueeze(1).expand(num_tokens, k, hidden).reshape(-1, hidden))
+    return out_NH[:num_rows]
 
 
 class _Permute(torch.autograd.Function):
@@ -53,7 +57,7 @@ class _Permute(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dx_NH):
-        return _gather_sum(dx_NH.contiguous(), ctx.slots, dx_NH.dtype), None, None, None
+        return _gather_sum(dx_NH.contiguous(), ctx.slots), None, None, None
 
 
 class _Combine(torch.autograd.Function):
@@ -61,7 +65,7 @@ class _Combine(torch.autograd.Function):
     def forward(ctx, y_NH, row_TK, valid_TK):
         ctx.slots = SlotMap(row_TK, valid_TK)
         ctx.num_rows = y_NH.shape[0]
-        return _gather_sum(y_NH, ctx.slots, y_NH.dtype)
+        return _gather_sum(y_NH, ctx.slots)
 
     @staticmethod
     def backward(ctx, dout_TH):

@@ -59,34 +59,46 @@ def capacity_order(routing_map_TE: torch.Tensor, capacity: int) -> tuple[torch.T
 
 @dataclass(frozen=True)
 class SlotMap:
-    """Each token's rows in the permuted layout: ``row_TK`` (int64) where ``valid_TK`` (bool)."""
+    """Each token's rows in the permuted layout: ``row_TK`` (int64), valid where ``valid_TK`` (bool).
+
+    ``valid_TK is None`` means every slot is valid (dropless: every token has exactly K rows)."""
 
     row_TK: torch.Tensor
-    valid_TK: torch.Tensor
+    valid_TK: torch.Tensor | None = None
 
 
-def slot_map(
-    routing_map_TE: torch.Tensor,
-    probs_TE: torch.Tensor,
-    expert_offsets_E: torch.Tensor,
-    topk: int,
-) -> SlotMap:
-    """Slot map for a layout whose expert ``e`` rows start at ``expert_offsets_E[e]``.
+def slot_map(token_idx_N: torch.Tensor, live_N: torch.Tensor | None, num_tokens: int, topk: int) -> SlotMap:
+    """Slot map of an expert-major layout whose row ``r`` holds token ``token_idx_N[r]``.
 
-    ``routing_map_TE`` is the map the layout was built from (padded or not); a (t, e) route is in
-    the slot map if it is routed and its probability is non-zero. At most ``topk`` such routes exist
-    per token (Megatron's router gives non-zero probability only to a token's top-k experts).
+    ``live_N`` marks the rows that carry a non-zero probability (None: all of them, and then every
+    token must own exactly ``topk`` rows, as in dropless routing). A stable sort of the rows by token
+    keeps each token's rows in ascending expert order: O(N log N), no [T, E] temporaries, no host sync.
     """
-    num_tokens, num_experts = routing_map_TE.shape
-    device = routing_map_TE.device
-    # Position of token t among the routed tokens of expert e (valid where routed).
-    pos_TE = torch.cumsum(routing_map_TE.to(torch.int64), dim=0) - 1
-    row_TE = expert_offsets_E.view(1, -1) + pos_TE
-    live_TE = routing_map_TE & (probs_TE != 0)
-    k = min(topk, num_experts)
-    expert_ids = torch.arange(num_experts, device=device).view(1, -1)
-    key_TE = torch.where(live_TE, expert_ids, num_experts)
-    e_TK = key_TE.sort(dim=1).values[:, :k]
-    valid_TK = e_TK < num_experts
-    row_TK = torch.where(valid_TK, row_TE.gather(1, e_TK.clamp(max=num_experts - 1)), 0)
+    if live_N is None:
+        if token_idx_N.shape[0] != num_tokens * topk:
+            raise ValueError(
+                f"slot_map: {token_idx_N.shape[0]} rows for {num_tokens} tokens x top-{topk}; pass live_N "
+                "when tokens do not all own exactly top-k rows"
+            )
+        order = torch.argsort(token_idx_N, stable=True)
+        return SlotMap(row_TK=order.view(num_tokens, topk))
+    device = token_idx_N.device
+    num_rows = token_idx_N.shape[0]
+    k = min(topk, max(num_rows, 1))
+    if num_rows == 0:
+        return SlotMap(
+            row_TK=torch.zeros(num_tokens, k, dtype=torch.int64, device=device),
+            valid_TK=torch.zeros(num_tokens, k, dtype=torch.bool, device=device),
+        )
+    # Sort rows by (token, live first); stability keeps ascending expert order inside each group.
+    key_N = token_idx_N * 2 + (~live_N).to(token_idx_N.dtype)
+    order = torch.argsort(key_N, stable=True)
+    sorted_key = key_N[order]
+    first = 2 * torch.arange(num_tokens, device=device, dtype=key_N.dtype)
+    start_T = torch.searchsorted(sorted_key, first)
+    live_T = torch.searchsorted(sorted_key, first + 1) - start_T
+    slot = torch.arange(k, device=device)
+    valid_TK = slot.view(1, -1) < live_T.view(-1, 1)
+    idx_TK = (start_T.view(-1, 1) + slot.view(1, -1)).clamp(max=num_rows - 1)
+    row_TK = torch.where(valid_TK, order[idx_TK], 0)
     return SlotMap(row_TK=row_TK, valid_TK=valid_TK)
