@@ -127,7 +127,7 @@ def bench_layer(shape_name: str, impls: list[str], dtype_name: str = "bf16", ite
             ref_sd = layer.state_dict()
         else:
             target = "mok" if impl == "mok" else ("te_grouped" if impl == "megatron-te" else "sequential")
-            layer.load_state_dict(convert_state_dict(ref_sd, target), strict=False)
+            layer.load_state_dict(convert_state_dict(ref_sd, target), strict=True)
 
         def step():
             xi = x.detach().requires_grad_(True)

@@ -146,3 +146,34 @@ def test_layer_parity_ep2_over_nccl(tmp_path, dtype, tol):
     for rank in (0, 1):
         errs = json.loads(open(f"{out}.{rank}").read())
         assert max(errs.values()) < tol, (rank, errs)
+
+
+@pytest.mark.usefixtures("single_rank")
+@pytest.mark.skipif(not have_te(), reason="needs Transformer Engine")
+def test_dist_checkpoint_between_te_grouped_mlp_and_mok(tmp_path):
+    """A TEGroupedMLP dist checkpoint loads into MoK bitwise, and MoK's loads back into TEGroupedMLP."""
+    import torch.distributed as dist
+    from megatron.core import dist_checkpointing
+
+    from mok_megatron.bench import _config, build
+    from mok_megatron.checkpoint import convert_state_dict
+
+    cfg = _config(dict(hidden=256, ffn=128, experts=8, topk=2, tokens=64), torch.bfloat16)
+
+    def experts(layer):
+        sd = {k: v for k, v in layer.state_dict().items() if torch.is_tensor(v) and v.numel() and "experts" in k}
+        return convert_state_dict(sd, "mok")
+
+    for src, dst in (("megatron-te", "mok"), ("mok", "megatron-te")):
+        torch.manual_seed(1)
+        a = build(src, cfg).cuda()
+        path = str(tmp_path / f"{src}-to-{dst}")
+        dist_checkpointing.save(a.sharded_state_dict(prefix="m."), path)
+        dist.barrier()
+        torch.manual_seed(2)
+        b = build(dst, cfg).cuda()
+        state = dist_checkpointing.load(b.sharded_state_dict(prefix="m."), path)
+        b.load_state_dict({k[2:]: v for k, v in state.items()}, strict=True)
+        want, got = experts(a), experts(b)
+        for k in ("experts.fc1_weight", "experts.fc2_weight"):
+            assert torch.equal(want[k], got[k]), (src, dst, k)
