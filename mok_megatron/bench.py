@@ -41,7 +41,10 @@ def _init_single_process():
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ["MASTER_PORT"] = str(port)
         dist.init_process_group(
-            "nccl" if torch.cuda.is_available() else "gloo", rank=0, world_size=1, timeout=timedelta(seconds=120)
+            "nccl" if torch.cuda.is_available() else "gloo",
+            rank=0,
+            world_size=1,
+            timeout=timedelta(seconds=120),
         )
     if not torch.cuda.is_available():
         import mok_megatron.cpu
@@ -94,7 +97,9 @@ def build(impl: str, cfg):
     elif impl == "megatron-te":
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_submodules
 
-        mlp = get_gpt_layer_with_transformer_engine_submodules(num_experts=cfg.num_moe_experts, moe_grouped_gemm=True).mlp
+        mlp = get_gpt_layer_with_transformer_engine_submodules(
+            num_experts=cfg.num_moe_experts, moe_grouped_gemm=True
+        ).mlp
     else:
         raise ValueError(f"unknown implementation {impl!r}: choose mok, megatron, megatron-te")
     layer = mlp(config=cfg)
@@ -102,8 +107,14 @@ def build(impl: str, cfg):
     return layer
 
 
-def bench_layer(shape_name: str, impls: list[str], dtype_name: str = "bf16", iters: int = 10, warmup: int = 3,
-                tokens: int | None = None) -> dict:
+def bench_layer(
+    shape_name: str,
+    impls: list[str],
+    dtype_name: str = "bf16",
+    iters: int = 10,
+    warmup: int = 3,
+    tokens: int | None = None,
+) -> dict:
     import torch
 
     from mok_megatron.checkpoint import convert_state_dict
@@ -129,7 +140,7 @@ def bench_layer(shape_name: str, impls: list[str], dtype_name: str = "bf16", ite
             target = "mok" if impl == "mok" else ("te_grouped" if impl == "megatron-te" else "sequential")
             layer.load_state_dict(convert_state_dict(ref_sd, target), strict=True)
 
-        def step():
+        def step(layer=layer):
             xi = x.detach().requires_grad_(True)
             out, _ = layer(xi)
             out.backward(dout)
@@ -142,10 +153,15 @@ def bench_layer(shape_name: str, impls: list[str], dtype_name: str = "bf16", ite
         else:
             scale_o = ref_out[0].abs().max().item() or 1.0
             scale_d = ref_out[1].abs().max().item() or 1.0
-            err = ((out.float() - ref_out[0]).abs().max().item() / scale_o, (dx.float() - ref_out[1]).abs().max().item() / scale_d)
+            err = (
+                (out.float() - ref_out[0]).abs().max().item() / scale_o,
+                (dx.float() - ref_out[1]).abs().max().item() / scale_d,
+            )
             tol = 5e-2 if dtype == torch.bfloat16 else 1e-4
             if max(err) > tol:
-                raise RuntimeError(f"{impl} disagrees with {impls[0]}: relative error out {err[0]:.3e}, dx {err[1]:.3e}")
+                raise RuntimeError(
+                    f"{impl} disagrees with {impls[0]}: relative error out {err[0]:.3e}, dx {err[1]:.3e}"
+                )
         for _ in range(warmup):
             step()
         times = []
@@ -163,35 +179,57 @@ def bench_layer(shape_name: str, impls: list[str], dtype_name: str = "bf16", ite
                 step()
                 times.append(time.perf_counter() - t0)
         med = statistics.median(times)
-        rows.append({
-            "impl": impl, "ms": 1e3 * med, "min_ms": 1e3 * min(times), "expert_tflops": flops / med / 1e12,
-            "rel_err_out": err[0], "rel_err_dx": err[1],
-        })
+        rows.append(
+            {
+                "impl": impl,
+                "ms": 1e3 * med,
+                "min_ms": 1e3 * min(times),
+                "expert_tflops": flops / med / 1e12,
+                "rel_err_out": err[0],
+                "rel_err_dx": err[1],
+            }
+        )
         del layer
         if device.type == "cuda":
             torch.cuda.empty_cache()
     return {
-        "shape": shape_name, **shape, "dtype": dtype_name, "iters": iters,
-        "device": torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu", "rows": rows,
+        "shape": shape_name,
+        **shape,
+        "dtype": dtype_name,
+        "iters": iters,
+        "device": torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu",
+        "rows": rows,
     }
 
 
 def format_result(r: dict) -> str:
-    lines = [f"{r['shape']}: H {r['hidden']}, F {r['ffn']}, {r['experts']} experts, top-{r['topk']}, "
-             f"{r['tokens']} tokens, {r['dtype']}, {r['device']}, fwd+bwd, median of {r['iters']}"]
-    lines.append(f"  {'impl':<14}{'ms':>10}{'min ms':>10}{'expert TFLOP/s':>16}{'rel err out':>13}{'rel err dx':>12}")
+    lines = [
+        f"{r['shape']}: H {r['hidden']}, F {r['ffn']}, {r['experts']} experts, top-{r['topk']}, "
+        f"{r['tokens']} tokens, {r['dtype']}, {r['device']}, fwd+bwd, median of {r['iters']}"
+    ]
+    lines.append(
+        f"  {'impl':<14}{'ms':>10}{'min ms':>10}{'expert TFLOP/s':>16}{'rel err out':>13}{'rel err dx':>12}"
+    )
     for row in r["rows"]:
-        lines.append(f"  {row['impl']:<14}{row['ms']:>10.2f}{row['min_ms']:>10.2f}{row['expert_tflops']:>16.1f}"
-                     f"{row['rel_err_out']:>13.2e}{row['rel_err_dx']:>12.2e}")
+        lines.append(
+            f"  {row['impl']:<14}{row['ms']:>10.2f}{row['min_ms']:>10.2f}{row['expert_tflops']:>16.1f}"
+            f"{row['rel_err_out']:>13.2e}{row['rel_err_dx']:>12.2e}"
+        )
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="mok bench layer", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="mok bench layer", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("what", choices=["layer"])
     p.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-30b-a3b")
     p.add_argument("--tokens", type=int, default=None, help="override the shape's token count")
-    p.add_argument("--impl", default="mok,megatron", help="comma list of mok, megatron, megatron-te (first is the reference)")
+    p.add_argument(
+        "--impl",
+        default="mok,megatron",
+        help="comma list of mok, megatron, megatron-te (first is the reference)",
+    )
     p.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16")
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)

@@ -8,7 +8,9 @@ import sys
 
 
 def _env(argv) -> int:
-    p = argparse.ArgumentParser(prog="mok env", description="Versions, GPUs, FP8 recipes, and what is missing.")
+    p = argparse.ArgumentParser(
+        prog="mok env", description="Versions, GPUs, FP8 recipes, and what is missing."
+    )
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     ns = p.parse_args(argv)
     from mok_megatron.env import format_report, report
@@ -60,11 +62,13 @@ def main(argv: list[str] | None = None) -> int:
         "bench": lambda rest: __import__("mok_megatron.bench", fromlist=["main"]).main(rest),
     }
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in commands:
-        print("usage: mok {env,demo,bench,convert} [options]\n\n"
-              "  env      versions, GPUs, FP8 recipes available here, and what is missing\n"
-              "  demo     pretrain a tiny MoE GPT with the MoK layer (the main job)\n"
-              "  bench    mok bench layer: one MoE layer fwd+bwd, MoK vs Megatron, checked then timed\n"
-              "  convert  move expert weights of a saved state dict between MoK / Megatron layouts")
+        print(
+            "usage: mok {env,demo,bench,convert} [options]\n\n"
+            "  env      versions, GPUs, FP8 recipes available here, and what is missing\n"
+            "  demo     pretrain a tiny MoE GPT with the MoK layer (the main job)\n"
+            "  bench    mok bench layer: one MoE layer fwd+bwd, MoK vs Megatron, checked then timed\n"
+            "  convert  move expert weights of a saved state dict between MoK / Megatron layouts"
+        )
         return 0 if argv and argv[0] in ("-h", "--help") else 2
     return commands[argv[0]](argv[1:])
 

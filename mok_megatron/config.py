@@ -75,9 +75,7 @@ class MoKConfig:
                 "capacity factor or turn padding off."
             )
         if self.apply_probs_on_input and self.topk != 1:
-            raise MoKConfigError(
-                f"moe_apply_probs_on_input=True needs moe_router_topk=1, got {self.topk}."
-            )
+            raise MoKConfigError(f"moe_apply_probs_on_input=True needs moe_router_topk=1, got {self.topk}.")
 
     @property
     def num_local_experts(self) -> int:

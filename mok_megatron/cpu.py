@@ -107,9 +107,7 @@ def _split_list(sizes):
 
 def _make_all_to_all_single(orig):
     def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=None, *a, **kw):
-        return orig(
-            output, input, _split_list(output_split_sizes), _split_list(input_split_sizes), *a, **kw
-        )
+        return orig(output, input, _split_list(output_split_sizes), _split_list(input_split_sizes), *a, **kw)
 
     all_to_all_single.__wrapped__ = orig
     return all_to_all_single
@@ -130,7 +128,7 @@ def _make_all_gather(orig):
         width = max(t.shape[0] for t in tensor_list)
         padded = [torch.empty((width,) + tuple(t.shape[1:]), dtype=t.dtype) for t in tensor_list]
         orig(padded, _pad0(tensor, width).contiguous(), group=group)
-        for dst, src in zip(tensor_list, padded):
+        for dst, src in zip(tensor_list, padded, strict=True):
             dst.copy_(src[: dst.shape[0]])
 
     all_gather.__wrapped__ = orig

@@ -43,9 +43,16 @@ class DemoArgs:
 
 
 def _parser(default_nproc: int) -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="mok demo", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="mok demo", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     d = DemoArgs(nproc=default_nproc)
-    p.add_argument("--nproc", type=int, default=d.nproc, help="worker processes = expert-parallel size (default: GPUs, else 2)")
+    p.add_argument(
+        "--nproc",
+        type=int,
+        default=d.nproc,
+        help="worker processes = expert-parallel size (default: GPUs, else 2)",
+    )
     p.add_argument("--steps", type=int, default=d.steps)
     p.add_argument("--layers", type=int, default=d.layers, help="transformer layers (all MoE)")
     p.add_argument("--hidden", type=int, default=d.hidden)
@@ -53,7 +60,9 @@ def _parser(default_nproc: int) -> argparse.ArgumentParser:
     p.add_argument("--experts", type=int, default=d.experts)
     p.add_argument("--topk", type=int, default=d.topk)
     p.add_argument("--moe-ffn", type=int, default=d.moe_ffn)
-    p.add_argument("--shared-expert", type=int, default=d.shared_expert, help="shared-expert FFN width (0: none)")
+    p.add_argument(
+        "--shared-expert", type=int, default=d.shared_expert, help="shared-expert FFN width (0: none)"
+    )
     p.add_argument("--seq-length", type=int, default=d.seq_length)
     p.add_argument("--micro-batch", type=int, default=d.micro_batch, help="sequences per rank per step")
     p.add_argument("--vocab", type=int, default=d.vocab)
@@ -111,7 +120,10 @@ def _build_model(a: DemoArgs, ep: int):
     spec_fn = get_gpt_decoder_block_spec_with_mok if a.layer == "mok" else get_gpt_decoder_block_spec
     block = spec_fn(cfg, use_transformer_engine=False, normalization="RMSNorm")
     model = GPTModel(
-        config=cfg, transformer_layer_spec=block, vocab_size=a.vocab, max_sequence_length=a.seq_length,
+        config=cfg,
+        transformer_layer_spec=block,
+        vocab_size=a.vocab,
+        max_sequence_length=a.seq_length,
         position_embedding_type="rope",
     )
     return cfg, model
@@ -136,7 +148,9 @@ def _dataset(a: DemoArgs, num_samples: int):
     import logging
 
     logging.getLogger("megatron.core.datasets").setLevel(logging.ERROR)
-    train, _, _ = BlendedMegatronDatasetBuilder(MockGPTDataset, [num_samples, None, None], lambda: True, config).build()
+    train, _, _ = BlendedMegatronDatasetBuilder(
+        MockGPTDataset, [num_samples, None, None], lambda: True, config
+    ).build()
     return train
 
 
@@ -226,8 +240,11 @@ def _worker(rank: int, a: DemoArgs) -> None:
         losses.append(global_loss)
         step_times.append(dt)
         if rank == 0:
-            print(f"{_bar(step + 1, a.steps)} step {step + 1:>3}/{a.steps}  loss {global_loss:7.4f}  "
-                  f"{n_tokens / dt:9.0f} tok/s", flush=True)
+            print(
+                f"{_bar(step + 1, a.steps)} step {step + 1:>3}/{a.steps}  loss {global_loss:7.4f}  "
+                f"{n_tokens / dt:9.0f} tok/s",
+                flush=True,
+            )
     if cuda:
         torch.cuda.synchronize()
     wall = time.perf_counter() - t_start if t_start is not None else sum(step_times)
@@ -235,7 +252,9 @@ def _worker(rank: int, a: DemoArgs) -> None:
     phases = prof.summary()
     # mean over ranks, per measured step
     measured = max(1, a.steps - warm)
-    flat = torch.tensor([phases[d][p] for d in ("forward", "backward") for p in profiling.PHASES], dtype=torch.float64)
+    flat = torch.tensor(
+        [phases[d][p] for d in ("forward", "backward") for p in profiling.PHASES], dtype=torch.float64
+    )
     flat = flat.to(device) if cuda else flat
     dist.all_reduce(flat)
     flat = (flat / a.nproc / measured).cpu().tolist()
@@ -293,11 +312,15 @@ def main(argv: list[str] | None = None) -> int:
     ns = _parser(default_nproc).parse_args(argv)
     a = DemoArgs(**{k: v for k, v in vars(ns).items()})
     if a.nproc < 1 or a.experts % a.nproc != 0:
-        print(f"mok demo: --experts {a.experts} must be divisible by --nproc {a.nproc} (the expert-parallel size)",
-              file=sys.stderr)
+        print(
+            f"mok demo: --experts {a.experts} must be divisible by --nproc {a.nproc} (the expert-parallel size)",
+            file=sys.stderr,
+        )
         return 2
     if torch.cuda.is_available() and a.nproc > torch.cuda.device_count():
-        print(f"mok demo: --nproc {a.nproc} exceeds the {torch.cuda.device_count()} GPUs here", file=sys.stderr)
+        print(
+            f"mok demo: --nproc {a.nproc} exceeds the {torch.cuda.device_count()} GPUs here", file=sys.stderr
+        )
         return 2
     a.port = _free_port()
     json_path = a.json_path

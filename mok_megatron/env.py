@@ -37,7 +37,13 @@ def report() -> dict:
     if cap is not None:
         for i in range(torch.cuda.device_count()):
             p = torch.cuda.get_device_properties(i)
-            gpus.append({"name": p.name, "arch": f"sm_{p.major}{p.minor}", "memory_gib": round(p.total_memory / 2**30, 1)})
+            gpus.append(
+                {
+                    "name": p.name,
+                    "arch": f"sm_{p.major}{p.minor}",
+                    "memory_gib": round(p.total_memory / 2**30, 1),
+                }
+            )
     mcore = mcore_version()
     te = have_te() if mcore is not None else False
     fp8 = {}
@@ -52,7 +58,9 @@ def report() -> dict:
             fp8[recipe] = "yes"
     missing = []
     if mcore is None:
-        missing.append("megatron-core: not installed -- mok_megatron cannot run (pip install 'megatron-core~=0.19.2')")
+        missing.append(
+            "megatron-core: not installed -- mok_megatron cannot run (pip install 'megatron-core~=0.19.2')"
+        )
     elif not (MCORE_MIN <= mcore < MCORE_MAX):
         missing.append(f"megatron-core {mcore}: outside the supported range >={MCORE_MIN},<{MCORE_MAX}")
     if not te:
@@ -70,7 +78,9 @@ def report() -> dict:
     if cap is None:
         missing.append("CUDA GPU: none -- use CPU mode (mok_megatron.cpu.enable(), gloo); no NCCL, no FP8")
     elif cap < (9, 0):
-        missing.append(f"sm_90+: this GPU is sm_{cap[0]}{cap[1]}; torch grouped GEMMs fall back to a per-expert loop")
+        missing.append(
+            f"sm_90+: this GPU is sm_{cap[0]}{cap[1]}; torch grouped GEMMs fall back to a per-expert loop"
+        )
     return {
         "mok_megatron": __version__,
         "python": sys.version.split()[0],
@@ -90,9 +100,21 @@ def report() -> dict:
 
 def format_report(r: dict) -> str:
     lines = ["mok_megatron environment", ""]
-    for key in ("mok_megatron", "python", "platform", "torch", "torch_cuda", "megatron_core",
-                "transformer_engine", "apex", "triton", "nccl"):
-        lines.append(f"  {key:<20} {r[key] if r[key] is not None else 'not installed' if key not in ('torch_cuda', 'nccl') else '-'}")
+    for key in (
+        "mok_megatron",
+        "python",
+        "platform",
+        "torch",
+        "torch_cuda",
+        "megatron_core",
+        "transformer_engine",
+        "apex",
+        "triton",
+        "nccl",
+    ):
+        lines.append(
+            f"  {key:<20} {r[key] if r[key] is not None else 'not installed' if key not in ('torch_cuda', 'nccl') else '-'}"
+        )
     lines.append("")
     if r["gpus"]:
         for i, g in enumerate(r["gpus"]):

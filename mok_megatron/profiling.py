@@ -70,9 +70,7 @@ class PhaseProfile:
 
     def summary(self) -> dict[str, dict[str, float]]:
         secs = self.seconds()
-        return {
-            d: {p: secs.get((d, p), 0.0) for p in PHASES} for d in ("forward", "backward")
-        }
+        return {d: {p: secs.get((d, p), 0.0) for p in PHASES} for d in ("forward", "backward")}
 
 
 _current: PhaseProfile | None = None

@@ -48,7 +48,11 @@ def _mok_mlp(mlp):
     """The MoK version of a Megatron MoE ``mlp`` builder (a partial of MoELayer or a ModuleSpec)."""
     if isinstance(mlp, partial) and isinstance(mlp.func, type) and issubclass(mlp.func, MoELayer):
         sub = mlp.keywords.get("submodules")
-        new_sub = dataclasses.replace(sub, experts=MoKGroupedMLP) if sub is not None else MoESubmodules(experts=MoKGroupedMLP)
+        new_sub = (
+            dataclasses.replace(sub, experts=MoKGroupedMLP)
+            if sub is not None
+            else MoESubmodules(experts=MoKGroupedMLP)
+        )
         kwargs = dict(mlp.keywords, submodules=new_sub)
         return partial(MoKMoELayer, *mlp.args, **kwargs)
     if isinstance(mlp, ModuleSpec) and isinstance(mlp.module, type) and issubclass(mlp.module, MoELayer):
@@ -88,18 +92,26 @@ def get_gpt_layer_with_mok_spec(
     if use_te:
         _require_te("get_gpt_layer_with_mok_spec(use_te=True)")
         base = g.get_gpt_layer_with_transformer_engine_spec(
-            num_experts=1, moe_grouped_gemm=True, qk_layernorm=qk_layernorm,
-            multi_latent_attention=multi_latent_attention, **kwargs,
+            num_experts=1,
+            moe_grouped_gemm=True,
+            qk_layernorm=qk_layernorm,
+            multi_latent_attention=multi_latent_attention,
+            **kwargs,
         )
     else:
         base = g.get_gpt_layer_local_spec(
-            num_experts=1, qk_layernorm=qk_layernorm, multi_latent_attention=multi_latent_attention,
-            normalization=normalization, **kwargs,
+            num_experts=1,
+            qk_layernorm=qk_layernorm,
+            multi_latent_attention=multi_latent_attention,
+            normalization=normalization,
+            **kwargs,
         )
     return mokify(base)
 
 
-def get_gpt_decoder_block_spec_with_mok(config, use_transformer_engine: bool, **kwargs) -> TransformerBlockSubmodules:
+def get_gpt_decoder_block_spec_with_mok(
+    config, use_transformer_engine: bool, **kwargs
+) -> TransformerBlockSubmodules:
     """Megatron's GPT decoder block spec (dense/MoE pattern from ``moe_layer_freq``) with MoK MoE layers."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 
@@ -115,7 +127,9 @@ _LAZY = {
     "gpt_layer_local_qk_layernorm": lambda: get_gpt_layer_with_mok_spec(use_te=False, qk_layernorm=True),
     "gpt_layer_te": lambda: get_gpt_layer_with_mok_spec(use_te=True),
     "gpt_layer_te_qk_layernorm": lambda: get_gpt_layer_with_mok_spec(use_te=True, qk_layernorm=True),
-    "gpt_layer_te_mla": lambda: get_gpt_layer_with_mok_spec(use_te=True, multi_latent_attention=True, qk_layernorm=True),
+    "gpt_layer_te_mla": lambda: get_gpt_layer_with_mok_spec(
+        use_te=True, multi_latent_attention=True, qk_layernorm=True
+    ),
 }
 
 

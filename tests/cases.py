@@ -61,8 +61,14 @@ MODES = {
     "dropless": {},
     "drop_probs": dict(moe_expert_capacity_factor=0.75, moe_token_drop_policy="probs"),
     "drop_position": dict(moe_expert_capacity_factor=0.75, moe_token_drop_policy="position"),
-    "pad_probs": dict(moe_expert_capacity_factor=0.75, moe_token_drop_policy="probs", moe_pad_expert_input_to_capacity=True),
-    "pad_position": dict(moe_expert_capacity_factor=0.75, moe_token_drop_policy="position", moe_pad_expert_input_to_capacity=True),
+    "pad_probs": dict(
+        moe_expert_capacity_factor=0.75, moe_token_drop_policy="probs", moe_pad_expert_input_to_capacity=True
+    ),
+    "pad_position": dict(
+        moe_expert_capacity_factor=0.75,
+        moe_token_drop_policy="position",
+        moe_pad_expert_input_to_capacity=True,
+    ),
     "rpad16": {},  # router padding for quantization, alignment 16 (fp8 tensorwise)
     "rpad32": {},  # alignment 32 (mxfp8)
 }
@@ -73,12 +79,30 @@ ACTIVATIONS = {
     "gelu": dict(gated_linear_unit=False, activation_func=F.gelu),
     "relu": dict(gated_linear_unit=False, activation_func=F.relu),
     "squared_relu": dict(gated_linear_unit=False, activation_func="squared_relu"),
-    "quick_geglu_clamp": dict(gated_linear_unit=True, activation_func="quick_gelu", activation_func_clamp_value=0.5, glu_linear_offset=1.0),
+    "quick_geglu_clamp": dict(
+        gated_linear_unit=True,
+        activation_func="quick_gelu",
+        activation_func_clamp_value=0.5,
+        glu_linear_offset=1.0,
+    ),
 }
 
 
-def make_config(tp=1, ep=1, etp=1, topk=2, score="softmax", shared=False, shared_overlap=False,
-                mode="dropless", act="swiglu", num_experts=8, hidden=16, ffn=8, **extra):
+def make_config(
+    tp=1,
+    ep=1,
+    etp=1,
+    topk=2,
+    score="softmax",
+    shared=False,
+    shared_overlap=False,
+    mode="dropless",
+    act="swiglu",
+    num_experts=8,
+    hidden=16,
+    ffn=8,
+    **extra,
+):
     from megatron.core.activations import squared_relu
     from megatron.core.fusions.fused_bias_geglu import quick_gelu
     from megatron.core.transformer.transformer_config import TransformerConfig
@@ -192,7 +216,9 @@ def compare(ref_res, mok_res) -> dict:
     return out
 
 
-def parity_case(rank, world, *, tp=1, ep=1, etp=1, seq=16, batch=2, seed=0, steps=1, router_bias=None, **cfg_kw):
+def parity_case(
+    rank, world, *, tp=1, ep=1, etp=1, seq=16, batch=2, seed=0, steps=1, router_bias=None, **cfg_kw
+):
     """Reference vs MoK on this rank's input; ``steps`` forward/backward passes (router state such as
     the expert-bias token counts and the global-aux-loss window carries over between them).
 
@@ -208,7 +234,9 @@ def parity_case(rank, world, *, tp=1, ep=1, etp=1, seq=16, batch=2, seed=0, step
                 for e, v in router_bias.items():
                     layer.router.expert_bias[e] = v
     seen_counts = []  # rows each local MoK expert received, per forward
-    mok.experts.register_forward_pre_hook(lambda m, args: seen_counts.append([int(v) for v in args[1].tolist()]))
+    mok.experts.register_forward_pre_hook(
+        lambda m, args: seen_counts.append([int(v) for v in args[1].tolist()])
+    )
     g = torch.Generator().manual_seed(1000 * seed + rank)
     results = []
     for _ in range(steps):
@@ -262,7 +290,9 @@ def _gather_experts(layer, ep_group, tp_group, gated: bool = True) -> dict:
 
     from mok_megatron.checkpoint import convert_state_dict
 
-    sd = convert_state_dict({k: v.detach() for k, v in layer.state_dict().items() if torch.is_tensor(v)}, "mok")
+    sd = convert_state_dict(
+        {k: v.detach() for k, v in layer.state_dict().items() if torch.is_tensor(v)}, "mok"
+    )
     out = {}
     for key, local in sd.items():
         if key.startswith("experts."):
@@ -313,7 +343,9 @@ def dist_ckpt_case(rank, world, *, path, save, load, act="swiglu"):
     gated = ACTIVATIONS[act]["gated_linear_unit"]
 
     def gather(layer):
-        return _gather_experts(layer, ps.get_expert_model_parallel_group(), ps.get_expert_tensor_parallel_group(), gated)
+        return _gather_experts(
+            layer, ps.get_expert_model_parallel_group(), ps.get_expert_tensor_parallel_group(), gated
+        )
 
     saved = layer_for(save, seed=1)
     want = gather(saved)
@@ -323,14 +355,16 @@ def dist_ckpt_case(rank, world, *, path, save, load, act="swiglu"):
     fresh = layer_for(load, seed=2)
     before = gather(fresh)
     state = dist_checkpointing.load(fresh.sharded_state_dict(prefix="moe."), path)
-    fresh.load_state_dict({k[len("moe."):]: v for k, v in state.items()}, strict=True)
+    fresh.load_state_dict({k[len("moe.") :]: v for k, v in state.items()}, strict=True)
     got = gather(fresh)
     keys = sorted(k for k in want if k.startswith("experts."))
     return {
         "expert_keys": keys,
         "bitwise": {k: bool(torch.equal(want[k], got[k])) for k in keys},
         "changed_by_load": {k: not torch.equal(before[k], got[k]) for k in keys},
-        "router_bitwise": bool(torch.equal(want["router.weight"], got["router.weight"])) if load[1:] == save[1:] else None,
+        "router_bitwise": bool(torch.equal(want["router.weight"], got["router.weight"]))
+        if load[1:] == save[1:]
+        else None,
     }
 
 
@@ -379,8 +413,12 @@ def build_gpt(cfg, mok: bool, vocab=64, seq=16, mtp=False):
     )
     mtp_spec = get_gpt_mtp_block_spec(cfg, block, use_transformer_engine=False) if mtp else None
     return GPTModel(
-        config=cfg, transformer_layer_spec=block, vocab_size=vocab, max_sequence_length=seq,
-        position_embedding_type="rope", mtp_block_spec=mtp_spec,
+        config=cfg,
+        transformer_layer_spec=block,
+        vocab_size=vocab,
+        max_sequence_length=seq,
+        position_embedding_type="rope",
+        mtp_block_spec=mtp_spec,
     )
 
 
@@ -409,7 +447,12 @@ def gpt_parity_case(rank, world, *, tp=1, ep=1, etp=1, steps=2, mtp=False):
             model.zero_grad(set_to_none=True)
             loss = model(tokens, pos, None, labels=labels).float().mean()
             loss.backward()
-            step.append((loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}))
+            step.append(
+                (
+                    loss.detach(),
+                    {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None},
+                )
+            )
         (l1, g1), (l2, g2) = step
         g1 = convert_state_dict(g1, "mok")
         assert set(g1) == set(g2), sorted(set(g1) ^ set(g2))

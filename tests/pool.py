@@ -35,7 +35,9 @@ def free_port() -> int:
 
 def _worker(rank: int, world: int, port: int, tasks, results) -> None:
     # torch.compile (Megatron's jit_fuser) would recompile tiny CPU kernels for every new shape.
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1", TORCHDYNAMO_DISABLE="1")
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1", TORCHDYNAMO_DISABLE="1"
+    )
     sys.path.insert(0, ROOT)
     import warnings
 
@@ -83,7 +85,9 @@ class WorkerPool:
         port = free_port()
         self._procs = [
             # Not daemons: dist_checkpointing's writer starts helper processes of its own.
-            ctx.Process(target=_worker, args=(r, world_size, port, self._tasks[r], self._results), daemon=False)
+            ctx.Process(
+                target=_worker, args=(r, world_size, port, self._tasks[r], self._results), daemon=False
+            )
             for r in range(world_size)
         ]
         for p in self._procs:
@@ -110,7 +114,7 @@ class WorkerPool:
             except queue.Empty:
                 dead = [p.pid for p in self._procs if not p.is_alive()]
                 if dead:
-                    raise RuntimeError(f"worker processes {dead} died")
+                    raise RuntimeError(f"worker processes {dead} died") from None
 
     def run(self, target: str, timeout: float = 180.0, **kwargs) -> list:
         """Run ``target`` on every rank; return its results ordered by rank."""
@@ -131,8 +135,10 @@ class WorkerPool:
                 (out if status == "ok" else errors)[rank] = payload
         except (TimeoutError, RuntimeError) as e:
             self.close()
-            raise CaseFailed(f"{target}{kwargs}: ranks {sorted(set(range(self.world_size)) - set(out) - set(errors))} "
-                             f"did not finish ({type(e).__name__}: {e}); pool restarted") from None
+            raise CaseFailed(
+                f"{target}{kwargs}: ranks {sorted(set(range(self.world_size)) - set(out) - set(errors))} "
+                f"did not finish ({type(e).__name__}: {e}); pool restarted"
+            ) from None
         if errors:
             # A failed case may leave collectives half-done: start clean next time.
             self.close()

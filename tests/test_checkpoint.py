@@ -32,7 +32,9 @@ def test_dist_checkpointing_round_trip(pool, tmp_path_factory, save, load):
 
 def test_dist_checkpointing_non_gated_activation(pool, tmp_path_factory):
     path = str(tmp_path_factory.mktemp("ckpt"))
-    results = pool.run("tests.cases:dist_ckpt_case", path=path, save=("mok", 2, 2, 2), load=("megatron", 1, 4, 1), act="gelu")
+    results = pool.run(
+        "tests.cases:dist_ckpt_case", path=path, save=("mok", 2, 2, 2), load=("megatron", 1, 4, 1), act="gelu"
+    )
     assert all(all(r["bitwise"].values()) for r in results)
 
 
@@ -66,9 +68,15 @@ def test_state_dict_conversion_round_trips_exactly():
     mok = convert_state_dict(seq, "mok")
     assert detect_layout(mok, "decoder.layers.1.mlp.experts.") == "mok"
     assert mok["decoder.layers.0.mlp.experts.fc1_weight"].shape == (4, 16, 8)
-    assert torch.equal(mok["decoder.layers.0.mlp.experts.fc2_weight"][3], seq["decoder.layers.0.mlp.experts.local_experts.3.linear_fc2.weight"])
+    assert torch.equal(
+        mok["decoder.layers.0.mlp.experts.fc2_weight"][3],
+        seq["decoder.layers.0.mlp.experts.local_experts.3.linear_fc2.weight"],
+    )
     te = convert_state_dict(mok, "te_grouped")
-    assert torch.equal(te["decoder.layers.1.mlp.experts.linear_fc1.weight2"], seq["decoder.layers.1.mlp.experts.local_experts.2.linear_fc1.weight"])
+    assert torch.equal(
+        te["decoder.layers.1.mlp.experts.linear_fc1.weight2"],
+        seq["decoder.layers.1.mlp.experts.local_experts.2.linear_fc1.weight"],
+    )
     assert "decoder.layers.1.mlp.experts.linear_fc1._extra_state" in te
     # every path back lands on the same tensors
     _same(convert_state_dict(te, "sequential"), seq)

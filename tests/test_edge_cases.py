@@ -46,6 +46,8 @@ def test_every_token_to_one_expert(pool, layout):
 @pytest.mark.parametrize("mode", ["dropless", "pad_probs"])
 def test_sequence_length_one(pool, layout, mode):
     tp, ep, etp = layout
-    pool_res = pool.run("tests.cases:parity_case", tp=tp, ep=ep, etp=etp, topk=2, seq=1, batch=1, mode=mode, steps=2)
+    pool_res = pool.run(
+        "tests.cases:parity_case", tp=tp, ep=ep, etp=etp, topk=2, seq=1, batch=1, mode=mode, steps=2
+    )
     for rank, res in enumerate(pool_res):
         check(res, f"rank {rank}")

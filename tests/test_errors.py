@@ -78,11 +78,26 @@ SWIGLU = ActivationSpec(kind=Activation.SILU, gated=True)
     "kwargs,pattern",
     [
         (dict(num_experts=8, topk=9), r"moe_router_topk=9 must be between 1 and num_moe_experts=8"),
-        (dict(num_experts=8, topk=2, ep_size=3), r"num_moe_experts=8 is not divisible by the expert-parallel size 3"),
-        (dict(num_experts=8, topk=2, etp_size=3), r"moe_ffn_hidden_size=8 is not divisible by the expert tensor-parallel size 3"),
-        (dict(num_experts=8, topk=2, capacity_factor=-1.0), r"moe_expert_capacity_factor=-1.0 must be positive"),
-        (dict(num_experts=8, topk=2, pad_to_capacity=True), r"moe_pad_expert_input_to_capacity=True needs moe_expert_capacity_factor"),
-        (dict(num_experts=8, topk=2, apply_probs_on_input=True), r"moe_apply_probs_on_input=True needs moe_router_topk=1, got 2"),
+        (
+            dict(num_experts=8, topk=2, ep_size=3),
+            r"num_moe_experts=8 is not divisible by the expert-parallel size 3",
+        ),
+        (
+            dict(num_experts=8, topk=2, etp_size=3),
+            r"moe_ffn_hidden_size=8 is not divisible by the expert tensor-parallel size 3",
+        ),
+        (
+            dict(num_experts=8, topk=2, capacity_factor=-1.0),
+            r"moe_expert_capacity_factor=-1.0 must be positive",
+        ),
+        (
+            dict(num_experts=8, topk=2, pad_to_capacity=True),
+            r"moe_pad_expert_input_to_capacity=True needs moe_expert_capacity_factor",
+        ),
+        (
+            dict(num_experts=8, topk=2, apply_probs_on_input=True),
+            r"moe_apply_probs_on_input=True needs moe_router_topk=1, got 2",
+        ),
     ],
 )
 def test_mok_config_validation(kwargs, pattern):

@@ -7,7 +7,9 @@ import pytest
 
 @pytest.mark.parametrize(
     # attention TP needs sequence parallelism, which torch norms (no TE, no apex) do not support
-    "layout", [(1, 1, 1), (1, 2, 1), (1, 2, 2), (1, 4, 1)], ids=["ep1", "ep2", "ep2-etp2", "ep4"]
+    "layout",
+    [(1, 1, 1), (1, 2, 1), (1, 2, 2), (1, 4, 1)],
+    ids=["ep1", "ep2", "ep2-etp2", "ep4"],
 )
 def test_gpt_model_parity(pool, layout):
     tp, ep, etp = layout

@@ -48,7 +48,13 @@ def _parity(impl_ref: str, dtype, tokens=1024, experts=16, topk=4, hidden=512, f
     mok = build("mok", cfg).cuda()
     mok.load_state_dict(convert_state_dict(ref.state_dict(), "mok"), strict=False)
     x = torch.randn(tokens, 1, hidden, device="cuda", dtype=dtype)
-    dout = torch.randn_like(x)
+    return _run_both(ref, mok, x, torch.randn_like(x))
+
+
+def _run_both(ref, mok, x, dout):
+    """(output, input grad, parameter grads in MoK layout) of each layer, in fp32."""
+    from mok_megatron.checkpoint import convert_state_dict
+
     res = []
     for layer in (ref, mok):
         xi = x.clone().requires_grad_()
@@ -88,8 +94,23 @@ def test_layer_parity_vs_te_grouped_mlp_and_te_spec():
 
 def test_demo_over_nccl(tmp_path):
     out = tmp_path / "demo.json"
-    r = subprocess.run([sys.executable, "-m", "mok_megatron.cli", "demo", "--nproc", "1", "--steps", "20", "--json", str(out)],
-                       capture_output=True, text=True, timeout=600)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "mok_megatron.cli",
+            "demo",
+            "--nproc",
+            "1",
+            "--steps",
+            "20",
+            "--json",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     s = json.loads(out.read_text())
     assert s["backend"] == "nccl" and s["loss_last"] < 0.8 * s["loss_first"]
@@ -120,14 +141,7 @@ def _two_gpu_worker(rank, port, out_path, dtype_name):
     g = torch.Generator().manual_seed(rank)
     x = torch.randn(2048, 1, 512, generator=g).to("cuda", dtype)
     dout = torch.randn(2048, 1, 512, generator=g).to("cuda", dtype)
-    res = []
-    for layer in (ref, mok):
-        xi = x.clone().requires_grad_()
-        out, _ = layer(xi)
-        out.backward(dout)
-        gr = convert_state_dict({n: p.grad for n, p in layer.named_parameters()}, "mok")
-        res.append((out.float(), xi.grad.float(), {k: v.float() for k, v in gr.items()}))
-    (o1, d1, g1), (o2, d2, g2) = res
+    (o1, d1, g1), (o2, d2, g2) = _run_both(ref, mok, x, dout)
     errs = {"out": _rel(o1, o2), "dx": _rel(d1, d2), **{k: _rel(g1[k], g2[k]) for k in g1}}
     with open(f"{out_path}.{rank}", "w") as f:
         json.dump(errs, f)
@@ -161,7 +175,9 @@ def test_dist_checkpoint_between_te_grouped_mlp_and_mok(tmp_path):
     cfg = _config(dict(hidden=256, ffn=128, experts=8, topk=2, tokens=64), torch.bfloat16)
 
     def experts(layer):
-        sd = {k: v for k, v in layer.state_dict().items() if torch.is_tensor(v) and v.numel() and "experts" in k}
+        sd = {
+            k: v for k, v in layer.state_dict().items() if torch.is_tensor(v) and v.numel() and "experts" in k
+        }
         return convert_state_dict(sd, "mok")
 
     for src, dst in (("megatron-te", "mok"), ("mok", "megatron-te")):

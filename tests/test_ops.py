@@ -150,7 +150,9 @@ def test_combine_is_deterministic_in_bf16():
     assert torch.equal(a, b)
     # fp32 accumulation: closer to the fp64 truth than a bf16 index_add
     truth = combine_tokens_reference(rows.double(), tok, 256)
-    assert (a.double() - truth).abs().max() <= (combine_tokens_reference(rows, tok, 256).double() - truth).abs().max()
+    assert (a.double() - truth).abs().max() <= (
+        combine_tokens_reference(rows, tok, 256).double() - truth
+    ).abs().max()
 
 
 def test_chunk_sort_index_hand_worked():
@@ -169,7 +171,9 @@ def _megatron_glu(x, fn, clamp=None, offset=0.0):
     return fn(x_glu) * (x_linear + offset)
 
 
-@pytest.mark.parametrize("kind,fn", [(Activation.SILU, F.silu), (Activation.GELU, F.gelu), (Activation.RELU, F.relu)])
+@pytest.mark.parametrize(
+    "kind,fn", [(Activation.SILU, F.silu), (Activation.GELU, F.gelu), (Activation.RELU, F.relu)]
+)
 def test_activation_matches_megatron_formula(kind, fn):
     h = torch.randn(5, 16) * 3
     p = torch.rand(5)
@@ -196,14 +200,20 @@ def test_expert_mlp_matches_per_expert_loop():
     w2 = torch.randn(3, 16, 8, generator=g)
     y = expert_mlp(x, p, torch.tensor(counts), w1, w2, ActivationSpec(kind=Activation.SILU, gated=True))
     want = []
-    for e, (xe, pe) in enumerate(zip(torch.split(x, counts), torch.split(p, counts))):
+    for e, (xe, pe) in enumerate(zip(torch.split(x, counts), torch.split(p, counts), strict=True)):
         want.append((_megatron_glu(xe @ w1[e].t(), F.silu) * pe[:, None]) @ w2[e].t())
     torch.testing.assert_close(y, torch.cat(want), **FP32)
 
 
 def test_single_rank_plan_dispatch_combine_round_trip():
     """EP=1: dispatch + identity experts + combine with probabilities 1/topk restores the input."""
-    cfg = MoKConfig(num_experts=4, topk=2, hidden_size=8, ffn_hidden_size=8, activation=ActivationSpec(Activation.SILU, True))
+    cfg = MoKConfig(
+        num_experts=4,
+        topk=2,
+        hidden_size=8,
+        ffn_hidden_size=8,
+        activation=ActivationSpec(Activation.SILU, True),
+    )
     rm, _ = _random_routing(10, 4, 2, seed=1)
     probs = rm.float() / 2
     plan = build_plan(torch.Size([5, 2, 8]), rm, probs, cfg, EPGroups())

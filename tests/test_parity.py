@@ -39,7 +39,17 @@ def _grid():
     cases = []
     for n, (layout, topk, score, mode) in enumerate(itertools.product(LAYOUTS, TOPK, SCORES, MODES)):
         shared = SHARED[n % len(SHARED)]  # every shared-expert setting meets every layout and mode
-        cases.append(pytest.param(layout, topk, score, mode, shared, id=f"tp{layout[0]}-ep{layout[1]}-etp{layout[2]}-k{topk}-{score}-{mode}-{'+'.join(shared) or 'noshared'}" + ("-overlap" if shared.get("shared_overlap") else "")))
+        cases.append(
+            pytest.param(
+                layout,
+                topk,
+                score,
+                mode,
+                shared,
+                id=f"tp{layout[0]}-ep{layout[1]}-etp{layout[2]}-k{topk}-{score}-{mode}-{'+'.join(shared) or 'noshared'}"
+                + ("-overlap" if shared.get("shared_overlap") else ""),
+            )
+        )
     return cases
 
 
@@ -56,11 +66,15 @@ def test_parity_grid(pool, layout, topk, score, mode, shared):
 
 
 FEATURES = {
-    "expert_bias": dict(score="sigmoid", moe_router_enable_expert_bias=True, moe_router_bias_update_rate=1e-3),
+    "expert_bias": dict(
+        score="sigmoid", moe_router_enable_expert_bias=True, moe_router_bias_update_rate=1e-3
+    ),
     "group_limited": dict(topk=4, moe_router_num_groups=4, moe_router_group_topk=2),
     "seq_aux_loss": dict(moe_router_load_balancing_type="seq_aux_loss"),
     "global_aux_loss": dict(moe_router_load_balancing_type="global_aux_loss"),
-    "aux_and_seq_aux": dict(moe_router_load_balancing_type=["aux_loss", "seq_aux_loss"], moe_aux_loss_coeff=[1e-2, 1e-3]),
+    "aux_and_seq_aux": dict(
+        moe_router_load_balancing_type=["aux_loss", "seq_aux_loss"], moe_aux_loss_coeff=[1e-2, 1e-3]
+    ),
     "z_loss": dict(moe_z_loss_coeff=1e-3),
     "topk_scaling": dict(topk=4, score="sigmoid", moe_router_topk_scaling_factor=2.5),
     "probs_on_input": dict(topk=1, moe_apply_probs_on_input=True),
@@ -79,7 +93,11 @@ FEATURES = {
 @pytest.mark.parametrize(
     "layout,feature",
     # layout-major order: each layout change rebuilds Megatron's process groups in every worker
-    [pytest.param(lay, f, id=f"{name}-{f}") for lay, name in (((1, 2, 1), "ep2"), ((2, 2, 2), "tp2-ep2-etp2")) for f in sorted(FEATURES)],
+    [
+        pytest.param(lay, f, id=f"{name}-{f}")
+        for lay, name in (((1, 2, 1), "ep2"), ((2, 2, 2), "tp2-ep2-etp2"))
+        for f in sorted(FEATURES)
+    ],
 )
 def test_parity_features(pool, feature, layout):
     """Megatron's routing and expert features, two steps each (router state carries over)."""
@@ -89,7 +107,10 @@ def test_parity_features(pool, feature, layout):
     for rank, res in enumerate(results):
         check(res, f"rank {rank}")
     if "aux" in feature:
-        expected = {"seq_aux_loss": "seq_load_balancing_loss", "global_aux_loss": "global_load_balancing_loss"}
+        expected = {
+            "seq_aux_loss": "seq_load_balancing_loss",
+            "global_aux_loss": "global_load_balancing_loss",
+        }
         for k, name in expected.items():
             if k in feature:
                 assert name in results[0]["aux_names"]

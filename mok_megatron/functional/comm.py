@@ -38,7 +38,9 @@ class _AllToAllV(torch.autograd.Function):
         return _a2a(d_RH, in_splits, out_splits, ctx.group), None, None, None
 
 
-def all_to_all_v(x_SH: torch.Tensor, out_splits: Sequence[int], in_splits: Sequence[int], group) -> torch.Tensor:
+def all_to_all_v(
+    x_SH: torch.Tensor, out_splits: Sequence[int], in_splits: Sequence[int], group
+) -> torch.Tensor:
     """Rows ``in_splits[j]`` go to rank j; ``out_splits[j]`` rows come from rank j (rank order)."""
     if group_size(group) == 1:
         return x_SH

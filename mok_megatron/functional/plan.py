@@ -115,7 +115,9 @@ def build_plan(
     device = routing_map_TE.device
     ep, tp = groups.ep_size, groups.tp_size
     if ep != cfg.ep_size or tp != cfg.etp_size:
-        raise ValueError(f"groups have EP={ep}, ETP={tp}; the config says EP={cfg.ep_size}, ETP={cfg.etp_size}")
+        raise ValueError(
+            f"groups have EP={ep}, ETP={tp}; the config says EP={cfg.ep_size}, ETP={cfg.etp_size}"
+        )
     ep_rank, tp_rank = groups.ep_rank, groups.tp_rank
     L = cfg.num_local_experts
     lo = ep_rank * L

@@ -23,7 +23,9 @@ from mok_megatron.functional.plan import DispatchPlan, EPGroups, build_plan
 
 
 class MoKTokenDispatcher(MoETokenDispatcher):
-    def __init__(self, num_local_experts: int, local_expert_indices, config, pg_collection, mok_config: MoKConfig):
+    def __init__(
+        self, num_local_experts: int, local_expert_indices, config, pg_collection, mok_config: MoKConfig
+    ):
         super().__init__(config=config, pg_collection=pg_collection)
         self.num_local_experts = num_local_experts
         self.local_expert_indices = list(local_expert_indices)
@@ -42,7 +44,9 @@ class MoKTokenDispatcher(MoETokenDispatcher):
 
     # ---- dispatch ----------------------------------------------------------------------------
 
-    def dispatch_preprocess(self, hidden_states: torch.Tensor, routing_map: torch.Tensor, probs: torch.Tensor):
+    def dispatch_preprocess(
+        self, hidden_states: torch.Tensor, routing_map: torch.Tensor, probs: torch.Tensor
+    ):
         if routing_map.dtype != torch.bool or routing_map.dim() != 2 or probs.dim() != 2:
             raise ValueError(
                 f"dispatch_preprocess: expected routing_map [tokens, experts] bool and probs [tokens, "

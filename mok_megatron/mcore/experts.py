@@ -81,7 +81,11 @@ class MoKGroupedMLP(MegatronModule):
 
         tracker = get_cuda_rng_tracker()
         use_fork = tracker.is_initialized() and get_expert_parallel_rng_tracker_name() in tracker.get_states()
-        ctx = tracker.fork(get_expert_parallel_rng_tracker_name()) if use_fork else torch.random.fork_rng(devices=[])
+        ctx = (
+            tracker.fork(get_expert_parallel_rng_tracker_name())
+            if use_fork
+            else torch.random.fork_rng(devices=[])
+        )
         with ctx, torch.no_grad():
             for e in range(self.num_local_experts):
                 self.config.init_method(self.fc1_weight[e])
@@ -129,34 +133,32 @@ class MoKGroupedMLP(MegatronModule):
         tp_rank, tp_size = get_pg_rank(self.tp_group), get_pg_size(self.tp_group)
         replica_id = (0, 0, get_pg_rank(self.dp_group))
 
-        def expert_tensor(i: int, t_i: torch.Tensor, rid) -> ShardedTensor:
+        def key_and_offsets(i: int, name: str):
+            """Megatron's SequentialMLP key and prepended offsets of local expert ``i``'s ``name``."""
             g = first + i
             if singleton:
-                key, offsets = f"{prefix}experts.{g}.{leaf}", tuple(sharded_offsets)
-            else:
-                key = f"{prefix}experts.{leaf}"
-                offsets = (*sharded_offsets, (len(sharded_offsets), g, num_global))
-            return ShardedTensor.from_rank_offsets(
+                return f"{prefix}experts.{g}.{name}", tuple(sharded_offsets)
+            return f"{prefix}experts.{name}", (*sharded_offsets, (len(sharded_offsets), g, num_global))
+
+        def expert_tensor(i: int, t_i: torch.Tensor, rid) -> tuple[ShardedTensor, tuple]:
+            key, offsets = key_and_offsets(i, leaf)
+            sh = ShardedTensor.from_rank_offsets(
                 key,
                 t_i,
                 *offsets,
                 (tp_axis + len(offsets), tp_rank, tp_size),
                 replica_id=rid,
                 prepend_axis_num=len(offsets),
-            ), offsets
-
-        extra_key = leaf.replace(".weight", "._extra_state")
+            )
+            return sh, offsets
 
         def extra_state(i: int):
             # Megatron's linears also save an `_extra_state` object per expert (None for local
             # linears); writing it too keeps MoK checkpoints loadable by SequentialMLP/TEGroupedMLP.
-            g = first + i
-            if singleton:
-                key, offsets = f"{prefix}experts.{g}.{extra_key}", tuple(sharded_offsets)
-            else:
-                key = f"{prefix}experts.{extra_key}"
-                offsets = (*sharded_offsets, (len(sharded_offsets), g, num_global))
-            return make_sharded_object_for_checkpoint(None, key, offsets, replica_id=(0, tp_rank, replica_id[2]))
+            key, offsets = key_and_offsets(i, leaf.replace(".weight", "._extra_state"))
+            return make_sharded_object_for_checkpoint(
+                None, key, offsets, replica_id=(0, tp_rank, replica_id[2])
+            )
 
         def build(key, data, rid, flattened_range):
             if flattened_range is not None:
