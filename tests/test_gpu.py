@@ -183,7 +183,9 @@ def test_dist_checkpoint_between_te_grouped_mlp_and_mok(tmp_path):
     for src, dst in (("megatron-te", "mok"), ("mok", "megatron-te")):
         torch.manual_seed(1)
         a = build(src, cfg).cuda()
-        path = str(tmp_path / f"{src}-to-{dst}")
+        path = tmp_path / f"{src}-to-{dst}"
+        path.mkdir()  # dist_checkpointing.save wants an existing, empty directory
+        path = str(path)
         dist_checkpointing.save(a.sharded_state_dict(prefix="m."), path)
         dist.barrier()
         torch.manual_seed(2)
