@@ -327,7 +327,7 @@ def _build_one(kind: str, cfg):
     return layer
 
 
-def dist_ckpt_case(rank, world, *, path, save, load, act="swiglu"):
+def dist_ckpt_case(rank, world, *, path, save, load, act="swiglu", singleton=False):
     """Save a layer with dist_checkpointing in one (kind, tp, ep, etp) layout, load it into a freshly
     initialised layer in another; return whether every tensor came back bitwise."""
     import torch.distributed as dist
@@ -349,12 +349,13 @@ def dist_ckpt_case(rank, world, *, path, save, load, act="swiglu"):
 
     saved = layer_for(save, seed=1)
     want = gather(saved)
-    dist_checkpointing.save(saved.sharded_state_dict(prefix="moe."), path)
+    metadata = {"singleton_local_shards": True} if singleton else None
+    dist_checkpointing.save(saved.sharded_state_dict(prefix="moe.", metadata=metadata), path)
     dist.barrier()
 
     fresh = layer_for(load, seed=2)
     before = gather(fresh)
-    state = dist_checkpointing.load(fresh.sharded_state_dict(prefix="moe."), path)
+    state = dist_checkpointing.load(fresh.sharded_state_dict(prefix="moe.", metadata=metadata), path)
     fresh.load_state_dict({k[len("moe.") :]: v for k, v in state.items()}, strict=True)
     got = gather(fresh)
     keys = sorted(k for k in want if k.startswith("experts."))

@@ -38,6 +38,14 @@ def test_dist_checkpointing_non_gated_activation(pool, tmp_path_factory):
     assert all(all(r["bitwise"].values()) for r in results)
 
 
+@pytest.mark.parametrize("save,load", [(("megatron", 1, 2, 1), ("mok", 1, 2, 1)), (("mok", 2, 2, 2), ("megatron", 2, 2, 2))])
+def test_dist_checkpointing_singleton_local_shards(pool, tmp_path_factory, save, load):
+    """Megatron's `singleton_local_shards` format (one key per global expert) interchanges too."""
+    path = str(tmp_path_factory.mktemp("ckpt"))
+    results = pool.run("tests.cases:dist_ckpt_case", path=path, save=save, load=load, singleton=True)
+    assert all(all(r["bitwise"].values()) and all(r["changed_by_load"].values()) for r in results)
+
+
 def _model_sd(num_layers=2, experts=4, f1=16, h=8, f=8):
     g = torch.Generator().manual_seed(0)
     sd = {"embedding.word_embeddings.weight": torch.randn(32, h, generator=g)}
