@@ -50,7 +50,8 @@ def combine_preprocess(y_RH: torch.Tensor, plan: DispatchPlan, reduce_dtype: tor
     if plan.unsort_idx_R is not None:
         y_RH = y_RH.index_select(0, plan.unsort_idx_R)
     if plan.groups.tp_size > 1:
-        # Expert-TP partial sums are reduced in fp32, as Megatron's dispatcher does.
+        # Expert-TP partial sums are reduced in fp32 (Megatron reduces in the router-probability
+        # dtype, which is fp32 only with moe_router_dtype='fp32').
         dtype = y_RH.dtype
         y_RH = reduce_scatter_v(y_RH.to(reduce_dtype), plan.tp_splits, plan.groups.tp).to(dtype)
     return y_RH
