@@ -19,6 +19,7 @@ from megatron.core.utils import get_pg_size
 
 from mok_megatron.config import MoKConfig, MoKConfigError
 from mok_megatron.mcore.dispatcher import MoKTokenDispatcher
+from mok_megatron.options import MoKOptions, default_options
 
 
 class MoKMoELayer(MoELayer):
@@ -30,6 +31,7 @@ class MoKMoELayer(MoELayer):
         pg_collection=None,
         is_mtp_layer: bool = False,
         name: str | None = None,
+        options: MoKOptions | None = None,
     ):
         pg = pg_collection if pg_collection is not None else get_default_pg_collection()
         # Validate everything before Megatron builds anything (and before any collective).
@@ -60,6 +62,7 @@ class MoKMoELayer(MoELayer):
             name=name,
         )
         self.mok_config = mok_config
+        self.mok_options = options if options is not None else default_options()
         self.token_dispatcher = MoKTokenDispatcher(
             self.num_local_experts,
             self.local_expert_indices,

@@ -1,0 +1,84 @@
+"""``MoKOptions``: the MoK-only knobs that Megatron's ``TransformerConfig`` has no field for.
+
+They come from the ``--mok-*`` command-line flags (``mok_megatron.arguments``), from a spec
+(``get_gpt_layer_with_mok_spec(..., options=MoKOptions(...))``), or from the process default that
+the flags set (``set_default_options``). Frozen and validated at construction.
+
+    minibatch_size       tokens per pipelined minibatch (None: the automatic rule in
+                         ``mok_megatron.functional.pipeline.auto_minibatch_size``)
+    capacity_multiplier  sync-free mode: receive buffer per source rank, as a fraction of that
+                         rank's tokens (1.0 can never overflow; smaller saves memory; overflow is
+                         detected and the step's exchange is redone in exact mode, never dropped)
+    sync_free            exchange token counts on device and move fixed-capacity buffers, so the
+                         layer never reads the device from the host (CUDA-graph capturable)
+    deterministic        fixed-order, atomic-free reductions: bitwise-identical run to run
+    transport            'auto' | 'collective' (NCCL / gloo all-to-all) | 'copy_engine'
+                         (symmetric-memory peer pulls on the copy engine, one NVLink domain) |
+                         'loopback' (one GPU stands in for EP peers; benchmarks only)
+    loopback_gbps        loopback transport: emulated per-direction link bandwidth (0 = infinite)
+    loopback_ep          loopback transport: the EP size whose traffic is emulated
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+TRANSPORTS = ("auto", "collective", "copy_engine", "loopback")
+
+
+class MoKOptionsError(ValueError):
+    """A bad ``--mok-*`` option. The message names the value and the fix."""
+
+
+@dataclass(frozen=True)
+class MoKOptions:
+    minibatch_size: int | None = None
+    capacity_multiplier: float = 1.0
+    sync_free: bool = False
+    deterministic: bool = False
+    transport: str = "auto"
+    loopback_gbps: float = 0.0
+    loopback_ep: int = 2
+
+    def __post_init__(self):
+        if self.minibatch_size is not None and (
+            isinstance(self.minibatch_size, bool) or int(self.minibatch_size) < 1
+        ):
+            raise MoKOptionsError(
+                f"--mok-minibatch-size={self.minibatch_size}: must be a positive number of tokens "
+                "(or omitted for the automatic rule). Use a value >= the sequence's tokens per rank "
+                "to turn pipelining off."
+            )
+        if not self.capacity_multiplier > 0:
+            raise MoKOptionsError(
+                f"--mok-capacity-multiplier={self.capacity_multiplier}: must be > 0 (the fraction of a "
+                "source rank's tokens one destination can receive; 1.0 never overflows)."
+            )
+        if self.capacity_multiplier > 1:
+            raise MoKOptionsError(
+                f"--mok-capacity-multiplier={self.capacity_multiplier}: values above 1.0 only waste "
+                "memory (a destination receives each source token at most once); use 1.0."
+            )
+        if self.transport not in TRANSPORTS:
+            raise MoKOptionsError(
+                f"--mok-transport={self.transport!r}: choose one of {', '.join(TRANSPORTS)}."
+            )
+        if self.loopback_gbps < 0:
+            raise MoKOptionsError(f"loopback_gbps={self.loopback_gbps}: must be >= 0 (0 = infinite).")
+        if self.loopback_ep < 1:
+            raise MoKOptionsError(f"loopback_ep={self.loopback_ep}: must be >= 1.")
+
+
+_default = MoKOptions()
+
+
+def set_default_options(options: MoKOptions) -> None:
+    """Options for MoK layers built without explicit ones (the ``--mok-*`` flags set this)."""
+    global _default
+    if not isinstance(options, MoKOptions):
+        raise TypeError(f"expected MoKOptions, got {type(options).__name__}")
+    _default = options
+
+
+def default_options() -> MoKOptions:
+    return _default
