@@ -150,14 +150,17 @@ def make_config(
     return cfg
 
 
-def build_layers(cfg, layer_number: int = 1):
-    """(reference Megatron MoELayer, MoK layer) with identical weights."""
+def build_layers(cfg, layer_number: int = 1, opts: dict | None = None):
+    """(reference Megatron MoELayer, MoK layer) with identical weights; ``opts``: MoKOptions fields."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_submodules
 
+    from mok_megatron.options import MoKOptions
     from mok_megatron.spec import get_gpt_layer_with_mok_spec
 
     ref = get_gpt_layer_local_submodules(num_experts=cfg.num_moe_experts).mlp(config=cfg)
-    mok = get_gpt_layer_with_mok_spec(use_te=False).submodules.mlp(config=cfg)
+    mok = get_gpt_layer_with_mok_spec(use_te=False).submodules.mlp(
+        config=cfg, options=MoKOptions(**(opts or {}))
+    )
     for m in (ref, mok):
         m.set_layer_number(layer_number)
         m.train()
@@ -217,7 +220,19 @@ def compare(ref_res, mok_res) -> dict:
 
 
 def parity_case(
-    rank, world, *, tp=1, ep=1, etp=1, seq=16, batch=2, seed=0, steps=1, router_bias=None, **cfg_kw
+    rank,
+    world,
+    *,
+    tp=1,
+    ep=1,
+    etp=1,
+    seq=16,
+    batch=2,
+    seed=0,
+    steps=1,
+    router_bias=None,
+    opts=None,
+    **cfg_kw,
 ):
     """Reference vs MoK on this rank's input; ``steps`` forward/backward passes (router state such as
     the expert-bias token counts and the global-aux-loss window carries over between them).
@@ -227,7 +242,7 @@ def parity_case(
     setup_parallel(tp=tp, ep=ep, etp=etp)
     cfg = make_config(tp=tp, ep=ep, etp=etp, **cfg_kw)
     torch.manual_seed(seed)
-    ref, mok = build_layers(cfg)
+    ref, mok = build_layers(cfg, opts=opts)
     if router_bias:
         for layer in (ref, mok):
             with torch.no_grad():
@@ -249,23 +264,26 @@ def parity_case(
     return worst
 
 
-def build_error_case(rank, world, *, ep=4, **cfg_kw):
+def build_error_case(rank, world, *, ep=4, cfg_ep=1, opts=None, **cfg_kw):
     """Build a MoK layer from a bad config on every rank; return the error text (or None)."""
     from mok_megatron.config import MoKConfigError
 
     setup_parallel(ep=ep)
-    cfg = make_config(ep=1, **cfg_kw)  # the config may disagree with the live EP group on purpose
+    cfg = make_config(ep=cfg_ep, **cfg_kw)  # the config may disagree with the live EP group on purpose
     try:
-        build_mok_only(cfg)
+        build_mok_only(cfg, opts)
     except MoKConfigError as e:
         return str(e)
     return None
 
 
-def build_mok_only(cfg):
+def build_mok_only(cfg, opts: dict | None = None):
+    from mok_megatron.options import MoKOptions
     from mok_megatron.spec import get_gpt_layer_with_mok_spec
 
-    return get_gpt_layer_with_mok_spec(use_te=False).submodules.mlp(config=cfg)
+    return get_gpt_layer_with_mok_spec(use_te=False).submodules.mlp(
+        config=cfg, options=MoKOptions(**(opts or {}))
+    )
 
 
 def forward_error_case(rank, world, *, ep=2, **cfg_kw):
@@ -465,3 +483,30 @@ def gpt_parity_case(rank, world, *, tp=1, ep=1, etp=1, steps=2, mtp=False):
                     if p.grad is not None:
                         p -= 0.1 * p.grad
     return {"losses": losses, "worst": worst, "mok_layers": n_mok}
+
+
+def pipeline_case(rank, world, *, ep=2, repeat=False, **kw):
+    """``parity_case`` through the overlap pipeline; also reports sync-free overflow redos and, with
+    ``repeat``, whether a second identical run is bitwise equal to the first."""
+    from mok_megatron.mcore.dispatcher import PipelineStats
+
+    before = PipelineStats.overflow_redos
+    calls = PipelineStats.calls
+    res = parity_case(rank, world, ep=ep, **kw)
+    res["overflow_redos"] = PipelineStats.overflow_redos - before
+    res["pipeline_calls"] = PipelineStats.calls - calls
+    if repeat:
+        setup_parallel(ep=ep)
+        cfg = make_config(ep=ep, **{k: v for k, v in kw.items() if k not in ("opts", "seed")})
+        outs = []
+        for _ in range(2):
+            torch.manual_seed(0)
+            _, mok = build_layers(cfg, opts=kw.get("opts"))
+            g = torch.Generator().manual_seed(rank)
+            x = torch.randn(16, 2, cfg.hidden_size, generator=g)
+            outs.append(run_layer(mok, x, torch.randn(16, 2, cfg.hidden_size, generator=g)))
+        (o1, dx1, g1, _), (o2, dx2, g2, _) = outs
+        res["bitwise"] = bool(
+            torch.equal(o1, o2) and torch.equal(dx1, dx2) and all(torch.equal(g1[k], g2[k]) for k in g1)
+        )
+    return res

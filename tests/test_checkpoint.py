@@ -38,7 +38,9 @@ def test_dist_checkpointing_non_gated_activation(pool, tmp_path_factory):
     assert all(all(r["bitwise"].values()) for r in results)
 
 
-@pytest.mark.parametrize("save,load", [(("megatron", 1, 2, 1), ("mok", 1, 2, 1)), (("mok", 2, 2, 2), ("megatron", 2, 2, 2))])
+@pytest.mark.parametrize(
+    "save,load", [(("megatron", 1, 2, 1), ("mok", 1, 2, 1)), (("mok", 2, 2, 2), ("megatron", 2, 2, 2))]
+)
 def test_dist_checkpointing_singleton_local_shards(pool, tmp_path_factory, save, load):
     """Megatron's `singleton_local_shards` format (one key per global expert) interchanges too."""
     path = str(tmp_path_factory.mktemp("ckpt"))

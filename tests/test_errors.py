@@ -103,3 +103,37 @@ SWIGLU = ActivationSpec(kind=Activation.SILU, gated=True)
 def test_mok_config_validation(kwargs, pattern):
     with pytest.raises(MoKConfigError, match=pattern):
         MoKConfig(hidden_size=16, ffn_hidden_size=8, activation=SWIGLU, **kwargs)
+
+
+@pytest.mark.parametrize(
+    "opts,needle",
+    [
+        (dict(minibatch_size=0), "--mok-minibatch-size=0"),
+        (dict(capacity_multiplier=0.0), "--mok-capacity-multiplier=0.0"),
+        (dict(capacity_multiplier=1.5), "--mok-capacity-multiplier=1.5"),
+        (dict(transport="nvshmem"), "--mok-transport='nvshmem'"),
+        (dict(loopback_ep=0), "loopback_ep=0"),
+    ],
+)
+def test_bad_options_name_the_flag(opts, needle):
+    from mok_megatron.options import MoKOptions, MoKOptionsError
+
+    with pytest.raises(MoKOptionsError, match="must|choose|only waste") as e:
+        MoKOptions(**opts)
+    assert needle in str(e.value)
+
+
+@pytest.mark.parametrize(
+    "cfg_kw,opts,needle",
+    [
+        (dict(mode="drop_probs"), dict(sync_free=True), "moe_expert_capacity_factor=0.75 (token dropping)"),
+        (dict(mode="dropless"), dict(transport="loopback"), "emulates expert parallelism on one rank"),
+        (dict(mode="dropless"), dict(transport="copy_engine"), "needs CUDA GPUs"),
+    ],
+)
+def test_pipeline_options_rejected_where_unsupported(pool, cfg_kw, opts, needle):
+    if opts.get("transport") == "copy_engine" and torch.cuda.is_available():
+        pytest.skip("copy_engine is available on CUDA")
+    msgs = pool.run("tests.cases:build_error_case", ep=2, cfg_ep=2, opts=opts, **cfg_kw)
+    for m in msgs:
+        assert m is not None and needle in m, m

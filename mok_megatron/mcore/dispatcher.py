@@ -5,12 +5,19 @@ the frozen ``DispatchPlan`` of the call in flight, set by ``dispatch_preprocess`
 ``combine_postprocess``. Everything backward needs is captured by the autograd graph, so Megatron's
 schedules may interleave the backward of one micro-batch with the forward of the next.
 
+Pipelined mode (the overlap engine, ``mok_megatron.functional.pipeline``): when expert parallelism is
+on and the routing is dropless without expert-TP, ``dispatch_preprocess`` builds a ``PipelinePlan``,
+``token_dispatch`` / ``token_combine`` pass tensors through, and ``MoKMoELayer.routed_experts_compute``
+runs dispatch -> experts -> combine as one minibatch pipeline (``run_pipeline`` here).
+
 With ``moe_shared_expert_overlap`` the dispatcher drives ``SharedExpertMLP``'s overlap hooks in the
 same order as Megatron's alltoall dispatcher (pre_forward_comm -> fc1 -> fc2 -> post_forward_comm ->
 get_output), and adds the shared output in ``combine_postprocess``: it is never dropped.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 from megatron.core.transformer.moe.token_dispatcher import MoETokenDispatcher
@@ -19,19 +26,50 @@ from mok_megatron import profiling
 from mok_megatron.config import MoKConfig
 from mok_megatron.functional import dispatch as F
 from mok_megatron.functional.comm import all_to_all_v
+from mok_megatron.functional.pipeline import run_pipeline as _run_pipeline
+from mok_megatron.functional.pipeline_plan import PipelinePlan, auto_minibatch_size, build_pipeline_plan
 from mok_megatron.functional.plan import DispatchPlan, EPGroups, build_plan
+from mok_megatron.options import MoKOptions
+
+
+@dataclass(frozen=True)
+class PipelineCall:
+    """What the pipelined routed-experts phase needs: the plan and the routing it was built from."""
+
+    plan: PipelinePlan
+    routing_map_TE: torch.Tensor
+
+
+class PipelineStats:
+    """Process-wide counters of the overlap engine (sync-free overflows redone in exact mode)."""
+
+    overflow_redos = 0
+    calls = 0
 
 
 class MoKTokenDispatcher(MoETokenDispatcher):
     def __init__(
-        self, num_local_experts: int, local_expert_indices, config, pg_collection, mok_config: MoKConfig
+        self,
+        num_local_experts: int,
+        local_expert_indices,
+        config,
+        pg_collection,
+        mok_config: MoKConfig,
+        options: MoKOptions | None = None,
+        transport=None,
     ):
         super().__init__(config=config, pg_collection=pg_collection)
         self.num_local_experts = num_local_experts
         self.local_expert_indices = list(local_expert_indices)
         self.mok_config = mok_config
         self.groups = EPGroups.from_pg_collection(pg_collection)
-        self._plan: DispatchPlan | None = None
+        self.options = options or MoKOptions()
+        self.transport = transport  # set: the overlap engine runs (see pipeline_supported)
+        self._plan: DispatchPlan | PipelineCall | None = None
+
+    @property
+    def pipelined(self) -> bool:
+        return self.transport is not None
 
     @property
     def plan(self) -> DispatchPlan:
@@ -53,19 +91,66 @@ class MoKTokenDispatcher(MoETokenDispatcher):
                 f"experts], got {routing_map.dtype} {tuple(routing_map.shape)} and {tuple(probs.shape)}"
             )
         dev = hidden_states.device
-        hidden_states = profiling.backward_mark(hidden_states, id(self), closes="dispatch", opens=None)
+        # Pipelined: dispatch, experts and combine are one overlapped phase, timed as "experts".
+        closes = "experts" if self.pipelined else "dispatch"
+        hidden_states = profiling.backward_mark(hidden_states, id(self), closes=closes, opens=None)
         with profiling.phase("dispatch", dev):
             hidden_shape = hidden_states.shape
-            self._plan = build_plan(hidden_shape, routing_map, probs, self.mok_config, self.groups)
+            if self.pipelined:
+                self._plan = PipelineCall(self._pipeline_plan(hidden_shape, routing_map), routing_map)
+            else:
+                self._plan = build_plan(hidden_shape, routing_map, probs, self.mok_config, self.groups)
             if self.shared_experts is not None:
                 self.shared_experts.pre_forward_comm(hidden_states)
+            if self.pipelined:
+                return hidden_states.reshape(-1, hidden_shape[-1]), probs
             return F.dispatch_preprocess(hidden_states.reshape(-1, hidden_shape[-1]), probs, self._plan)
+
+    def _pipeline_plan(self, hidden_shape, routing_map, sync_free=None):
+        o, cfg = self.options, self.mok_config
+        T = routing_map.shape[0]
+        mbs = o.minibatch_size or auto_minibatch_size(
+            T,
+            cfg.topk,
+            cfg.num_local_experts,
+            max(cfg.ep_size, o.loopback_ep if self.transport.name == "loopback" else 1),
+        )
+        return build_pipeline_plan(
+            hidden_shape,
+            routing_map,
+            cfg.num_local_experts,
+            cfg.topk,
+            self.groups.ep,
+            mbs,
+            sync_free=o.sync_free if sync_free is None else sync_free,
+            capacity_multiplier=o.capacity_multiplier,
+        )
+
+    def run_pipeline(self, hidden_states: torch.Tensor, probs: torch.Tensor, expert_fn) -> torch.Tensor:
+        """Pipelined dispatch -> experts -> combine of the call in flight: ``[T, H]``."""
+        call = self.plan
+        args = (self.transport, self.mok_config.topk, self.options.deterministic)
+        with profiling.phase("experts", hidden_states.device):
+            out = _run_pipeline(hidden_states, probs, call.routing_map_TE, call.plan, expert_fn, *args)
+            PipelineStats.calls += 1
+            plan = call.plan
+            if plan.sync_free and self.options.capacity_multiplier < 1.0 and bool(plan.overflow):
+                # A destination got more tokens than its fixed buffers hold: nothing is dropped, the
+                # whole exchange is redone with exact sizes (one host read, counted).
+                PipelineStats.overflow_redos += 1
+                exact = self._pipeline_plan(plan.hidden_shape, call.routing_map_TE, sync_free=False)
+                out = _run_pipeline(hidden_states, probs, call.routing_map_TE, exact, expert_fn, *args)
+        return out
 
     def token_dispatch(self, hidden_states: torch.Tensor, probs: torch.Tensor):
         with profiling.phase("dispatch", hidden_states.device):
             if self.shared_experts is not None:
                 self.shared_experts.wait_current_stream()
             plan = self.plan
+            if self.pipelined:
+                if self.shared_experts is not None:
+                    self.shared_experts.linear_fc1_forward_and_act(hidden_states)
+                return hidden_states, probs
             x = all_to_all_v(hidden_states, plan.recv_splits, plan.send_splits, plan.groups.ep)
             if self.shared_experts is not None:
                 self.shared_experts.linear_fc1_forward_and_act(x)
@@ -83,6 +168,8 @@ class MoKTokenDispatcher(MoETokenDispatcher):
     # ---- combine -----------------------------------------------------------------------------
 
     def combine_preprocess(self, hidden_states: torch.Tensor):
+        if self.pipelined:
+            raise RuntimeError("combine_preprocess: the pipelined MoK layer combines inside run_pipeline")
         dev = hidden_states.device
         profiling.close_span(id(self), "experts", dev)
         hidden_states = profiling.backward_mark(hidden_states, id(self), closes="combine", opens="experts")
@@ -93,7 +180,10 @@ class MoKTokenDispatcher(MoETokenDispatcher):
         with profiling.phase("combine", hidden_states.device):
             if self.shared_experts is not None:
                 self.shared_experts.wait_current_stream()
-            y = F.token_combine(hidden_states, self.plan)
+            if self.pipelined:
+                y = hidden_states
+            else:
+                y = F.token_combine(hidden_states, self.plan)
             if self.shared_experts is not None:
                 self.shared_experts.linear_fc2_forward(y)
                 self.shared_experts.post_forward_comm()
@@ -101,9 +191,14 @@ class MoKTokenDispatcher(MoETokenDispatcher):
 
     def combine_postprocess(self, hidden_states: torch.Tensor):
         with profiling.phase("combine", hidden_states.device):
-            out = F.combine_postprocess(hidden_states, self.plan)
+            plan = self.plan
+            if self.pipelined:
+                out = hidden_states.view(plan.plan.hidden_shape)
+            else:
+                out = F.combine_postprocess(hidden_states, plan)
             self._plan = None
-        out = profiling.backward_mark(out, id(self), closes=None, opens="combine")
+        opens = "experts" if self.pipelined else "combine"
+        out = profiling.backward_mark(out, id(self), closes=None, opens=opens)
         if self.shared_experts is not None:
             out = out + self.shared_experts.get_output()
         return out

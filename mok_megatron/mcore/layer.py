@@ -13,12 +13,16 @@ from __future__ import annotations
 
 import copy
 
+import torch
+
 from megatron.core.transformer.moe.moe_layer import MoELayer
 from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
 from megatron.core.utils import get_pg_size
 
 from mok_megatron.config import MoKConfig, MoKConfigError
 from mok_megatron.mcore.dispatcher import MoKTokenDispatcher
+from mok_megatron.mcore.experts import MoKGroupedMLP
+from mok_megatron.mcore.engine import select_transport
 from mok_megatron.options import MoKOptions, default_options
 
 
@@ -69,6 +73,30 @@ class MoKMoELayer(MoELayer):
             config=self.config,
             pg_collection=pg,
             mok_config=mok_config,
+            options=self.mok_options,
+            transport=select_transport(mok_config, self.mok_options, pg.ep),
         )
+        if self.mok_options.sync_free and self.token_dispatcher.pipelined:
+            if not isinstance(self.experts, MoKGroupedMLP):
+                raise MoKConfigError(
+                    f"--mok-sync-free needs MoK's experts (MoKGroupedMLP); {type(self.experts).__name__} "
+                    "reads token counts on the host. Use a MoK spec, or drop --mok-sync-free."
+                )
         if self.use_shared_expert and self.shared_expert_overlap:
             self.token_dispatcher.set_shared_experts(self.shared_experts)
+
+    def routed_experts_compute(self, hidden_states, probs):
+        if not self.token_dispatcher.pipelined:
+            return super().routed_experts_compute(hidden_states, probs)
+        experts = self.experts
+        device_counts = isinstance(experts, MoKGroupedMLP)
+
+        def expert_fn(x_MH, tpe_dev, tpe_host, probs_M):
+            # Megatron's own experts read the counts on the host (tolist): give them host counts.
+            tpe = tpe_dev if device_counts or tpe_host is None else torch.tensor(tpe_host)
+            y, bias = experts(x_MH, tpe, probs_M)
+            if bias is not None:
+                raise MoKConfigError("the pipelined MoK layer needs experts without an output bias")
+            return y
+
+        return self.token_dispatcher.run_pipeline(hidden_states, probs, expert_fn), None

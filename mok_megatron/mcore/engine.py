@@ -1,0 +1,64 @@
+"""Which engine a MoK layer runs: the overlap pipeline (with which transport) or the plain path.
+
+The pipeline (``mok_megatron.functional.pipeline``) runs when expert parallelism is on (or the
+loopback transport emulates it) and routing is dropless without expert-TP. Capacity dropping,
+drop-and-pad, router padding and expert-TP keep the unpipelined six-phase path, and asking for a
+pipeline-only option with them is an error naming the settings.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mok_megatron.config import MoKConfig, MoKConfigError
+from mok_megatron.functional.transport import CollectiveTransport, CopyEngineTransport, LoopbackTransport
+from mok_megatron.options import MoKOptions
+
+
+def _unsupported(cfg: MoKConfig) -> list[str]:
+    why = []
+    if not cfg.dropless:
+        why.append(f"moe_expert_capacity_factor={cfg.capacity_factor} (token dropping)")
+    if cfg.router_pad_multiple:
+        why.append("moe_router_padding_for_quantization=True")
+    if cfg.etp_size > 1:
+        why.append(f"expert_tensor_parallel_size={cfg.etp_size}")
+    return why
+
+
+def select_transport(cfg: MoKConfig, options: MoKOptions, ep_group):
+    """The transport of the overlap engine, or None for the unpipelined path."""
+    explicit = [
+        f"{flag}"
+        for flag, on in (
+            ("--mok-minibatch-size", options.minibatch_size is not None),
+            ("--mok-sync-free", options.sync_free),
+            (f"--mok-transport {options.transport}", options.transport != "auto"),
+        )
+        if on
+    ]
+    why = _unsupported(cfg)
+    if why:
+        if explicit:
+            raise MoKConfigError(
+                f"{', '.join(explicit)} need(s) the MoK overlap pipeline, which supports dropless routing "
+                f"without expert tensor parallelism; this layer has {', '.join(why)}. Drop the --mok-* "
+                "option(s) (the layer then runs unpipelined) or change those settings."
+            )
+        return None
+    if options.transport == "loopback":
+        if cfg.ep_size != 1:
+            raise MoKConfigError(
+                f"--mok-transport loopback emulates expert parallelism on one rank; this layer has "
+                f"EP={cfg.ep_size}. Use collective or copy_engine with real EP ranks."
+            )
+        return LoopbackTransport(options.loopback_ep, cfg.num_local_experts, cfg.topk, options.loopback_gbps)
+    if cfg.ep_size == 1:
+        return None  # nothing to move, nothing to overlap
+    if options.transport == "copy_engine":
+        if not torch.cuda.is_available():
+            raise MoKConfigError(
+                "--mok-transport copy_engine needs CUDA GPUs in one NVLink domain; use collective here."
+            )
+        return CopyEngineTransport(ep_group)
+    return CollectiveTransport(ep_group)
