@@ -84,7 +84,7 @@ def _config(shape: dict, dtype):
     )
 
 
-def build(impl: str, cfg):
+def build(impl: str, cfg, options=None):
     """One MoE layer: 'mok', 'megatron' (SequentialMLP, no TE) or 'megatron-te' (TEGroupedMLP)."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_submodules
 
@@ -102,7 +102,7 @@ def build(impl: str, cfg):
         ).mlp
     else:
         raise ValueError(f"unknown implementation {impl!r}: choose mok, megatron, megatron-te")
-    layer = mlp(config=cfg)
+    layer = mlp(config=cfg, options=options) if impl == "mok" else mlp(config=cfg)
     layer.set_layer_number(1)
     return layer
 

@@ -59,7 +59,10 @@ def main(argv: list[str] | None = None) -> int:
         "env": _env,
         "demo": lambda rest: __import__("mok_megatron.demo", fromlist=["main"]).main(rest),
         "convert": _convert,
-        "bench": lambda rest: __import__("mok_megatron.bench", fromlist=["main"]).main(rest),
+        "bench": lambda rest: __import__(
+            "mok_megatron.bench_overlap" if rest[:1] in (["overlap"], ["ep"]) else "mok_megatron.bench",
+            fromlist=["main"],
+        ).main(rest),
     }
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in commands:
         print(

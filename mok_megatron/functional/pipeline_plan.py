@@ -102,11 +102,8 @@ def _counts(routing_map_TE, bounds, ep, L):
     """``[C, EP, L+1]``: rows per (minibatch, destination local expert) and token rows per destination."""
     T = routing_map_TE.shape[0]
     C = len(bounds) - 1
-    mb_T = torch.bucketize(
-        torch.arange(T, device=routing_map_TE.device),
-        torch.tensor(bounds[1:-1], device=routing_map_TE.device),
-        right=True,
-    )
+    size = bounds[1] - bounds[0] if C else 1  # equal minibatches but the last: no host tensors
+    mb_T = torch.arange(T, device=routing_map_TE.device) // max(size, 1)
     rm = routing_map_TE.view(T, ep, L)
     per = torch.cat([rm, rm.any(-1, keepdim=True)], -1).to(torch.int64).view(T, -1)  # [T, EP*(L+1)]
     out = torch.zeros((C, ep * (L + 1)), dtype=torch.int64, device=routing_map_TE.device)
@@ -145,7 +142,7 @@ def build_pipeline_plan(
     # collective has the same size on every rank; T rides along to check that the ranks agree).
     payload = torch.zeros((ep, MAX_MINIBATCHES, L + 1), dtype=torch.int64, device=device)
     payload[:, :C] = counts_CPW.transpose(0, 1)
-    payload = torch.cat([payload.view(-1), torch.tensor([T], dtype=torch.int64, device=device)])
+    payload = torch.cat([payload.view(-1), torch.full((1,), T, dtype=torch.int64, device=device)])
     if ep > 1:
         gathered = payload.new_empty((ep * payload.numel(),))  # flat: gloo wants it so
         dist.all_gather_into_tensor(gathered, payload, group=ep_group)

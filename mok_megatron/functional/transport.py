@@ -165,6 +165,7 @@ class LoopbackTransport:
         self.gbps = gbps
         self._delay_stream = None
         self._cycles_per_s = None
+        self.bytes_moved = 0  # emulated link bytes so far (benchmarks read it)
 
     def _calibrate(self):
         # torch.cuda._sleep spins for a number of clock cycles; measure cycles per second once.
@@ -179,6 +180,7 @@ class LoopbackTransport:
     def move(self, x: torch.Tensor, mb: SendPlan, direction: int) -> torch.Tensor:
         out = torch.empty_like(x)
         nbytes = x.numel() * x.element_size() * self.factor
+        self.bytes_moved += nbytes
         if x.device.type != "cuda":
             out.copy_(x)
             return out

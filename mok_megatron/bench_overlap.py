@@ -1,0 +1,403 @@
+"""Overlap benchmarks: how much expert-parallel communication the MoK pipeline hides.
+
+``mok bench overlap`` (one GPU): the layer holds one EP rank's experts; the loopback transport moves
+the bytes that rank would move at the emulated EP size (expected remote ranks per token under
+uniform routing) with the copy engine and waits ``bytes / bandwidth`` on a delay stream. For each
+link bandwidth and minibatch count it reports the layer time (fwd+bwd), the link time of the bytes
+moved, and the exposed fraction ``(t - t0) / link time``, where ``t0`` is the same layer with no
+communication and no pipelining (MoK's plain EP=1 path).
+
+``mok bench ep`` (``torchrun --nproc-per-node N -m mok_megatron.bench_overlap ep``): real expert
+parallelism over N GPUs (N local experts per rank x N ranks), MoK per transport and minibatch count vs
+Megatron-Core's alltoall ``MoELayer`` (TEGroupedMLP when Transformer Engine is importable), and the
+same per-rank work at EP=1 (each rank alone), so exposed communication = t(EP=N) - t(EP=1).
+
+Times are medians of CUDA-event timings (max over ranks); outputs are checked against Megatron first.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import sys
+
+OVERLAP_SHAPES = {
+    # name: per-rank slice (L local experts), emulated EP size
+    "dsv3-4k": dict(hidden=7168, ffn=2048, experts=8, topk=8, tokens=4096, ep=32),
+    "dsv3-16k": dict(hidden=7168, ffn=2048, experts=8, topk=8, tokens=16384, ep=32),
+    "qwen3-ep8": dict(hidden=2048, ffn=768, experts=16, topk=8, tokens=16384, ep=8),
+    "tiny": dict(hidden=64, ffn=64, experts=4, topk=2, tokens=256, ep=4),
+}
+EP_SHAPES = {  # per-rank: local experts, tokens
+    "dsv3": dict(hidden=7168, ffn=2048, local=8, topk=8, tokens=4096),
+    "qwen3": dict(hidden=2048, ffn=768, local=64, topk=8, tokens=16384),
+    "tiny": dict(hidden=64, ffn=64, local=4, topk=2, tokens=256),
+}
+
+
+def _time(step, iters: int, warmup: int) -> float:
+    import torch
+
+    for _ in range(warmup):
+        step()
+    times = []
+    for _ in range(iters):
+        if torch.cuda.is_available():
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            step()
+            b.record()
+            b.synchronize()
+            times.append(a.elapsed_time(b) / 1e3)
+        else:
+            import time
+
+            t = time.perf_counter()
+            step()
+            times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def _stepper(layer, x, dout):
+    def step():
+        xi = x.detach().requires_grad_(True)
+        out, _ = layer(xi)
+        out.backward(dout)
+        layer.zero_grad(set_to_none=True)
+        return out
+
+    return step
+
+
+def _inputs(tokens, hidden, dtype, device, seed=0):
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(tokens, 1, hidden, generator=g).to(device, dtype)
+    dout = (torch.randn(tokens, 1, hidden, generator=g) * 1e-2).to(device, dtype)
+    return x, dout
+
+
+def stream_overlap(step, device) -> dict:
+    """Profile one step: busy time of each CUDA stream and the time two or more streams run at once."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    spans: dict[int, list] = {}
+    for e in prof.events():
+        if e.device_type.name != "CUDA" or e.time_range.elapsed_us() <= 0:
+            continue
+        stream = getattr(e, "stream", None) or getattr(e, "device_resource_id", 0)
+        spans.setdefault(stream, []).append((e.time_range.start, e.time_range.end))
+
+    def union(iv):
+        iv = sorted(iv)
+        out = []
+        for a, b in iv:
+            if out and a <= out[-1][1]:
+                out[-1][1] = max(out[-1][1], b)
+            else:
+                out.append([a, b])
+        return out
+
+    busy = {s: union(v) for s, v in spans.items()}
+    # time covered by >= 2 streams
+    marks = sorted(
+        [(a, 1) for v in busy.values() for a, _ in v] + [(b, -1) for v in busy.values() for _, b in v]
+    )
+    depth, last, both = 0, None, 0.0
+    for t, d in marks:
+        if depth >= 2 and last is not None:
+            both += t - last
+        depth += d
+        last = t
+    return {
+        "busy_ms_per_stream": {str(s): sum(b - a for a, b in v) / 1e3 for s, v in busy.items()},
+        "concurrent_ms": both / 1e3,
+    }
+
+
+def bench_overlap(shapes, gbps_list, chunks_list, iters, warmup, profile_one=True) -> list[dict]:
+    import torch
+
+    from mok_megatron.bench import _config, _init_single_process, build
+    from mok_megatron.options import MoKOptions
+
+    _init_single_process()
+    device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    rows = []
+    for name in shapes:
+        s = OVERLAP_SHAPES[name]
+        cfg = _config(s, dtype)
+        x, dout = _inputs(s["tokens"], s["hidden"], dtype, device)
+        torch.manual_seed(0)
+        base = build("mok", cfg).to(device)
+        sd = base.state_dict()
+        ref = base(x)[0].detach().float()
+        t0 = _time(_stepper(base, x, dout), iters, warmup)
+        del base
+        rows.append(dict(shape=name, gbps=None, chunks=0, ms=1e3 * t0, comm_ms=0.0))
+        print(f"{name}: no communication, no pipelining: {1e3 * t0:.2f} ms", flush=True)
+        for gbps in gbps_list:
+            for chunks in chunks_list:
+                opts = MoKOptions(
+                    minibatch_size=math.ceil(s["tokens"] / chunks),
+                    transport="loopback",
+                    loopback_ep=s["ep"],
+                    loopback_gbps=gbps,
+                )
+                layer = build("mok", cfg, options=opts).to(device)
+                layer.load_state_dict(sd)
+                out = layer(x)[0].detach().float()
+                err = ((out - ref).abs().max() / ref.abs().max().clamp_min(1e-12)).item()
+                if err > 2e-2:
+                    raise RuntimeError(f"{name}: pipelined output differs from the plain layer ({err:.2e})")
+                tr = layer.token_dispatcher.transport
+                step = _stepper(layer, x, dout)
+                step()
+                torch.cuda.synchronize() if device.type == "cuda" else None
+                b0 = tr.bytes_moved
+                step()
+                per_step = tr.bytes_moved - b0
+                if device.type == "cuda":
+                    torch.cuda.reset_peak_memory_stats()
+                t = _time(step, iters, warmup)
+                comm = per_step / (gbps * 1e9) if gbps else 0.0
+                row = dict(
+                    shape=name,
+                    gbps=gbps,
+                    chunks=chunks,
+                    minibatch=opts.minibatch_size,
+                    ms=1e3 * t,
+                    comm_ms=1e3 * comm,
+                    exposed_ms=1e3 * (t - t0),
+                    bytes_per_step=per_step,
+                    exposed_frac=((t - t0) / comm) if comm else None,
+                    rel_err=err,
+                    peak_gib=torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None,
+                )
+                rows.append(row)
+                frac = f"{100 * row['exposed_frac']:.0f}%" if comm else "-"
+                print(
+                    f"{name} link {gbps or 'inf'} GB/s chunks {chunks}: {row['ms']:.2f} ms, link time "
+                    f"{row['comm_ms']:.2f} ms, exposed {row['exposed_ms']:.2f} ms ({frac})",
+                    flush=True,
+                )
+                del layer
+    if profile_one and device.type == "cuda":
+        s = OVERLAP_SHAPES[shapes[0]]
+        best = min(
+            (r for r in rows if r["shape"] == shapes[0] and r.get("gbps") and r["chunks"] > 1),
+            key=lambda r: r["ms"],
+            default=None,
+        )
+        if best:
+            cfg = _config(s, dtype)
+            opts = MoKOptions(
+                minibatch_size=best["minibatch"],
+                transport="loopback",
+                loopback_ep=s["ep"],
+                loopback_gbps=best["gbps"],
+            )
+            layer = build("mok", cfg, options=opts).to(device)
+            x, dout = _inputs(s["tokens"], s["hidden"], dtype, device)
+            step = _stepper(layer, x, dout)
+            step()
+            prof = stream_overlap(step, device)
+            rows.append(dict(shape=shapes[0], profile=prof, gbps=best["gbps"], chunks=best["chunks"]))
+            print(f"profile {shapes[0]} {best['gbps']} GB/s chunks {best['chunks']}: {prof}", flush=True)
+    return rows
+
+
+def format_overlap(rows) -> str:
+    out = [
+        "| shape | link GB/s | minibatches | layer ms | link ms | exposed ms | exposed % | peak GiB |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        if "profile" in r:
+            continue
+        if r["gbps"] is None:
+            out.append(f"| {r['shape']} | none (EP=1 plain) | 1 | {r['ms']:.2f} | 0 | 0 | - | - |")
+            continue
+        frac = f"{100 * r['exposed_frac']:.0f}" if r["exposed_frac"] is not None else "-"
+        peak = f"{r['peak_gib']:.1f}" if r.get("peak_gib") else "-"
+        out.append(
+            f"| {r['shape']} | {r['gbps'] or 'inf'} | {r['chunks']} | {r['ms']:.2f} | {r['comm_ms']:.2f} | "
+            f"{r['exposed_ms']:.2f} | {frac} | {peak} |"
+        )
+    return "\n".join(out)
+
+
+# ---- real EP over torchrun ----------------------------------------------------------------------
+
+
+def _ep_config(s, world, ep, dtype):
+    from mok_megatron.bench import _config
+
+    cfg = _config(dict(hidden=s["hidden"], ffn=s["ffn"], experts=s["local"] * ep, topk=s["topk"]), dtype)
+    cfg.expert_model_parallel_size = ep
+    return cfg
+
+
+def _reinit(ep: int):
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    ps.destroy_model_parallel()
+    ps.initialize_model_parallel(expert_model_parallel_size=ep)
+    model_parallel_cuda_manual_seed(1234)
+
+
+def bench_ep(shapes, transports, chunks_list, iters, warmup) -> list[dict]:
+    import torch
+    import torch.distributed as dist
+
+    from mok_megatron.bench import build
+    from mok_megatron.checkpoint import convert_state_dict
+    from mok_megatron.compat import have_te
+    from mok_megatron.options import MoKOptions
+
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    local = int(os.environ.get("LOCAL_RANK", rank))
+    cuda = torch.cuda.is_available()
+    if cuda:
+        torch.cuda.set_device(local)
+        dist.init_process_group("nccl", device_id=torch.device("cuda", local))
+    else:
+        dist.init_process_group("gloo")
+        import mok_megatron.cpu
+
+        mok_megatron.cpu.enable()
+    device = torch.device("cuda", local) if cuda else torch.device("cpu")
+    dtype = torch.bfloat16 if cuda else torch.float32
+    meg = "megatron-te" if have_te() else "megatron"
+
+    def tmax(t):
+        v = torch.tensor([t], device=device, dtype=torch.float64)
+        dist.all_reduce(v, op=dist.ReduceOp.MAX)
+        return v.item()
+
+    rows = []
+    for name in shapes:
+        s = EP_SHAPES[name]
+        x, dout = _inputs(s["tokens"], s["hidden"], dtype, device, seed=rank)
+        for ep in (world, 1):
+            _reinit(ep)
+            cfg = _ep_config(s, world, ep, dtype)
+            torch.manual_seed(0)
+            ref = build(meg, cfg).to(device)
+            sd = ref.state_dict()
+            ref_out = ref(x)[0].detach().float()
+            t = tmax(_time(_stepper(ref, x, dout), iters, warmup))
+            rows.append(dict(shape=name, ep=ep, impl=meg, transport="nccl a2a", chunks=1, ms=1e3 * t))
+            del ref
+            mok_sd = convert_state_dict(sd, "mok")
+            variants = [("plain", None, 1)]
+            if ep > 1:
+                variants = [(tr, tr, c) for tr in transports for c in chunks_list]
+            for label, tr, chunks in variants:
+                opts = (
+                    MoKOptions()
+                    if tr is None
+                    else MoKOptions(minibatch_size=math.ceil(s["tokens"] / chunks), transport=tr)
+                )
+                layer = build("mok", cfg, options=opts).to(device)
+                layer.load_state_dict(mok_sd)
+                out = layer(x)[0].detach().float()
+                err = tmax(((out - ref_out).abs().max() / ref_out.abs().max().clamp_min(1e-12)).item())
+                t = tmax(_time(_stepper(layer, x, dout), iters, warmup))
+                rows.append(
+                    dict(
+                        shape=name, ep=ep, impl="mok", transport=label, chunks=chunks, ms=1e3 * t, rel_err=err
+                    )
+                )
+                if rank == 0:
+                    print(
+                        f"{name} EP={ep} mok {label} chunks {chunks}: {1e3 * t:.2f} ms (err {err:.1e})",
+                        flush=True,
+                    )
+                del layer
+            if rank == 0:
+                print(f"{name} EP={ep} {meg}: {rows[-len(variants) - 1]['ms']:.2f} ms", flush=True)
+    return rows
+
+
+def format_ep(rows) -> str:
+    out = []
+    for shape in dict.fromkeys(r["shape"] for r in rows):
+        rs = [r for r in rows if r["shape"] == shape]
+        ep = max(r["ep"] for r in rs)
+        meg = next(r for r in rs if r["ep"] == ep and r["impl"] != "mok")
+        meg1 = next(r for r in rs if r["ep"] == 1 and r["impl"] != "mok")
+        mok1 = next(r for r in rs if r["ep"] == 1 and r["impl"] == "mok")
+        meg_comm = meg["ms"] - meg1["ms"]
+        out.append(
+            f"\n{shape}: EP={ep}; {meg['impl']} {meg['ms']:.2f} ms (EP=1 same work {meg1['ms']:.2f}, "
+            f"exposed comm {meg_comm:.2f} ms); MoK EP=1 same work {mok1['ms']:.2f} ms\n"
+        )
+        out.append(
+            "| MoK transport | minibatches | ms | vs Megatron | exposed comm ms | hidden vs Megatron's comm |"
+        )
+        out.append("|---|---|---|---|---|---|")
+        for r in rs:
+            if r["impl"] != "mok" or r["ep"] != ep:
+                continue
+            exp = r["ms"] - mok1["ms"]
+            hid = 100 * (1 - exp / meg_comm) if meg_comm > 0 else float("nan")
+            out.append(
+                f"| {r['transport']} | {r['chunks']} | {r['ms']:.2f} | {meg['ms'] / r['ms']:.2f}x | "
+                f"{exp:.2f} | {hid:.0f}% |"
+            )
+    return "\n".join(out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        prog="mok bench overlap|ep", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("what", choices=["overlap", "ep"])
+    p.add_argument(
+        "--shapes", default=None, help="comma list (overlap: dsv3-4k,dsv3-16k,qwen3-ep8; ep: dsv3,qwen3)"
+    )
+    p.add_argument(
+        "--gbps", default="0,900,450,50", help="overlap: emulated link GB/s per direction (0 = infinite)"
+    )
+    p.add_argument("--chunks", default="1,2,4,8", help="minibatches per layer call to sweep")
+    p.add_argument("--transports", default="collective,copy_engine", help="ep: MoK transports")
+    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--json", default=None, help="write the rows as JSON to this file")
+    ns = p.parse_args(argv)
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    chunks = [int(c) for c in ns.chunks.split(",")]
+    if ns.what == "overlap":
+        shapes = (ns.shapes or "dsv3-4k,dsv3-16k,qwen3-ep8").split(",")
+        rows = bench_overlap(shapes, [float(g) for g in ns.gbps.split(",")], chunks, ns.iters, ns.warmup)
+        text = format_overlap(rows)
+        rank0 = True
+    else:
+        shapes = (ns.shapes or "dsv3,qwen3").split(",")
+        rows = bench_ep(shapes, ns.transports.split(","), chunks, ns.iters, ns.warmup)
+        text = format_ep(rows)
+        rank0 = int(os.environ.get("RANK", 0)) == 0
+    if rank0:
+        print(text)
+        if ns.json:
+            with open(ns.json, "w") as f:
+                json.dump(rows, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
