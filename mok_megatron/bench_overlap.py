@@ -294,7 +294,13 @@ def bench_ep(shapes, transports, chunks_list, iters, warmup) -> list[dict]:
             _reinit(ep)
             cfg = _ep_config(s, world, ep, dtype)
             torch.manual_seed(0)
-            ref = build(meg, cfg).to(device)
+            ref_cfg = cfg
+            if meg == "megatron-te":  # Megatron's fast path: TEGroupedMLP + fused permute
+                import copy
+
+                ref_cfg = copy.copy(cfg)
+                ref_cfg.moe_permute_fusion = True
+            ref = build(meg, ref_cfg).to(device)
             sd = ref.state_dict()
             ref_out = ref(x)[0].detach().float()
             t = tmax(_time(_stepper(ref, x, dout), iters, warmup))
