@@ -160,10 +160,12 @@ def _two_gpu_worker(rank, port, out_path, dtype_name):
         mok = build("mok", cfg, options=MoKOptions(**opts)).cuda()
         mok.load_state_dict(convert_state_dict(ref.state_dict(), "mok"), strict=False)
         redos = PipelineStats.overflow_redos
+        ref.zero_grad(set_to_none=True)
         (o1, d1, g1), (o2, d2, g2) = _run_both(ref, mok, x, dout)
         errs = {"out": _rel(o1, o2), "dx": _rel(d1, d2), **{k: _rel(g1[k], g2[k]) for k in g1}}
         entry = {"worst": max(errs.values()), "errs": errs, "redos": PipelineStats.overflow_redos - redos}
         if opts.get("deterministic"):
+            mok.zero_grad(set_to_none=True)
             (_, _, _), (o3, d3, g3) = _run_both(ref, mok, x, dout)
             entry["bitwise"] = bool(
                 torch.equal(o2, o3) and torch.equal(d2, d3) and all(torch.equal(g2[k], g3[k]) for k in g2)
