@@ -72,6 +72,36 @@ def _stepper(layer, x, dout):
     return step
 
 
+def _graphed(layer, x, dout):
+    """Capture one forward+backward of ``layer`` in a CUDA graph; returns the replay function.
+    (Sync-free mode only: the exact mode reads counts on the host.)"""
+    import torch
+
+    xs = x.detach().clone().requires_grad_()
+
+    def fwd_bwd():
+        out, _ = layer(xs)
+        out.backward(dout)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            fwd_bwd()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fwd_bwd()
+    return graph.replay
+
+
+MODES = {  # label: (MoKOptions overrides, capture in a CUDA graph)
+    "exact": ({}, False),
+    "sync-free": (dict(sync_free=True), False),
+    "sync-free+graph": (dict(sync_free=True), True),
+}
+
+
 def _inputs(tokens, hidden, dtype, device, seed=0):
     import torch
 
@@ -124,7 +154,9 @@ def stream_overlap(step, device) -> dict:
     }
 
 
-def bench_overlap(shapes, gbps_list, chunks_list, iters, warmup, profile_one=True) -> list[dict]:
+def bench_overlap(
+    shapes, gbps_list, chunks_list, iters, warmup, profile_one=True, modes=("exact",)
+) -> list[dict]:
     import torch
 
     from mok_megatron.bench import _config, _init_single_process, build
@@ -148,54 +180,71 @@ def bench_overlap(shapes, gbps_list, chunks_list, iters, warmup, profile_one=Tru
         print(f"{name}: no communication, no pipelining: {1e3 * t0:.2f} ms", flush=True)
         for gbps in gbps_list:
             for chunks in chunks_list:
-                opts = MoKOptions(
-                    minibatch_size=math.ceil(s["tokens"] / chunks),
-                    transport="loopback",
-                    loopback_ep=s["ep"],
-                    loopback_gbps=gbps,
-                )
-                layer = build("mok", cfg, options=opts).to(device)
-                layer.load_state_dict(sd)
-                out = layer(x)[0].detach().float()
-                err = ((out - ref).abs().max() / ref.abs().max().clamp_min(1e-12)).item()
-                if err > 2e-2:
-                    raise RuntimeError(f"{name}: pipelined output differs from the plain layer ({err:.2e})")
-                tr = layer.token_dispatcher.transport
-                step = _stepper(layer, x, dout)
-                step()
-                torch.cuda.synchronize() if device.type == "cuda" else None
-                b0 = tr.bytes_moved
-                step()
-                per_step = tr.bytes_moved - b0
-                if device.type == "cuda":
-                    torch.cuda.reset_peak_memory_stats()
-                t = _time(step, iters, warmup)
-                comm = per_step / (gbps * 1e9) if gbps else 0.0
-                row = dict(
-                    shape=name,
-                    gbps=gbps,
-                    chunks=chunks,
-                    minibatch=opts.minibatch_size,
-                    ms=1e3 * t,
-                    comm_ms=1e3 * comm,
-                    exposed_ms=1e3 * (t - t0),
-                    bytes_per_step=per_step,
-                    exposed_frac=((t - t0) / comm) if comm else None,
-                    rel_err=err,
-                    peak_gib=torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None,
-                )
-                rows.append(row)
-                frac = f"{100 * row['exposed_frac']:.0f}%" if comm else "-"
-                print(
-                    f"{name} link {gbps or 'inf'} GB/s chunks {chunks}: {row['ms']:.2f} ms, link time "
-                    f"{row['comm_ms']:.2f} ms, exposed {row['exposed_ms']:.2f} ms ({frac})",
-                    flush=True,
-                )
-                del layer
+                for mode in modes:
+                    extra, graph = MODES[mode]
+                    if graph and device.type != "cuda":
+                        continue
+                    opts = MoKOptions(
+                        minibatch_size=math.ceil(s["tokens"] / chunks),
+                        transport="loopback",
+                        loopback_ep=s["ep"],
+                        loopback_gbps=gbps,
+                        **extra,
+                    )
+                    layer = build("mok", cfg, options=opts).to(device)
+                    layer.load_state_dict(sd)
+                    out = layer(x)[0].detach().float()
+                    err = ((out - ref).abs().max() / ref.abs().max().clamp_min(1e-12)).item()
+                    if err > 2e-2:
+                        raise RuntimeError(
+                            f"{name}: pipelined output differs from the plain layer ({err:.2e})"
+                        )
+                    tr = layer.token_dispatcher.transport
+                    step = _stepper(layer, x, dout)
+                    step()
+                    b0 = tr.bytes_moved
+                    step()
+                    per_step = tr.bytes_moved - b0
+                    if graph:
+                        try:
+                            step = _graphed(layer, x, dout)
+                        except Exception as e:  # report, never hide
+                            print(f"{name} {mode}: CUDA graph capture failed: {e!r}"[:300], flush=True)
+                            continue
+                    if device.type == "cuda":
+                        torch.cuda.reset_peak_memory_stats()
+                    t = _time(step, iters, warmup)
+                    comm = per_step / (gbps * 1e9) if gbps else 0.0
+                    row = dict(
+                        shape=name,
+                        mode=mode,
+                        gbps=gbps,
+                        chunks=chunks,
+                        minibatch=opts.minibatch_size,
+                        ms=1e3 * t,
+                        comm_ms=1e3 * comm,
+                        exposed_ms=1e3 * (t - t0),
+                        bytes_per_step=per_step,
+                        exposed_frac=((t - t0) / comm) if comm else None,
+                        rel_err=err,
+                        peak_gib=torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None,
+                    )
+                    rows.append(row)
+                    frac = f"{100 * row['exposed_frac']:.0f}%" if comm else "-"
+                    print(
+                        f"{name} {mode} link {gbps or 'inf'} GB/s chunks {chunks}: {row['ms']:.2f} ms, link "
+                        f"time {row['comm_ms']:.2f} ms, exposed {row['exposed_ms']:.2f} ms ({frac})",
+                        flush=True,
+                    )
+                    del layer, step
     if profile_one and device.type == "cuda":
         s = OVERLAP_SHAPES[shapes[0]]
         best = min(
-            (r for r in rows if r["shape"] == shapes[0] and r.get("gbps") and r["chunks"] > 1),
+            (
+                r
+                for r in rows
+                if r["shape"] == shapes[0] and r.get("gbps") and r["chunks"] > 1 and r["mode"] == "exact"
+            ),
             key=lambda r: r["ms"],
             default=None,
         )
@@ -226,12 +275,12 @@ def format_overlap(rows) -> str:
         if "profile" in r:
             continue
         if r["gbps"] is None:
-            out.append(f"| {r['shape']} | none (EP=1 plain) | 1 | {r['ms']:.2f} | 0 | 0 | - | - |")
+            out.append(f"| {r['shape']} | plain EP=1 | none | 1 | {r['ms']:.2f} | 0 | 0 | - | - |")
             continue
         frac = f"{100 * r['exposed_frac']:.0f}" if r["exposed_frac"] is not None else "-"
         peak = f"{r['peak_gib']:.1f}" if r.get("peak_gib") else "-"
         out.append(
-            f"| {r['shape']} | {r['gbps'] or 'inf'} | {r['chunks']} | {r['ms']:.2f} | {r['comm_ms']:.2f} | "
+            f"| {r['shape']} | {r['mode']} | {r['gbps'] or 'inf'} | {r['chunks']} | {r['ms']:.2f} | {r['comm_ms']:.2f} | "
             f"{r['exposed_ms']:.2f} | {frac} | {peak} |"
         )
     return "\n".join(out)
@@ -257,7 +306,7 @@ def _reinit(ep: int):
     model_parallel_cuda_manual_seed(1234)
 
 
-def bench_ep(shapes, transports, chunks_list, iters, warmup) -> list[dict]:
+def bench_ep(shapes, transports, chunks_list, iters, warmup, modes=("exact",)) -> list[dict]:
     import torch
     import torch.distributed as dist
 
@@ -355,7 +404,7 @@ def format_ep(rows) -> str:
         )
         out.append("|---|---|---|---|---|---|")
         for r in rs:
-            if r["impl"] != "mok" or r["ep"] != ep:
+            if r["impl"] != "mok" or r["ep"] != ep or "ms" not in r:
                 continue
             exp = r["ms"] - mok1["ms"]
             hid = 100 * (1 - exp / meg_comm) if meg_comm > 0 else float("nan")
@@ -379,6 +428,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--chunks", default="1,2,4,8", help="minibatches per layer call to sweep")
     p.add_argument("--transports", default="collective,copy_engine", help="ep: MoK transports")
+    p.add_argument("--modes", default="exact", help=f"comma list of {', '.join(MODES)}")
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--json", default=None, help="write the rows as JSON to this file")
@@ -389,12 +439,21 @@ def main(argv: list[str] | None = None) -> int:
     chunks = [int(c) for c in ns.chunks.split(",")]
     if ns.what == "overlap":
         shapes = (ns.shapes or "dsv3-4k,dsv3-16k,qwen3-ep8").split(",")
-        rows = bench_overlap(shapes, [float(g) for g in ns.gbps.split(",")], chunks, ns.iters, ns.warmup)
+        rows = bench_overlap(
+            shapes,
+            [float(g) for g in ns.gbps.split(",")],
+            chunks,
+            ns.iters,
+            ns.warmup,
+            modes=ns.modes.split(","),
+        )
         text = format_overlap(rows)
         rank0 = True
     else:
         shapes = (ns.shapes or "dsv3,qwen3").split(",")
-        rows = bench_ep(shapes, ns.transports.split(","), chunks, ns.iters, ns.warmup)
+        rows = bench_ep(
+            shapes, ns.transports.split(","), chunks, ns.iters, ns.warmup, modes=ns.modes.split(",")
+        )
         text = format_ep(rows)
         rank0 = int(os.environ.get("RANK", 0)) == 0
     if rank0:

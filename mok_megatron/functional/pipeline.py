@@ -92,10 +92,9 @@ def _sum_rows(
     return out.index_add(0, index_M, y_MH.float()).to(y_MH.dtype)
 
 
-def _pack(x_TH, meta_flat, mb: SendPlan, ep: int):
-    x_c = x_TH[mb.start : mb.start + mb.num_tokens]
+def _pack(x_c, meta_cPW, mb: SendPlan, ep: int):
     x_NH = permute_tokens(x_c, mb.token_idx_N, mb.slots)
-    meta_NW = meta_flat.index_select(0, (mb.token_idx_N + mb.start) * ep + mb.dest_N)
+    meta_NW = meta_cPW.reshape(-1, meta_cPW.shape[-1]).index_select(0, mb.token_idx_N * ep + mb.dest_N)
     if mb.valid_N is not None:
         meta_NW = torch.where(mb.valid_N.unsqueeze(-1), meta_NW, 0)
     return x_NH, meta_NW
@@ -109,8 +108,12 @@ def _experts(x_RH, meta_RW, mb: SendPlan, L: int, topk: int, expert_fn: ExpertFn
     flat = flat_mask.argsort(descending=True, stable=True)[:rows]  # grouped by local expert
     row_M, l_M = flat % max(R, 1), flat // max(R, 1)
     valid_M = flat_mask[flat] if mb.capacity is not None else None
-    live = valid_M if valid_M is not None else torch.ones_like(row_M, dtype=torch.bool)
-    slots = slot_map(row_M, live, R, min(topk, L))
+    kk = min(topk, L)
+    if valid_M is None and rows == R * kk:
+        slots = slot_map(row_M, None, R, kk)  # every received token uses every slot: no masking
+    else:
+        live = valid_M if valid_M is not None else torch.ones_like(row_M, dtype=torch.bool)
+        slots = slot_map(row_M, live, R, kk)
     x_MH = permute_tokens(x_RH, row_M, slots)
     probs_M = probs_RL[row_M, l_M]
     if valid_M is not None:
@@ -140,12 +143,15 @@ def run_pipeline(
     st = _Streams(x_TH.device)
     # Each (token, destination) row carries the destination's slice of probabilities and mask.
     meta_TPW = torch.cat([probs_TE.view(T, ep, L), routing_map_TE.view(T, ep, L).to(probs_TE.dtype)], -1)
-    meta_flat = meta_TPW.view(T * ep, 2 * L)
     C = len(plan.minibatches)
+    # One split (its backward is one concatenation), not C slices (C full-size gradient adds).
+    sizes = [mb.num_tokens for mb in plan.minibatches]
+    x_parts = x_TH.split(sizes) if C > 1 else (x_TH,)
+    meta_parts = meta_TPW.split(sizes) if C > 1 else (meta_TPW,)
 
     packed, ev_packed = [], []
-    for mb in plan.minibatches:
-        packed.append(_pack(x_TH, meta_flat, mb, ep))
+    for c, mb in enumerate(plan.minibatches):
+        packed.append(_pack(x_parts[c], meta_parts[c], mb, ep))
         ev_packed.append(st.event("main"))
 
     received, ev_recv = [], []
