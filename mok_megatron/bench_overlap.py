@@ -356,33 +356,50 @@ def bench_ep(shapes, transports, chunks_list, iters, warmup, modes=("exact",)) -
             rows.append(dict(shape=name, ep=ep, impl=meg, transport="nccl a2a", chunks=1, ms=1e3 * t))
             del ref
             mok_sd = convert_state_dict(sd, "mok")
-            variants = [("plain", None, 1)]
+            variants = [("plain", None, 1, "exact")]
             if ep > 1:
-                variants = [(tr, tr, c) for tr in transports for c in chunks_list]
-            for label, tr, chunks in variants:
-                opts = (
-                    MoKOptions()
-                    if tr is None
-                    else MoKOptions(minibatch_size=math.ceil(s["tokens"] / chunks), transport=tr)
-                )
+                variants = [(tr, tr, c, m) for tr in transports for c in chunks_list for m in modes]
+            for label, tr, chunks, mode in variants:
+                extra, graph = MODES[mode]
+                opts = MoKOptions()
+                if tr is not None:
+                    opts = MoKOptions(minibatch_size=math.ceil(s["tokens"] / chunks), transport=tr, **extra)
                 layer = build("mok", cfg, options=opts).to(device)
                 layer.load_state_dict(mok_sd)
                 out = layer(x)[0].detach().float()
                 err = tmax(((out - ref_out).abs().max() / ref_out.abs().max().clamp_min(1e-12)).item())
-                t = tmax(_time(_stepper(layer, x, dout), iters, warmup))
+                step = _stepper(layer, x, dout)
+                if graph:
+                    try:
+                        step = _graphed(layer, x, dout)
+                    except Exception as e:  # report, never hide
+                        if rank == 0:
+                            print(
+                                f"{name} {label} {mode}: CUDA graph capture failed: {e!r}"[:300], flush=True
+                            )
+                        continue
+                t = tmax(_time(step, iters, warmup))
+                label_mode = label if tr is None else f"{label} {mode}"
                 rows.append(
                     dict(
-                        shape=name, ep=ep, impl="mok", transport=label, chunks=chunks, ms=1e3 * t, rel_err=err
+                        shape=name,
+                        ep=ep,
+                        impl="mok",
+                        transport=label_mode,
+                        chunks=chunks,
+                        ms=1e3 * t,
+                        rel_err=err,
                     )
                 )
                 if rank == 0:
                     print(
-                        f"{name} EP={ep} mok {label} chunks {chunks}: {1e3 * t:.2f} ms (err {err:.1e})",
+                        f"{name} EP={ep} mok {label_mode} chunks {chunks}: {1e3 * t:.2f} ms (err {err:.1e})",
                         flush=True,
                     )
-                del layer
+                del layer, step
             if rank == 0:
-                print(f"{name} EP={ep} {meg}: {rows[-len(variants) - 1]['ms']:.2f} ms", flush=True)
+                meg_row = next(r for r in rows if r["shape"] == name and r["ep"] == ep and r["impl"] == meg)
+                print(f"{name} EP={ep} {meg}: {meg_row['ms']:.2f} ms", flush=True)
     return rows
 
 
