@@ -358,10 +358,10 @@ def bench_ep(shapes, transports, chunks_list, iters, warmup, modes=("exact",)) -
             mok_sd = convert_state_dict(sd, "mok")
             variants = [("plain", None, 1, "exact")]
             if ep > 1:
-                variants = [(tr, tr, c, m) for tr in transports for c in chunks_list for m in modes]
+                variants += [(tr, tr, c, m) for tr in transports for c in chunks_list for m in modes]
             for label, tr, chunks, mode in variants:
                 extra, graph = MODES[mode]
-                opts = MoKOptions()
+                opts = MoKOptions(engine="plain")  # one dispatch, experts, combine (no pipeline)
                 if tr is not None:
                     opts = MoKOptions(minibatch_size=math.ceil(s["tokens"] / chunks), transport=tr, **extra)
                 layer = build("mok", cfg, options=opts).to(device)

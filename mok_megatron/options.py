@@ -4,6 +4,9 @@ They come from the ``--mok-*`` command-line flags (``mok_megatron.arguments``), 
 (``get_gpt_layer_with_mok_spec(..., options=MoKOptions(...))``), or from the process default that
 the flags set (``set_default_options``). Frozen and validated at construction.
 
+    engine               'auto' | 'pipeline' (the overlap engine) | 'plain' (one dispatch, experts and
+                         combine per layer call, Megatron's row layout); auto = see
+                         ``mok_megatron.mcore.engine.select_transport``
     minibatch_size       tokens per pipelined minibatch (None: the automatic rule in
                          ``mok_megatron.functional.pipeline.auto_minibatch_size``)
     capacity_multiplier  sync-free mode: receive buffer per source rank, as a fraction of that
@@ -24,6 +27,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 TRANSPORTS = ("auto", "collective", "copy_engine", "loopback")
+ENGINES = ("auto", "pipeline", "plain")
 
 
 class MoKOptionsError(ValueError):
@@ -32,6 +36,7 @@ class MoKOptionsError(ValueError):
 
 @dataclass(frozen=True)
 class MoKOptions:
+    engine: str = "auto"
     minibatch_size: int | None = None
     capacity_multiplier: float = 1.0
     sync_free: bool = False
@@ -58,6 +63,13 @@ class MoKOptions:
             raise MoKOptionsError(
                 f"--mok-capacity-multiplier={self.capacity_multiplier}: values above 1.0 only waste "
                 "memory (a destination receives each source token at most once); use 1.0."
+            )
+        if self.engine not in ENGINES:
+            raise MoKOptionsError(f"--mok-engine={self.engine!r}: choose one of {', '.join(ENGINES)}.")
+        if self.engine == "plain" and (self.minibatch_size is not None or self.sync_free):
+            raise MoKOptionsError(
+                "--mok-engine plain runs no pipeline: drop --mok-minibatch-size / --mok-sync-free, or use "
+                "--mok-engine pipeline."
             )
         if self.transport not in TRANSPORTS:
             raise MoKOptionsError(

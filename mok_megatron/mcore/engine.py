@@ -28,9 +28,12 @@ def _unsupported(cfg: MoKConfig) -> list[str]:
 
 def select_transport(cfg: MoKConfig, options: MoKOptions, ep_group):
     """The transport of the overlap engine, or None for the unpipelined path."""
+    if options.engine == "plain":
+        return None
     explicit = [
         f"{flag}"
         for flag, on in (
+            ("--mok-engine pipeline", options.engine == "pipeline"),
             ("--mok-minibatch-size", options.minibatch_size is not None),
             ("--mok-sync-free", options.sync_free),
             (f"--mok-transport {options.transport}", options.transport != "auto"),
