@@ -18,7 +18,7 @@ from collections import defaultdict
 
 import torch
 
-PHASES = ("dispatch", "experts", "combine")
+PHASES = ("dispatch", "experts", "combine", "pipeline")  # pipeline: overlapped dispatch+experts+combine
 
 
 class _Clock:

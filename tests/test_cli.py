@@ -26,9 +26,13 @@ def test_demo_trains_and_the_loss_falls(tmp_path):
     assert len(s["losses"]) == 16
     assert s["loss_last"] < 0.8 * s["loss_first"], s["losses"]
     assert s["tokens_per_s"] > 0
-    for direction in ("forward", "backward"):
-        for phase in ("dispatch", "experts", "combine"):
-            assert s["moe_ms_per_step"][direction][phase] > 0, (direction, phase)
+    ms = s["moe_ms_per_step"]
+    if ms["forward"]["pipeline"] > 0:  # EP > 1: the overlap engine (dispatch+experts+combine overlapped)
+        assert ms["backward"]["pipeline"] > 0 and ms["forward"]["dispatch"] > 0, ms
+    else:
+        for direction in ("forward", "backward"):
+            for phase in ("dispatch", "experts", "combine"):
+                assert ms[direction][phase] > 0, (direction, phase)
     assert "step  16/16" in r.stdout and "loss" in r.stdout  # progress lines with per-step loss
     assert "dispatch" in r.stdout and "tokens/s" in r.stdout  # summary
 

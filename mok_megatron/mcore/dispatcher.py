@@ -91,8 +91,8 @@ class MoKTokenDispatcher(MoETokenDispatcher):
                 f"experts], got {routing_map.dtype} {tuple(routing_map.shape)} and {tuple(probs.shape)}"
             )
         dev = hidden_states.device
-        # Pipelined: dispatch, experts and combine are one overlapped phase, timed as "experts".
-        closes = "experts" if self.pipelined else "dispatch"
+        # Pipelined: dispatch, experts and combine are one overlapped phase, timed as "pipeline".
+        closes = "pipeline" if self.pipelined else "dispatch"
         hidden_states = profiling.backward_mark(hidden_states, id(self), closes=closes, opens=None)
         with profiling.phase("dispatch", dev):
             hidden_shape = hidden_states.shape
@@ -130,7 +130,7 @@ class MoKTokenDispatcher(MoETokenDispatcher):
         """Pipelined dispatch -> experts -> combine of the call in flight: ``[T, H]``."""
         call = self.plan
         args = (self.transport, self.mok_config.topk, self.options.deterministic)
-        with profiling.phase("experts", hidden_states.device):
+        with profiling.phase("pipeline", hidden_states.device):
             out = _run_pipeline(hidden_states, probs, call.routing_map_TE, call.plan, expert_fn, *args)
             PipelineStats.calls += 1
             plan = call.plan
@@ -197,7 +197,7 @@ class MoKTokenDispatcher(MoETokenDispatcher):
             else:
                 out = F.combine_postprocess(hidden_states, plan)
             self._plan = None
-        opens = "experts" if self.pipelined else "combine"
+        opens = "pipeline" if self.pipelined else "combine"
         out = profiling.backward_mark(out, id(self), closes=None, opens=opens)
         if self.shared_experts is not None:
             out = out + self.shared_experts.get_output()
