@@ -144,6 +144,17 @@ def check_swiglu(device, M, F, dtype, with_probs=True):
         _close(f"swiglu {name}", g, w, dtype)
 
 
+def check_bench_cases(device, alignment):
+    """The benchmark's own correctness gate (Triton vs reference on every kernel it times), on a tiny shape."""
+    from mok_megatron.kernels.bench import Shape, _cases, _check
+
+    for name, nbytes, fn in _cases(
+        Shape("tiny", tokens=37, hidden=24, ffn=20, experts=6, topk=3), alignment, device
+    ):
+        assert nbytes > 0, name
+        _check(name, fn(Impl.TRITON), fn(Impl.TORCH))
+
+
 f32, bf16 = torch.float32, torch.bfloat16
 
 # Small enough for the interpreter (~seconds each): odd sizes, E=1, K=1 and K=8, dropped routes, tokens
@@ -179,6 +190,7 @@ CPU_CASES = {
     "swiglu/M7-F5-probs": partial(check_swiglu, M=7, F=5, dtype=f32),
     "swiglu/M33-F300-no-probs": partial(check_swiglu, M=33, F=300, dtype=f32, with_probs=False),
     "swiglu/M5-F1100-bf16-probs": partial(check_swiglu, M=5, F=1100, dtype=bf16),
+    "bench/tiny-A16": partial(check_bench_cases, alignment=16),
 }
 
 # On the GPU: the CPU cases plus real sizes (T not a multiple of any block, H past one block, 128 experts).
