@@ -1,0 +1,245 @@
+"""Named kernel-vs-reference cases, shared by the CUDA tests and the CPU run under Triton's interpreter.
+
+Each case forces ``Impl.TRITON`` and ``Impl.TORCH`` on the same inputs and compares forward outputs and
+gradients: integer routing metadata exactly, floats with the named tolerances below.
+
+``python -m tests.kernel_cases --device cpu --json OUT`` runs ``CPU_CASES`` and writes ``{name: "ok" | error}``;
+under ``TRITON_INTERPRET=1`` (set before the kernels are imported) that exercises the Triton kernels on CPU.
+
+Legend: T tokens, K top-k, E experts, A alignment, H hidden, M rows, F FFN width, R permuted rows.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import traceback
+from functools import partial
+
+import torch
+
+from mok_megatron.kernels import Impl
+from mok_megatron.kernels.combine import combine
+from mok_megatron.kernels.permute import permute
+from mok_megatron.kernels.routing import routing_metadata
+from mok_megatron.kernels.swiglu import swiglu
+
+# Same numerics on both sides (fp32 accumulation, one rounding): fp32 agrees to summation order, bf16 to
+# one ulp of the result (2**-8 relative) plus cancellation near zero.
+TOL = {
+    torch.float32: dict(rtol=1e-5, atol=1e-5),
+    torch.bfloat16: dict(rtol=1e-2, atol=1e-2),
+}
+
+
+def topk_ids(num_tokens: int, topk: int, num_experts: int, drop: str, seed: int = 0) -> torch.Tensor:
+    """Distinct experts per token (a router's top-k). drop: 'none'; 'some' (route 0 of every third token
+    dropped, id -1); 'tokens' (every fourth token has no routes); 'one-expert' (every token routes to experts
+    0..K-1, so with K=1 one expert gets every row and the others none)."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.rand(num_tokens, num_experts, generator=g).topk(topk, dim=1).indices
+    if drop == "some":
+        ids[::3, 0] = -1
+    elif drop == "tokens":
+        ids[::4, :] = -1
+    elif drop == "one-expert":
+        ids = torch.arange(topk).expand(num_tokens, topk).clone()
+    elif drop != "none":
+        raise ValueError(f"drop={drop!r}")
+    return ids
+
+
+def _both(fn):
+    return fn(Impl.TRITON), fn(Impl.TORCH)
+
+
+def _close(name: str, got, want, dtype) -> None:
+    if got is None or want is None:
+        assert got is None and want is None, f"{name}: {got is None=} {want is None=}"
+        return
+    torch.testing.assert_close(got, want, **TOL[dtype], msg=lambda m: f"{name}: {m}")
+
+
+def check_routing(device, T, K, E, A, drop="none", ids_dtype=torch.int64):
+    ids = topk_ids(T, K, E, drop).to(device, ids_dtype)
+    got, want = _both(lambda impl: routing_metadata(ids, E, A, impl=impl))
+    for field in ("counts_E", "offsets_E", "aligned_offsets_E", "row_TK"):
+        g, w = getattr(got, field), getattr(want, field)
+        assert g.dtype == w.dtype == torch.int32, f"{field}: dtypes {g.dtype} / {w.dtype}"
+        assert torch.equal(g.cpu(), w.cpu()), (
+            f"{field}:\n triton {g.cpu().tolist()}\n torch  {w.cpu().tolist()}"
+        )
+    assert got.num_rows == want.num_rows
+
+
+def _grad_inputs(shape, dtype, device, seed, positive=False):
+    g = torch.Generator().manual_seed(seed)
+    t = torch.rand(shape, generator=g) if positive else torch.randn(shape, generator=g)
+    return t.to(device, dtype)
+
+
+def check_permute(device, T, K, E, A, H, dtype, out_dtype=None, with_probs=True, drop="none"):
+    meta = routing_metadata(topk_ids(T, K, E, drop).to(device), E, A, impl=Impl.TORCH)
+    x = _grad_inputs((T, H), dtype, device, 1)
+    probs = _grad_inputs((T, K), torch.float32, device, 2, positive=True) if with_probs else None
+    dx_out = _grad_inputs((meta.num_rows, H), out_dtype or dtype, device, 3)
+    dp_out = _grad_inputs((meta.num_rows,), torch.float32, device, 4)
+
+    def run(impl):
+        x_ = x.clone().requires_grad_()
+        p_ = probs.clone().requires_grad_() if with_probs else None
+        x_RH, p_R = permute(x_, meta, p_, out_dtype=out_dtype, impl=impl)
+        loss = (x_RH.float() * dx_out.float()).sum()
+        if with_probs:
+            loss = loss + (p_R * dp_out).sum()
+        loss.backward()
+        return x_RH, p_R, x_.grad, (p_.grad if with_probs else None)
+
+    got, want = _both(run)
+    for name, g, w in zip(("x_RH", "probs_R", "dx_TH", "dprobs_TK"), got, want, strict=True):
+        _close(f"permute {name}", g, w, out_dtype or dtype)
+    assert got[0].dtype == (out_dtype or dtype)
+    # Rows no route lands on are exactly zero.
+    routed = torch.zeros(meta.num_rows, dtype=torch.bool, device=device)
+    live = meta.row_TK[meta.row_TK >= 0].long()
+    routed[live] = True
+    assert torch.count_nonzero(got[0][~routed]) == 0, "padding rows of x_RH are not zero"
+
+
+def check_combine(device, T, K, E, A, H, dtype, weighted=True, drop="none"):
+    meta = routing_metadata(topk_ids(T, K, E, drop).to(device), E, A, impl=Impl.TORCH)
+    y = _grad_inputs((meta.num_rows, H), dtype, device, 5)
+    probs = _grad_inputs((T, K), torch.float32, device, 6, positive=True) if weighted else None
+    dout = _grad_inputs((T, H), dtype, device, 7)
+
+    def run(impl):
+        y_ = y.clone().requires_grad_()
+        p_ = probs.clone().requires_grad_() if weighted else None
+        out = combine(y_, meta, p_, impl=impl)
+        out.backward(dout)
+        return out, y_.grad, (p_.grad if weighted else None)
+
+    got, want = _both(run)
+    for name, g, w in zip(("out_TH", "dy_RH", "dprobs_TK"), got, want, strict=True):
+        _close(f"combine {name}", g, w, dtype)
+    again = run(Impl.TRITON)
+    for name, g, w in zip(("out_TH", "dy_RH", "dprobs_TK"), got, again, strict=True):
+        assert g is None or torch.equal(g, w), f"combine {name} differs between two identical runs"
+
+
+def check_swiglu(device, M, F, dtype, with_probs=True):
+    h = _grad_inputs((M, 2 * F), dtype, device, 8)
+    probs = _grad_inputs((M,), torch.float32, device, 9, positive=True) if with_probs else None
+    da = _grad_inputs((M, F), dtype, device, 10)
+
+    def run(impl):
+        h_ = h.clone().requires_grad_()
+        p_ = probs.clone().requires_grad_() if with_probs else None
+        a = swiglu(h_, p_, impl=impl)
+        a.backward(da)
+        return a, h_.grad, (p_.grad if with_probs else None)
+
+    got, want = _both(run)
+    for name, g, w in zip(("a_MF", "dh_M2F", "dprobs_M"), got, want, strict=True):
+        _close(f"swiglu {name}", g, w, dtype)
+
+
+def check_bench_cases(device, alignment):
+    """The benchmark's own correctness gate (Triton vs reference on every kernel it times), on a tiny shape."""
+    from mok_megatron.kernels.bench import Shape, _cases, _check
+
+    for name, nbytes, fn in _cases(
+        Shape("tiny", tokens=37, hidden=24, ffn=20, experts=6, topk=3), alignment, device
+    ):
+        assert nbytes > 0, name
+        _check(name, fn(Impl.TRITON), fn(Impl.TORCH))
+
+
+f32, bf16 = torch.float32, torch.bfloat16
+
+# Small enough for the interpreter (~seconds each): odd sizes, E=1, K=1 and K=8, dropped routes, tokens
+# without routes, empty experts, every alignment path.
+CPU_CASES = {
+    "routing/T13-K2-E5": partial(check_routing, T=13, K=2, E=5, A=1),
+    "routing/T13-K2-E5-A16-some-dropped": partial(check_routing, T=13, K=2, E=5, A=16, drop="some"),
+    "routing/T1-K1-E1": partial(check_routing, T=1, K=1, E=1, A=1),
+    "routing/T37-K8-E9-A4-int32-ids": partial(check_routing, T=37, K=8, E=9, A=4, ids_dtype=torch.int32),
+    "routing/T0-K2-E3-A4": partial(check_routing, T=0, K=2, E=3, A=4),
+    "routing/T50-K4-E130-A8-tokens-without-routes": partial(
+        check_routing, T=50, K=4, E=130, A=8, drop="tokens"
+    ),
+    "routing/T70-K1-E6-A32-one-expert": partial(check_routing, T=70, K=1, E=6, A=32, drop="one-expert"),
+    "permute/T13-K2-E5-H40": partial(check_permute, T=13, K=2, E=5, A=1, H=40, dtype=f32),
+    "permute/T13-K2-E5-A4-H40-cast-bf16": partial(
+        check_permute, T=13, K=2, E=5, A=4, H=40, dtype=f32, out_dtype=bf16, drop="some"
+    ),
+    "permute/T1-K1-E1-H3-no-probs": partial(
+        check_permute, T=1, K=1, E=1, A=1, H=3, dtype=f32, with_probs=False
+    ),
+    "permute/T9-K8-E9-A4-H17-bf16-tokens-without-routes": partial(
+        check_permute, T=9, K=8, E=9, A=4, H=17, dtype=bf16, drop="tokens"
+    ),
+    "combine/T13-K2-E5-H40-weighted": partial(check_combine, T=13, K=2, E=5, A=1, H=40, dtype=f32),
+    "combine/T13-K2-E5-A4-H40-unweighted-some-dropped": partial(
+        check_combine, T=13, K=2, E=5, A=4, H=40, dtype=f32, weighted=False, drop="some"
+    ),
+    "combine/T1-K1-E1-H3": partial(check_combine, T=1, K=1, E=1, A=1, H=3, dtype=f32),
+    "combine/T9-K8-E9-A4-H17-bf16-tokens-without-routes": partial(
+        check_combine, T=9, K=8, E=9, A=4, H=17, dtype=bf16, drop="tokens"
+    ),
+    "swiglu/M7-F5-probs": partial(check_swiglu, M=7, F=5, dtype=f32),
+    "swiglu/M33-F300-no-probs": partial(check_swiglu, M=33, F=300, dtype=f32, with_probs=False),
+    "swiglu/M5-F1100-bf16-probs": partial(check_swiglu, M=5, F=1100, dtype=bf16),
+    "bench/tiny-A16": partial(check_bench_cases, alignment=16),
+}
+
+# On the GPU: the CPU cases plus real sizes (T not a multiple of any block, H past one block, 128 experts).
+GPU_CASES = {
+    **CPU_CASES,
+    "routing/T16384-K8-E128-A128": partial(check_routing, T=16384, K=8, E=128, A=128),
+    "routing/T4097-K8-E8-A16-some-dropped": partial(check_routing, T=4097, K=8, E=8, A=16, drop="some"),
+    "routing/T1000-K1-E1": partial(check_routing, T=1000, K=1, E=1, A=1),
+    "permute/T1001-K8-E128-A128-H2048-bf16": partial(
+        check_permute, T=1001, K=8, E=128, A=128, H=2048, dtype=bf16
+    ),
+    "permute/T513-K8-E8-A16-H7168-f32-to-bf16-dropped": partial(
+        check_permute, T=513, K=8, E=8, A=16, H=7168, dtype=f32, out_dtype=bf16, drop="some"
+    ),
+    "permute/T777-K1-E1-H2050-bf16": partial(check_permute, T=777, K=1, E=1, A=1, H=2050, dtype=bf16),
+    "combine/T1001-K8-E128-A128-H2048-bf16-weighted": partial(
+        check_combine, T=1001, K=8, E=128, A=128, H=2048, dtype=bf16
+    ),
+    "combine/T513-K8-E8-H7168-bf16-unweighted-tokens-without-routes": partial(
+        check_combine, T=513, K=8, E=8, A=1, H=7168, dtype=bf16, weighted=False, drop="tokens"
+    ),
+    "combine/T777-K1-E1-H2050-f32": partial(check_combine, T=777, K=1, E=1, A=1, H=2050, dtype=f32),
+    "swiglu/M8193-F768-bf16-probs": partial(check_swiglu, M=8193, F=768, dtype=bf16),
+    "swiglu/M1000-F2048-bf16-no-probs": partial(check_swiglu, M=1000, F=2048, dtype=bf16, with_probs=False),
+    "swiglu/M999-F1537-f32-probs": partial(check_swiglu, M=999, F=1537, dtype=f32),
+}
+
+
+def run_cases(names, device: str) -> dict[str, str]:
+    results = {}
+    for name in names:
+        try:
+            GPU_CASES[name](device=device)
+            results[name] = "ok"
+        except Exception:  # reported per case to the parent test
+            results[name] = traceback.format_exc()
+    return results
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--json", required=True, help="where to write {case: 'ok' | traceback}")
+    parser.add_argument("cases", nargs="*", help="case names (default: all CPU cases)")
+    args = parser.parse_args()
+    results = run_cases(args.cases or list(CPU_CASES), args.device)
+    with open(args.json, "w") as f:
+        json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
