@@ -13,6 +13,10 @@ most one slot, so this is a plain indexed copy).
 
 ``permute_tokens_reference`` / ``combine_tokens_reference`` are the index_select / index_add versions
 (Megatron's unfused path) that the tests hold these against.
+
+On CUDA with Triton the gather-sum runs as ``mok_megatron.kernels.permute.gather_sum_rows`` (one pass,
+masked slots never read, fp32 accumulation in the same fixed k order), and the scatter-copy is a plain
+row gather through the inverse slot map; on CPU both run as the torch code below.
 """
 
 from __future__ import annotations
@@ -22,11 +26,22 @@ import torch
 from mok_megatron.ops.routing import SlotMap
 
 
+def _fast(t: torch.Tensor) -> bool:
+    from mok_megatron.compat import have_triton
+
+    return t.is_cuda and have_triton()
+
+
 def _gather_sum(src_NH: torch.Tensor, slots: SlotMap) -> torch.Tensor:
     num_tokens, k = slots.row_TK.shape
     hidden = src_NH.shape[-1]
     if src_NH.shape[0] == 0 or k == 0:
         return src_NH.new_zeros((num_tokens, hidden))
+    if _fast(src_NH):
+        from mok_megatron.kernels.permute import gather_sum_rows
+
+        rows = slots.row_TK if slots.valid_TK is None else torch.where(slots.valid_TK, slots.row_TK, -1)
+        return gather_sum_rows(src_NH, rows.to(torch.int32), src_NH.dtype)[0]
     picked_TKH = src_NH.index_select(0, slots.row_TK.reshape(-1)).view(num_tokens, k, hidden)
     if slots.valid_TK is not None:
         picked_TKH = torch.where(slots.valid_TK.unsqueeze(-1), picked_TKH, 0)
@@ -40,6 +55,18 @@ def _scatter_copy(src_TH: torch.Tensor, slots: SlotMap, num_rows: int) -> torch.
     if num_rows == 0 or k == 0:
         return src_TH.new_zeros((num_rows, hidden))
     rows = slots.row_TK.reshape(-1)
+    if _fast(src_TH):
+        # Each row belongs to at most one slot: gather every row's token instead of scattering tokens.
+        tok = torch.arange(num_tokens, device=src_TH.device).repeat_interleave(k)
+        if slots.valid_TK is None:
+            owner = torch.empty(num_rows, dtype=torch.int64, device=src_TH.device)
+            return src_TH.index_select(0, owner.index_copy_(0, rows, tok))
+        # Rows no slot owns read an appended zero row (invalid slots all write that spare entry).
+        valid = slots.valid_TK.reshape(-1)
+        owner = torch.full((num_rows + 1,), num_tokens, dtype=torch.int64, device=src_TH.device)
+        owner.index_copy_(0, torch.where(valid, rows, num_rows), torch.where(valid, tok, num_tokens))
+        padded = torch.cat([src_TH, src_TH.new_zeros((1, hidden))])
+        return padded.index_select(0, owner[:num_rows])
     if slots.valid_TK is not None:
         # Invalid slots write into a spare row that is dropped (no mask indexing: no host sync).
         rows = torch.where(slots.valid_TK.reshape(-1), rows, num_rows)
