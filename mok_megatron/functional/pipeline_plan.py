@@ -42,12 +42,16 @@ class PipelineError(ValueError):
     """Inputs the pipeline cannot run on (named value, constraint, fix)."""
 
 
-def auto_minibatch_size(num_tokens: int, topk: int, num_local_experts: int, ep_size: int) -> int:
-    """Default minibatch size: as many minibatches (at most 4) as keep every local expert's GEMM at
-    least 512 rows tall on average (a rank receives ~T*K/L rows per local expert when routing is
-    balanced); one minibatch (no pipelining) without expert parallelism, where there is nothing to
-    hide."""
-    if ep_size == 1 or num_tokens == 0:
+def auto_minibatch_size(
+    num_tokens: int, topk: int, num_local_experts: int, ep_size: int, slow_link: bool = True
+) -> int:
+    """Default minibatch size, from the H200 measurements in docs/benchmarks.md.
+
+    Over fast links (every EP rank in one NVLink domain) splitting costs more than it hides: one
+    minibatch. Over slow links (EP across nodes, ~50 GB/s per GPU) as many minibatches (at most 4)
+    as keep every local expert's GEMM at least 512 rows tall on average (a rank receives ~T*K/L rows
+    per local expert when routing is balanced). Without expert parallelism there is nothing to hide."""
+    if ep_size == 1 or num_tokens == 0 or not slow_link:
         return max(num_tokens, 1)
     rows_per_expert = num_tokens * topk / num_local_experts
     chunks = max(1, min(_AUTO_MAX_MINIBATCHES, int(rows_per_expert // _MIN_ROWS_PER_EXPERT)))

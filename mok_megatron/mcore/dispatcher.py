@@ -40,6 +40,19 @@ class PipelineCall:
     routing_map_TE: torch.Tensor
 
 
+def _group_in_one_node(group) -> bool:
+    """Whether every rank of ``group`` runs on this host (torchrun's LOCAL_WORLD_SIZE blocks of ranks)."""
+    import os
+
+    import torch.distributed as dist
+
+    if group is None or dist.get_world_size(group) == 1:
+        return True
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
+    nodes = {r // max(local, 1) for r in dist.get_process_group_ranks(group)}
+    return len(nodes) == 1
+
+
 class PipelineStats:
     """Process-wide counters of the overlap engine (sync-free overflows redone in exact mode)."""
 
@@ -66,6 +79,7 @@ class MoKTokenDispatcher(MoETokenDispatcher):
         self.options = options or MoKOptions()
         self.transport = transport  # set: the overlap engine runs (see pipeline_supported)
         self._plan: DispatchPlan | PipelineCall | None = None
+        self._ep_in_one_node = _group_in_one_node(self.groups.ep)
 
     @property
     def pipelined(self) -> bool:
@@ -109,11 +123,13 @@ class MoKTokenDispatcher(MoETokenDispatcher):
     def _pipeline_plan(self, hidden_shape, routing_map, sync_free=None):
         o, cfg = self.options, self.mok_config
         T = routing_map.shape[0]
+        loopback = self.transport.name == "loopback"
         mbs = o.minibatch_size or auto_minibatch_size(
             T,
             cfg.topk,
             cfg.num_local_experts,
-            max(cfg.ep_size, o.loopback_ep if self.transport.name == "loopback" else 1),
+            max(cfg.ep_size, o.loopback_ep if loopback else 1),
+            slow_link=(o.loopback_gbps and o.loopback_gbps < 200) if loopback else not self._ep_in_one_node,
         )
         return build_pipeline_plan(
             hidden_shape,
