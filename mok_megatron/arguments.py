@@ -126,6 +126,29 @@ def extra_args_provider(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     return parser
 
 
+def install() -> None:
+    """Make every parser ``megatron.training.arguments`` builds in this process know the MoK flags.
+
+    Megatron re-parses ``sys.argv`` on its own during ``pretrain`` (``ft_integration.setup`` and
+    in-process restart call ``parse_args(ignore_unknown_args=True)`` without the entry point's
+    ``extra_args_provider``); unknown ``--mok-*`` flags are ignored there, but the value ``mok`` of a
+    known flag is not. The entry point calls this; the ``patches/`` do the same inside Megatron-LM.
+    Idempotent.
+    """
+    from megatron.training import arguments as margs
+
+    add = margs.add_megatron_arguments
+    if getattr(add, "_mok", False):
+        return
+
+    def add_megatron_arguments(parser):
+        return extra_args_provider(add(parser))
+
+    add_megatron_arguments._mok = True
+    add_megatron_arguments.__wrapped__ = add
+    margs.add_megatron_arguments = add_megatron_arguments
+
+
 def combine(*providers):
     """One ``extra_args_provider`` from several (``None`` entries skipped)."""
 
