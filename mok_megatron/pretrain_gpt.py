@@ -68,16 +68,30 @@ def _mokified(spec):
     return mokify(spec)
 
 
+def use_mok(args, model_cfg) -> None:
+    """With ``args.mok``: give ``model_cfg`` (a ``GPTModelConfig``) MoK MoE layers, check the model
+    against MoK's constraints (before any process group exists), and make the ``--mok-*`` flags the
+    default ``MoKOptions``. Without it, nothing changes. The patched Megatron-LM ``pretrain_gpt.py``
+    calls this too."""
+    if not getattr(args, "mok", False):
+        return
+    from mok_megatron.arguments import options_from_args
+    from mok_megatron.options import set_default_options
+
+    if model_cfg.transformer_layer_spec is None:
+        model_cfg.transformer_layer_spec = mok_layer_spec
+    else:
+        model_cfg.transformer_layer_spec = _mokified(model_cfg.transformer_layer_spec)
+    check_mok_config(args, model_cfg.transformer)
+    set_default_options(options_from_args(args))
+
+
 def model_config_from_args(args):
-    """Megatron's ``GPTModelConfig`` for these args; with ``args.mok`` its layer spec is MoK's."""
+    """Megatron's ``GPTModelConfig`` for these args; with ``args.mok`` its MoE layers are MoK's."""
     from megatron.training.argument_utils import gpt_config_from_args
 
     model_cfg = gpt_config_from_args(args)
-    if getattr(args, "mok", False):
-        if model_cfg.transformer_layer_spec is None:
-            model_cfg.transformer_layer_spec = mok_layer_spec
-        else:
-            model_cfg.transformer_layer_spec = _mokified(model_cfg.transformer_layer_spec)
+    use_mok(args, model_cfg)
     return model_cfg
 
 
@@ -285,18 +299,12 @@ def main(argv: list[str] | None = None) -> int:
     from megatron.training import pretrain, set_startup_timestamps
     from megatron.training.argument_utils import pretrain_cfg_container_from_args
 
-    from mok_megatron.arguments import options_from_args
-    from mok_megatron.options import set_default_options
-
     from mok_megatron.compat import use_prebuilt_dataset_helpers
 
     main_entry = time.time()
     use_prebuilt_dataset_helpers()
     args = parse(argv)
     model_cfg = model_config_from_args(args)
-    check_mok_config(args, model_cfg.transformer)
-    if args.mok:
-        set_default_options(options_from_args(args))
     if _is_rank0():
         layer = "MoK (mok_megatron.mcore.MoKMoELayer)" if args.mok else "Megatron-Core MoELayer"
         print(f"> MoE layer: {layer}, dispatcher {args.moe_token_dispatcher_type}", flush=True)
