@@ -219,14 +219,15 @@ def validate(args) -> None:
             f"--mok-transport loopback emulates EP peers on one GPU and needs "
             f"--expert-model-parallel-size 1 (got {ep}); use collective or copy_engine for real EP."
         )
-    _validate_fp8(args)
 
 
 # Lowest CUDA compute capability with hardware support for each FP8 recipe (TE's requirements).
 FP8_MIN_CAPABILITY = {"delayed": (8, 9), "tensorwise": (8, 9), "blockwise": (9, 0), "mxfp8": (10, 0)}
 
 
-def _validate_fp8(args) -> None:
+def check_environment(args) -> None:
+    """Checks against this machine (run by the entry point after parsing, not by the parser, so a
+    command line can be parsed and checked anywhere): FP8 needs TE and a GPU that has the recipe."""
     if not getattr(args, "fp8", None):
         return
     from mok_megatron.compat import cuda_capability, have_te

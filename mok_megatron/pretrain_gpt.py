@@ -304,6 +304,13 @@ def main(argv: list[str] | None = None) -> int:
     main_entry = time.time()
     use_prebuilt_dataset_helpers()
     args = parse(argv)
+    from mok_megatron.arguments import MoKArgumentError, check_environment
+
+    try:
+        check_environment(args)
+    except MoKArgumentError as e:
+        print(f"mok-pretrain-gpt: error: {e}", file=sys.stderr)
+        return 2
     model_cfg = model_config_from_args(args)
     if _is_rank0():
         layer = "MoK (mok_megatron.mcore.MoKMoELayer)" if args.mok else "Megatron-Core MoELayer"
