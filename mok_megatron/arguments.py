@@ -211,9 +211,7 @@ def validate(args) -> None:
         )
     topk = args.moe_router_topk
     if not 1 <= topk <= experts:
-        raise MoKArgumentError(
-            f"--moe-router-topk {topk}: must be between 1 and --num-experts {experts}."
-        )
+        raise MoKArgumentError(f"--moe-router-topk {topk}: must be between 1 and --num-experts {experts}.")
     if args.mok_transport == "loopback" and ep != 1:
         raise MoKArgumentError(
             f"--mok-transport loopback emulates EP peers on one GPU and needs "

@@ -47,9 +47,16 @@ def mok_layer_spec(model_config, vp_stage=None):
     """Megatron's default layer spec for this model config, with MoK MoE layers."""
     from megatron.training.models.gpt import default_layer_spec
 
+    from megatron.training import print_rank_0
+
+    from mok_megatron.mcore.layer import MoKMoELayer
     from mok_megatron.spec import mokify
 
-    return mokify(default_layer_spec(model_config, vp_stage))
+    spec = mokify(default_layer_spec(model_config, vp_stage))
+    layers = getattr(spec, "layer_specs", [spec])
+    n = sum(1 for s in layers if getattr(getattr(s.submodules, "mlp", None), "func", None) is MoKMoELayer)
+    print_rank_0(f"> MoK MoE layers in the layer spec: {n} of {len(layers)}")
+    return spec
 
 
 def _mokified(spec):
