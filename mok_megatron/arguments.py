@@ -50,7 +50,7 @@ class _DispatcherTypeAction(argparse._StoreAction):
 
     def __call__(self, parser, namespace, values, option_string=None):
         use_mok = values == MOK
-        setattr(namespace, "mok", use_mok)
+        namespace.mok = use_mok
         super().__call__(parser, namespace, MOK_BASE_DISPATCHER if use_mok else values, option_string)
 
 
