@@ -95,3 +95,23 @@ def cuda_capability() -> tuple[int, int] | None:
     if not torch.cuda.is_available():
         return None
     return torch.cuda.get_device_capability()
+
+
+def use_prebuilt_dataset_helpers() -> bool:
+    """megatron-core wheels ship ``megatron/core/datasets/helpers_cpp*.so`` but not the Makefile that
+    ``initialize_megatron`` runs (``compile_helpers``: ``make -C .../datasets``), so stock
+    ``pretrain`` exits with "Failed to compile the C++ dataset helper functions" on every machine.
+    When the prebuilt module imports, compiling is unnecessary: make ``compile_helpers`` a no-op.
+    A source checkout (Makefile present) keeps Megatron's behaviour. Returns True when replaced."""
+    import os
+
+    import megatron.core.datasets.utils as dutils
+
+    if os.path.exists(os.path.join(os.path.dirname(dutils.__file__), "Makefile")):
+        return False
+    try:
+        from megatron.core.datasets import helpers_cpp  # noqa: F401
+    except ImportError:
+        return False
+    dutils.compile_helpers = lambda: None
+    return True

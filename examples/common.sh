@@ -1,0 +1,35 @@
+# Shared by the recipes: build the launch command from the flag arrays and run it, or print it.
+#
+#   DRY_RUN=1   print the layout line and the exact launch command (one line, shell-quoted), run nothing
+#   DISPATCHER  mok (default) or alltoall: the same command A/B-compares the MoK layer and Megatron's
+#
+# A recipe sets NNODES, GPUS_PER_NODE, NVLINK_DOMAIN_GPUS and the arrays MODEL_ARGS, MOE_ARGS,
+# PARALLEL_ARGS, PRECISION_ARGS, MEMORY_ARGS, TRAIN_ARGS, DATA_ARGS, LOG_ARGS, then calls mok_launch.
+
+DISPATCHER=${DISPATCHER:-mok}
+# Megatron indexed data (prefix of .bin/.idx, or a blend "w1 p1 w2 p2") or mock data.
+if [ -n "${DATA_PATH:-}" ]; then read -r -a DATA_SOURCE <<< "--data-path $DATA_PATH"; else DATA_SOURCE=(--mock-data); fi
+
+mok_launch() {
+  local nnodes=${NNODES:-1} gpn=${GPUS_PER_NODE:-1}
+  local rdzv=${MASTER_ADDR:-$(scontrol show hostnames "${SLURM_JOB_NODELIST:-localhost}" 2>/dev/null | head -n1)}
+  rdzv=${rdzv:-localhost}
+  local launcher=(torchrun --nnodes "$nnodes" --nproc-per-node "$gpn"
+    --rdzv-backend c10d --rdzv-endpoint "${rdzv}:${MASTER_PORT:-29500}" --rdzv-id "${SLURM_JOB_ID:-mok}")
+  local cmd=("${launcher[@]}" -m mok_megatron.pretrain_gpt
+    "${MODEL_ARGS[@]}" "${MOE_ARGS[@]}" --moe-token-dispatcher-type "$DISPATCHER"
+    "${PARALLEL_ARGS[@]}" "${PRECISION_ARGS[@]}" "${MEMORY_ARGS[@]}"
+    "${TRAIN_ARGS[@]}" "${DATA_ARGS[@]}" "${LOG_ARGS[@]}")
+  if [ "$DISPATCHER" = mok ]; then cmd+=("${MOK_ARGS[@]}"); fi
+  if [ "${DRY_RUN:-0}" = 1 ]; then
+    echo "# layout: nodes=$nnodes gpus_per_node=$gpn nvlink_domain_gpus=${NVLINK_DOMAIN_GPUS:-$gpn}"
+    printf '%q ' "${cmd[@]}"
+    echo
+    return 0
+  fi
+  if [ -n "${SLURM_JOB_ID:-}" ] && [ "$nnodes" -gt 1 ]; then
+    srun --ntasks-per-node 1 "${cmd[@]}"   # one torchrun per node
+  else
+    "${cmd[@]}"
+  fi
+}

@@ -1,0 +1,79 @@
+#!/usr/bin/env bash
+# DeepSeek-V3 (671B total, 37B active) on 512 GB300 GPUs: 128 nodes x 4 GPUs, NVL72 racks.
+# Needs Transformer Engine (MXFP8, TE layers, CUDA graphs) and Megatron-Core 0.19.x.
+#   sbatch examples/deepseek_v3_gb300.sh          DRY_RUN=1 bash examples/deepseek_v3_gb300.sh
+#SBATCH --job-name=mok-dsv3
+#SBATCH --nodes=128
+#SBATCH --ntasks-per-node=1
+#SBATCH --gpus-per-node=4
+#SBATCH --segment=16          # 16 nodes = 64 GPUs per NVLink segment: the EP=64 group stays in one NVL72 rack
+#SBATCH --exclusive
+#SBATCH --time=04:00:00
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")"
+source ./common.sh
+
+NNODES=128 GPUS_PER_NODE=4 NVLINK_DOMAIN_GPUS=64   # 64 of a rack's 72 GPUs per segment
+export CUDA_DEVICE_MAX_CONNECTIONS=32              # GB300: let TP/EP comm kernels run beside compute
+export NVTE_FWD_LAYERNORM_SM_MARGIN=16 NVTE_BWD_LAYERNORM_SM_MARGIN=16
+
+MODEL_ARGS=(
+  --num-layers 61 --hidden-size 7168 --ffn-hidden-size 18432   # dense FFN of the first 3 layers
+  --num-attention-heads 128 --kv-channels 128
+  --multi-latent-attention --q-lora-rank 1536 --kv-lora-rank 512
+  --qk-head-dim 128 --qk-pos-emb-head-dim 64 --v-head-dim 128 --qk-layernorm
+  --rotary-scaling-factor 40 --mscale 1.0 --mscale-all-dim 1.0 --rotary-base 10000
+  --normalization RMSNorm --norm-epsilon 1e-6 --swiglu --disable-bias-linear
+  --untie-embeddings-and-output-weights --position-embedding-type rope
+  --seq-length 4096 --max-position-embeddings 4096
+  --mtp-num-layers 1 --mtp-loss-scaling-factor 0.1            # one multi-token-prediction layer
+)
+MOE_ARGS=(
+  --num-experts 256 --moe-ffn-hidden-size 2048 --moe-router-topk 8
+  --moe-layer-freq "([0]*3+[1]*58)"                            # 3 dense layers, then 58 MoE layers
+  --moe-shared-expert-intermediate-size 2048                   # one shared expert
+  --moe-router-score-function sigmoid --moe-router-enable-expert-bias --moe-router-bias-update-rate 1e-3
+  --moe-router-topk-scaling-factor 2.5 --moe-router-num-groups 8 --moe-router-group-topk 4
+  --moe-router-load-balancing-type seq_aux_loss --moe-aux-loss-coeff 1e-4
+  --moe-router-dtype fp32 --moe-grouped-gemm
+)
+MOK_ARGS=(
+  --mok-transport copy_engine     # EP peers share the NVLink segment: pull tokens on the copy engine
+  --mok-sync-free                 # no host sync in the layer (needed for CUDA graphs around it)
+  --mok-capacity-multiplier 0.5   # sync-free receive buffers at half a source's tokens; overflow redone exactly
+)
+PARALLEL_ARGS=(
+  --tensor-model-parallel-size 1               # MLA + 7168 hidden fits without TP on 288 GB
+  --pipeline-model-parallel-size 8
+  --pipeline-model-parallel-layout "Et|(tt|)*30mL"   # 32 stages = PP 8 x VPP 4: E+1 layer, 30 x 2 layers, MTP+loss
+  --expert-model-parallel-size 64              # 4 experts per GPU; 64 GPUs = one NVLink segment
+  --expert-tensor-parallel-size 1
+  --context-parallel-size 1                    # data parallel = 512 / (1 x 8 x 1) = 64
+  --use-distributed-optimizer --overlap-grad-reduce --overlap-param-gather
+)
+PRECISION_ARGS=(
+  --bf16
+  --fp8-format e4m3 --fp8-recipe mxfp8         # MXFP8 needs sm_100+ (Blackwell) and TE >= 2.x
+  --fp8-param-gather                           # all-gather parameters in FP8
+  --moe-router-padding-for-quantization        # align expert token counts to the MXFP8 block (32)
+)
+MEMORY_ARGS=(
+  --recompute-granularity selective
+  --recompute-modules mla_up_proj layernorm    # cheap to redo; MoK does not support moe_act recompute
+  --cuda-graph-impl transformer_engine --te-rng-tracker
+  --cuda-graph-modules attn moe_router         # graph the launch-bound parts; MoE GEMMs are large
+  --manual-gc --manual-gc-interval 10
+)
+TRAIN_ARGS=(
+  --micro-batch-size 1 --global-batch-size 4096 --train-iters 50000
+  --lr 3e-4 --min-lr 3e-5 --lr-decay-style cosine --lr-warmup-iters 2000
+  --weight-decay 0.1 --adam-beta1 0.9 --adam-beta2 0.95 --clip-grad 1.0 --init-method-std 0.006
+  --cross-entropy-loss-fusion --cross-entropy-fusion-impl te
+)
+DATA_ARGS=("${DATA_SOURCE[@]}"   # --data-path $DATA_PATH, or --mock-data when DATA_PATH is unset
+  --tokenizer-type HuggingFaceTokenizer --tokenizer-model "${TOKENIZER:-deepseek-ai/DeepSeek-V3}"
+  --vocab-size 129280 --split 99,1,0)
+LOG_ARGS=(--log-interval 1 --eval-interval 1000 --eval-iters 10 --log-throughput
+  ${CKPT_DIR:+--save "$CKPT_DIR" --load "$CKPT_DIR" --save-interval 1000 --ckpt-format torch_dist})
+
+mok_launch

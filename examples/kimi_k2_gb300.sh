@@ -1,0 +1,61 @@
+#!/usr/bin/env bash
+# Kimi-K2-like (about 1T total, 32B active; 384 routed experts + 1 shared, MLA) on 512 GB300 GPUs:
+# 128 nodes x 4 GPUs, NVL72 racks. Needs Transformer Engine and Megatron-Core 0.19.x.
+#   sbatch examples/kimi_k2_gb300.sh              DRY_RUN=1 bash examples/kimi_k2_gb300.sh
+#SBATCH --job-name=mok-kimi-k2
+#SBATCH --nodes=128
+#SBATCH --ntasks-per-node=1
+#SBATCH --gpus-per-node=4
+#SBATCH --segment=16          # 64 GPUs per NVLink segment: EP=64 inside one NVL72 rack
+#SBATCH --exclusive
+#SBATCH --time=04:00:00
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")"
+source ./common.sh
+
+NNODES=128 GPUS_PER_NODE=4 NVLINK_DOMAIN_GPUS=64
+export CUDA_DEVICE_MAX_CONNECTIONS=32
+
+MODEL_ARGS=(
+  --num-layers 61 --hidden-size 7168 --ffn-hidden-size 18432   # dense FFN of the first layer
+  --num-attention-heads 64 --kv-channels 128                   # half of DeepSeek-V3's heads
+  --multi-latent-attention --q-lora-rank 1536 --kv-lora-rank 512
+  --qk-head-dim 128 --qk-pos-emb-head-dim 64 --v-head-dim 128 --qk-layernorm
+  --rotary-scaling-factor 32 --mscale 1.0 --mscale-all-dim 1.0 --rotary-base 50000
+  --normalization RMSNorm --norm-epsilon 1e-6 --swiglu --disable-bias-linear
+  --untie-embeddings-and-output-weights --position-embedding-type rope
+  --seq-length 4096 --max-position-embeddings 4096
+)
+MOE_ARGS=(
+  --num-experts 384 --moe-ffn-hidden-size 2048 --moe-router-topk 8
+  --moe-layer-freq "([0]*1+[1]*60)"                            # first layer dense
+  --moe-shared-expert-intermediate-size 2048
+  --moe-router-score-function sigmoid --moe-router-enable-expert-bias --moe-router-bias-update-rate 1e-3
+  --moe-router-topk-scaling-factor 2.827 --moe-router-num-groups 1 --moe-router-group-topk 1
+  --moe-router-load-balancing-type seq_aux_loss --moe-aux-loss-coeff 1e-4 --moe-router-dtype fp32 --moe-grouped-gemm
+)
+MOK_ARGS=(--mok-transport copy_engine --mok-sync-free --mok-capacity-multiplier 0.5)
+PARALLEL_ARGS=(
+  --tensor-model-parallel-size 1
+  --pipeline-model-parallel-size 8
+  --pipeline-model-parallel-layout "E|(tt|)*30tL"   # 32 stages = PP 8 x VPP 4; 30 x 2 + 1 = 61 layers
+  --expert-model-parallel-size 64 --expert-tensor-parallel-size 1   # 6 experts per GPU
+  --use-distributed-optimizer --overlap-grad-reduce --overlap-param-gather   # data parallel 64
+)
+PRECISION_ARGS=(--bf16 --fp8-format e4m3 --fp8-recipe mxfp8 --fp8-param-gather --moe-router-padding-for-quantization)
+MEMORY_ARGS=(
+  --recompute-granularity selective --recompute-modules mla_up_proj layernorm
+  --cuda-graph-impl transformer_engine --te-rng-tracker --cuda-graph-modules attn moe_router
+  --manual-gc --manual-gc-interval 10
+)
+TRAIN_ARGS=(
+  --micro-batch-size 1 --global-batch-size 4096 --train-iters 50000
+  --lr 2e-4 --min-lr 2e-5 --lr-decay-style cosine --lr-warmup-iters 2000
+  --weight-decay 0.1 --adam-beta1 0.9 --adam-beta2 0.95 --clip-grad 1.0 --init-method-std 0.006
+  --cross-entropy-loss-fusion --cross-entropy-fusion-impl te
+)
+DATA_ARGS=("${DATA_SOURCE[@]}" --tokenizer-type HuggingFaceTokenizer
+  --tokenizer-model "${TOKENIZER:-moonshotai/Kimi-K2-Base}" --vocab-size 163840 --split 99,1,0)
+LOG_ARGS=(--log-interval 1 --eval-interval 1000 --eval-iters 10 --log-throughput)
+
+mok_launch

@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# Qwen3-30B-A3B on 512 GB300 GPUs: 128 nodes x 4 GPUs, NVL72 racks (pure data + expert parallel).
+# Needs Transformer Engine (MXFP8, TE layers, CUDA graphs) and Megatron-Core 0.19.x.
+#   sbatch examples/qwen3_30b_a3b_gb300.sh        DRY_RUN=1 bash examples/qwen3_30b_a3b_gb300.sh
+#SBATCH --job-name=mok-qwen3-30b
+#SBATCH --nodes=128
+#SBATCH --ntasks-per-node=1
+#SBATCH --gpus-per-node=4
+#SBATCH --segment=8           # EP=32 group inside one NVLink segment
+#SBATCH --exclusive
+#SBATCH --time=02:00:00
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")"
+source ./common.sh
+
+NNODES=128 GPUS_PER_NODE=4 NVLINK_DOMAIN_GPUS=32
+export CUDA_DEVICE_MAX_CONNECTIONS=32
+
+MODEL_ARGS=(
+  --num-layers 48 --hidden-size 2048 --ffn-hidden-size 6144
+  --num-attention-heads 32 --group-query-attention --num-query-groups 4 --kv-channels 128 --qk-layernorm
+  --normalization RMSNorm --norm-epsilon 1e-6 --swiglu --disable-bias-linear
+  --position-embedding-type rope --rotary-base 1000000
+  --untie-embeddings-and-output-weights --seq-length 4096 --max-position-embeddings 40960
+)
+MOE_ARGS=(
+  --num-experts 128 --moe-ffn-hidden-size 768 --moe-router-topk 8
+  --moe-router-load-balancing-type aux_loss --moe-aux-loss-coeff 1e-3 --moe-router-dtype fp32 --moe-grouped-gemm
+)
+MOK_ARGS=(--mok-transport copy_engine --mok-sync-free --mok-capacity-multiplier 0.5)
+PARALLEL_ARGS=(
+  --tensor-model-parallel-size 1 --pipeline-model-parallel-size 1   # 30B fits per GPU with EP + dist. optimizer
+  --expert-model-parallel-size 32 --expert-tensor-parallel-size 1   # 4 experts per GPU
+  --use-distributed-optimizer --overlap-grad-reduce --overlap-param-gather   # data parallel 512
+)
+PRECISION_ARGS=(--bf16 --fp8-format e4m3 --fp8-recipe mxfp8 --fp8-param-gather --moe-router-padding-for-quantization)
+MEMORY_ARGS=(
+  # No recompute: activations of a 2048-wide model fit in 288 GB at micro-batch 2.
+  --cuda-graph-impl transformer_engine --te-rng-tracker --cuda-graph-modules attn moe_router
+  --manual-gc --manual-gc-interval 10
+)
+TRAIN_ARGS=(
+  --micro-batch-size 2 --global-batch-size 2048 --train-iters 50000
+  --lr 3e-4 --min-lr 3e-5 --lr-decay-style cosine --lr-warmup-iters 2000
+  --weight-decay 0.1 --adam-beta1 0.9 --adam-beta2 0.95 --clip-grad 1.0 --init-method-std 0.02
+  --cross-entropy-loss-fusion --cross-entropy-fusion-impl te
+)
+DATA_ARGS=("${DATA_SOURCE[@]}" --tokenizer-type HuggingFaceTokenizer
+  --tokenizer-model "${TOKENIZER:-Qwen/Qwen3-30B-A3B}" --vocab-size 151936 --split 99,1,0)
+LOG_ARGS=(--log-interval 1 --eval-interval 1000 --eval-iters 10 --log-throughput)
+
+mok_launch

@@ -1,0 +1,285 @@
+"""Megatron training integration: the --mok-* flags through Megatron's real parser, the entry point
+through Megatron's real training loop on CPU (MoK vs alltoall), the patch set applied to the wheel's
+own arguments.py, and every recipe's DRY_RUN command."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from mok_megatron import patches
+from mok_megatron.arguments import MoKArgumentError, check_environment, extra_args_provider, install
+from mok_megatron.options import MoKOptions
+
+ROOT = Path(__file__).resolve().parent.parent
+RECIPES = sorted((ROOT / "examples").glob("*.sh"))
+RECIPES = [r for r in RECIPES if r.name != "common.sh"]
+BASE = ["--num-experts", "8", "--moe-router-topk", "2"]
+
+
+def _parser():
+    from megatron.training.arguments import add_megatron_arguments
+
+    return extra_args_provider(add_megatron_arguments(argparse.ArgumentParser(prog="t", allow_abbrev=False)))
+
+
+@pytest.fixture(scope="module")
+def parser():
+    return _parser()
+
+
+def test_mok_flags_map_onto_options(parser):
+    from mok_megatron.arguments import options_from_args
+
+    a = parser.parse_args(
+        BASE
+        + ["--moe-token-dispatcher-type", "mok", "--expert-model-parallel-size", "4"]
+        + ["--mok-minibatch-size", "256", "--mok-capacity-multiplier", "0.5", "--mok-sync-free"]
+        + ["--mok-deterministic", "--mok-transport", "copy_engine"]
+    )
+    # `mok` is an alias: Megatron's checks see alltoall, the entry point sees args.mok.
+    assert (a.mok, a.moe_token_dispatcher_type) == (True, "alltoall")
+    assert options_from_args(a) == MoKOptions(
+        minibatch_size=256,
+        capacity_multiplier=0.5,
+        sync_free=True,
+        deterministic=True,
+        transport="copy_engine",
+    )
+    b = parser.parse_args(BASE + ["--moe-token-dispatcher-type", "allgather"])
+    assert (b.mok, b.moe_token_dispatcher_type) == (False, "allgather")
+    assert options_from_args(b) == MoKOptions()
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (
+            BASE + ["--moe-token-dispatcher-type", "mok", "--expert-model-parallel-size", "3"],
+            r"--num-experts 8 is not divisible by --expert-model-parallel-size 3.*\[1, 2, 4, 8\]",
+        ),
+        (["--moe-token-dispatcher-type", "mok"], r"needs an MoE model: --num-experts is None"),
+        (
+            BASE + ["--moe-token-dispatcher-type", "mok", "--mok-capacity-multiplier", "1.5"],
+            r"--mok-capacity-multiplier=1.5: values above 1.0 only waste memory",
+        ),
+        (
+            BASE + ["--moe-token-dispatcher-type", "mok", "--mok-minibatch-size", "0"],
+            r"--mok-minibatch-size=0: must be a positive number",
+        ),
+        (
+            BASE
+            + ["--moe-token-dispatcher-type", "mok", "--expert-model-parallel-size", "2"]
+            + ["--mok-transport", "loopback"],
+            r"loopback .* needs --expert-model-parallel-size 1 \(got 2\)",
+        ),
+        (BASE + ["--mok-transport", "nvshmem"], r"invalid choice: 'nvshmem'"),
+        (BASE + ["--moe-token-dispatcher-type", "deepep"], r"invalid choice: 'deepep'.*'mok'"),
+    ],
+)
+def test_bad_command_lines_exit_with_the_reason(parser, capsys, argv, message):
+    with pytest.raises(SystemExit) as e:
+        parser.parse_args(argv)
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert re.search(message, err), err[-600:]
+
+
+def test_mok_flags_with_another_dispatcher_warn(parser):
+    with pytest.warns(UserWarning, match=r"--mok-sync-free given with .* alltoall: ignored"):
+        parser.parse_args(BASE + ["--moe-token-dispatcher-type", "alltoall", "--mok-sync-free"])
+
+
+def test_provider_is_idempotent_and_install_reaches_megatron_reparses(monkeypatch):
+    p = _parser()
+    assert extra_args_provider(p) is p  # a second call adds nothing (no argparse conflict)
+    from megatron.training import arguments as margs
+
+    monkeypatch.setattr(margs, "add_megatron_arguments", margs.add_megatron_arguments)
+    install()
+    install()
+    # What ft_integration.setup() does inside pretrain(): re-parse sys.argv with no provider.
+    monkeypatch.setattr(sys, "argv", ["x", *BASE, "--moe-token-dispatcher-type", "mok", "--mok-sync-free"])
+    a = margs.parse_args(ignore_unknown_args=True)
+    assert a.mok and a.mok_sync_free
+
+
+def test_fp8_without_transformer_engine_is_refused(parser):
+    from mok_megatron.compat import have_te
+
+    if have_te():
+        pytest.skip("Transformer Engine is installed here")
+    a = parser.parse_args(BASE + ["--moe-token-dispatcher-type", "mok", "--fp8-format", "e4m3"])
+    with pytest.raises(MoKArgumentError, match=r"--fp8-format e4m3 .* needs Transformer Engine"):
+        check_environment(a)
+    check_environment(parser.parse_args(BASE))  # no FP8: nothing to check
+
+
+# ---- patches ----------------------------------------------------------------------------------------
+
+ARGS_PY = "megatron/training/arguments.py"
+
+
+def _wheel_copy(tmp_path: Path) -> Path:
+    import megatron.training.arguments as margs
+
+    dst = tmp_path / ARGS_PY
+    dst.parent.mkdir(parents=True)
+    shutil.copyfile(margs.__file__, dst)
+    return dst
+
+
+def test_patch_applies_to_the_wheels_arguments_py_and_reverts(tmp_path):
+    dst = _wheel_copy(tmp_path)
+    original = dst.read_bytes()
+    assert patches.status(tmp_path, [ARGS_PY]) == {ARGS_PY: patches.PRISTINE}
+    assert patches.apply(tmp_path, [ARGS_PY]) == [ARGS_PY]
+    assert patches.status(tmp_path, [ARGS_PY]) == {ARGS_PY: patches.APPLIED}
+    assert patches.apply(tmp_path, [ARGS_PY]) == []  # idempotent
+
+    # The patched module's parser knows the MoK flags on its own.
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("patched_megatron_arguments", dst)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    p = mod.add_megatron_arguments(argparse.ArgumentParser(allow_abbrev=False))
+    a = p.parse_args(BASE + ["--moe-token-dispatcher-type", "mok", "--mok-transport", "collective"])
+    assert a.mok and a.mok_transport == "collective"
+
+    assert patches.revert(tmp_path, [ARGS_PY]) == [ARGS_PY]
+    assert dst.read_bytes() == original
+    assert patches.revert(tmp_path, [ARGS_PY]) == []
+
+
+def test_patch_refuses_unknown_or_partial_trees(tmp_path):
+    dst = _wheel_copy(tmp_path)
+    dst.write_text(dst.read_text() + "\n# a local edit\n")
+    with pytest.raises(patches.PatchError, match=r"(?s)arguments.py: unknown.*f8837c04ef6c"):
+        patches.apply(tmp_path, [ARGS_PY])
+    assert dst.read_text().endswith("# a local edit\n")  # untouched
+    # The whole set needs a Megatron-LM root (pretrain_gpt.py, gpt_builders.py).
+    shutil.copyfile(patches.PATCH_DIR / "manifest.json", tmp_path / "x")  # any file; not a root
+    r = subprocess.run(
+        [sys.executable, "-m", "mok_megatron.cli", "patches", "apply", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        env=dict(os.environ, PYTHONPATH=str(ROOT)),
+    )
+    assert r.returncode == 1 and "pretrain_gpt.py: missing" in r.stderr, r.stderr
+
+
+@pytest.mark.skipif(
+    not os.environ.get("MEGATRON_LM_DIR"), reason="set MEGATRON_LM_DIR to a Megatron-LM checkout at the pin"
+)
+def test_patch_set_on_a_megatron_lm_checkout(tmp_path):
+    src = Path(os.environ["MEGATRON_LM_DIR"])
+    for f in patches.Manifest.load().files:
+        (tmp_path / f.path).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(src / f.path, tmp_path / f.path)
+    before = {f: (tmp_path / f).read_bytes() for f in patches.status(tmp_path)}
+    assert len(patches.apply(tmp_path)) == 3 and patches.apply(tmp_path) == []
+    assert set(patches.status(tmp_path).values()) == {patches.APPLIED}
+    patches.revert(tmp_path)
+    assert {f: (tmp_path / f).read_bytes() for f in before} == before
+
+
+# ---- recipes ----------------------------------------------------------------------------------------
+
+
+def _dry_run(recipe: Path, **env) -> tuple[dict, list[str]]:
+    out = subprocess.run(
+        ["bash", str(recipe)],
+        env=dict(os.environ, DRY_RUN="1", **env),
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    ).stdout.splitlines()
+    layout = dict(kv.split("=") for kv in out[0].removeprefix("# layout: ").split())
+    cmd = shlex.split(out[1])
+    assert cmd[0] == "torchrun" and f"{layout['nodes']}" == cmd[cmd.index("--nnodes") + 1]
+    return {k: int(v) for k, v in layout.items()}, cmd[cmd.index("mok_megatron.pretrain_gpt") + 1 :]
+
+
+@pytest.mark.parametrize("recipe", RECIPES, ids=[r.stem for r in RECIPES])
+def test_recipe_dry_run_parses_and_its_layout_adds_up(parser, recipe):
+    from megatron.core.transformer.pipeline_parallel_layer_layout import PipelineParallelLayerLayout
+
+    layout, argv = _dry_run(recipe)
+    a = parser.parse_args(argv)
+    assert a.mok and a.moe_token_dispatcher_type == "alltoall"
+    world = layout["nodes"] * layout["gpus_per_node"]
+    tp, pp, cp = a.tensor_model_parallel_size, a.pipeline_model_parallel_size, a.context_parallel_size
+    ep, etp = a.expert_model_parallel_size, a.expert_tensor_parallel_size or tp
+    assert world % (tp * pp * cp) == 0, (world, tp, pp, cp)
+    assert world % (etp * ep * pp) == 0, (world, etp, ep, pp)
+    assert a.num_experts % ep == 0
+    # Expert-parallel groups are consecutive ranks: they stay inside one NVLink domain.
+    assert layout["nvlink_domain_gpus"] % (etp * ep) == 0, (layout, etp, ep)
+    if a.pipeline_model_parallel_layout:
+        from megatron.core.transformer.enums import LayerType
+
+        pl = PipelineParallelLayerLayout(a.pipeline_model_parallel_layout, pp)
+        assert len(pl.layout) == pp  # [pp rank][virtual stage] -> layers
+        flat = pl.flatten_layout
+        assert flat.count(LayerType.decoder) == a.num_layers
+        assert (LayerType.mtp in flat) == bool(a.mtp_num_layers)
+    elif a.num_virtual_stages_per_pipeline_rank:
+        assert a.num_layers % (pp * a.num_virtual_stages_per_pipeline_rank) == 0
+    else:
+        assert a.num_layers % pp == 0
+    # The A/B switch: the same recipe with Megatron's dispatcher drops only the MoK flags.
+    _, ab = _dry_run(recipe, DISPATCHER="alltoall")
+    i = argv.index("--moe-token-dispatcher-type")
+    k = next((j for j, x in enumerate(argv) if x.startswith("--mok-")), len(argv))  # MOK_ARGS come last
+    expected = argv[:k]
+    expected[i + 1] = "alltoall"
+    assert argv[i + 1] == "mok" and ab == expected
+    assert not parser.parse_args(ab).mok
+
+
+# ---- the training loop on CPU ---------------------------------------------------------------------
+
+_LOSS = re.compile(r"iteration\s+(\d+)/\s*\d+ .*?lm loss: ([0-9.E+-]+)")
+
+
+def _tiny_run(dispatcher: str, iters: int) -> tuple[list[float], str]:
+    env = dict(
+        os.environ,
+        DISPATCHER=dispatcher,
+        NPROC="2",
+        ITERS=str(iters),
+        DEVICE="cpu",
+        PYTHONPATH=str(ROOT),
+        PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
+        MASTER_PORT=str(__import__("tests.pool", fromlist=["free_port"]).free_port()),
+    )
+    r = subprocess.run(
+        ["bash", str(ROOT / "examples" / "tiny_moe.sh")], env=env, capture_output=True, text=True, timeout=300
+    )
+    out = r.stdout + r.stderr
+    assert r.returncode == 0, out[-4000:]
+    losses = [float(m.group(2)) for m in _LOSS.finditer(out)]
+    return losses, out
+
+
+def test_tiny_recipe_trains_on_cpu_and_mok_matches_alltoall():
+    """Megatron's own pretrain() loop (DDP, optimizer, scheduler, mock data), 2 gloo ranks, EP=2."""
+    iters = 6
+    mok, mok_log = _tiny_run("mok", iters)
+    ref, ref_log = _tiny_run("alltoall", iters)
+    assert "MoK MoE layers in the layer spec: 2 of 2" in mok_log
+    assert "MoK MoE layers" not in ref_log and "Megatron-Core MoELayer" in ref_log
+    assert len(mok) == len(ref) == iters, (mok, ref)
+    assert mok[-1] < mok[0], mok  # it learns
+    for i, (x, y) in enumerate(zip(mok, ref, strict=True)):
+        assert abs(x - y) <= 1e-4 * abs(y), (i, mok, ref)  # same math as Megatron's alltoall layer
