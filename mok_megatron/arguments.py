@@ -20,6 +20,7 @@ group exists. argparse has no post-parse hook, so ``extra_args_provider`` wraps 
 (status 2, ``prog: error: <message naming the value and the fix>``).
 
     flag                        MoKOptions field      default
+    --mok-engine E              engine                auto (pipeline when EP > 1 and supported)
     --mok-minibatch-size N      minibatch_size        automatic
     --mok-capacity-multiplier   capacity_multiplier   1.0 (never overflows)
     --mok-sync-free             sync_free             off
@@ -32,7 +33,7 @@ from __future__ import annotations
 import argparse
 import warnings
 
-from mok_megatron.options import TRANSPORTS, MoKOptions, MoKOptionsError
+from mok_megatron.options import ENGINES, TRANSPORTS, MoKOptions, MoKOptionsError
 
 DISPATCHER_FLAG = "--moe-token-dispatcher-type"
 MOK = "mok"
@@ -72,6 +73,13 @@ def add_mok_flags(parser) -> None:
     """The ``--mok-*`` flags alone (no dispatcher widening), e.g. for a plain argparse parser."""
     d = MoKOptions()
     g = parser.add_argument_group(title="mok", description="MoK MoE layer (--moe-token-dispatcher-type mok)")
+    g.add_argument(
+        "--mok-engine",
+        choices=ENGINES,
+        default=d.engine,
+        help="pipeline: the minibatched overlap engine; plain: one dispatch/experts/combine per layer "
+        "call (Megatron's row layout); auto (default): pipeline when EP > 1 and routing allows",
+    )
     g.add_argument(
         "--mok-minibatch-size",
         type=int,
@@ -164,6 +172,7 @@ def combine(*providers):
 def options_from_args(args) -> MoKOptions:
     """``MoKOptions`` from parsed flags (raises ``MoKOptionsError`` on bad values)."""
     return MoKOptions(
+        engine=args.mok_engine,
         minibatch_size=args.mok_minibatch_size,
         capacity_multiplier=args.mok_capacity_multiplier,
         sync_free=args.mok_sync_free,
@@ -177,7 +186,14 @@ def _given_mok_flags(args) -> list[str]:
     given = options_from_args(args)
     return [
         "--mok-" + f.replace("_", "-")
-        for f in ("minibatch_size", "capacity_multiplier", "sync_free", "deterministic", "transport")
+        for f in (
+            "engine",
+            "minibatch_size",
+            "capacity_multiplier",
+            "sync_free",
+            "deterministic",
+            "transport",
+        )
         if getattr(given, f) != getattr(d, f)
     ]
 

@@ -43,11 +43,12 @@ def test_mok_flags_map_onto_options(parser):
         BASE
         + ["--moe-token-dispatcher-type", "mok", "--expert-model-parallel-size", "4"]
         + ["--mok-minibatch-size", "256", "--mok-capacity-multiplier", "0.5", "--mok-sync-free"]
-        + ["--mok-deterministic", "--mok-transport", "copy_engine"]
+        + ["--mok-deterministic", "--mok-transport", "copy_engine", "--mok-engine", "pipeline"]
     )
     # `mok` is an alias: Megatron's checks see alltoall, the entry point sees args.mok.
     assert (a.mok, a.moe_token_dispatcher_type) == (True, "alltoall")
     assert options_from_args(a) == MoKOptions(
+        engine="pipeline",
         minibatch_size=256,
         capacity_multiplier=0.5,
         sync_free=True,
@@ -57,6 +58,8 @@ def test_mok_flags_map_onto_options(parser):
     b = parser.parse_args(BASE + ["--moe-token-dispatcher-type", "allgather"])
     assert (b.mok, b.moe_token_dispatcher_type) == (False, "allgather")
     assert options_from_args(b) == MoKOptions()
+    c = parser.parse_args(BASE + ["--moe-token-dispatcher-type", "mok", "--mok-engine", "plain"])
+    assert options_from_args(c) == MoKOptions(engine="plain")
 
 
 @pytest.mark.parametrize(
