@@ -27,7 +27,7 @@ if [ "$DEVICE" = cpu ]; then
     --no-persist-layer-norm)
   export TORCHDYNAMO_DISABLE=1 OMP_NUM_THREADS=1   # torch.compile only costs time at this size
 else
-  PRECISION_ARGS=(--bf16)
+  PRECISION_ARGS=(--bf16 --no-gradient-accumulation-fusion)   # the fused wgrad needs apex's CUDA extension
 fi
 MEMORY_ARGS=()
 TRAIN_ARGS=(--micro-batch-size 4 --global-batch-size $((4 * NPROC)) --train-iters "$ITERS"

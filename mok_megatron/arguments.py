@@ -24,7 +24,7 @@ group exists. argparse has no post-parse hook, so ``extra_args_provider`` wraps 
     --mok-minibatch-size N      minibatch_size        automatic
     --mok-capacity-multiplier   capacity_multiplier   1.0 (never overflows)
     --mok-sync-free             sync_free             off
-    --mok-deterministic         deterministic         off
+    --mok-deterministic         deterministic         on (--no-mok-deterministic: atomics)
     --mok-transport T           transport             auto
 """
 
@@ -100,8 +100,10 @@ def add_mok_flags(parser) -> None:
     )
     g.add_argument(
         "--mok-deterministic",
-        action="store_true",
-        help="fixed-order, atomic-free reductions: bitwise-identical runs",
+        action=argparse.BooleanOptionalAction,
+        default=d.deterministic,
+        help="fixed-order, atomic-free reductions: bitwise-identical runs (default: on; "
+        "--no-mok-deterministic uses index_add_ atomics)",
     )
     g.add_argument(
         "--mok-transport",

@@ -43,7 +43,7 @@ def test_mok_flags_map_onto_options(parser):
         BASE
         + ["--moe-token-dispatcher-type", "mok", "--expert-model-parallel-size", "4"]
         + ["--mok-minibatch-size", "256", "--mok-capacity-multiplier", "0.5", "--mok-sync-free"]
-        + ["--mok-deterministic", "--mok-transport", "copy_engine", "--mok-engine", "pipeline"]
+        + ["--no-mok-deterministic", "--mok-transport", "copy_engine", "--mok-engine", "pipeline"]
     )
     # `mok` is an alias: Megatron's checks see alltoall, the entry point sees args.mok.
     assert (a.mok, a.moe_token_dispatcher_type) == (True, "alltoall")
@@ -52,7 +52,7 @@ def test_mok_flags_map_onto_options(parser):
         minibatch_size=256,
         capacity_multiplier=0.5,
         sync_free=True,
-        deterministic=True,
+        deterministic=False,
         transport="copy_engine",
     )
     b = parser.parse_args(BASE + ["--moe-token-dispatcher-type", "allgather"])

@@ -22,6 +22,25 @@ from mok_megatron.functional.plan import DispatchPlan
 from mok_megatron.ops.permute import combine_tokens, permute_tokens
 
 
+class _PermuteRows(torch.autograd.Function):
+    """``x[idx]`` for a permutation ``idx`` whose inverse is known: the backward is a gather through the
+    inverse (index_select's own backward is an atomic index_add)."""
+
+    @staticmethod
+    def forward(ctx, x, idx, inv):
+        ctx.save_for_backward(inv)
+        return x.index_select(0, idx)
+
+    @staticmethod
+    def backward(ctx, g):
+        (inv,) = ctx.saved_tensors
+        return g.index_select(0, inv), None, None
+
+
+def permute_rows(x: torch.Tensor, idx: torch.Tensor, inv: torch.Tensor) -> torch.Tensor:
+    return _PermuteRows.apply(x, idx, inv)
+
+
 def dispatch_preprocess(x_TH: torch.Tensor, probs_TE: torch.Tensor, plan: DispatchPlan):
     x_NH = permute_tokens(x_TH, plan.token_idx_N, plan.slots)
     probs_N = probs_TE[plan.token_idx_N, plan.expert_idx_N]
@@ -41,14 +60,14 @@ def dispatch_postprocess(x: torch.Tensor, probs: torch.Tensor, plan: DispatchPla
     x = all_gather_v(x, plan.tp_splits, g)
     probs = all_gather_v(probs, plan.tp_splits, g)
     if plan.sort_idx_R is not None:
-        x = x.index_select(0, plan.sort_idx_R)
-        probs = probs.index_select(0, plan.sort_idx_R)
+        x = permute_rows(x, plan.sort_idx_R, plan.unsort_idx_R)
+        probs = permute_rows(probs, plan.sort_idx_R, plan.unsort_idx_R)
     return x, plan.tokens_per_expert_L, probs
 
 
 def combine_preprocess(y_RH: torch.Tensor, plan: DispatchPlan, reduce_dtype: torch.dtype = torch.float32):
     if plan.unsort_idx_R is not None:
-        y_RH = y_RH.index_select(0, plan.unsort_idx_R)
+        y_RH = permute_rows(y_RH, plan.unsort_idx_R, plan.sort_idx_R)
     if plan.groups.tp_size > 1:
         # Expert-TP partial sums are reduced in fp32 (Megatron reduces in the router-probability
         # dtype, which is fp32 only with moe_router_dtype='fp32').
