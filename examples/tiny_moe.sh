@@ -9,8 +9,9 @@ source ./common.sh
 
 NPROC=${NPROC:-1} ITERS=${ITERS:-20}
 NNODES=1 GPUS_PER_NODE=$NPROC NVLINK_DOMAIN_GPUS=$NPROC
+PY=${PYTHON:-$(command -v python3 || command -v python)}
 if [ -z "${DEVICE:-}" ]; then
-  DEVICE=$(python -c 'import torch; print("gpu" if torch.cuda.is_available() else "cpu")' 2>/dev/null || echo cpu)
+  DEVICE=$("$PY" -c 'import torch; print("gpu" if torch.cuda.is_available() else "cpu")' 2>/dev/null || echo cpu)
 fi
 
 MODEL_ARGS=(--num-layers 2 --hidden-size 64 --ffn-hidden-size 256 --num-attention-heads 4
@@ -28,6 +29,8 @@ if [ "$DEVICE" = cpu ]; then
   export TORCHDYNAMO_DISABLE=1 OMP_NUM_THREADS=1   # torch.compile only costs time at this size
 else
   PRECISION_ARGS=(--bf16 --no-gradient-accumulation-fusion)   # the fused wgrad needs apex's CUDA extension
+  # Without Transformer Engine: Megatron-Core's own modules.
+  "$PY" -c 'import transformer_engine.pytorch' 2>/dev/null || PRECISION_ARGS+=(--transformer-impl local)
 fi
 MEMORY_ARGS=()
 TRAIN_ARGS=(--micro-batch-size 4 --global-batch-size $((4 * NPROC)) --train-iters "$ITERS"
