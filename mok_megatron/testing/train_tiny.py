@@ -209,7 +209,14 @@ def run_job(a, job: Job, rank: int, device, clock) -> dict:
             probe.end_step()
         if job.save_at == step + 1:
             save_train_state(os.path.join(a.ckpt_dir, f"step_{step + 1}"), model, opt, step + 1)
-    out = {"losses": losses, "ep": job.ep, "dp": dp_size, "seconds": time.perf_counter() - t0}
+    out = {
+        "losses": losses,
+        "ep": job.ep,
+        "dp": dp_size,
+        "expert_dp": dist.get_world_size(expt_dp_group),
+        "world": dist.get_world_size(),
+        "seconds": time.perf_counter() - t0,
+    }
     if job.skew:
         out["tokens"] = counter.totals()
         mem = [None] * dist.get_world_size()
