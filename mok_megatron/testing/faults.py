@@ -1,11 +1,13 @@
 """Fault injection and clean failure for the multi-node harness.
 
-What happens when one worker dies mid-step (``--kill-rank R --kill-step S`` kills rank R with SIGKILL
-inside the first MoE layer, after the dispatch all-to-all and before the combine):
+What happens when one worker dies mid-step (``--fault kill --fault-rank R --fault-step S`` kills rank R
+with SIGKILL inside the first MoE layer, after the dispatch all-to-all and before the combine; ``--fault
+stall`` makes it stop answering instead, with its sockets open):
 
 - gloo: the peers blocked in the combine all-to-all see the dead rank's sockets close and raise at
   once ("Connection closed by peer"); a peer that is not talking to the dead rank raises when the
-  collective timeout runs out (``init_process_group(timeout=...)``, ``--timeout-s``).
+  collective timeout runs out (``init_process_group(timeout=...)``, ``--timeout-s``); so do all peers
+  of a stalled rank.
 - NCCL: a collective whose peer died does not return; the NCCL watchdog aborts the process when the
   same timeout runs out (``TORCH_NCCL_ASYNC_ERROR_HANDLING``, on by default).
 - The torchrun agent of the dead worker's node sees it exit, stops its other workers with SIGTERM
@@ -21,6 +23,7 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import time
 
 EXIT_COLLECTIVE = 3  # a collective failed or timed out (a peer died / hangs)
 EXIT_CONFIG = 4  # ranks disagree on the MoE settings, or a bad checkpoint
@@ -96,19 +99,27 @@ def exit_on_sigterm(rank: int, clock: StepClock) -> None:
     signal.signal(signal.SIGTERM, handler)
 
 
-def install_kill(moe_layer, rank: int, kill_rank: int, kill_step: int, clock: StepClock) -> None:
-    """SIGKILL this process inside ``moe_layer`` (after dispatch, before combine) at ``kill_step``."""
-    if rank != kill_rank:
+FAULTS = ("kill", "stall")
+
+
+def install_fault(moe_layer, kind: str, rank: int, fault_rank: int, fault_step: int, clock: StepClock) -> None:
+    """Inside ``moe_layer`` (after dispatch, before combine) at ``fault_step``, rank ``fault_rank``
+    either dies (``kill``: SIGKILL, its sockets close) or stops answering (``stall``: sleeps, its
+    sockets stay open, so only the peers' collective timeout can end their wait)."""
+    if kind not in FAULTS:
+        raise ValueError(f"fault {kind!r}: choose one of {FAULTS}")
+    if rank != fault_rank:
         return
 
     def hook(module, args):
-        if clock.step == kill_step:
-            print(
-                f"{PREFIX} {where(rank, clock)}: fault injection: SIGKILL inside the MoE experts, "
-                "between dispatch and combine",
-                file=sys.stderr,
-                flush=True,
-            )
+        if clock.step != fault_step:
+            return
+        what = "SIGKILL" if kind == "kill" else "stalling (sleep)"
+        os.write(2, f"{PREFIX} {where(rank, clock)}: fault injection: {what} inside the MoE experts, "
+                    "between dispatch and combine\n".encode())
+        if kind == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
+        while True:
+            time.sleep(1)
 
     moe_layer.experts.register_forward_pre_hook(hook)

@@ -63,8 +63,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--dropout", type=float, default=0.1, help="dropout of the ckpt job")
     p.add_argument("--skew-steps", type=int, default=0, help="steps of the skew soak (0: none)")
     p.add_argument("--skew-warmup", type=int, default=5)
-    p.add_argument("--kill-rank", type=int, default=-1, help="fault injection: rank to SIGKILL")
-    p.add_argument("--kill-step", type=int, default=-1, help="... in this step (1-based), mid MoE layer")
+    p.add_argument("--fault", choices=faults.FAULTS, default=None, help="fault injection: kill or stall")
+    p.add_argument("--fault-rank", type=int, default=-1, help="the rank that fails")
+    p.add_argument("--fault-step", type=int, default=-1, help="... in this step (1-based), mid MoE layer")
     p.add_argument("--timeout-s", type=float, default=120.0, help="collective timeout (gloo and NCCL)")
     # model (the demo's, smaller defaults)
     p.add_argument("--layers", type=int, default=2)
@@ -120,8 +121,12 @@ def config_overrides(job: Job) -> dict:
     return {"moe_router_force_biased": FORCE_BIAS_STD, "moe_router_pre_softmax": True} if job.skew else {}
 
 
-def setup_parallel(ep: int, seed: int) -> None:
-    """(Re)create Megatron's parallel state for expert-parallel size ``ep``, freeing old groups."""
+def setup_parallel(ep: int, seed: int, timeout_s: float) -> None:
+    """(Re)create Megatron's parallel state for expert-parallel size ``ep``, freeing old groups.
+
+    Megatron gives its process groups their own timeout (``distributed_timeout_minutes``, default 30
+    minutes), not the one of ``init_process_group``: without passing it, a stalled peer would hold
+    the EP all-to-all for half an hour."""
     import torch
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
@@ -141,7 +146,7 @@ def setup_parallel(ep: int, seed: int) -> None:
                     seen.add(id(g))
                     dist.destroy_process_group(g)
         ps.destroy_model_parallel()
-    ps.initialize_model_parallel(expert_model_parallel_size=ep)
+    ps.initialize_model_parallel(expert_model_parallel_size=ep, distributed_timeout_minutes=timeout_s / 60)
     torch.manual_seed(seed)
     model_parallel_cuda_manual_seed(seed)
     destroy_moe_metrics_tracker()
@@ -156,7 +161,7 @@ def build(a, job: Job, device):
     from mok_megatron.demo import build_model
 
     da = demo_args(a, job)
-    setup_parallel(job.ep, a.seed)
+    setup_parallel(job.ep, a.seed, a.timeout_s)
     ref_args = demo_args(a, job)
     ref_args.layer = "megatron"
     _, model = build_model(ref_args, job.ep, **config_overrides(job))
@@ -189,8 +194,8 @@ def run_job(a, job: Job, rank: int, device, clock) -> dict:
     clock.job, clock.step = job.name, 0
     model, opt = build(a, job, device)
     layers = moe_layers(model)
-    if a.kill_rank >= 0:
-        faults.install_kill(layers[0], rank, a.kill_rank, a.kill_step, clock)
+    if a.fault:
+        faults.install_fault(layers[0], a.fault, rank, a.fault_rank, a.fault_step, clock)
     counter = TokenCounter(layers) if job.skew else None
     probe = MemoryProbe() if job.skew else None
     start = load_train_state(job.resume, model, opt) if job.resume else 0
