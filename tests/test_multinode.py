@@ -153,7 +153,9 @@ def test_failed_worker_ends_the_job_with_clear_messages(tmp_path, fault):
         timeout_s=4 * FAULT_TIMEOUT_S,
     )  # fmt: skip
     print(f"\n{fault} launch: {wall:.1f} s, agents exited after {[round(a.seconds, 1) for a in agents]} s")
-    assert all(a.returncode not in (0, None) for a in agents), "an agent hung or succeeded:\n" + output[-4000:]
+    assert all(a.returncode not in (0, None) for a in agents), (
+        "an agent hung or succeeded:\n" + output[-4000:]
+    )
     assert re.search(r"rank 3 .*step 3: fault injection: (SIGKILL|stalling)", output)
     others = (0, 1, 2) if fault == "kill" else (0, 1, 2, 3)
     for rank in others:

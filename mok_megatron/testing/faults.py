@@ -48,7 +48,15 @@ def where(rank: int, clock: StepClock) -> str:
 
 
 # Text of the errors gloo / NCCL / c10d raise when a peer is gone or silent.
-PEER_MARKERS = ("connection closed", "connection reset", "timed out", "timeout", "broken pipe", "nccl", "gloo")
+PEER_MARKERS = (
+    "connection closed",
+    "connection reset",
+    "timed out",
+    "timeout",
+    "broken pipe",
+    "nccl",
+    "gloo",
+)
 
 
 def fail(code: int, rank: int, clock: StepClock, message: str) -> None:
@@ -102,7 +110,9 @@ def exit_on_sigterm(rank: int, clock: StepClock) -> None:
 FAULTS = ("kill", "stall")
 
 
-def install_fault(moe_layer, kind: str, rank: int, fault_rank: int, fault_step: int, clock: StepClock) -> None:
+def install_fault(
+    moe_layer, kind: str, rank: int, fault_rank: int, fault_step: int, clock: StepClock
+) -> None:
     """Inside ``moe_layer`` (after dispatch, before combine) at ``fault_step``, rank ``fault_rank``
     either dies (``kill``: SIGKILL, its sockets close) or stops answering (``stall``: sleeps, its
     sockets stay open, so only the peers' collective timeout can end their wait)."""
@@ -115,8 +125,11 @@ def install_fault(moe_layer, kind: str, rank: int, fault_rank: int, fault_step: 
         if clock.step != fault_step:
             return
         what = "SIGKILL" if kind == "kill" else "stalling (sleep)"
-        os.write(2, f"{PREFIX} {where(rank, clock)}: fault injection: {what} inside the MoE experts, "
-                    "between dispatch and combine\n".encode())
+        os.write(
+            2,
+            f"{PREFIX} {where(rank, clock)}: fault injection: {what} inside the MoE experts, "
+            "between dispatch and combine\n".encode(),
+        )
         if kind == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
         while True:

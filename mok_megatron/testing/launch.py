@@ -86,7 +86,9 @@ def launch(
     gpus = _gpu_count()
     nproc = nproc_per_node or (gpus // nnodes if gpus else 2)
     if gpus and nproc * nnodes > gpus:
-        raise ValueError(f"{nnodes} nodes x {nproc} workers need {nproc * nnodes} GPUs; this host has {gpus}.")
+        raise ValueError(
+            f"{nnodes} nodes x {nproc} workers need {nproc * nnodes} GPUs; this host has {gpus}."
+        )
     port = free_port()
     logs, procs = [], []
     t0 = time.monotonic()

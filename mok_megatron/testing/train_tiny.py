@@ -83,7 +83,11 @@ def parser() -> argparse.ArgumentParser:
 
 
 def jobs_from(a) -> list[Job]:
-    jobs = [Job(f"compare-ep{ep}-{layer}", layer, ep, a.steps) for ep in a.compare_ep for layer in ("megatron", "mok")]
+    jobs = [
+        Job(f"compare-ep{ep}-{layer}", layer, ep, a.steps)
+        for ep in a.compare_ep
+        for layer in ("megatron", "mok")
+    ]
     if a.ckpt_ep:
         name = "ckpt-resumed" if a.resume else "ckpt"
         jobs.append(Job(name, "mok", a.ckpt_ep, a.steps, a.dropout, a.save_at, a.resume))
@@ -269,8 +273,11 @@ def main(argv: list[str] | None = None) -> int:
             json.dump(results, f)
         for name, res in results.items():
             last = max(res["losses"])
-            print(f"{faults.PREFIX} {name}: EP={res['ep']} DP={res['dp']} loss at step {last} "
-                  f"{res['losses'][last]:.6f} ({res['seconds']:.1f} s)", flush=True)
+            print(
+                f"{faults.PREFIX} {name}: EP={res['ep']} DP={res['dp']} loss at step {last} "
+                f"{res['losses'][last]:.6f} ({res['seconds']:.1f} s)",
+                flush=True,
+            )
     dist.barrier()
     dist.destroy_process_group()
     return 0
