@@ -38,6 +38,7 @@ class DemoArgs:
     lr: float = 3e-3
     seed: int = 1234
     layer: str = "mok"  # or "megatron"
+    dropout: float = 0.0  # hidden and attention dropout
     json_path: str | None = None
     port: int = 0
 
@@ -86,16 +87,13 @@ def _bar(step: int, total: int, width: int = 24) -> str:
     return "[" + "#" * done + "." * (width - done) + "]"
 
 
-def _build_model(a: DemoArgs, ep: int):
+def model_config(a: DemoArgs, ep: int, **config_overrides):
+    """The demo model's TransformerConfig (expert-parallel size ``ep``)."""
     import torch
     import torch.nn.functional as F
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
-    from megatron.core.models.gpt.gpt_model import GPTModel
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    from mok_megatron.spec import get_gpt_decoder_block_spec_with_mok
-
-    cfg = TransformerConfig(
+    return TransformerConfig(
         num_layers=a.layers,
         hidden_size=a.hidden,
         num_attention_heads=a.heads,
@@ -112,11 +110,22 @@ def _build_model(a: DemoArgs, ep: int):
         activation_func=F.silu,
         normalization="RMSNorm",
         add_bias_linear=False,
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
+        hidden_dropout=a.dropout,
+        attention_dropout=a.dropout,
         use_cpu_initialization=not torch.cuda.is_available(),
         params_dtype=torch.float32,
+        **config_overrides,
     )
+
+
+def build_model(a: DemoArgs, ep: int, **config_overrides):
+    """The demo's MoE GPTModel (MoK or Megatron MoE layers per ``a.layer``) and its config."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+    from megatron.core.models.gpt.gpt_model import GPTModel
+
+    from mok_megatron.spec import get_gpt_decoder_block_spec_with_mok
+
+    cfg = model_config(a, ep, **config_overrides)
     spec_fn = get_gpt_decoder_block_spec_with_mok if a.layer == "mok" else get_gpt_decoder_block_spec
     block = spec_fn(cfg, use_transformer_engine=False, normalization="RMSNorm")
     model = GPTModel(
@@ -129,7 +138,7 @@ def _build_model(a: DemoArgs, ep: int):
     return cfg, model
 
 
-def _dataset(a: DemoArgs, num_samples: int):
+def dataset(a: DemoArgs, num_samples: int):
     """Megatron-Core's mock GPT dataset (token i+1 follows token i within a document)."""
     from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
     from megatron.core.datasets.gpt_dataset import GPTDatasetConfig, MockGPTDataset
@@ -152,6 +161,44 @@ def _dataset(a: DemoArgs, num_samples: int):
         MockGPTDataset, [num_samples, None, None], lambda: True, config
     ).build()
     return train
+
+
+def batch_at(data, step: int, dp_rank: int, dp_size: int, micro_batch: int, device) -> dict:
+    """The micro-batch of data-parallel rank ``dp_rank`` at ``step``: a pure function of the step, so
+    a resumed run reads exactly the samples the uninterrupted run would have read."""
+    import torch
+
+    first = (step * dp_size + dp_rank) * micro_batch
+    items = [data[i] for i in range(first, first + micro_batch)]
+    keys = ("tokens", "labels", "loss_mask", "position_ids")
+    return {k: torch.stack([b[k] for b in items]).to(device) for k in keys}
+
+
+def train_step(model, opt, batch: dict, params: list, dp_group, expt_dp_group) -> float:
+    """One optimizer step on one micro-batch; returns the loss averaged over data-parallel ranks."""
+    import torch
+    import torch.distributed as dist
+
+    dp = dist.get_world_size(dp_group)
+    opt.zero_grad(set_to_none=True)
+    per_token = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
+    loss_mask = batch["loss_mask"]
+    loss = (per_token.float() * loss_mask).sum() / loss_mask.sum()
+    loss.backward()
+    # Data-parallel gradient averaging, as Megatron's DDP does it: dense parameters over the
+    # data-parallel group, expert parameters over the expert-data-parallel group; both scaled
+    # by 1 / data-parallel size (expert gradients already sum over every rank's tokens).
+    with torch.no_grad():
+        for p in params:
+            if p.grad is None:
+                continue
+            group = dp_group if getattr(p, "allreduce", True) else expt_dp_group
+            dist.all_reduce(p.grad, group=group)
+            p.grad.div_(dp)
+    opt.step()
+    global_loss = loss.detach().clone()
+    dist.all_reduce(global_loss, group=dp_group)
+    return float(global_loss) / dp
 
 
 def _worker(rank: int, a: DemoArgs) -> None:
@@ -188,15 +235,14 @@ def _worker(rank: int, a: DemoArgs) -> None:
     torch.manual_seed(a.seed)
     model_parallel_cuda_manual_seed(a.seed)
     device = torch.device("cuda", rank) if cuda else torch.device("cpu")
-    cfg, model = _build_model(a, a.nproc)
+    cfg, model = build_model(a, a.nproc)
     model.to(device)
     params = list(model.parameters())
     opt = torch.optim.AdamW(params, lr=a.lr, betas=(0.9, 0.95), weight_decay=0.0)
     dp_group = ps.get_data_parallel_group()
     expt_dp_group = ps.get_expert_data_parallel_group()
-    dp = dist.get_world_size(dp_group)
 
-    data = _dataset(a, num_samples=a.steps * a.micro_batch * a.nproc)
+    data = dataset(a, num_samples=a.steps * a.micro_batch * a.nproc)
     n_tokens = a.micro_batch * a.seq_length * a.nproc  # per step, all ranks
     losses, step_times = [], []
     prof_ctx = profiling.record()
@@ -210,30 +256,8 @@ def _worker(rank: int, a: DemoArgs) -> None:
                 torch.cuda.synchronize()
             t_start = time.perf_counter()
         t0 = time.perf_counter()
-        first = (step * a.nproc + rank) * a.micro_batch
-        batch = [data[i] for i in range(first, first + a.micro_batch)]
-        tokens = torch.stack([b["tokens"] for b in batch]).to(device)
-        labels = torch.stack([b["labels"] for b in batch]).to(device)
-        loss_mask = torch.stack([b["loss_mask"] for b in batch]).to(device)
-        position_ids = torch.stack([b["position_ids"] for b in batch]).to(device)
-        opt.zero_grad(set_to_none=True)
-        per_token = model(tokens, position_ids, None, labels=labels)
-        loss = (per_token.float() * loss_mask).sum() / loss_mask.sum()
-        loss.backward()
-        # Data-parallel gradient averaging, as Megatron's DDP does it: dense parameters over the
-        # data-parallel group, expert parameters over the expert-data-parallel group; both scaled
-        # by 1 / data-parallel size (expert gradients already sum over every rank's tokens).
-        with torch.no_grad():
-            for p in params:
-                if p.grad is None:
-                    continue
-                group = dp_group if getattr(p, "allreduce", True) else expt_dp_group
-                dist.all_reduce(p.grad, group=group)
-                p.grad.div_(dp)
-        opt.step()
-        global_loss = loss.detach().clone()
-        dist.all_reduce(global_loss, group=dp_group)
-        global_loss = float(global_loss) / dp
+        batch = batch_at(data, step, rank, a.nproc, a.micro_batch, device)
+        global_loss = train_step(model, opt, batch, params, dp_group, expt_dp_group)
         if cuda:
             torch.cuda.synchronize()
         dt = time.perf_counter() - t0

@@ -133,15 +133,15 @@ class MoKGroupedMLP(MegatronModule):
         tp_rank, tp_size = get_pg_rank(self.tp_group), get_pg_size(self.tp_group)
         replica_id = (0, 0, get_pg_rank(self.dp_group))
 
-        def key_and_offsets(i: int, name: str):
+        def key_and_offsets(i: int, name: str, pre: str):
             """Megatron's SequentialMLP key and prepended offsets of local expert ``i``'s ``name``."""
             g = first + i
             if singleton:
-                return f"{prefix}experts.{g}.{name}", tuple(sharded_offsets)
-            return f"{prefix}experts.{name}", (*sharded_offsets, (len(sharded_offsets), g, num_global))
+                return f"{pre}experts.{g}.{name}", tuple(sharded_offsets)
+            return f"{pre}experts.{name}", (*sharded_offsets, (len(sharded_offsets), g, num_global))
 
-        def expert_tensor(i: int, t_i: torch.Tensor, rid) -> tuple[ShardedTensor, tuple]:
-            key, offsets = key_and_offsets(i, leaf)
+        def expert_tensor(i: int, t_i: torch.Tensor, rid, pre: str = prefix) -> tuple[ShardedTensor, tuple]:
+            key, offsets = key_and_offsets(i, leaf, pre)
             sh = ShardedTensor.from_rank_offsets(
                 key,
                 t_i,
@@ -152,10 +152,10 @@ class MoKGroupedMLP(MegatronModule):
             )
             return sh, offsets
 
-        def extra_state(i: int):
+        def extra_state(i: int, pre: str):
             # Megatron's linears also save an `_extra_state` object per expert (None for local
             # linears); writing it too keeps MoK checkpoints loadable by SequentialMLP/TEGroupedMLP.
-            key, offsets = key_and_offsets(i, leaf.replace(".weight", "._extra_state"))
+            key, offsets = key_and_offsets(i, leaf.replace(".weight", "._extra_state"), pre)
             return make_sharded_object_for_checkpoint(
                 None, key, offsets, replica_id=(0, tp_rank, replica_id[2])
             )
@@ -163,14 +163,18 @@ class MoKGroupedMLP(MegatronModule):
         def build(key, data, rid, flattened_range):
             if flattened_range is not None:
                 raise ValueError("MoKGroupedMLP checkpoints do not support flattened (DP-sharded) ranges")
+            # Derive the prefix from `key`, not from the closure: Megatron renames factory keys after
+            # building them (TransformerBlock drops `layers.{i}.` for its layer axis; optimizer state
+            # gets `optimizer.state.exp_avg.` in front).
+            pre = key[: -len(leaf)]
             out = []
             for i in range(data.shape[0]):
-                sh, offsets = expert_tensor(i, data[i], rid)
+                sh, offsets = expert_tensor(i, data[i], rid, pre)
                 if swiglu:  # split [gate; up] exactly as Megatron's MLP does
                     f = apply_swiglu_sharded_factory(sh, offsets, singleton)
-                    out.append([*f.build_fn(f.key, data[i], rid, None), extra_state(i)])
+                    out.append([*f.build_fn(f.key, data[i], rid, None), extra_state(i, pre)])
                 else:
-                    out.append([sh, extra_state(i)])
+                    out.append([sh, extra_state(i, pre)])
             return out
 
         def merge(loaded):
