@@ -28,6 +28,28 @@ SHAPES = {
 }
 
 
+def time_steps(step, iters: int, warmup: int) -> list[float]:
+    """Seconds per call of ``step`` after ``warmup`` calls: CUDA events on a GPU, the wall clock on CPU."""
+    import torch
+
+    for _ in range(warmup):
+        step()
+    times = []
+    for _ in range(iters):
+        if torch.cuda.is_available():
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            step()
+            b.record()
+            b.synchronize()
+            times.append(a.elapsed_time(b) / 1e3)
+        else:
+            t0 = time.perf_counter()
+            step()
+            times.append(time.perf_counter() - t0)
+    return times
+
+
 def _init_single_process():
     import torch
     import torch.distributed as dist
@@ -162,22 +184,12 @@ def bench_layer(
                 raise RuntimeError(
                     f"{impl} disagrees with {impls[0]}: relative error out {err[0]:.3e}, dx {err[1]:.3e}"
                 )
-        for _ in range(warmup):
-            step()
-        times = []
-        for _ in range(iters):
+
+        def timed_step(step=step, layer=layer):
             layer.zero_grad(set_to_none=True)
-            if device.type == "cuda":
-                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                a.record()
-                step()
-                b.record()
-                b.synchronize()
-                times.append(a.elapsed_time(b) / 1e3)
-            else:
-                t0 = time.perf_counter()
-                step()
-                times.append(time.perf_counter() - t0)
+            step()
+
+        times = time_steps(timed_step, iters, warmup)
         med = statistics.median(times)
         rows.append(
             {

@@ -39,26 +39,9 @@ EP_SHAPES = {  # per-rank: local experts, tokens
 
 
 def _time(step, iters: int, warmup: int) -> float:
-    import torch
+    from mok_megatron.bench import time_steps
 
-    for _ in range(warmup):
-        step()
-    times = []
-    for _ in range(iters):
-        if torch.cuda.is_available():
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            step()
-            b.record()
-            b.synchronize()
-            times.append(a.elapsed_time(b) / 1e3)
-        else:
-            import time
-
-            t = time.perf_counter()
-            step()
-            times.append(time.perf_counter() - t)
-    return statistics.median(times)
+    return statistics.median(time_steps(step, iters, warmup))
 
 
 def _stepper(layer, x, dout):
