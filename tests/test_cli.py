@@ -61,3 +61,78 @@ def test_convert_command(tmp_path):
     got = torch.load(dst, weights_only=False)
     assert got["iteration"] == 7
     assert got["model"]["decoder.layers.1.mlp.experts.fc1_weight"].shape == (4, 16, 8)
+
+
+def test_bench_overlap_runs_and_reports_exposed_communication(tmp_path):
+    out = tmp_path / "ov.json"
+    r = _mok(
+        "bench",
+        "overlap",
+        "--shapes",
+        "tiny",
+        "--gbps",
+        "0,50",
+        "--chunks",
+        "1,2",
+        "--iters",
+        "2",
+        "--warmup",
+        "1",
+        "--modes",
+        "exact,sync-free",
+        "--json",
+        str(out),
+    )
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    rows = [row for row in json.loads(out.read_text()) if "profile" not in row]
+    plain = [row for row in rows if row["gbps"] is None]
+    assert len(plain) == 1 and plain[0]["ms"] > 0
+    timed = [row for row in rows if row["gbps"] is not None]
+    assert {(row["mode"], row["gbps"], row["chunks"]) for row in timed} == {
+        (m, g, c) for m in ("exact", "sync-free") for g in (0.0, 50.0) for c in (1, 2)
+    }
+    for row in timed:
+        assert row["rel_err"] < 1e-4  # fp32 on CPU: the pipelined layer equals the plain one
+        assert (row["bytes_per_step"] > 0) and ((row["comm_ms"] > 0) == (row["gbps"] > 0))
+
+
+def test_bench_ep_under_torchrun_compares_with_megatron(tmp_path):
+    from tests.pool import free_port
+
+    out = tmp_path / "ep.json"
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc-per-node",
+            "2",
+            "--master-port",
+            str(free_port()),
+            "-m",
+            "mok_megatron.bench_overlap",
+            "ep",
+            "--shapes",
+            "tiny",
+            "--transports",
+            "collective",
+            "--chunks",
+            "1,2",
+            "--iters",
+            "2",
+            "--warmup",
+            "1",
+            "--json",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**__import__("os").environ, "TORCHDYNAMO_DISABLE": "1"},
+    )
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    rows = json.loads(out.read_text())
+    mok2 = [row for row in rows if row["impl"] == "mok" and row["ep"] == 2]
+    assert {row["transport"] for row in mok2} == {"plain", "collective exact"}
+    assert all(row["rel_err"] < 1e-4 for row in rows if "rel_err" in row)
+    assert "hidden vs Megatron's comm" in r.stdout
