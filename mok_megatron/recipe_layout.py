@@ -79,7 +79,11 @@ def moe_pattern(args) -> list[int]:
 def parallel(args, cluster: Cluster) -> Parallel:
     """The derived sizes; raises ``LayoutError`` on the first rule the command line breaks."""
     world = cluster.world
-    tp, pp, cp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.context_parallel_size
+    tp, pp, cp = (
+        args.tensor_model_parallel_size,
+        args.pipeline_model_parallel_size,
+        args.context_parallel_size,
+    )
     ep, etp = args.expert_model_parallel_size, args.expert_tensor_parallel_size or tp
     model = tp * pp * cp
     if world % model:

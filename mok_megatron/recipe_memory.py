@@ -92,7 +92,9 @@ def _attention_params(args, tp: int) -> Params:
     if args.multi_latent_attention:
         rope, qk, v = args.qk_pos_emb_head_dim, args.qk_head_dim, args.v_head_dim
         q_in = args.q_lora_rank or h
-        down = (h * args.q_lora_rank + args.q_lora_rank if args.q_lora_rank else 0) + h * (args.kv_lora_rank + rope)
+        down = (h * args.q_lora_rank + args.q_lora_rank if args.q_lora_rank else 0) + h * (
+            args.kv_lora_rank + rope
+        )
         up = q_in * n * (qk + rope) + args.kv_lora_rank * n * (qk + v) + n * v * h
         return Params(dense=down + args.kv_lora_rank + up / tp)
     d = args.kv_channels or h // n

@@ -66,8 +66,12 @@ def dry_run(script: Path, env: dict | None = None) -> Recipe:
     kv = dict(x.split("=", 1) for x in lines[0].removeprefix("# layout: ").split())
     cmd = shlex.split(lines[1])
     if cmd[0] != "torchrun" or ENTRY not in cmd or cmd[cmd.index("--nnodes") + 1] != kv["nodes"]:
-        raise RecipeError(f"{script}: the printed command is not 'torchrun ... -m {ENTRY}' for {kv['nodes']} nodes")
-    cluster = Cluster(int(kv["nodes"]), int(kv["gpus_per_node"]), int(kv["nvlink_domain_gpus"]), kv.get("gpu", ""))
+        raise RecipeError(
+            f"{script}: the printed command is not 'torchrun ... -m {ENTRY}' for {kv['nodes']} nodes"
+        )
+    cluster = Cluster(
+        int(kv["nodes"]), int(kv["gpus_per_node"]), int(kv["nvlink_domain_gpus"]), kv.get("gpu", "")
+    )
     return Recipe(Path(script), cluster, cmd[cmd.index(ENTRY) + 1 :])
 
 
@@ -78,14 +82,18 @@ def parser() -> argparse.ArgumentParser:
 
     from mok_megatron.arguments import extra_args_provider
 
-    return extra_args_provider(add_megatron_arguments(argparse.ArgumentParser(prog=ENTRY, allow_abbrev=False)))
+    return extra_args_provider(
+        add_megatron_arguments(argparse.ArgumentParser(prog=ENTRY, allow_abbrev=False))
+    )
 
 
 def parse(recipe: Recipe) -> argparse.Namespace:
     try:
         return parser().parse_args(recipe.argv)
     except SystemExit as e:  # argparse already printed "<prog>: error: <why>"
-        raise RecipeError(f"{recipe.path}: Megatron's parser refused the command (exit {e.code}); see above") from None
+        raise RecipeError(
+            f"{recipe.path}: Megatron's parser refused the command (exit {e.code}); see above"
+        ) from None
 
 
 def check(recipe: Recipe, gpu: str | None = None) -> Report:
@@ -94,7 +102,9 @@ def check(recipe: Recipe, gpu: str | None = None) -> Report:
     hbm = HBM_BYTES.get(gpu)
     problems = []
     if hbm is None:
-        problems.append(f"GPU '{gpu}' is unknown: set GPU= in the recipe or pass --gpu one of {sorted(HBM_BYTES)}.")
+        problems.append(
+            f"GPU '{gpu}' is unknown: set GPU= in the recipe or pass --gpu one of {sorted(HBM_BYTES)}."
+        )
     try:
         p = parallel(args, recipe.cluster)
     except LayoutError as e:
@@ -126,7 +136,8 @@ def format_report(r: Report) -> str:
             lines.append(
                 f"  {e.pp_rank:>7} {e.params / 1e9:>9.2f} "
                 + " ".join(
-                    f"{b / GIB:>8.1f}" for b in (e.weights, e.grads, e.optimizer, e.activations, e.overhead, e.total)
+                    f"{b / GIB:>8.1f}"
+                    for b in (e.weights, e.grads, e.optimizer, e.activations, e.overhead, e.total)
                 )
                 + ("   <- peak" if e is r.peak and len(r.estimates) > 1 else "")
             )
@@ -143,7 +154,9 @@ def main(argv: list[str] | None = None) -> int:
     sub = ap.add_subparsers(dest="cmd", required=True)
     c = sub.add_parser("check", help="check one or more recipe scripts")
     c.add_argument("scripts", nargs="+", type=Path)
-    c.add_argument("--gpu", choices=sorted(HBM_BYTES), help="check against this GPU (default: the recipe's GPU=)")
+    c.add_argument(
+        "--gpu", choices=sorted(HBM_BYTES), help="check against this GPU (default: the recipe's GPU=)"
+    )
     ns = ap.parse_args(argv)
     failed = 0
     for script in ns.scripts:

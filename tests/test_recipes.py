@@ -44,12 +44,23 @@ def _with(recipe: recipes.Recipe, flag: str, *values: str, **cluster) -> recipes
 def test_every_recipe_passes_the_check(recipe, capsys):
     assert recipes.main(["check", str(recipe)]) == 0, capsys.readouterr().out
     out = capsys.readouterr().out
-    assert re.search(r"TP \d+\s+PP \d+\s+VPP \d+\s+CP \d+\s+DP \d+\s+EP \d+", out) and out.rstrip().endswith("OK")
+    assert re.search(r"TP \d+\s+PP \d+\s+VPP \d+\s+CP \d+\s+DP \d+\s+EP \d+", out) and out.rstrip().endswith(
+        "OK"
+    )
 
 
 def test_cli_exits_1_and_names_the_problem_and_the_fix():
     r = subprocess.run(
-        [sys.executable, "-m", "mok_megatron.cli", "recipe", "check", str(EX / "tiny_moe.sh"), "--gpu", "H100"],
+        [
+            sys.executable,
+            "-m",
+            "mok_megatron.cli",
+            "recipe",
+            "check",
+            str(EX / "tiny_moe.sh"),
+            "--gpu",
+            "H100",
+        ],
         capture_output=True,
         text=True,
         env=dict(os.environ, PYTHONPATH=str(ROOT), NPROC="3"),  # 8 experts over EP 3
@@ -107,7 +118,11 @@ def test_cli_exits_1_and_names_the_problem_and_the_fix():
 )
 def test_broken_variants_fail_with_the_rule_and_the_fix(dry, recipe, change, message):
     r = dry[recipe]
-    r = dataclasses.replace(r, cluster=dataclasses.replace(r.cluster, **change)) if isinstance(change, dict) else _with(r, *change)
+    r = (
+        dataclasses.replace(r, cluster=dataclasses.replace(r.cluster, **change))
+        if isinstance(change, dict)
+        else _with(r, *change)
+    )
     report = recipes.check(r)
     assert not report.ok
     assert re.search(message, "\n".join(report.problems)), report.problems
@@ -134,7 +149,9 @@ def test_parameter_count_matches_megatrons_estimator_and_the_published_size(dry,
     buf = io.StringIO()
     with redirect_stdout(buf):
         compute_weight_and_optimizer_memory(a, verbose=True)
-    theirs = float(re.search(r"Total number of parameters in billions: ([0-9.]+)", buf.getvalue()).group(1)) * 1e9
+    theirs = (
+        float(re.search(r"Total number of parameters in billions: ([0-9.]+)", buf.getvalue()).group(1)) * 1e9
+    )
     assert abs(ours - mtp_extra - theirs) <= 0.006e9, (ours, mtp_extra, theirs)
     published = next(v for k, v in PUBLISHED.items() if recipe.name.startswith(k))
     if published:
@@ -164,11 +181,17 @@ def test_memory_moves_the_right_way(dry):
     assert no_recompute.activations > b.activations  # recomputing norms saves their outputs
     full = peak(_with(base, "--recompute-granularity", "full", "--recompute-method", "uniform"))
     assert full.activations < 0.5 * b.activations
-    assert peak(_with(base, "--micro-batch-size", "2", "--global-batch-size", "4096")).activations > 1.9 * b.activations
+    assert (
+        peak(_with(base, "--micro-batch-size", "2", "--global-batch-size", "4096")).activations
+        > 1.9 * b.activations
+    )
     ep8 = peak(_with(base, "--expert-model-parallel-size", "8"))
     assert ep8.params > 2 * b.params and ep8.weights > 2 * b.weights  # 16 experts per GPU instead of 4
     argv = [x for x in base.argv if x != "--use-distributed-optimizer"]
-    dist, no_dist = recipes.check(base).estimates[0], recipes.check(recipes.Recipe(base.path, base.cluster, argv)).estimates[0]
+    dist, no_dist = (
+        recipes.check(base).estimates[0],
+        recipes.check(recipes.Recipe(base.path, base.cluster, argv)).estimates[0],
+    )
     assert no_dist.optimizer == 12 * no_dist.params  # fp32 master + 2 Adam moments, unsharded
     assert dist.optimizer < no_dist.optimizer / 2 and no_dist.grads == dist.grads  # DP 32 / EDP 2 shards
     assert b.total < 100 * GIB  # GB300 headroom the recipe comments rely on
