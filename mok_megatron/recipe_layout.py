@@ -122,6 +122,11 @@ def parallel(args, cluster: Cluster) -> Parallel:
             f"Use a global batch that is a multiple of {mbs * dp}."
         )
     vpp = len(stages(args, pp)) // pp
+    if vpp > 1 and pp == 1:
+        raise LayoutError(
+            f"{vpp} virtual pipeline stages with --pipeline-model-parallel-size 1: Megatron's interleaved "
+            "schedule needs PP > 1. Drop the virtual stages or raise PP."
+        )
     return Parallel(tp, pp, vpp, cp, dp, ep, etp, world // (etp * ep * pp), gbs // (mbs * dp))
 
 
@@ -161,6 +166,8 @@ def _layout_stages(args, pp: int) -> list[list]:
 
 def _even_stages(args, pp: int) -> list[list]:
     n, vpp = args.num_layers, args.num_virtual_stages_per_pipeline_rank or 1
+    if args.num_layers_per_virtual_pipeline_stage:
+        vpp = max(1, n // pp // args.num_layers_per_virtual_pipeline_stage)
     stages_n = pp * vpp
     first, last = args.decoder_first_pipeline_num_layers, args.decoder_last_pipeline_num_layers
     middle = stages_n - (first is not None) - (last is not None)

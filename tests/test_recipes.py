@@ -110,6 +110,11 @@ def test_cli_exits_1_and_names_the_problem_and_the_fix():
         ),
         ("qwen3_235b_a22b_gb300.sh", ("--tensor-model-parallel-size", "8"), r"--num-query-groups 4 .* TP 8"),
         (
+            "qwen3_30b_a3b_gb300.sh",
+            ("--num-virtual-stages-per-pipeline-rank", "2"),
+            r"2 virtual pipeline stages with --pipeline-model-parallel-size 1.*raise PP",
+        ),
+        (
             "deepseek_v3_gb300.sh",
             ("--micro-batch-size", "4"),
             r"memory: pipeline rank \d needs ~\d+ GiB, above the GB300's 268 GiB\. Fix: add recompute",
