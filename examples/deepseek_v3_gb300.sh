@@ -13,7 +13,7 @@ set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")"
 source ./common.sh
 
-NNODES=128 GPUS_PER_NODE=4 NVLINK_DOMAIN_GPUS=64   # 64 of a rack's 72 GPUs per segment
+NNODES=128 GPUS_PER_NODE=4 NVLINK_DOMAIN_GPUS=64 GPU=GB300   # 64 of a rack's 72 GPUs per segment
 export CUDA_DEVICE_MAX_CONNECTIONS=32              # GB300: let TP/EP comm kernels run beside compute
 export NVTE_FWD_LAYERNORM_SM_MARGIN=16 NVTE_BWD_LAYERNORM_SM_MARGIN=16
 

@@ -13,6 +13,7 @@ cd "$(dirname "${BASH_SOURCE[0]}")"
 source ./common.sh
 
 NNODES=4 GPUS_PER_NODE=8 NVLINK_DOMAIN_GPUS=8      # NVLink ends at the node on Hopper: EP <= 8
+GPU=${GPU:-H100}                                   # checked against the smaller Hopper (80 GB); GPU=H200
 export CUDA_DEVICE_MAX_CONNECTIONS=1               # Hopper: in-order kernel queues for TP/SP overlap
 
 MODEL_ARGS=(

@@ -8,7 +8,7 @@ cd "$(dirname "${BASH_SOURCE[0]}")"
 source ./common.sh
 
 NPROC=${NPROC:-1} ITERS=${ITERS:-20}
-NNODES=1 GPUS_PER_NODE=$NPROC NVLINK_DOMAIN_GPUS=$NPROC
+NNODES=1 GPUS_PER_NODE=$NPROC NVLINK_DOMAIN_GPUS=$NPROC GPU=${GPU:-H100}   # any GPU (or CPU) holds it
 PY=${PYTHON:-$(command -v python3 || command -v python)}
 if [ -z "${DEVICE:-}" ]; then
   DEVICE=$("$PY" -c 'import torch; print("gpu" if torch.cuda.is_available() else "cpu")' 2>/dev/null || echo cpu)

@@ -7,7 +7,6 @@ from __future__ import annotations
 import argparse
 import os
 import re
-import shlex
 import shutil
 import subprocess
 import sys
@@ -198,55 +197,24 @@ def test_patch_set_on_a_megatron_lm_checkout(tmp_path):
 # ---- recipes ----------------------------------------------------------------------------------------
 
 
-def _dry_run(recipe: Path, **env) -> tuple[dict, list[str]]:
-    out = subprocess.run(
-        ["bash", str(recipe)],
-        env=dict(os.environ, DRY_RUN="1", **env),
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=True,
-    ).stdout.splitlines()
-    layout = dict(kv.split("=") for kv in out[0].removeprefix("# layout: ").split())
-    cmd = shlex.split(out[1])
-    assert cmd[0] == "torchrun" and f"{layout['nodes']}" == cmd[cmd.index("--nnodes") + 1]
-    return {k: int(v) for k, v in layout.items()}, cmd[cmd.index("mok_megatron.pretrain_gpt") + 1 :]
-
-
 @pytest.mark.parametrize("recipe", RECIPES, ids=[r.stem for r in RECIPES])
 def test_recipe_dry_run_parses_and_its_layout_adds_up(parser, recipe):
-    from megatron.core.transformer.pipeline_parallel_layer_layout import PipelineParallelLayerLayout
+    """The layout arithmetic is `mok recipe check`'s (tests/test_recipes.py covers its failures)."""
+    from mok_megatron import recipes
+    from mok_megatron.recipe_layout import parallel
 
-    layout, argv = _dry_run(recipe)
-    a = parser.parse_args(argv)
+    r = recipes.dry_run(recipe)
+    a = parser.parse_args(r.argv)
     assert a.mok and a.moe_token_dispatcher_type == "alltoall"
-    world = layout["nodes"] * layout["gpus_per_node"]
-    tp, pp, cp = a.tensor_model_parallel_size, a.pipeline_model_parallel_size, a.context_parallel_size
-    ep, etp = a.expert_model_parallel_size, a.expert_tensor_parallel_size or tp
-    assert world % (tp * pp * cp) == 0, (world, tp, pp, cp)
-    assert world % (etp * ep * pp) == 0, (world, etp, ep, pp)
-    assert a.num_experts % ep == 0
-    # Expert-parallel groups are consecutive ranks: they stay inside one NVLink domain.
-    assert layout["nvlink_domain_gpus"] % (etp * ep) == 0, (layout, etp, ep)
-    if a.pipeline_model_parallel_layout:
-        from megatron.core.transformer.enums import LayerType
-
-        pl = PipelineParallelLayerLayout(a.pipeline_model_parallel_layout, pp)
-        assert len(pl.layout) == pp  # [pp rank][virtual stage] -> layers
-        flat = pl.flatten_layout
-        assert flat.count(LayerType.decoder) == a.num_layers
-        assert (LayerType.mtp in flat) == bool(a.mtp_num_layers)
-    elif a.num_virtual_stages_per_pipeline_rank:
-        assert a.num_layers % (pp * a.num_virtual_stages_per_pipeline_rank) == 0
-    else:
-        assert a.num_layers % pp == 0
+    p = parallel(a, r.cluster)  # raises LayoutError naming the broken rule
+    assert p.tp * p.pp * p.cp * p.dp == r.cluster.world == p.etp * p.ep * p.edp * p.pp
     # The A/B switch: the same recipe with Megatron's dispatcher drops only the MoK flags.
-    _, ab = _dry_run(recipe, DISPATCHER="alltoall")
-    i = argv.index("--moe-token-dispatcher-type")
-    k = next((j for j, x in enumerate(argv) if x.startswith("--mok-")), len(argv))  # MOK_ARGS come last
-    expected = argv[:k]
+    ab = recipes.dry_run(recipe, env={"DISPATCHER": "alltoall"}).argv
+    i = r.argv.index("--moe-token-dispatcher-type")
+    k = next((j for j, x in enumerate(r.argv) if x.startswith("--mok-")), len(r.argv))  # MOK_ARGS come last
+    expected = r.argv[:k]
     expected[i + 1] = "alltoall"
-    assert argv[i + 1] == "mok" and ab == expected
+    assert r.argv[i + 1] == "mok" and ab == expected
     assert not parser.parse_args(ab).mok
 
 
