@@ -324,9 +324,16 @@ def format_summary(s: dict) -> str:
     if s["layer"] == "mok":
         lines.append("  MoE layers, ms per step (all layers, mean over ranks):")
         lines.append(f"    {'':<10}{'forward':>10}{'backward':>10}")
-        for p in ("dispatch", "experts", "combine"):
-            lines.append(f"    {p:<10}{ms['forward'][p]:>10.2f}{ms['backward'][p]:>10.2f}")
+        for p in profiling_phases():
+            if ms["forward"][p] or ms["backward"][p]:  # pipeline: dispatch+experts+combine overlapped
+                lines.append(f"    {p:<10}{ms['forward'][p]:>10.2f}{ms['backward'][p]:>10.2f}")
     return "\n".join(lines)
+
+
+def profiling_phases():
+    from mok_megatron import profiling
+
+    return profiling.PHASES
 
 
 def main(argv: list[str] | None = None) -> int:
