@@ -21,8 +21,6 @@ class MoEShape:
         for f in ("hidden", "ffn", "experts", "topk"):
             if getattr(self, f) < 1:
                 raise LayoutError(f"MoE {f}={getattr(self, f)}: must be >= 1")
-        if self.topk > self.experts:
-            raise LayoutError(f"MoE topk={self.topk} > experts={self.experts}: pick topk <= experts")
 
 
 @dataclass(frozen=True)
@@ -55,6 +53,10 @@ class Model:
             raise LayoutError(f"{self.name}: moe_layers={self.moe_layers} must be in [0, layers={self.layers}]")
         if self.moe.hidden != self.hidden:
             raise LayoutError(f"{self.name}: MoE hidden {self.moe.hidden} != model hidden {self.hidden}")
+        if self.moe.topk > self.moe.experts:
+            raise LayoutError(
+                f"{self.name}: topk={self.moe.topk} > experts={self.moe.experts}; pick topk <= experts"
+            )
 
 
 @dataclass(frozen=True)
