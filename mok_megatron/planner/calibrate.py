@@ -58,9 +58,15 @@ class ComputeFit:
 
     def gpu_ms(self, tokens: int, moe: MoEShape, rate_tflops: float, hbm_scale: float = 1.0) -> float:
         gemm = flops.expert_flops(tokens, moe) / (rate_tflops * 1e12) * 1e3
-        return gemm + self.a_ms_per_byte * flops.token_traffic_bytes(tokens, moe) * hbm_scale + self.c_ms_per_expert * moe.experts
+        return (
+            gemm
+            + self.a_ms_per_byte * flops.token_traffic_bytes(tokens, moe) * hbm_scale
+            + self.c_ms_per_expert * moe.experts
+        )
 
-    def ms(self, tokens: int, moe: MoEShape, rate_tflops: float | None = None, hbm_scale: float = 1.0) -> float:
+    def ms(
+        self, tokens: int, moe: MoEShape, rate_tflops: float | None = None, hbm_scale: float = 1.0
+    ) -> float:
         rate = rate_tflops or mid("grouped_gemm_bf16_tflops")
         return max(self.gpu_ms(tokens, moe, rate, hbm_scale), self.h_ms_per_expert * moe.experts)
 
@@ -72,22 +78,22 @@ HOST_BOUND_MIN_EXPERTS = 32
 def _ls(cols: list[list[float]], y: list[float], w: list[float]) -> list[float]:
     """Weighted least squares for 1 or 2 non-negative coefficients (drops a negative one and refits)."""
     if len(cols) == 2:
-        a11 = sum((x * q) ** 2 for x, q in zip(cols[0], w))
-        a22 = sum((x * q) ** 2 for x, q in zip(cols[1], w))
-        a12 = sum(x * z * q * q for x, z, q in zip(cols[0], cols[1], w))
-        b1 = sum(x * v * q * q for x, v, q in zip(cols[0], y, w))
-        b2 = sum(x * v * q * q for x, v, q in zip(cols[1], y, w))
+        a11 = sum((x * q) ** 2 for x, q in zip(cols[0], w, strict=True))
+        a22 = sum((x * q) ** 2 for x, q in zip(cols[1], w, strict=True))
+        a12 = sum(x * z * q * q for x, z, q in zip(cols[0], cols[1], w, strict=True))
+        b1 = sum(x * v * q * q for x, v, q in zip(cols[0], y, w, strict=True))
+        b2 = sum(x * v * q * q for x, v, q in zip(cols[1], y, w, strict=True))
         det = a11 * a22 - a12 * a12
         if det > 1e-12 * a11 * a22:
             p = [(b1 * a22 - b2 * a12) / det, (a11 * b2 - a12 * b1) / det]
             if min(p) >= 0:
                 return p
         p0, p1 = _ls(cols[:1], y, w)[0], _ls(cols[1:], y, w)[0]
-        r0 = sum(((p0 * x - v) * q) ** 2 for x, v, q in zip(cols[0], y, w))
-        r1 = sum(((p1 * x - v) * q) ** 2 for x, v, q in zip(cols[1], y, w))
+        r0 = sum(((p0 * x - v) * q) ** 2 for x, v, q in zip(cols[0], y, w, strict=True))
+        r1 = sum(((p1 * x - v) * q) ** 2 for x, v, q in zip(cols[1], y, w, strict=True))
         return [p0, 0.0] if r0 <= r1 else [0.0, p1]
-    num = sum(x * v * q * q for x, v, q in zip(cols[0], y, w))
-    den = sum((x * q) ** 2 for x, q in zip(cols[0], w))
+    num = sum(x * v * q * q for x, v, q in zip(cols[0], y, w, strict=True))
+    den = sum((x * q) ** 2 for x, q in zip(cols[0], w, strict=True))
     return [max(num / den, 0.0) if den else 0.0]
 
 
@@ -98,15 +104,26 @@ def fit_compute(points: list[Layer1], impl: str) -> ComputeFit:
     rate = mid("grouped_gemm_bf16_tflops") * 1e12
     gemm = [flops.expert_flops(p.tokens, p.moe) / rate * 1e3 for p in pts]
     if impl in HOST_BOUND:
-        gpu = [(p, g) for p, g in zip(pts, gemm) if p.moe.experts < HOST_BOUND_MIN_EXPERTS]
+        gpu = [(p, g) for p, g in zip(pts, gemm, strict=True) if p.moe.experts < HOST_BOUND_MIN_EXPERTS]
         host = [p for p in pts if p.moe.experts >= HOST_BOUND_MIN_EXPERTS]
-        a = _ls([[flops.token_traffic_bytes(p.tokens, p.moe) for p, _ in gpu]], [p.ms - g for p, g in gpu],
-                [1 / p.ms for p, _ in gpu])[0] if gpu else 0.0
-        h = _ls([[p.moe.experts for p in host]], [p.ms for p in host], [1 / p.ms for p in host])[0] if host else 0.0
+        a = (
+            _ls(
+                [[flops.token_traffic_bytes(p.tokens, p.moe) for p, _ in gpu]],
+                [p.ms - g for p, g in gpu],
+                [1 / p.ms for p, _ in gpu],
+            )[0]
+            if gpu
+            else 0.0
+        )
+        h = (
+            _ls([[p.moe.experts for p in host]], [p.ms for p in host], [1 / p.ms for p in host])[0]
+            if host
+            else 0.0
+        )
         return ComputeFit(impl, a, 0.0, h, len(pts))
     a, c = _ls(
         [[flops.token_traffic_bytes(p.tokens, p.moe) for p in pts], [float(p.moe.experts) for p in pts]],
-        [p.ms - g for p, g in zip(pts, gemm)],
+        [p.ms - g for p, g in zip(pts, gemm, strict=True)],
         [1 / p.ms for p in pts],
     )
     return ComputeFit(impl, a, c, 0.0, len(pts))
@@ -146,7 +163,7 @@ def _loop_tables(m: Measurements):
     for r in m.loop:
         by.setdefault((r.source, r.shape, r.chunks, r.mode), []).append(r)
     o_runs, e_runs = {}, {}
-    for (src, shape, chunks, mode), rows in by.items():
+    for (_src, shape, chunks, mode), rows in by.items():
         inf = [r for r in rows if r.gbps == 0]
         if not inf:
             continue
@@ -165,12 +182,12 @@ def _loop_tables(m: Measurements):
 
 
 def mok_link_ms(p: EPPoint, eff: float | None = None) -> float:
-    nbytes = flops.a2a_bytes(p.tokens, p.moe.hidden, flops.mok_remote_ranks(p.moe, p.ep))
+    nbytes = flops.mok_bytes(p.tokens, p.moe, p.ep)
     return nbytes / (H200_NVLINK * 1e9 * (eff or link_efficiency())) * 1e3
 
 
 def megatron_link_ms(p: EPPoint, eff: float | None = None) -> float:
-    nbytes = flops.a2a_bytes(p.tokens, p.moe.hidden, flops.megatron_remote_copies(p.moe, p.ep))
+    nbytes = flops.megatron_bytes(p.tokens, p.moe, p.ep)
     return nbytes / (H200_NVLINK * 1e9 * (eff or link_efficiency())) * 1e3
 
 
@@ -208,13 +225,19 @@ class Calibration:
     overlap: OverlapFit
     sources: tuple  # measurement sources used
 
-    def mok_ep_ms(self, t1: float, link_ms: float, shape: str, chunks: int, mode: str, transport: str) -> float:
+    def mok_ep_ms(
+        self, t1: float, link_ms: float, shape: str, chunks: int, mode: str, transport: str
+    ) -> float:
         key = (shape, chunks, mode)
         o = self.overlap.overhead[key] * self.overlap.k(mode) * t1
-        return (t1 + o + self.overlap.exposed[key] * link_ms) * self.overlap.transport_factor.get(transport, 1.0)
+        return (t1 + o + self.overlap.exposed[key] * link_ms) * self.overlap.transport_factor.get(
+            transport, 1.0
+        )
 
 
 def calibrate(m: Measurements) -> Calibration:
     impls = sorted({p.impl for p in m.layer1})
-    sources = tuple(sorted({p.source for p in m.layer1} | {p.source for p in m.ep} | {p.source for p in m.loop}))
+    sources = tuple(
+        sorted({p.source for p in m.layer1} | {p.source for p in m.ep} | {p.source for p in m.loop})
+    )
     return Calibration({i: fit_compute(list(m.layer1), i) for i in impls}, fit_overlap(m), sources)

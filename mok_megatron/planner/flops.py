@@ -35,7 +35,11 @@ def attention_flops_per_token(att: Attention, hidden: int, seq: int) -> float:
 
 def moe_layer_flops_per_token(moe: MoEShape) -> float:
     """Forward FLOP per token of one MoE block: router, routed experts, shared expert."""
-    return 2 * moe.hidden * moe.experts + 6.0 * moe.topk * moe.ffn * moe.hidden + 6.0 * moe.shared_ffn * moe.hidden
+    return (
+        2 * moe.hidden * moe.experts
+        + 6.0 * moe.topk * moe.ffn * moe.hidden
+        + 6.0 * moe.shared_ffn * moe.hidden
+    )
 
 
 def model_flops_per_token(m: Model) -> float:
@@ -74,9 +78,22 @@ def megatron_remote_copies(moe: MoEShape, ep: int) -> float:
 TRANSFERS_PER_LAYER = 4
 
 
-def a2a_bytes(tokens: int, hidden: int, copies: float, elem_bytes: float = 2.0) -> float:
+def a2a_bytes(
+    tokens: int, hidden: int, copies: float, elem_bytes: float = 2.0, extra_row_bytes: float = 0.0
+) -> float:
     """Bytes one rank sends in one MoE layer forward + backward."""
-    return TRANSFERS_PER_LAYER * tokens * copies * hidden * elem_bytes
+    return TRANSFERS_PER_LAYER * tokens * copies * (hidden * elem_bytes + extra_row_bytes)
+
+
+def mok_bytes(tokens: int, moe: MoEShape, ep: int) -> float:
+    """MoK's deduplicated traffic: one bf16 row per (token, remote rank) plus the fp32 weights of that
+    rank's local experts (4 bytes x E/EP per row, as the engine's byte counter shows)."""
+    return a2a_bytes(tokens, moe.hidden, mok_remote_ranks(moe, ep), extra_row_bytes=4.0 * (moe.experts // ep))
+
+
+def megatron_bytes(tokens: int, moe: MoEShape, ep: int) -> float:
+    """Megatron's alltoall dispatcher: one bf16 row per (token, expert) pair on another rank."""
+    return a2a_bytes(tokens, moe.hidden, megatron_remote_copies(moe, ep))
 
 
 def token_traffic_bytes(tokens: int, moe: MoEShape) -> float:

@@ -47,16 +47,41 @@ class GPU:
 
 _NV = "NVIDIA datasheet"
 GPUS = {
-    "H100": GPU("H100", 989.4, 1978.9, None, 3.35, 80, 450, f"{_NV}: H100 SXM5 (NVLink 4, 900 GB/s bidirectional)"),
-    "H200": GPU("H200", 989.4, 1978.9, None, 4.8, 141, 450, f"{_NV}: H200 SXM (NVLink 4, 900 GB/s bidirectional)"),
+    "H100": GPU(
+        "H100", 989.4, 1978.9, None, 3.35, 80, 450, f"{_NV}: H100 SXM5 (NVLink 4, 900 GB/s bidirectional)"
+    ),
+    "H200": GPU(
+        "H200", 989.4, 1978.9, None, 4.8, 141, 450, f"{_NV}: H200 SXM (NVLink 4, 900 GB/s bidirectional)"
+    ),
     "B200": GPU(
-        "B200", 2250, 4500, 4500, 8.0, 180, 900, f"{_NV}: HGX/DGX B200 (sparse FP8 9 PF halved; NVLink 5 1.8 TB/s bidir.)"
+        "B200",
+        2250,
+        4500,
+        4500,
+        8.0,
+        180,
+        900,
+        f"{_NV}: HGX/DGX B200 (sparse FP8 9 PF halved; NVLink 5 1.8 TB/s bidir.)",
     ),
     "GB200": GPU(
-        "GB200", 2500, 5000, 5000, 8.0, 186, 900, f"{_NV}: GB200 NVL72, per GPU = rack / 72, sparse figures halved"
+        "GB200",
+        2500,
+        5000,
+        5000,
+        8.0,
+        186,
+        900,
+        f"{_NV}: GB200 NVL72, per GPU = rack / 72, sparse figures halved",
     ),
     "GB300": GPU(
-        "GB300", 2500, 5000, 5000, 8.0, 288, 900, f"{_NV}: GB300 NVL72, per GPU = rack / 72, sparse figures halved"
+        "GB300",
+        2500,
+        5000,
+        5000,
+        8.0,
+        288,
+        900,
+        f"{_NV}: GB300 NVL72, per GPU = rack / 72, sparse figures halved",
     ),
 }
 
@@ -72,7 +97,9 @@ class Cluster:
 
     def __post_init__(self):
         if self.gpus_per_node < 1 or self.nvlink_domain < 1 or self.nic_gbps <= 0:
-            raise HardwareError(f"cluster {self.name}: gpus_per_node, nvlink_domain and nic_gbps must be positive")
+            raise HardwareError(
+                f"cluster {self.name}: gpus_per_node, nvlink_domain and nic_gbps must be positive"
+            )
         if self.nvlink_domain % self.gpus_per_node and self.gpus_per_node % self.nvlink_domain:
             raise HardwareError(
                 f"cluster {self.name}: NVLink domain {self.nvlink_domain} and {self.gpus_per_node} GPUs per node "
@@ -86,9 +113,16 @@ CLUSTERS = {
     "h200-nvl8": Cluster("h200-nvl8", GPUS["H200"], 8, 8, 50, f"HGX H200 8-GPU NVLink node, {_CX7}"),
     "h200-x2": Cluster("h200-x2", GPUS["H200"], 2, 2, 50, "the 2 x H200 of docs/results (NVLink, 18 links)"),
     "b200-nvl8": Cluster("b200-nvl8", GPUS["B200"], 8, 8, 50, f"HGX B200 8-GPU NVLink node, {_CX7}"),
-    "gb200-nvl72": Cluster("gb200-nvl72", GPUS["GB200"], 4, 72, 50, f"GB200 NVL72 rack (4 GPUs per tray), {_CX7}"),
+    "gb200-nvl72": Cluster(
+        "gb200-nvl72", GPUS["GB200"], 4, 72, 50, f"GB200 NVL72 rack (4 GPUs per tray), {_CX7}"
+    ),
     "gb300-nvl72": Cluster(
-        "gb300-nvl72", GPUS["GB300"], 4, 72, 100, "GB300 NVL72 rack (4 GPUs per tray), ConnectX-8 800 Gb/s = 100 GB/s"
+        "gb300-nvl72",
+        GPUS["GB300"],
+        4,
+        72,
+        100,
+        "GB300 NVL72 rack (4 GPUs per tray), ConnectX-8 800 Gb/s = 100 GB/s",
     ),
 }
 

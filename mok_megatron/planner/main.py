@@ -26,8 +26,17 @@ def _setup(ns):
     model = shapes.model(ns.model or "deepseek-v3")
     cl = hardware.cluster(ns.cluster or "gb300-nvl72")
     world = ns.nodes * cl.gpus_per_node
-    layout = shapes.Layout(world, tp=ns.tp, pp=ns.pp, vpp=ns.vpp, ep=ns.ep, cp=ns.cp, micro_batch=ns.micro_batch,
-                           global_batch=ns.global_batch, precision=ns.precision)
+    layout = shapes.Layout(
+        world,
+        tp=ns.tp,
+        pp=ns.pp,
+        vpp=ns.vpp,
+        ep=ns.ep,
+        cp=ns.cp,
+        micro_batch=ns.micro_batch,
+        global_batch=ns.global_batch,
+        precision=ns.precision,
+    )
     return model, layout, cl
 
 
@@ -73,7 +82,9 @@ def plan(ns) -> str:
         *[f"- {t}" for t in a.text()],
     ]
     if ns.timeline:
-        path = __import__("mok_megatron.planner.timeline", fromlist=["write"]).write(shown[:2] + mok[:3], ns.timeline)
+        path = __import__("mok_megatron.planner.timeline", fromlist=["write"]).write(
+            shown[:2] + mok[:3], ns.timeline
+        )
         lines.append(f"\nTimeline written to {path}")
     return "\n".join(lines)
 
@@ -114,13 +125,27 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", choices=sorted(shapes.MODELS))
     p.add_argument("--cluster", choices=sorted(hardware.CLUSTERS))
     p.add_argument("--nodes", type=int, default=128)
-    for f, d in (("tp", 1), ("pp", 8), ("vpp", 4), ("ep", 64), ("cp", 1), ("micro-batch", 1), ("global-batch", 4096)):
+    for f, d in (
+        ("tp", 1),
+        ("pp", 8),
+        ("vpp", 4),
+        ("ep", 64),
+        ("cp", 1),
+        ("micro-batch", 1),
+        ("global-batch", 4096),
+    ):
         p.add_argument(f"--{f}", type=int, default=d)
     p.add_argument("--precision", default="mxfp8", choices=("bf16", "fp8", "mxfp8"))
-    p.add_argument("--overhead-scaling", default="relative", choices=("relative", "absolute"),
-                   help="MoK engine overhead: a fraction of the layer's compute on the target (relative) or H200 ms")
+    p.add_argument(
+        "--overhead-scaling",
+        default="relative",
+        choices=("relative", "absolute"),
+        help="MoK engine overhead: a fraction of the layer's compute on the target (relative) or H200 ms",
+    )
     p.add_argument("--all", action="store_true", help="list every MoK configuration, not the best three")
-    p.add_argument("--timeline", metavar="PATH", help="write the timeline picture (PNG, SVG without matplotlib)")
+    p.add_argument(
+        "--timeline", metavar="PATH", help="write the timeline picture (PNG, SVG without matplotlib)"
+    )
     p.add_argument("--validate", action="store_true", help="each measured point vs the model, then exit")
     p.add_argument("--compare", action="store_true", help="DeepSeek-V3 GB300 recipe vs the published numbers")
     ns = p.parse_args(argv)

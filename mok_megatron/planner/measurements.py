@@ -79,14 +79,18 @@ def benchmarks_md(path: Path | None = None) -> list[Layer1]:
                     ms = float(re.search(r"([\d.]+) ms", cell).group(1))
                     out.append(Layer1("benchmarks.md", impl, shape, moe, tokens, ms))
     if len(out) != 6:
-        raise ValueError(f"{path}: expected 2 shapes x 3 implementations in the layer table, found {len(out)}")
+        raise ValueError(
+            f"{path}: expected 2 shapes x 3 implementations in the layer table, found {len(out)}"
+        )
     return out
 
 
 def run_dirs(root: Path | None = None) -> list[Path]:
     root = root or DOCS / "results"
-    return sorted((p for p in root.glob("*/run*") if (p / "ep.json").exists() or (p / "overlap.json").exists()),
-                  key=lambda p: (p.parent.name, int(re.sub(r"\D", "", p.name) or 0)))
+    return sorted(
+        (p for p in root.glob("*/run*") if (p / "ep.json").exists() or (p / "overlap.json").exists()),
+        key=lambda p: (p.parent.name, int(re.sub(r"\D", "", p.name) or 0)),
+    )
 
 
 def _ep_moe(name: str, ep: int) -> tuple[MoEShape, int]:
@@ -109,7 +113,11 @@ def ep_results(run: Path) -> tuple[list[Layer1], list[EPPoint]]:
         words = r["transport"].split()
         transport = words[0] if r["impl"] == "mok" else "nccl a2a"
         mode = (words[1] if len(words) > 1 else "exact") if r["impl"] == "mok" else ""
-        twos.append(EPPoint(run.name, r["impl"], transport, mode, r["chunks"], r["shape"], moe, tokens, r["ep"], r["ms"]))
+        twos.append(
+            EPPoint(
+                run.name, r["impl"], transport, mode, r["chunks"], r["shape"], moe, tokens, r["ep"], r["ms"]
+            )
+        )
     return ones, twos
 
 
@@ -122,10 +130,28 @@ def overlap_results(run: Path) -> tuple[list[Layer1], list[LoopRow]]:
     ones = []
     for shape, ms in t0.items():
         s = OVERLAP_SHAPES[shape]
-        ones.append(Layer1(run.name, "mok", shape, MoEShape(s["hidden"], s["ffn"], s["experts"], s["topk"]), s["tokens"], ms))
+        ones.append(
+            Layer1(
+                run.name,
+                "mok",
+                shape,
+                MoEShape(s["hidden"], s["ffn"], s["experts"], s["topk"]),
+                s["tokens"],
+                ms,
+            )
+        )
     loops = [
-        LoopRow(run.name, r["shape"], r.get("mode", "exact"), r["gbps"] or 0.0, r["chunks"], r["ms"], t0[r["shape"]],
-                r["comm_ms"], r["bytes_per_step"])
+        LoopRow(
+            run.name,
+            r["shape"],
+            r.get("mode", "exact"),
+            r["gbps"] or 0.0,
+            r["chunks"],
+            r["ms"],
+            t0[r["shape"]],
+            r["comm_ms"],
+            r["bytes_per_step"],
+        )
         for r in rows
         if r["gbps"] is not None
     ]

@@ -31,7 +31,9 @@ ASSUMPTIONS = (
 
 @dataclass(frozen=True)
 class Assumptions:
-    overhead_scaling: str = "relative"  # relative: engine overhead shrinks with the target's compute; absolute: H200 ms
+    overhead_scaling: str = (
+        "relative"  # relative: engine overhead shrinks with the target's compute; absolute: H200 ms
+    )
 
     def __post_init__(self):
         if self.overhead_scaling not in ("relative", "absolute"):
@@ -40,7 +42,9 @@ class Assumptions:
     def text(self) -> list[str]:
         return [
             a.format(
-                bf16=gemm_efficiency("bf16"), fp8=gemm_efficiency("fp8"), link=link_efficiency(),
+                bf16=gemm_efficiency("bf16"),
+                fp8=gemm_efficiency("fp8"),
+                link=link_efficiency(),
                 scaling=self.overhead_scaling,
             )
             for a in ASSUMPTIONS
@@ -64,7 +68,9 @@ def _rate(cluster: Cluster, precision: str) -> float:
     return cluster.gpu.peak_tflops(precision) * gemm_efficiency(precision)
 
 
-def layer_options(cal: Calibration, model: Model, layout: Layout, cluster: Cluster, a: Assumptions) -> list[LayerPrediction]:
+def layer_options(
+    cal: Calibration, model: Model, layout: Layout, cluster: Cluster, a: Assumptions
+) -> list[LayerPrediction]:
     """Megatron alltoall, the Megatron 1F1B bound and MoK for every measured (minibatches, mode) and
     transport that can run on this placement, for one MoE layer of one micro-batch (fwd+bwd)."""
     layout.check(model)
@@ -74,7 +80,7 @@ def layer_options(cal: Calibration, model: Model, layout: Layout, cluster: Clust
     link = LinkModel(link_efficiency())
     meg_fit = cal.compute.get("megatron-te") or cal.compute["megatron"]
     t1m = meg_fit.ms(tokens, local, rate, hbm)
-    lm = link.seconds(flops.a2a_bytes(tokens, moe.hidden, flops.megatron_remote_copies(moe, ep)), cluster, ep) * 1e3
+    lm = link.seconds(flops.megatron_bytes(tokens, moe, ep), cluster, ep) * 1e3
     out = [
         LayerPrediction("megatron", "nccl a2a", 1, "-", t1m, 0.0, lm, lm, t1m + lm),
         LayerPrediction("megatron-1f1b", "nccl a2a", 1, "-", t1m, 0.0, lm, 0.0, t1m),
@@ -82,7 +88,7 @@ def layer_options(cal: Calibration, model: Model, layout: Layout, cluster: Clust
     fit = cal.compute["mok"]
     t1 = fit.ms(tokens, local, rate, hbm)
     base = t1 if a.overhead_scaling == "relative" else fit.ms(tokens, local)
-    nbytes = flops.a2a_bytes(tokens, moe.hidden, flops.mok_remote_ranks(moe, ep))
+    nbytes = flops.mok_bytes(tokens, moe, ep)
     fam = family(local, tokens)
     ov = cal.overlap
     for transport in ("collective", "copy_engine"):
@@ -113,7 +119,9 @@ def capacity_multiplier(model: Model, layout: Layout, sigmas: float = 4.0) -> fl
 @dataclass(frozen=True)
 class StepPrediction:
     layer: LayerPrediction
-    other_ms_per_mb: float  # attention, dense FFN, router, shared expert, logits: whole model, one micro-batch
+    other_ms_per_mb: (
+        float  # attention, dense FFN, router, shared expert, logits: whole model, one micro-batch
+    )
     step_s: float
     tokens_per_s_gpu: float
     tflops_per_gpu: float
@@ -138,6 +146,9 @@ def step(model: Model, layout: Layout, cluster: Cluster, layer: LayerPrediction)
     step_s = (layout.microbatches + (layout.pp - 1) / layout.vpp) * mb_ms / layout.pp / 1e3
     tokens = layout.global_batch * model.seq
     return StepPrediction(
-        layer, other, step_s, tokens / step_s / layout.world,
+        layer,
+        other,
+        step_s,
+        tokens / step_s / layout.world,
         flops.model_flops_per_token(model) * tokens / step_s / layout.world / 1e12,
     )

@@ -50,7 +50,9 @@ class Model:
 
     def __post_init__(self):
         if not 0 <= self.moe_layers <= self.layers:
-            raise LayoutError(f"{self.name}: moe_layers={self.moe_layers} must be in [0, layers={self.layers}]")
+            raise LayoutError(
+                f"{self.name}: moe_layers={self.moe_layers} must be in [0, layers={self.layers}]"
+            )
         if self.moe.hidden != self.hidden:
             raise LayoutError(f"{self.name}: MoE hidden {self.moe.hidden} != model hidden {self.hidden}")
         if self.moe.topk > self.moe.experts:
@@ -114,7 +116,9 @@ class Layout:
                 f"{model.name}: PP x VPP = {self.pp * self.vpp} stages for {model.layers} layers; use fewer stages"
             )
         if model.seq % (self.cp * self.tp):
-            raise LayoutError(f"{model.name}: sequence {model.seq} does not split over CP x TP = {self.cp * self.tp}")
+            raise LayoutError(
+                f"{model.name}: sequence {model.seq} does not split over CP x TP = {self.cp * self.tp}"
+            )
 
     def moe_tokens(self, model: Model) -> int:
         """Tokens entering one rank's MoE layer per micro-batch (sequence parallel splits them over TP)."""
@@ -124,7 +128,16 @@ class Layout:
 _MLA = Attention(heads=128, head_dim=128, mla=True, q_lora=1536, kv_lora=512, rope_dim=64, v_head_dim=128)
 MODELS = {
     "deepseek-v3": Model(
-        "deepseek-v3", 61, 58, 7168, 18432, _MLA, MoEShape(7168, 2048, 256, 8, 2048), 129280, 4096, mtp_layers=1
+        "deepseek-v3",
+        61,
+        58,
+        7168,
+        18432,
+        _MLA,
+        MoEShape(7168, 2048, 256, 8, 2048),
+        129280,
+        4096,
+        mtp_layers=1,
     ),
     "kimi-k2": Model(
         "kimi-k2",
@@ -138,7 +151,15 @@ MODELS = {
         4096,
     ),
     "qwen3-235b-a22b": Model(
-        "qwen3-235b-a22b", 94, 94, 4096, 12288, Attention(64, 128, 4), MoEShape(4096, 1536, 128, 8), 151936, 4096
+        "qwen3-235b-a22b",
+        94,
+        94,
+        4096,
+        12288,
+        Attention(64, 128, 4),
+        MoEShape(4096, 1536, 128, 8),
+        151936,
+        4096,
     ),
     "qwen3-30b-a3b": Model(
         "qwen3-30b-a3b", 48, 48, 2048, 6144, Attention(32, 128, 4), MoEShape(2048, 768, 128, 8), 151936, 4096

@@ -80,9 +80,13 @@ def _svg(preds, path, colors) -> str:
         rows.append(f'<text x="2" y="{y - 4}" font-size="11">{_label(p)}</text>')
         for lane, s, w, _ in segments(p):
             yy = y + (0 if lane == "compute" else 18)
-            rows.append(f'<rect x="{s * scale:.1f}" y="{yy}" width="{max(w * scale, 0.5):.1f}" height="16" '
-                        f'fill="{colors[lane]}"/>')
+            rows.append(
+                f'<rect x="{s * scale:.1f}" y="{yy}" width="{max(w * scale, 0.5):.1f}" height="16" '
+                f'fill="{colors[lane]}"/>'
+            )
     body = "\n".join(rows)
-    Path(path).write_text(f'<svg xmlns="http://www.w3.org/2000/svg" width="920" height="{30 + 50 * len(preds)}">'
-                          f"\n{body}\n</svg>\n")
+    Path(path).write_text(
+        f'<svg xmlns="http://www.w3.org/2000/svg" width="920" height="{30 + 50 * len(preds)}">'
+        f"\n{body}\n</svg>\n"
+    )
     return path
