@@ -1,5 +1,5 @@
 """The ``mok`` command line: ``mok env``, ``mok demo``, ``mok bench layer``, ``mok convert``,
-``mok patches check|apply|revert``, ``mok recipe check``."""
+``mok patches check|apply|revert``, ``mok recipe check``, ``mok plan``."""
 
 from __future__ import annotations
 
@@ -66,10 +66,11 @@ def main(argv: list[str] | None = None) -> int:
         ).main(rest),
         "patches": lambda rest: __import__("mok_megatron.patches", fromlist=["main"]).main(rest),
         "recipe": lambda rest: __import__("mok_megatron.recipes", fromlist=["main"]).main(rest),
+        "plan": lambda rest: __import__("mok_megatron.planner.main", fromlist=["main"]).main(rest),
     }
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in commands:
         print(
-            "usage: mok {env,demo,bench,convert,patches,recipe} [options]\n\n"
+            "usage: mok {env,demo,bench,convert,patches,recipe,plan} [options]\n\n"
             "  env      versions, GPUs, FP8 recipes available here, and what is missing\n"
             "  demo     pretrain a tiny MoE GPT with the MoK layer (the main job)\n"
             "  bench    layer: one MoE layer fwd+bwd, MoK vs Megatron, checked then timed;\n"
@@ -77,7 +78,8 @@ def main(argv: list[str] | None = None) -> int:
             "           ep: real expert parallelism (torchrun -m mok_megatron.bench_overlap ep)\n"
             "  convert  move expert weights of a saved state dict between MoK / Megatron layouts\n"
             "  patches  check|apply|revert DIR: make a Megatron-LM checkout accept --moe-token-dispatcher-type mok\n"
-            "  recipe   check SCRIPT...: a recipe's parallel layout and memory per GPU, from its DRY_RUN command"
+            "  recipe   check SCRIPT...: a recipe's parallel layout and memory per GPU, from its DRY_RUN command\n"
+            "  plan     predict MoK vs Megatron per layer/step on a cluster; --validate, --compare, --recipe"
         )
         return 0 if argv and argv[0] in ("-h", "--help") else 2
     return commands[argv[0]](argv[1:])

@@ -1,0 +1,186 @@
+"""The repo's measured numbers as records: docs/benchmarks.md (EP=1 layer times, H200) and
+docs/results/<date>/run*/{ep,overlap}.json (EP=2 on 2 x H200, single-H200 loopback sweep).
+
+Shapes come from the benchmark definitions themselves (``mok_megatron.bench_overlap``), so a result
+file and the planner never disagree on what was timed.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from mok_megatron.bench_overlap import EP_SHAPES, OVERLAP_SHAPES
+from mok_megatron.planner.shapes import MoEShape
+
+DOCS = Path(__file__).resolve().parents[2] / "docs"
+
+
+@dataclass(frozen=True)
+class Layer1:
+    """One EP=1 layer time (fwd+bwd, ms): per-rank work of one MoE layer on one H200."""
+
+    source: str  # "benchmarks.md" or "run8" ...
+    impl: str  # mok, megatron-te, megatron
+    shape: str
+    moe: MoEShape  # experts = local experts
+    tokens: int
+    ms: float
+
+
+@dataclass(frozen=True)
+class EPPoint:
+    """One real EP=2 layer time on 2 x H200 (max over ranks)."""
+
+    source: str
+    impl: str  # megatron-te, megatron, mok
+    transport: str  # nccl a2a, plain, collective, copy_engine
+    mode: str  # exact, sync-free+graph ("" for Megatron)
+    chunks: int
+    shape: str
+    moe: MoEShape  # experts = global experts
+    tokens: int
+    ep: int
+    ms: float
+
+
+@dataclass(frozen=True)
+class LoopRow:
+    """One loopback row: emulated link GB/s (0 = infinite), minibatch count, mode, layer ms."""
+
+    source: str
+    shape: str
+    mode: str
+    gbps: float
+    chunks: int
+    ms: float
+    t0_ms: float
+    link_ms: float
+    bytes_per_step: float
+
+
+_BENCH_SHAPES = {  # docs/benchmarks.md table rows (shape column prefix -> per-rank shape)
+    "Qwen3-30B-A3B": ("qwen3-30b-a3b", MoEShape(2048, 768, 128, 8), 16384),
+    "DeepSeek-V3 slice": ("deepseek-v3-ep32", MoEShape(7168, 2048, 8, 8), 4096),
+}
+_BENCH_IMPLS = ("mok", "megatron-te", "megatron")
+
+
+def benchmarks_md(path: Path | None = None) -> list[Layer1]:
+    text = (path or DOCS / "benchmarks.md").read_text()
+    out = []
+    for line in text.splitlines():
+        for prefix, (shape, moe, tokens) in _BENCH_SHAPES.items():
+            if line.startswith(f"| {prefix}"):
+                cells = [c.strip() for c in line.strip("|").split("|")][1:]
+                for impl, cell in zip(_BENCH_IMPLS, cells, strict=True):
+                    ms = float(re.search(r"([\d.]+) ms", cell).group(1))
+                    out.append(Layer1("benchmarks.md", impl, shape, moe, tokens, ms))
+    if len(out) != 6:
+        raise ValueError(
+            f"{path}: expected 2 shapes x 3 implementations in the layer table, found {len(out)}"
+        )
+    return out
+
+
+def run_dirs(root: Path | None = None) -> list[Path]:
+    root = root or DOCS / "results"
+    return sorted(
+        (p for p in root.glob("*/run*") if (p / "ep.json").exists() or (p / "overlap.json").exists()),
+        key=lambda p: (p.parent.name, int(re.sub(r"\D", "", p.name) or 0)),
+    )
+
+
+def _ep_moe(name: str, ep: int) -> tuple[MoEShape, int]:
+    s = EP_SHAPES[name]
+    return MoEShape(s["hidden"], s["ffn"], s["local"] * ep, s["topk"]), s["tokens"]
+
+
+def ep_results(run: Path) -> tuple[list[Layer1], list[EPPoint]]:
+    ones, twos = [], []
+    f = run / "ep.json"
+    if not f.exists():
+        return ones, twos
+    for r in json.loads(f.read_text()):
+        if "ms" not in r or r["shape"] not in EP_SHAPES or r["shape"] == "tiny":
+            continue
+        moe, tokens = _ep_moe(r["shape"], r["ep"])
+        if r["ep"] == 1:
+            ones.append(Layer1(run.name, r["impl"], r["shape"], moe, tokens, r["ms"]))
+            continue
+        words = r["transport"].split()
+        transport = words[0] if r["impl"] == "mok" else "nccl a2a"
+        mode = (words[1] if len(words) > 1 else "exact") if r["impl"] == "mok" else ""
+        twos.append(
+            EPPoint(
+                run.name, r["impl"], transport, mode, r["chunks"], r["shape"], moe, tokens, r["ep"], r["ms"]
+            )
+        )
+    return ones, twos
+
+
+def overlap_results(run: Path) -> tuple[list[Layer1], list[LoopRow]]:
+    f = run / "overlap.json"
+    if not f.exists():
+        return [], []
+    rows = [r for r in json.loads(f.read_text()) if "profile" not in r and r["shape"] in OVERLAP_SHAPES]
+    t0 = {r["shape"]: r["ms"] for r in rows if r["gbps"] is None}
+    ones = []
+    for shape, ms in t0.items():
+        s = OVERLAP_SHAPES[shape]
+        ones.append(
+            Layer1(
+                run.name,
+                "mok",
+                shape,
+                MoEShape(s["hidden"], s["ffn"], s["experts"], s["topk"]),
+                s["tokens"],
+                ms,
+            )
+        )
+    loops = [
+        LoopRow(
+            run.name,
+            r["shape"],
+            r.get("mode", "exact"),
+            r["gbps"] or 0.0,
+            r["chunks"],
+            r["ms"],
+            t0[r["shape"]],
+            r["comm_ms"],
+            r["bytes_per_step"],
+        )
+        for r in rows
+        if r["gbps"] is not None
+    ]
+    return ones, loops
+
+
+@dataclass(frozen=True)
+class Measurements:
+    layer1: tuple[Layer1, ...]
+    ep: tuple[EPPoint, ...]
+    loop: tuple[LoopRow, ...]
+
+    def without(self, source: str) -> Measurements:
+        return Measurements(
+            tuple(p for p in self.layer1 if p.source != source),
+            tuple(p for p in self.ep if p.source != source),
+            tuple(p for p in self.loop if p.source != source),
+        )
+
+
+def load(docs: Path | None = None) -> Measurements:
+    docs = docs or DOCS
+    layer1, ep, loop = list(benchmarks_md(docs / "benchmarks.md")), [], []
+    for run in run_dirs(docs / "results"):
+        a, b = ep_results(run)
+        c, d = overlap_results(run)
+        layer1 += a + c
+        ep += b
+        loop += d
+    if not ep or not loop:
+        raise ValueError(f"{docs}/results: no ep.json / overlap.json rows found; the planner needs both")
+    return Measurements(tuple(layer1), tuple(ep), tuple(loop))

@@ -1,0 +1,154 @@
+"""Layer and step predictions on a target cluster from a Calibration (H200-measured), scaled by
+peak ratios. Every scaling is listed in ASSUMPTIONS (printed by ``mok plan``)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from mok_megatron.planner import flops
+from mok_megatron.planner.calibrate import H200_HBM, Calibration, family, gemm_efficiency, link_efficiency
+from mok_megatron.planner.hardware import Cluster
+from mok_megatron.planner.links import LinkError, LinkModel
+from mok_megatron.planner.shapes import Layout, Model, MoEShape
+
+ASSUMPTIONS = (
+    "GEMM rate on the target = its dense peak for the precision x the grouped-GEMM efficiency measured on the "
+    "H200 (bf16 {bf16:.0%}; FP8 rowwise {fp8:.0%}, also used for MXFP8); attention and dense layers run at "
+    "the same efficiency",
+    "non-GEMM MoE time (permute, activation, combine) scales with HBM bandwidth (H200 4.8 TB/s); per-expert "
+    "launch/host terms do not scale",
+    "all-to-all at {link:.0%} of link peak (NCCL on 2 x H200); NVLink and NIC shares run concurrently; EP groups "
+    "on consecutive GPUs; uniform routing; bf16 tokens on the wire for both layers",
+    "MoK engine overhead = loopback overhead fraction x kappa (real EP / loopback, from the 2 x H200 runs), "
+    "times the layer's compute ({scaling}); exposed link fraction from the loopback sweep",
+    "Megatron alltoall: all-to-all fully exposed (as measured at EP=2); 'megatron 1F1B' is a bound: the "
+    "all-to-all entirely hidden behind another micro-batch (not measured here)",
+    "step = (micro-batches + (PP-1)/VPP) x per-micro-batch time / PP; DP gradient/parameter traffic, optimizer, "
+    "TP communication, recompute and pipeline imbalance are not modelled",
+)
+
+
+@dataclass(frozen=True)
+class Assumptions:
+    overhead_scaling: str = (
+        "relative"  # relative: engine overhead shrinks with the target's compute; absolute: H200 ms
+    )
+
+    def __post_init__(self):
+        if self.overhead_scaling not in ("relative", "absolute"):
+            raise ValueError(f"overhead_scaling={self.overhead_scaling!r}: must be relative or absolute")
+
+    def text(self) -> list[str]:
+        return [
+            a.format(
+                bf16=gemm_efficiency("bf16"),
+                fp8=gemm_efficiency("fp8"),
+                link=link_efficiency(),
+                scaling=self.overhead_scaling,
+            )
+            for a in ASSUMPTIONS
+        ]
+
+
+@dataclass(frozen=True)
+class LayerPrediction:
+    impl: str  # megatron, megatron-1f1b, mok
+    transport: str
+    chunks: int
+    mode: str
+    t1_ms: float  # per-rank expert work, no communication
+    overhead_ms: float
+    link_ms: float
+    exposed_ms: float
+    total_ms: float
+
+
+def _rate(cluster: Cluster, precision: str) -> float:
+    return cluster.gpu.peak_tflops(precision) * gemm_efficiency(precision)
+
+
+def layer_options(
+    cal: Calibration, model: Model, layout: Layout, cluster: Cluster, a: Assumptions
+) -> list[LayerPrediction]:
+    """Megatron alltoall, the Megatron 1F1B bound and MoK for every measured (minibatches, mode) and
+    transport that can run on this placement, for one MoE layer of one micro-batch (fwd+bwd)."""
+    layout.check(model)
+    moe, ep, tokens = model.moe, layout.ep, layout.moe_tokens(model)
+    local = MoEShape(moe.hidden, moe.ffn, moe.experts // ep, moe.topk)
+    rate, hbm = _rate(cluster, layout.precision), H200_HBM / cluster.gpu.hbm_tbps
+    link = LinkModel(link_efficiency())
+    meg_fit = cal.compute.get("megatron-te") or cal.compute["megatron"]
+    t1m = meg_fit.ms(tokens, local, rate, hbm)
+    lm = link.seconds(flops.megatron_bytes(tokens, moe, ep), cluster, ep) * 1e3
+    out = [
+        LayerPrediction("megatron", "nccl a2a", 1, "-", t1m, 0.0, lm, lm, t1m + lm),
+        LayerPrediction("megatron-1f1b", "nccl a2a", 1, "-", t1m, 0.0, lm, 0.0, t1m),
+    ]
+    fit = cal.compute["mok"]
+    t1 = fit.ms(tokens, local, rate, hbm)
+    base = t1 if a.overhead_scaling == "relative" else fit.ms(tokens, local)
+    nbytes = flops.mok_bytes(tokens, moe, ep)
+    fam = family(local, tokens)
+    ov = cal.overlap
+    for transport in ("collective", "copy_engine"):
+        try:
+            lk = link.seconds(nbytes, cluster, ep, transport) * 1e3
+        except LinkError:
+            continue
+        for chunks, mode in ov.options(fam):
+            o = ov.overhead[(fam, chunks, mode)] * ov.k(mode) * base
+            ex = ov.exposed[(fam, chunks, mode)] * lk
+            tot = (t1 + o + ex) * ov.transport_factor.get(transport, 1.0)
+            out.append(LayerPrediction("mok", transport, chunks, mode, t1, o, lk, ex, tot))
+    return out
+
+
+def best(options: list[LayerPrediction], impl: str) -> LayerPrediction:
+    return min((o for o in options if o.impl == impl), key=lambda o: o.total_ms)
+
+
+def capacity_multiplier(model: Model, layout: Layout, sigmas: float = 4.0) -> float:
+    """Smallest of 0.25/0.5/0.75/1.0 that holds the tokens one source sends one destination rank
+    (binomial, uniform routing) at ``sigmas`` standard deviations; routing skew is not modelled."""
+    t, p = layout.moe_tokens(model), flops.p_visit(model.moe, layout.ep)
+    need = (t * p + sigmas * math.sqrt(t * p * (1 - p))) / t
+    return next((c for c in (0.25, 0.5, 0.75) if need <= c), 1.0)
+
+
+@dataclass(frozen=True)
+class StepPrediction:
+    layer: LayerPrediction
+    other_ms_per_mb: (
+        float  # attention, dense FFN, router, shared expert, logits: whole model, one micro-batch
+    )
+    step_s: float
+    tokens_per_s_gpu: float
+    tflops_per_gpu: float
+
+
+def step(model: Model, layout: Layout, cluster: Cluster, layer: LayerPrediction) -> StepPrediction:
+    rate = _rate(cluster, layout.precision) * 1e12
+    ntok = layout.micro_batch * model.seq / (layout.tp * layout.cp)  # per rank, per micro-batch
+    att = flops.attention_flops_per_token(model.attention, model.hidden, model.seq)
+    moe = model.moe
+    router_shared = 2 * moe.hidden * moe.experts + 6.0 * moe.shared_ffn * moe.hidden
+    dense = 6.0 * model.dense_ffn * model.hidden
+    n_moe = model.moe_layers + model.mtp_layers
+    per_tok = (
+        (model.layers + model.mtp_layers) * att
+        + (model.layers - model.moe_layers) * dense
+        + n_moe * router_shared
+        + (1 + model.mtp_layers) * 2 * model.hidden * model.vocab
+    )
+    other = flops.FWD_BWD * per_tok * ntok / rate * 1e3
+    mb_ms = other + n_moe * layer.total_ms
+    step_s = (layout.microbatches + (layout.pp - 1) / layout.vpp) * mb_ms / layout.pp / 1e3
+    tokens = layout.global_batch * model.seq
+    return StepPrediction(
+        layer,
+        other,
+        step_s,
+        tokens / step_s / layout.world,
+        flops.model_flops_per_token(model) * tokens / step_s / layout.world / 1e12,
+    )
