@@ -38,7 +38,7 @@ MOE_ARGS=(
   --moe-router-dtype fp32 --moe-grouped-gemm
 )
 MOK_ARGS=(
-  --mok-transport copy_engine     # EP peers share the NVLink segment: pull tokens on the copy engine
+  --mok-transport copy_engine     # EP peers share the NVLink segment: pull tokens on the copy engine (on 2 x H200 it measured equal to NCCL; GB300 unmeasured)
   --mok-sync-free                 # no host sync in the layer (needed for CUDA graphs around it)
   --mok-capacity-multiplier 0.5   # sync-free receive buffers at half a source's tokens; overflow redone exactly
 )

@@ -27,7 +27,7 @@ MOE_ARGS=(
   --num-experts 128 --moe-ffn-hidden-size 768 --moe-router-topk 8
   --moe-router-load-balancing-type aux_loss --moe-aux-loss-coeff 1e-3 --moe-router-dtype fp32 --moe-grouped-gemm
 )
-MOK_ARGS=(--mok-transport copy_engine)             # EP=8: one NVLink node
+MOK_ARGS=()   # defaults: NCCL transport, exact mode, 1 minibatch in a node (best measured on 2 x H200, docs/benchmarks.md)
 PARALLEL_ARGS=(
   --tensor-model-parallel-size 1
   --pipeline-model-parallel-size 2 --num-virtual-stages-per-pipeline-rank 2   # 4 chunks of 12 layers
