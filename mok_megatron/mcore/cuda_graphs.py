@@ -20,8 +20,8 @@ from mok_megatron.config import MoKConfig, MoKConfigError
 from mok_megatron.options import MoKOptions
 
 
-def _scopes(config) -> set[str]:
-    return {getattr(m, "name", str(m)) for m in (getattr(config, "cuda_graph_modules", None) or [])}
+def _scopes(config) -> list[str]:
+    return [getattr(m, "name", str(m)) for m in (getattr(config, "cuda_graph_modules", None) or [])]
 
 
 def captured_regions(config) -> tuple[bool, bool]:
@@ -43,7 +43,7 @@ def check_cuda_graphs(config, cfg: MoKConfig, options: MoKOptions, pipelined: bo
     scope = (
         f"--cuda-graph-impl {impl}"
         if impl == "full_iteration"
-        else f"--cuda-graph-impl {impl} --cuda-graph-modules {' '.join(sorted(_scopes(config))) or '(whole layer)'}"
+        else f"--cuda-graph-impl {impl} --cuda-graph-modules {' '.join(_scopes(config)) or '(whole layer)'}"
     )
     host_free_plan = (pipelined and options.sync_free) or (not pipelined and cfg.pad_to_capacity)
     if not host_free_plan:
