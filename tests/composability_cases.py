@@ -68,17 +68,15 @@ def delayed_wgrad_case(rank, world, *, ep, opts, microbatches=2, **cfg_kw):
     return res
 
 
-def saved_bytes(fn) -> int:
-    """Bytes of distinct storages autograd saves for backward while ``fn`` runs (parameters excluded)."""
+def saved_bytes(fn, module) -> int:
+    """Bytes of distinct storages autograd saves for backward while ``fn`` runs, ``module``'s parameters
+    excluded (the pack hook may see them as other tensor objects: match by storage)."""
     seen: dict[int, int] = {}
-    params = set()
+    params = {p.untyped_storage().data_ptr() for p in module.parameters()}
 
     def pack(t):
-        if not isinstance(t, torch.nn.Parameter):
-            s = t.untyped_storage()
-            seen[s.data_ptr()] = s.nbytes()
-        else:
-            params.add(t.data_ptr())
+        s = t.untyped_storage()
+        seen[s.data_ptr()] = s.nbytes()
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
@@ -101,7 +99,7 @@ def recompute_act_case(rank, world, *, ep, opts, delay=False, tokens=256, **cfg_
     sizes, results = [], []
     for layer in (base, rec):
         xi = x.clone().requires_grad_(True)
-        nbytes, (out, _) = saved_bytes(lambda layer=layer, xi=xi: layer(xi))
+        nbytes, (out, _) = saved_bytes(lambda layer=layer, xi=xi: layer(xi), layer)
         out.backward(dout)
         if delay and layer is rec:
             layer.backward_dw()
@@ -114,7 +112,7 @@ def recompute_act_case(rank, world, *, ep, opts, delay=False, tokens=256, **cfg_
     pe = torch.rand(rows, generator=g)
     tpe = torch.full((base.experts.num_local_experts,), rows // base.experts.num_local_experts)
     tpe[-1] += rows - int(tpe.sum())
-    expert_sizes = [saved_bytes(lambda m=m: m.experts(xe, tpe, pe))[0] for m in (base, rec)]
+    expert_sizes = [saved_bytes(lambda m=m: m.experts(xe, tpe, pe), m)[0] for m in (base, rec)]
     return {
         "pipelined": rec.token_dispatcher.pipelined,
         "bitwise": bool(torch.equal(o1, o2) and torch.equal(dx1, dx2) and _same(g1, g2)),
@@ -152,7 +150,7 @@ def gpt_recompute_case(rank, world, *, ep=2, modules=("moe",), steps=3, opts=Non
             for model in models:
                 model.zero_grad(set_to_none=True)
                 nbytes, loss = saved_bytes(
-                    lambda model=model: model(tokens, pos, None, labels=labels).float().mean()
+                    lambda model=model: model(tokens, pos, None, labels=labels).float().mean(), model
                 )
                 loss.backward()
                 if step == 0:

@@ -112,15 +112,20 @@ def _forward_gemm(x_MK, w_GNK, offs_G) -> torch.Tensor:
     return gg.grouped_linear_reference(x_MK, w_GNK, counts)
 
 
-def _finish_wgrad(queue, w, dy, x, offs, needed: bool):
-    """The weight gradient to return now (None when deferred to ``queue``)."""
+def _finish_wgrad(queue, param, w, dy, x, offs, needed: bool):
+    """The weight gradient to return now (None when deferred to ``queue`` for ``param``)."""
     if not needed:
         return None
     fn = _wgrad_fn(dy, x, w, offs)
     if queue is None:
         return fn()
-    queue.push(w, fn)
+    queue.push(param, fn)
     return None
+
+
+# The parameter itself rides on ctx (not only in save_for_backward): under saved-tensor hooks (Megatron's
+# activation offloading, memory probes) ctx.saved_tensors may hand back another tensor object with the
+# same data, and a deferred gradient must land on the Parameter's .grad.
 
 
 class _Linear(torch.autograd.Function):
@@ -129,7 +134,7 @@ class _Linear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_MK, w_GNK, offs_G, queue):
         ctx.save_for_backward(x_MK, w_GNK, offs_G)
-        ctx.queue = queue
+        ctx.queue, ctx.param = queue, w_GNK if queue is not None else None
         return _forward_gemm(x_MK, w_GNK, offs_G)
 
     @staticmethod
@@ -137,7 +142,7 @@ class _Linear(torch.autograd.Function):
         x_MK, w_GNK, offs_G = ctx.saved_tensors
         dy_MN = dy_MN.contiguous()
         dx = _dgrad(dy_MN, x_MK, w_GNK, offs_G) if ctx.needs_input_grad[0] else None
-        dw = _finish_wgrad(ctx.queue, w_GNK, dy_MN, x_MK, offs_G, ctx.needs_input_grad[1])
+        dw = _finish_wgrad(ctx.queue, ctx.param, w_GNK, dy_MN, x_MK, offs_G, ctx.needs_input_grad[1])
         return dx, dw, None, None
 
 
@@ -150,7 +155,7 @@ class _ActFc2(torch.autograd.Function):
             a_MF = apply_activation(h_MF1, act, probs_M)
             y = _forward_gemm(a_MF, w2_GNK, offs_G)
         ctx.save_for_backward(h_MF1, probs_M, w2_GNK, offs_G)
-        ctx.act, ctx.queue = act, queue
+        ctx.act, ctx.queue, ctx.param = act, queue, w2_GNK if queue is not None else None
         return y
 
     @staticmethod
@@ -163,7 +168,7 @@ class _ActFc2(torch.autograd.Function):
             p = probs_M.detach().requires_grad_(need_p)
             a_MF = apply_activation(h, ctx.act, p)
         a = a_MF.detach()
-        dw2 = _finish_wgrad(ctx.queue, w2_GNK, dy_MN, a, offs_G, need_w)
+        dw2 = _finish_wgrad(ctx.queue, ctx.param, w2_GNK, dy_MN, a, offs_G, need_w)
         dh = dp = None
         inputs = [t for t, need in ((h, need_h), (p, need_p)) if need]
         if inputs:
