@@ -150,7 +150,10 @@ def gpt_recompute_case(rank, world, *, ep=2, modules=("moe",), steps=3, opts=Non
             for model in models:
                 model.zero_grad(set_to_none=True)
                 nbytes, loss = saved_bytes(
-                    lambda model=model: model(tokens, pos, None, labels=labels).float().mean(), model
+                    lambda model=model, t=tokens, pos=pos, y=labels: (
+                        model(t, pos, None, labels=y).float().mean()
+                    ),
+                    model,
                 )
                 loss.backward()
                 if step == 0:
@@ -190,3 +193,81 @@ def build_with_case(rank, world, *, ep=2, opts=None, after=None, **cfg_kw):
     except MoKConfigError as e:
         return str(e)
     return "pipelined" if mok.token_dispatcher.pipelined else "plain"
+
+
+def combined_1f1b_case(rank, world, *, ep=2, microbatches=2, steps=3):
+    """A tiny MoK GPT (bf16) trained ``steps`` SGD steps through Megatron's no-pipelining schedule twice
+    from the same weights: plain, and with Megatron's combined 1F1B EP overlap
+    (--overlap-moe-expert-parallel-comm --delay-wgrad-compute). Returns both runs' losses and whether
+    every final parameter is bitwise equal. On CPU Megatron's schedule itself stops (it allocates on
+    "cuda" and the combined schedule needs CUDA streams): a GPU test (tests/test_gpu.py)."""
+    from megatron.core.pipeline_parallel.schedules import forward_backward_no_pipelining
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    setup_parallel(ep=ep)
+    models = []
+    for overlap in (False, True):
+        extra = dict(overlap_moe_expert_parallel_comm=True, delay_wgrad_compute=True) if overlap else {}
+        cfg = tiny_gpt_config(ep=ep, bf16=True, params_dtype=torch.bfloat16, **extra)
+        torch.manual_seed(0)
+        model = build_gpt(cfg, mok=True).to(device)
+        model.config.finalize_model_grads_func = None
+        models.append(model)
+    models[1].load_state_dict(models[0].state_dict(), strict=True)
+
+    def loss_func(out):
+        loss = out.float().mean()
+        return loss, {"loss": loss.detach()}
+
+    def forward_step(data_iterator, model, return_schedule_plan=False):
+        tokens, labels = next(data_iterator)
+        pos = torch.arange(16, device=device).expand(2, -1)
+        if return_schedule_plan:
+            return model.build_schedule_plan(tokens, pos, None, labels=labels), loss_func
+        return model(tokens, pos, None, labels=labels), loss_func
+
+    g = torch.Generator().manual_seed(rank)
+    losses = ([], [])
+    for _ in range(steps):
+        batches = []
+        for _ in range(microbatches):
+            tokens = torch.randint(0, 64, (2, 16), generator=g).to(device)
+            batches.append((tokens, torch.roll(tokens, -1, 1)))
+        for model, log in zip(models, losses, strict=True):
+            model.zero_grad(set_to_none=True)
+            out = forward_backward_no_pipelining(
+                forward_step_func=forward_step,
+                data_iterator=iter(batches),
+                model=[model],
+                num_microbatches=microbatches,
+                seq_length=16,
+                micro_batch_size=2,
+                forward_only=False,
+            )
+            log.append([float(d["loss"]) for d in out])
+            with torch.no_grad():
+                for p in model.parameters():
+                    if p.grad is not None:
+                        p -= 0.1 * p.grad
+    p0, p1 = (dict(m.named_parameters()) for m in models)
+    return {
+        "losses": losses,
+        "params_bitwise": set(p0) == set(p1) and all(torch.equal(p0[k], p1[k]) for k in p0),
+        "plain_engine": [
+            not m.token_dispatcher.pipelined for m in models[1].modules() if hasattr(m, "token_dispatcher")
+        ],
+    }
+
+
+def combined_1f1b_cpu_error_case(rank, world, **kw):
+    """What stops ``combined_1f1b_case`` on CPU: (Megatron file:line, error text), or None if it ran."""
+    import traceback
+
+    try:
+        combined_1f1b_case(rank, world, **kw)
+    except Exception as e:
+        frame = traceback.extract_tb(e.__traceback__)
+        megatron = [f for f in frame if "/megatron/core/" in f.filename]
+        where = megatron[-1] if megatron else frame[-1]
+        return f"{where.filename.split('site-packages/')[-1]}:{where.lineno} {where.line}", str(e)
+    return None

@@ -58,7 +58,9 @@ class TestConfigErrors:
     def test_delay_wgrad_and_moe_act_are_accepted(self):
         # Supported since issue 10 (tests/test_composability.py checks the gradients).
         layer = _build(
-            after=dict(delay_wgrad_compute=True, recompute_granularity="selective", recompute_modules=["moe_act"])
+            after=dict(
+                delay_wgrad_compute=True, recompute_granularity="selective", recompute_modules=["moe_act"]
+            )
         )
         assert layer.experts.wgrad_queue is not None and layer.experts.mok_config.recompute_activation
 

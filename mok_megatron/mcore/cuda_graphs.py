@@ -34,7 +34,9 @@ def captured_regions(config) -> tuple[bool, bool]:
     return whole or "moe_preprocess" in scopes, whole
 
 
-def check_cuda_graphs(config, cfg: MoKConfig, options: MoKOptions, pipelined: bool, mok_experts: bool) -> None:
+def check_cuda_graphs(
+    config, cfg: MoKConfig, options: MoKOptions, pipelined: bool, mok_experts: bool
+) -> None:
     """Raise ``MoKConfigError`` naming the flags when a captured region of this layer reads the host."""
     preprocess, whole = captured_regions(config)
     if not preprocess:
