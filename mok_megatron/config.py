@@ -43,6 +43,11 @@ class MoKConfig:
     router_pad_multiple: int = 0  # moe_router_padding_for_quantization alignment; 0 = off
     apply_probs_on_input: bool = False
     params_dtype: torch.dtype = torch.float32
+    delay_wgrad: bool = False  # delay_wgrad_compute: experts' weight gradients wait for backward_dw()
+    recompute_activation: bool = False  # recompute_modules has 'moe_act': activation redone in backward
+    # Megatron flags on this layer that schedule its phases themselves (cross-micro-batch EP overlap);
+    # with any of them the layer keeps the six-phase path (see mok_megatron.mcore.engine).
+    megatron_overlap_flags: tuple[str, ...] = ()
 
     def __post_init__(self):
         if self.num_experts < 1:
@@ -120,16 +125,20 @@ class MoKConfig:
                 "use_te_activation_func=True needs Transformer Engine, which is not installed. "
                 "Install the 'te' extra (pip install 'mok-megatron[te]') or turn the option off."
             )
-        if getattr(config, "delay_wgrad_compute", False):
-            raise MoKConfigError(
-                "delay_wgrad_compute=True: MoK experts compute weight gradients in backward and do not "
-                "defer them yet. Turn --delay-wgrad-compute off for MoK layers."
+        recompute_act = config.recompute_granularity == "selective" and "moe_act" in (
+            config.recompute_modules or []
+        )
+        overlap_flags = tuple(
+            flag
+            for flag, field in (
+                ("--overlap-moe-expert-parallel-comm", "overlap_moe_expert_parallel_comm"),
+                (
+                    "--overlap-dispatch-backward-with-experts-wgrad",
+                    "overlap_dispatch_backward_with_experts_wgrad",
+                ),
             )
-        if config.recompute_granularity == "selective" and "moe_act" in (config.recompute_modules or []):
-            raise MoKConfigError(
-                "recompute_modules contains 'moe_act': MoK experts do not recompute their activation "
-                "yet. Use --recompute-modules moe (whole MoE layer) instead."
-            )
+            if getattr(config, field, False)
+        )
         if config.fp8 or config.fp4:
             warnings.warn(
                 "MoK's torch experts compute in the parameter dtype; FP8/FP4 recipes are honoured for "
@@ -161,4 +170,11 @@ class MoKConfig:
             router_pad_multiple=pad_multiple,
             apply_probs_on_input=bool(config.moe_apply_probs_on_input),
             params_dtype=config.params_dtype,
+            # TE's GroupedLinear defers for either flag; so do MoK's experts.
+            delay_wgrad=bool(
+                getattr(config, "delay_wgrad_compute", False)
+                or getattr(config, "overlap_dispatch_backward_with_experts_wgrad", False)
+            ),
+            recompute_activation=recompute_act,
+            megatron_overlap_flags=overlap_flags,
         )

@@ -55,9 +55,14 @@ class TestConfigErrors:
         with pytest.raises(MoKConfigError, match=r"moe_token_dispatcher_type='allgather'"):
             _build(moe_token_dispatcher_type="allgather")
 
-    def test_delay_wgrad(self):
-        with pytest.raises(MoKConfigError, match=r"delay_wgrad_compute=True"):
-            _build(after=dict(delay_wgrad_compute=True))
+    def test_delay_wgrad_and_moe_act_are_accepted(self):
+        # Supported since issue 10 (tests/test_composability.py checks the gradients).
+        layer = _build(
+            after=dict(
+                delay_wgrad_compute=True, recompute_granularity="selective", recompute_modules=["moe_act"]
+            )
+        )
+        assert layer.experts.wgrad_queue is not None and layer.experts.mok_config.recompute_activation
 
     @pytest.mark.skipif(have_te(), reason="Transformer Engine is installed here")
     def test_te_only_options_without_te(self):

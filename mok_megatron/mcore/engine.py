@@ -4,6 +4,16 @@ The pipeline (``mok_megatron.functional.pipeline``) runs when expert parallelism
 loopback transport emulates it) and routing is dropless without expert-TP. Capacity dropping,
 drop-and-pad, router padding and expert-TP keep the unpipelined six-phase path, and asking for a
 pipeline-only option with them is an error naming the settings.
+
+Composition with Megatron's own EP overlap (``--overlap-moe-expert-parallel-comm``, the combined 1F1B
+schedule; also ``--overlap-dispatch-backward-with-experts-wgrad``): Megatron's overlap wins. Its
+scheduler runs dispatch, experts and combine as separate nodes on a communication and a compute stream
+and overlaps one micro-batch's all-to-all with another's compute; MoK's in-layer pipeline would fold
+all three into the experts node (its dispatch/combine nodes would be empty, its exchanges would run on
+the compute stream), defeating that schedule. So with those flags the layer runs the six-phase plain
+engine, which Megatron's scheduler interleaves like its own alltoall dispatcher, and an explicit
+pipeline option (``--mok-engine pipeline``, ``--mok-minibatch-size``, ``--mok-sync-free``, a
+``--mok-transport``) is a start-up error naming both flags.
 """
 
 from __future__ import annotations
@@ -26,12 +36,10 @@ def _unsupported(cfg: MoKConfig) -> list[str]:
     return why
 
 
-def select_transport(cfg: MoKConfig, options: MoKOptions, ep_group):
-    """The transport of the overlap engine, or None for the unpipelined path."""
-    if options.engine == "plain":
-        return None
-    explicit = [
-        f"{flag}"
+def _explicit(options: MoKOptions) -> list[str]:
+    """The --mok-* flags given that only the overlap pipeline honours."""
+    return [
+        flag
         for flag, on in (
             ("--mok-engine pipeline", options.engine == "pipeline"),
             ("--mok-minibatch-size", options.minibatch_size is not None),
@@ -40,6 +48,24 @@ def select_transport(cfg: MoKConfig, options: MoKOptions, ep_group):
         )
         if on
     ]
+
+
+def select_transport(cfg: MoKConfig, options: MoKOptions, ep_group):
+    """The transport of the overlap engine, or None for the unpipelined path."""
+    if options.engine == "plain":
+        return None
+    if cfg.megatron_overlap_flags:
+        explicit = _explicit(options)
+        if explicit:
+            raise MoKConfigError(
+                f"{', '.join(explicit)} asks for the MoK overlap pipeline, but {', '.join(cfg.megatron_overlap_flags)} "
+                "hands the MoE phases to Megatron's combined 1F1B schedule, which overlaps dispatch and "
+                "combine across micro-batches itself; the two cannot both drive this layer. Drop the "
+                "--mok-* option(s) (the layer then runs the six-phase plain engine under Megatron's "
+                f"overlap) or drop {', '.join(cfg.megatron_overlap_flags)} (MoK's in-layer overlap)."
+            )
+        return None
+    explicit = _explicit(options)
     why = _unsupported(cfg)
     if why:
         if explicit:

@@ -24,7 +24,7 @@ from megatron.core.transformer.utils import make_sharded_object_for_checkpoint
 from megatron.core.utils import get_pg_rank, get_pg_size
 
 from mok_megatron.config import MoKConfig, MoKConfigError
-from mok_megatron.functional.experts import expert_mlp
+from mok_megatron.mcore.expert_schedule import WgradQueue, scheduled_expert_mlp
 
 
 def _init_device(config) -> torch.device:
@@ -71,6 +71,14 @@ class MoKGroupedMLP(MegatronModule):
         for param, tp_dim in ((self.fc1_weight, 1), (self.fc2_weight, 2)):
             set_tensor_model_parallel_attributes(param, is_parallel=True, dim=tp_dim, stride=1)
             param.allreduce = False  # reduced over the expert-data-parallel group, not all DP ranks
+        # Megatron's delayed-wgrad contract: backward leaves the weight gradients in this queue,
+        # backward_dw() computes them, then fires the hooks DDP registered for these parameters
+        # (DDP registers them here instead of on autograd when skip_backward_post_hook is set).
+        self.wgrad_queue = WgradQueue() if cfg.delay_wgrad else None
+        self._wgrad_hooks = []
+        if cfg.delay_wgrad:
+            for param in (self.fc1_weight, self.fc2_weight):
+                param.skip_backward_post_hook = True
 
     def reset_parameters(self) -> None:
         """Initialise each expert like Megatron does, under the expert-parallel RNG stream."""
@@ -92,19 +100,33 @@ class MoKGroupedMLP(MegatronModule):
                 self.config.output_layer_init_method(self.fc2_weight[e])
 
     def forward(self, permuted_local_hidden_states, tokens_per_expert, permuted_probs):
-        out = expert_mlp(
+        cfg = self.mok_config
+        out = scheduled_expert_mlp(
             permuted_local_hidden_states,
             permuted_probs,
             tokens_per_expert,
             self.fc1_weight,
             self.fc2_weight,
-            self.mok_config.activation,
-            apply_probs_on_input=self.mok_config.apply_probs_on_input,
+            cfg.activation,
+            apply_probs_on_input=cfg.apply_probs_on_input,
+            recompute_activation=cfg.recompute_activation,
+            wgrad_queue=self.wgrad_queue,
         )
         return out, None
 
+    def register_wgrad_accumulation_and_reduce_hooks(self, hook) -> None:
+        """Megatron DDP (with ``delay_wgrad_compute``) registers its gradient-ready hook here."""
+        self._wgrad_hooks.append(hook)
+
     def backward_dw(self) -> None:
-        """Weight gradients are computed in backward (``delay_wgrad_compute`` is rejected at build)."""
+        """Compute the weight gradients deferred by backward (``delay_wgrad_compute``) and accumulate
+        them into ``param.grad``; then run DDP's hooks. A no-op without delayed wgrad or with nothing
+        queued."""
+        if self.wgrad_queue is None or not len(self.wgrad_queue):
+            return
+        self.wgrad_queue.run()
+        for hook in self._wgrad_hooks:
+            hook()
 
     # ---- checkpoints -------------------------------------------------------------------------
 

@@ -20,6 +20,7 @@ from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
 from megatron.core.utils import get_pg_size
 
 from mok_megatron.config import MoKConfig, MoKConfigError
+from mok_megatron.mcore.cuda_graphs import check_cuda_graphs
 from mok_megatron.mcore.dispatcher import MoKTokenDispatcher
 from mok_megatron.mcore.experts import MoKGroupedMLP
 from mok_megatron.mcore.engine import select_transport
@@ -82,6 +83,13 @@ class MoKMoELayer(MoELayer):
                     f"--mok-sync-free needs MoK's experts (MoKGroupedMLP); {type(self.experts).__name__} "
                     "reads token counts on the host. Use a MoK spec, or drop --mok-sync-free."
                 )
+        check_cuda_graphs(
+            self.config,
+            mok_config,
+            self.mok_options,
+            pipelined=self.token_dispatcher.pipelined,
+            mok_experts=isinstance(self.experts, MoKGroupedMLP),
+        )
         if self.use_shared_expert and self.shared_expert_overlap:
             self.token_dispatcher.set_shared_experts(self.shared_experts)
 

@@ -1,0 +1,273 @@
+"""Pool cases (see tests/pool.py) for MoK under Megatron's schedule features: delayed weight gradients,
+activation / whole-layer recompute, and the start-up rules for Megatron's EP overlap and CUDA graphs."""
+
+from __future__ import annotations
+
+import torch
+
+from tests.cases import build_gpt, build_layers, build_mok_only, make_config, setup_parallel, tiny_gpt_config
+
+
+def _mok_pair(ep, opts, after: dict, **cfg_kw):
+    """Two MoK layers with identical weights: one on the plain config, one with ``after`` set on its
+    config after Megatron's validation (Megatron ties delay_wgrad_compute to its GPU-only EP overlap)."""
+    setup_parallel(ep=ep)
+    base_cfg = make_config(ep=ep, **cfg_kw)
+    torch.manual_seed(0)
+    _, base = build_layers(base_cfg, opts=opts)
+    cfg = make_config(ep=ep, **cfg_kw)
+    for k, v in after.items():
+        setattr(cfg, k, v)
+    torch.manual_seed(0)
+    _, other = build_layers(cfg, opts=opts)
+    other.load_state_dict(base.state_dict())
+    return base, other
+
+
+def _step(layer, x, dout):
+    x = x.clone().requires_grad_(True)
+    out, _ = layer(x)
+    out.backward(dout)
+    return out.detach(), x.grad.detach()
+
+
+def _grads(layer) -> dict:
+    return {n: p.grad.detach().clone() for n, p in layer.named_parameters() if p.grad is not None}
+
+
+def _same(a: dict, b: dict) -> bool:
+    return set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def delayed_wgrad_case(rank, world, *, ep, opts, microbatches=2, **cfg_kw):
+    """Backward + backward_dw on a delayed-wgrad MoK layer vs plain backward, ``microbatches`` times
+    (gradients accumulate). Reports bitwise equality and what backward left for backward_dw."""
+    base, delayed = _mok_pair(ep, opts, {"delay_wgrad_compute": True}, **cfg_kw)
+    hook_calls = []
+    delayed.experts.register_wgrad_accumulation_and_reduce_hooks(lambda: hook_calls.append(1))
+    g = torch.Generator().manual_seed(rank)
+    res = {"pipelined": delayed.token_dispatcher.pipelined, "outputs_equal": True, "deferred": []}
+    expert_params = ("experts.fc1_weight", "experts.fc2_weight")
+    for _ in range(microbatches):
+        x = torch.randn(16, 2, base.config.hidden_size, generator=g)
+        dout = torch.randn(16, 2, base.config.hidden_size, generator=g)
+        o1, dx1 = _step(base, x, dout)
+        before = {k: v for k, v in _grads(delayed).items() if k in expert_params}
+        o2, dx2 = _step(delayed, x, dout)
+        after = {k: v for k, v in _grads(delayed).items() if k in expert_params}
+        # backward must not have touched the expert weight gradients, only queued them
+        res["deferred"].append(_same(before, after) and len(delayed.experts.wgrad_queue) > 0)
+        delayed.backward_dw()
+        res["outputs_equal"] &= bool(torch.equal(o1, o2) and torch.equal(dx1, dx2))
+    res["grads_bitwise"] = _same(_grads(base), _grads(delayed))
+    res["hook_calls"] = len(hook_calls)
+    res["queue_empty"] = len(delayed.experts.wgrad_queue) == 0
+    res["skip_backward_post_hook"] = all(
+        getattr(p, "skip_backward_post_hook", False) for p in delayed.experts.parameters()
+    )
+    return res
+
+
+def saved_bytes(fn, module) -> int:
+    """Bytes of distinct storages autograd saves for backward while ``fn`` runs, ``module``'s parameters
+    excluded (the pack hook may see them as other tensor objects: match by storage)."""
+    seen: dict[int, int] = {}
+    params = {p.untyped_storage().data_ptr() for p in module.parameters()}
+
+    def pack(t):
+        s = t.untyped_storage()
+        seen[s.data_ptr()] = s.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn()
+    return sum(v for k, v in seen.items() if k not in params), out
+
+
+def recompute_act_case(rank, world, *, ep, opts, delay=False, tokens=256, **cfg_kw):
+    """moe_act recompute vs none: outputs and all gradients bitwise; saved-for-backward bytes of the
+    layer and of its experts alone."""
+    after = dict(recompute_granularity="selective", recompute_modules=["moe_act"])
+    if delay:
+        after["delay_wgrad_compute"] = True
+    base, rec = _mok_pair(ep, opts, after, hidden=64, ffn=128, **cfg_kw)
+    assert rec.experts.mok_config.recompute_activation
+    g = torch.Generator().manual_seed(rank)
+    H = base.config.hidden_size
+    x = torch.randn(tokens // 2, 2, H, generator=g)
+    dout = torch.randn(tokens // 2, 2, H, generator=g)
+    sizes, results = [], []
+    for layer in (base, rec):
+        xi = x.clone().requires_grad_(True)
+        nbytes, (out, _) = saved_bytes(lambda layer=layer, xi=xi: layer(xi), layer)
+        out.backward(dout)
+        if delay and layer is rec:
+            layer.backward_dw()
+        sizes.append(nbytes)
+        results.append((out.detach(), xi.grad.detach(), _grads(layer)))
+    (o1, dx1, g1), (o2, dx2, g2) = results
+    # The experts alone, on the rows one call receives (same routing in both layers).
+    rows = tokens * base.config.moe_router_topk  # what one rank receives on average
+    xe = torch.randn(rows, H, generator=g)
+    pe = torch.rand(rows, generator=g)
+    tpe = torch.full((base.experts.num_local_experts,), rows // base.experts.num_local_experts)
+    tpe[-1] += rows - int(tpe.sum())
+    expert_sizes = [saved_bytes(lambda m=m: m.experts(xe, tpe, pe), m)[0] for m in (base, rec)]
+    return {
+        "pipelined": rec.token_dispatcher.pipelined,
+        "bitwise": bool(torch.equal(o1, o2) and torch.equal(dx1, dx2) and _same(g1, g2)),
+        "layer_saved_bytes": sizes,
+        "experts_saved_bytes": expert_sizes,
+    }
+
+
+def gpt_recompute_case(rank, world, *, ep=2, modules=("moe",), steps=3, opts=None):
+    """A tiny MoK GPT with ``--recompute-granularity selective --recompute-modules <modules>`` vs the
+    same model without recompute: losses and every gradient over ``steps`` SGD steps, and the bytes
+    saved for backward by one forward."""
+    from mok_megatron.options import MoKOptions, default_options, set_default_options
+
+    setup_parallel(ep=ep)
+    prev = default_options()
+    set_default_options(MoKOptions(**(opts or {})))
+    try:
+        models = []
+        for rec in (False, True):
+            extra = dict(recompute_granularity="selective", recompute_modules=list(modules)) if rec else {}
+            if rec and "moe_act" in modules:
+                extra["moe_grouped_gemm"] = True  # Megatron's rule; MoK's experts are grouped anyway
+            cfg = tiny_gpt_config(ep=ep, **extra)
+            torch.manual_seed(0)
+            models.append(build_gpt(cfg, mok=True))
+        models[1].load_state_dict(models[0].state_dict(), strict=True)
+        g = torch.Generator().manual_seed(rank)
+        losses, grads_equal, saved = [], True, []
+        for step in range(steps):
+            tokens = torch.randint(0, 64, (2, 16), generator=g)
+            labels = torch.roll(tokens, -1, 1)
+            pos = torch.arange(16).expand(2, -1)
+            out = []
+            for model in models:
+                model.zero_grad(set_to_none=True)
+                nbytes, loss = saved_bytes(
+                    lambda model=model, t=tokens, pos=pos, y=labels: (
+                        model(t, pos, None, labels=y).float().mean()
+                    ),
+                    model,
+                )
+                loss.backward()
+                if step == 0:
+                    saved.append(nbytes)
+                out.append((loss.detach(), _grads(model)))
+            (l1, g1), (l2, g2) = out
+            losses.append((float(l1), float(l2)))
+            grads_equal &= bool(torch.equal(l1, l2)) and _same(g1, g2)
+            with torch.no_grad():
+                for model in models:
+                    for p in model.parameters():
+                        if p.grad is not None:
+                            p -= 0.1 * p.grad
+        pipelined = [
+            m.token_dispatcher.pipelined for m in models[1].modules() if hasattr(m, "token_dispatcher")
+        ]
+        return {"losses": losses, "bitwise": grads_equal, "saved_bytes": saved, "pipelined": pipelined}
+    finally:
+        set_default_options(prev)
+
+
+def build_with_case(rank, world, *, ep=2, opts=None, after=None, **cfg_kw):
+    """Build a MoK layer whose config gets ``after`` set past Megatron's validation (flags Megatron
+    only accepts with GPUs / TE); return the MoKConfigError text, or the engine it picked."""
+    from mok_megatron.config import MoKConfigError
+
+    setup_parallel(ep=ep)
+    cfg = make_config(ep=ep, **cfg_kw)
+    for k, v in (after or {}).items():
+        if k == "cuda_graph_modules":
+            from megatron.core.transformer.enums import CudaGraphModule
+
+            v = [CudaGraphModule[m] for m in v]
+        setattr(cfg, k, v)
+    try:
+        mok = build_mok_only(cfg, opts)
+    except MoKConfigError as e:
+        return str(e)
+    return "pipelined" if mok.token_dispatcher.pipelined else "plain"
+
+
+def combined_1f1b_case(rank, world, *, ep=2, microbatches=2, steps=3):
+    """A tiny MoK GPT (bf16) trained ``steps`` SGD steps through Megatron's no-pipelining schedule twice
+    from the same weights: plain, and with Megatron's combined 1F1B EP overlap
+    (--overlap-moe-expert-parallel-comm --delay-wgrad-compute). Returns both runs' losses and whether
+    every final parameter is bitwise equal. On CPU Megatron's schedule itself stops (it allocates on
+    "cuda" and the combined schedule needs CUDA streams): a GPU test (tests/test_gpu.py)."""
+    from megatron.core.pipeline_parallel.schedules import forward_backward_no_pipelining
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    setup_parallel(ep=ep)
+    models = []
+    for overlap in (False, True):
+        extra = dict(overlap_moe_expert_parallel_comm=True, delay_wgrad_compute=True) if overlap else {}
+        cfg = tiny_gpt_config(ep=ep, bf16=True, params_dtype=torch.bfloat16, **extra)
+        torch.manual_seed(0)
+        model = build_gpt(cfg, mok=True).to(device)
+        model.config.finalize_model_grads_func = None
+        models.append(model)
+    models[1].load_state_dict(models[0].state_dict(), strict=True)
+
+    def loss_func(out):
+        loss = out.float().mean()
+        return loss, {"loss": loss.detach()}
+
+    def forward_step(data_iterator, model, return_schedule_plan=False):
+        tokens, labels = next(data_iterator)
+        pos = torch.arange(16, device=device).expand(2, -1)
+        if return_schedule_plan:
+            return model.build_schedule_plan(tokens, pos, None, labels=labels), loss_func
+        return model(tokens, pos, None, labels=labels), loss_func
+
+    g = torch.Generator().manual_seed(rank)
+    losses = ([], [])
+    for _ in range(steps):
+        batches = []
+        for _ in range(microbatches):
+            tokens = torch.randint(0, 64, (2, 16), generator=g).to(device)
+            batches.append((tokens, torch.roll(tokens, -1, 1)))
+        for model, log in zip(models, losses, strict=True):
+            model.zero_grad(set_to_none=True)
+            out = forward_backward_no_pipelining(
+                forward_step_func=forward_step,
+                data_iterator=iter(batches),
+                model=[model],
+                num_microbatches=microbatches,
+                seq_length=16,
+                micro_batch_size=2,
+                forward_only=False,
+            )
+            log.append([float(d["loss"]) for d in out])
+            with torch.no_grad():
+                for p in model.parameters():
+                    if p.grad is not None:
+                        p -= 0.1 * p.grad
+    p0, p1 = (dict(m.named_parameters()) for m in models)
+    return {
+        "losses": losses,
+        "params_bitwise": set(p0) == set(p1) and all(torch.equal(p0[k], p1[k]) for k in p0),
+        "plain_engine": [
+            not m.token_dispatcher.pipelined for m in models[1].modules() if hasattr(m, "token_dispatcher")
+        ],
+    }
+
+
+def combined_1f1b_cpu_error_case(rank, world, **kw):
+    """What stops ``combined_1f1b_case`` on CPU: (Megatron file:line, error text), or None if it ran."""
+    import traceback
+
+    try:
+        combined_1f1b_case(rank, world, **kw)
+    except Exception as e:
+        frame = traceback.extract_tb(e.__traceback__)
+        megatron = [f for f in frame if "/megatron/core/" in f.filename]
+        where = megatron[-1] if megatron else frame[-1]
+        return f"{where.filename.split('site-packages/')[-1]}:{where.lineno} {where.line}", str(e)
+    return None
