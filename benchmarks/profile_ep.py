@@ -4,6 +4,7 @@ For Megatron (TEGroupedMLP when TE is importable) and MoK's engines: wall ms, GP
 kernel intervals on all streams), kernel ms by category (GEMM, NCCL, copies, other), host enqueue ms
 and the top kernels, on rank 0.
 """
+
 import os
 import sys
 import time
@@ -33,7 +34,10 @@ torch.manual_seed(0)
 ref = build(meg, cfg).cuda()
 sd = convert_state_dict(ref.state_dict(), "mok")
 layers = {meg: ref}
-for label, opts in {"mok plain": MoKOptions(engine="plain"), "mok pipeline C=1": MoKOptions(engine="pipeline")}.items():
+for label, opts in {
+    "mok plain": MoKOptions(engine="plain"),
+    "mok pipeline C=1": MoKOptions(engine="pipeline"),
+}.items():
     m = build("mok", cfg, options=opts).cuda()
     m.load_state_dict(sd)
     layers[label] = m
@@ -79,9 +83,12 @@ for label, layer in layers.items():
         by[cat(e.name)] = by.get(cat(e.name), 0.0) + e.time_range.elapsed_us() / 1e3
     ka = [k for k in prof.key_averages() if k.device_type.name == "CUDA"]
     if rank == 0:
-        print(f"\n== {name} EP={world} {label}: wall {ms:.2f} ms | GPU busy {busy / 1e3:.2f} ms | "
-              + " ".join(f"{k} {v:.2f}" for k, v in sorted(by.items()))
-              + f" | host enqueue {host:.2f} ms | {sum(k.count for k in ka)} kernels", flush=True)
+        print(
+            f"\n== {name} EP={world} {label}: wall {ms:.2f} ms | GPU busy {busy / 1e3:.2f} ms | "
+            + " ".join(f"{k} {v:.2f}" for k, v in sorted(by.items()))
+            + f" | host enqueue {host:.2f} ms | {sum(k.count for k in ka)} kernels",
+            flush=True,
+        )
         for k in sorted(ka, key=lambda k: -k.self_device_time_total)[:10]:
             print(f"   {k.self_device_time_total / 1e3:8.2f} ms x{k.count:4d}  {k.key[:100]}", flush=True)
 dist.destroy_process_group()

@@ -3,6 +3,7 @@
 python benchmarks/profile_pipeline.py [shape] : per configuration, wall ms, GPU kernel ms (sum),
 host ms to enqueue one step, kernel count, and the top kernels.
 """
+
 import math
 import sys
 import time
@@ -25,8 +26,12 @@ configs = {"plain": None}
 for chunks in (1, 4):
     for det in (True, False):
         configs[f"pipe C={chunks} det={det}"] = MoKOptions(
-            minibatch_size=math.ceil(s["tokens"] / chunks), transport="loopback", loopback_ep=s["ep"],
-            loopback_gbps=0.0, deterministic=det)
+            minibatch_size=math.ceil(s["tokens"] / chunks),
+            transport="loopback",
+            loopback_ep=s["ep"],
+            loopback_gbps=0.0,
+            deterministic=det,
+        )
 for label, opts in configs.items():
     torch.manual_seed(0)
     layer = build("mok", cfg, options=opts).cuda()
@@ -44,7 +49,9 @@ for label, opts in configs.items():
     cuda = [k for k in ka if k.device_type.name == "CUDA"]
     tot = sum(k.self_device_time_total for k in cuda) / 1e3
     n = sum(k.count for k in cuda)
-    print(f"\n== {name} {label}: wall {ms:.2f} ms | GPU kernels {tot:.2f} ms in {n} launches | host enqueue {host:.2f} ms")
+    print(
+        f"\n== {name} {label}: wall {ms:.2f} ms | GPU kernels {tot:.2f} ms in {n} launches | host enqueue {host:.2f} ms"
+    )
     for k in sorted(cuda, key=lambda k: -k.self_device_time_total)[:14]:
         print(f"   {k.self_device_time_total / 1e3:8.2f} ms x{k.count:4d}  {k.key[:110]}")
     del layer
