@@ -1,0 +1,73 @@
+"""Phase timing and peak memory for ``mok bench layer``.
+
+Forward, backward and forward+backward are timed separately: CUDA events around the phase on a GPU, the
+wall clock (``time.perf_counter``) on CPU. For the backward the forward runs first, untimed, then the
+events bracket ``out.backward(dout)`` alone. The figure kept is the median over ``iters`` after
+``warmup`` untimed runs. Peak memory (GPU only) is ``torch.cuda.max_memory_allocated()`` during one
+forward+backward minus the memory allocated just before it, i.e. activations, gradients and workspace
+on top of the weights and the input; on CPU it is reported as None ("n/a").
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+
+PHASES = ("fwd", "bwd", "fwd_bwd")
+
+
+def _timed(setup: Callable, timed: Callable, iters: int, warmup: int) -> list[float]:
+    """Seconds of ``timed(setup())`` per iteration, ``setup`` excluded."""
+    import torch
+
+    if iters < 1 or warmup < 0:
+        raise ValueError(f"iters={iters} must be >= 1 and warmup={warmup} >= 0")
+    cuda = torch.cuda.is_available()
+    for _ in range(warmup):
+        timed(setup())
+    out = []
+    for _ in range(iters):
+        arg = setup()
+        if cuda:
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            timed(arg)
+            b.record()
+            b.synchronize()
+            out.append(a.elapsed_time(b) / 1e3)
+        else:
+            t0 = time.perf_counter()
+            timed(arg)
+            out.append(time.perf_counter() - t0)
+    return out
+
+
+def time_phases(forward: Callable, backward: Callable, reset: Callable, iters: int, warmup: int) -> dict:
+    """Median and min ms per phase. ``forward()`` returns what ``backward(it)`` consumes; ``reset()``
+    clears the gradients before each step so every phase does the same work each time."""
+
+    def fwd_setup():
+        reset()
+
+    phases = {
+        "fwd": _timed(fwd_setup, lambda _: forward(), iters, warmup),
+        "bwd": _timed(lambda: (reset(), forward())[1], backward, iters, warmup),
+        "fwd_bwd": _timed(fwd_setup, lambda _: backward(forward()), iters, warmup),
+    }
+    return {name: {"ms": 1e3 * statistics.median(t), "min_ms": 1e3 * min(t)} for name, t in phases.items()}
+
+
+def peak_memory_mib(forward: Callable, backward: Callable, reset: Callable) -> float | None:
+    """Extra GPU memory one forward+backward needs at its peak (MiB); None on CPU."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    reset()
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    backward(forward())
+    torch.cuda.synchronize()
+    return (torch.cuda.max_memory_allocated() - base) / 2**20
