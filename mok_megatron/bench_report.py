@@ -26,7 +26,7 @@ def markdown(cases: list[dict]) -> str:
         out.append("| impl | fwd | bwd | fwd+bwd | peak MiB | rel err out | rel err dx | note |")
         out.append("|---|---|---|---|---|---|---|---|")
         for r in c["rows"]:
-            cells = [f"{r[p + '_ms']:.3f} ms ({r[p + '_tflops']:.1f})" for p in PHASES]
+            cells = [f"{r[p + '_ms']:.3f} ms ({r[p + '_tflops']:.3g})" for p in PHASES]
             out.append(
                 f"| {r['impl']} | {' | '.join(cells)} | {_mem(r['peak_mem_mib'])} | "
                 f"{r['rel_err_out']:.1e} | {r['rel_err_dx']:.1e} | {r['note']} |"

@@ -15,6 +15,7 @@ Shape suffix legend: T tokens, H hidden, F expert ffn, E experts, K top-k.
 from __future__ import annotations
 
 import importlib
+import importlib.util
 
 import torch
 from torch import nn
@@ -34,6 +35,8 @@ def _find(name: str, *modules):
 
 
 def _import_moe():
+    if importlib.util.find_spec("torchtitan") is None:
+        raise PeerUnavailable("torchtitan not installed (pip install torchtitan)")
     errors = []
     for name in MODULES:
         try:

@@ -1,0 +1,153 @@
+"""``mok bench layer`` on CPU: the tiny shape, every routing pattern, mok / megatron / plain-pytorch checked
+against each other, the JSON schema, peers that cannot run here listed with their reasons, the PNG."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from mok_megatron.bench_routing import ROUTINGS, expert_load, expert_order, forced_logits, routed_input
+from mok_megatron.bench_timing import PHASES
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ENV = {
+    **os.environ,
+    "TORCHDYNAMO_DISABLE": "1",
+    "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
+}
+ROW_KEYS = {"impl", "note", "ms", "min_ms", "expert_tflops", "rel_err_out", "rel_err_dx", "peak_mem_mib"} | {
+    f"{p}_{k}" for p in PHASES for k in ("ms", "min_ms", "tflops")
+}
+CASE_KEYS = {
+    "shape",
+    "hidden",
+    "ffn",
+    "experts",
+    "topk",
+    "tokens",
+    "routing",
+    "expert_rows",
+    "dtype",
+    "iters",
+}
+CASE_KEYS |= {"warmup", "device", "reference", "peak_mem", "rows", "skipped"}
+
+
+@pytest.fixture(scope="module")
+def bench_run(tmp_path_factory):
+    d = tmp_path_factory.mktemp("bench")
+    cmd = [sys.executable, "-m", "mok_megatron.cli", "bench", "layer", "--shape", "tiny", "--routing", "all"]
+    cmd += ["--impl", "mok,megatron,megatron-te,torchtitan,plain-pytorch", "--iters", "3", "--warmup", "1"]
+    cmd += ["--json", str(d / "b.json"), "--png", str(d / "b.png")]
+    p = subprocess.run(cmd, capture_output=True, text=True, env=ENV, timeout=120, cwd=ROOT)
+    assert p.returncode == 0, p.stderr[-3000:]
+    return p.stdout, json.loads((d / "b.json").read_text()), d / "b.png"
+
+
+def test_every_routing_runs_and_the_json_has_the_schema(bench_run):
+    _, doc, _ = bench_run
+    assert doc["command"].startswith("mok bench layer")
+    assert [c["routing"] for c in doc["cases"]] == list(ROUTINGS)
+    for c in doc["cases"]:
+        assert set(c) == CASE_KEYS
+        assert (c["shape"], c["device"], c["reference"], c["peak_mem"]) == (
+            "tiny",
+            "cpu",
+            "mok",
+            "n/a on CPU",
+        )
+        assert [r["impl"] for r in c["rows"]] == ["mok", "megatron", "plain-pytorch"]
+        assert sum(c["expert_rows"]) == c["tokens"] * c["topk"]
+        for r in c["rows"]:
+            assert set(r) == ROW_KEYS
+            assert r["peak_mem_mib"] is None
+            assert r["ms"] == r["fwd_bwd_ms"] and all(r[f"{p}_ms"] > 0 for p in PHASES)
+            assert max(r["rel_err_out"], r["rel_err_dx"]) < 5e-2
+            assert r["fwd_bwd_tflops"] == pytest.approx(r["fwd_tflops"] * 3 * r["fwd_ms"] / r["fwd_bwd_ms"])
+    one_hot = doc["cases"][2]
+    assert one_hot["expert_rows"][0] == one_hot["tokens"]
+
+
+def test_peers_that_cannot_run_are_listed_with_reasons(bench_run):
+    out, doc, _ = bench_run
+    for c in doc["cases"]:
+        reasons = {s["impl"]: s["reason"] for s in c["skipped"]}
+        if importlib.util.find_spec("torchtitan") is None:
+            assert reasons["torchtitan"] == "torchtitan not installed (pip install torchtitan)"
+        if importlib.util.find_spec("transformer_engine") is None:
+            assert "Transformer Engine not importable" in reasons["megatron-te"]
+        else:
+            assert reasons["megatron-te"] == "Transformer Engine needs a CUDA GPU"
+    assert "| torchtitan | skipped: " in out and "| megatron-te | skipped: " in out
+    assert out.count("| impl | fwd | bwd | fwd+bwd | peak MiB |") == len(ROUTINGS)
+
+
+def test_png_written_or_its_absence_explained(bench_run, monkeypatch, tmp_path):
+    out, doc, png = bench_run
+    if importlib.util.find_spec("matplotlib") is not None:
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and f"PNG written: {png}" in out
+    else:
+        assert not png.exists() and "PNG not written: matplotlib is not installed" in out
+    from mok_megatron.bench_report import write_png
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import now fails: the CI-without-matplotlib path
+    msg = write_png(str(tmp_path / "x.png"), doc["cases"])
+    assert (
+        msg.startswith("PNG not written: matplotlib is not installed") and not (tmp_path / "x.png").exists()
+    )
+
+
+def test_forced_routing_is_exact_and_shaped_as_named():
+    t, e, k = 4096, 16, 4
+    for routing in ROUTINGS:
+        logits = forced_logits(routing, t, e)
+        assert torch.equal(logits, logits.bfloat16().float())  # exact in bf16: every router sees the same
+        assert all(len(set(row.tolist())) == e for row in logits[:64])  # no ties for top-k to break
+        assert torch.equal(torch.topk(logits, k).indices, expert_order(routing, t, e)[:, :k])
+    uniform, zipf, hot = (expert_load(r, t, e, k) for r in ROUTINGS)
+    assert max(uniform) < 1.15 * t * k / e
+    assert zipf[0] > 2 * max(uniform) and zipf[0] > 5 * zipf[-1]
+    assert hot[0] == t
+    x = routed_input("zipf", 8, 32, 16)
+    assert torch.equal(x[:, :16], forced_logits("zipf", 8, 16))
+
+
+def test_bad_values_are_named():
+    with pytest.raises(ValueError, match="routing 'skew': choose one of uniform, zipf, one-hot"):
+        expert_order("skew", 4, 4)
+    with pytest.raises(ValueError, match="hidden=8 < experts=16"):
+        routed_input("uniform", 4, 8, 16)
+    from mok_megatron.bench_suite import check_impls
+
+    with pytest.raises(ValueError, match=r"unknown implementation\(s\) \['titan'\]"):
+        check_impls(["mok", "titan"])
+    with pytest.raises(ValueError, match="include one of mok, megatron, megatron-te"):
+        check_impls(["plain-pytorch"])
+
+
+def test_plain_pytorch_matches_a_per_token_loop():
+    from mok_megatron.bench_peers import PlainMoE
+
+    g = torch.Generator().manual_seed(0)
+    t, h, f, e, k = 24, 16, 8, 4, 2
+    router, fc1, fc2 = (torch.randn(*s, generator=g) for s in ((e, h), (e, 2 * f, h), (e, h, f)))
+    x = torch.randn(t, 1, h, generator=g)
+    layer = PlainMoE(router, fc1, fc2, topk=k)
+    loop = PlainMoE(router, fc1, fc2, topk=k)
+    loop.grouped = False
+    want = torch.zeros(t, h)
+    for i in range(t):
+        top, ids = torch.topk(x[i, 0] @ router.t(), k)
+        for p, j in zip(torch.softmax(top, -1), ids, strict=True):
+            gate, up = (fc1[j] @ x[i, 0]).chunk(2)
+            want[i] += p * (fc2[j] @ (torch.nn.functional.silu(gate) * up))
+    for impl in (layer, loop):
+        torch.testing.assert_close(impl(x)[0][:, 0], want, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="topk=5 must be between 1 and experts=4"):
+        PlainMoE(router, fc1, fc2, topk=5)
