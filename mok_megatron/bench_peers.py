@@ -17,15 +17,15 @@ import torch.nn.functional as F
 from torch import nn
 
 
-def _grouped_mm_works(device: torch.device, dtype: torch.dtype) -> bool:
+def _grouped_mm_works(*weights_EOI: torch.Tensor) -> bool:
+    """Whether ``torch._grouped_mm`` takes these weights (dtype, device, 16-byte strides) on 16 rows."""
     if not hasattr(torch, "_grouped_mm"):
         return False
     try:
-        a = torch.zeros(32, 16, device=device, dtype=dtype)
-        b = torch.zeros(2, 16, 16, device=device, dtype=dtype)
-        torch._grouped_mm(
-            a, b.transpose(-2, -1), offs=torch.tensor([16, 32], device=device, dtype=torch.int32)
-        )
+        for w in weights_EOI:
+            offsets_E = torch.full((w.shape[0],), 16, device=w.device, dtype=torch.int32)
+            x = torch.zeros(16, w.shape[-1], device=w.device, dtype=w.dtype)
+            torch._grouped_mm(x, w.detach().transpose(-2, -1), offs=offsets_E)
         return True
     except (RuntimeError, NotImplementedError):
         return False
@@ -48,7 +48,7 @@ class PlainMoE(nn.Module):
         self.router_EH = nn.Parameter(router_EH.detach().clone())
         self.fc1_E2FH = nn.Parameter(fc1_E2FH.detach().clone())
         self.fc2_EHF = nn.Parameter(fc2_EHF.detach().clone())
-        self.grouped = _grouped_mm_works(fc1_E2FH.device, fc1_E2FH.dtype)
+        self.grouped = _grouped_mm_works(self.fc1_E2FH, self.fc2_EHF)
 
     @property
     def gemm(self) -> str:

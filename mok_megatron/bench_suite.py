@@ -24,6 +24,8 @@ from mok_megatron.bench_torchtitan import PeerUnavailable
 
 IMPLS = ("mok", "megatron", "megatron-te", "torchtitan", "plain-pytorch")
 MEGATRON_IMPLS = ("mok", "megatron", "megatron-te")
+# adapters written against another project's moving API: a failure there skips the peer, with its reason
+BEST_EFFORT = ("torchtitan",)
 # relative error (max |diff| / max |ref|) allowed against the reference implementation
 TOLERANCE = {"bf16": 5e-2, "fp32": 1e-4}
 # expert GEMM FLOPs per phase, in units of 2 * rows * 3 * H * F (forward: fc1 is 2F wide, fc2 F)
@@ -128,7 +130,9 @@ def bench_case(
             skipped.append({"impl": impl, "reason": str(err)})
             continue
         if ref_sd is None:
-            ref_sd = {n: v.detach().clone() for n, v in layer.state_dict().items()}
+            ref_sd = {
+                n: v.detach().clone() if torch.is_tensor(v) else v for n, v in layer.state_dict().items()
+            }
 
         def forward(layer=layer):
             xi = x.detach().requires_grad_(True)
@@ -140,15 +144,21 @@ def bench_case(
         def reset(layer=layer):
             layer.zero_grad(set_to_none=True)
 
-        out, xi = forward()
-        backward((out, xi))
+        try:
+            out, xi = forward()
+            backward((out, xi))
+        except Exception as e:
+            if impl not in BEST_EFFORT:
+                raise
+            skipped.append({"impl": impl, "reason": f"first fwd+bwd failed: {type(e).__name__}: {e}"})
+            continue
         if ref is None:
             ref, ref_impl, err = (out.detach().float(), xi.grad.float()), impl, (0.0, 0.0)
         else:
             err = (_rel_err(out.detach(), ref[0]), _rel_err(xi.grad, ref[1]))
             if max(err) > TOLERANCE[dtype_name]:
                 msg = f"{impl} disagrees with {ref_impl}: relative error out {err[0]:.3e}, dx {err[1]:.3e}"
-                if impl == "torchtitan":  # adapter against a moving API: report, keep the run going
+                if impl in BEST_EFFORT:
                     skipped.append({"impl": impl, "reason": msg})
                     continue
                 raise RuntimeError(msg)

@@ -7,6 +7,10 @@ LocalTokenDispatcher.Config(...))`` and ``router=TokenChoiceTopKRouter.Config(ga
 the same probabilities as Megatron's softmax over the top-k logits. No load-balancing bias
 (``load_balance_coeff=None``) and no aux loss, as for every implementation in the benchmark.
 
+Older releases (``torchtitan.models.moe``: ``MoE(MoEArgs(...), dim, hidden_dim)`` with ``experts.w1/w2/w3``)
+are built through ``MoEArgs`` (softmax, ``route_norm``, ``score_before_experts=False`` so that the score
+scales the expert output as in Megatron, no shared expert, no load-balancing bias).
+
 Any step that fails (not installed, a renamed config field, a weight whose shape matches nothing) raises
 ``PeerUnavailable`` with the reason; the benchmark lists torchtitan as skipped with that reason.
 Shape suffix legend: T tokens, H hidden, F expert ffn, E experts, K top-k.
@@ -69,6 +73,19 @@ def _config(moe_mod, hidden: int, ffn: int, experts: int, topk: int):
     )
 
 
+def _legacy(moe_mod, hidden: int, ffn: int, experts: int, topk: int):
+    args = moe_mod.MoEArgs(
+        num_experts=experts,
+        num_shared_experts=0,
+        score_func="softmax",
+        route_norm=True,
+        score_before_experts=False,
+        top_k=topk,
+        load_balance_coeff=None,
+    )
+    return moe_mod.MoE(args, dim=hidden, hidden_dim=ffn)
+
+
 def _copy(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
     for cand in (src, src.transpose(-2, -1)):
         if cand.numel() == dst.numel() and (cand.shape == dst.shape or cand.dim() != dst.dim()):
@@ -87,9 +104,14 @@ class TorchtitanMoE(nn.Module):
         moe_mod = _import_moe()
         experts, hidden = router_EH.shape
         ffn = fc2_EHF.shape[-1]
+        self.legacy = hasattr(moe_mod, "MoEArgs")
         try:
             with torch.device(fc1_E2FH.device):
-                self.moe = _config(moe_mod, hidden, ffn, experts, topk).build()
+                self.moe = (
+                    _legacy(moe_mod, hidden, ffn, experts, topk)
+                    if self.legacy
+                    else _config(moe_mod, hidden, ffn, experts, topk).build()
+                )
             self.moe.to(fc1_E2FH.dtype)
         except PeerUnavailable:
             raise
@@ -108,4 +130,5 @@ class TorchtitanMoE(nn.Module):
                 _copy(p, sources[leaf[-1]].to(p.dtype), name)
 
     def forward(self, x_T1H: torch.Tensor):
-        return self.moe(x_T1H.reshape(-1, x_T1H.shape[-1])).view_as(x_T1H), None
+        x = x_T1H.transpose(0, 1) if self.legacy else x_T1H.reshape(-1, x_T1H.shape[-1])  # [1, T, H] / [T, H]
+        return self.moe(x).reshape(x_T1H.shape), None

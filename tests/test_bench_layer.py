@@ -151,3 +151,80 @@ def test_plain_pytorch_matches_a_per_token_loop():
         torch.testing.assert_close(impl(x)[0][:, 0], want, rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="topk=5 must be between 1 and experts=4"):
         PlainMoE(router, fc1, fc2, topk=5)
+
+
+FAKE_TORCHTITAN = """
+from dataclasses import dataclass
+import torch
+from torch import nn
+
+
+@dataclass
+class MoEArgs:  # the older torchtitan API's fields the adapter sets
+    num_experts: int = 8
+    num_shared_experts: int = 1
+    score_func: str = "sigmoid"
+    route_norm: bool = False
+    score_before_experts: bool = True
+    top_k: int = 1
+    load_balance_coeff: float | None = 1e-3
+
+
+class _Router(nn.Module):
+    def __init__(self, dim, e):
+        super().__init__()
+        self.gate = nn.Linear(dim, e, bias=False)
+
+
+class _Experts(nn.Module):
+    def __init__(self, dim, hidden, e):
+        super().__init__()
+        self.w1 = nn.Parameter(torch.empty(e, hidden, dim))
+        self.w2 = nn.Parameter(torch.empty(e, dim, hidden))
+        self.w3 = nn.Parameter(torch.empty(e, hidden, dim))
+
+
+class MoE(nn.Module):
+    def __init__(self, args, dim, hidden_dim):
+        super().__init__()
+        assert args.score_func == "softmax" and args.route_norm and not args.score_before_experts
+        self.k = args.top_k
+        self.router = _Router(dim, args.num_experts)
+        self.experts = _Experts(dim, hidden_dim, args.num_experts)
+
+    def forward(self, x):
+        bs, slen, dim = x.shape
+        x = x.reshape(-1, dim)
+        scores = torch.softmax(self.router.gate(x).float(), -1)
+        top, ids = torch.topk(scores, self.k)
+        top = top / top.sum(-1, keepdim=True)
+        out = torch.zeros_like(x)
+        for j in range(self.k):
+            w1, w2, w3 = self.experts.w1[ids[:, j]], self.experts.w2[ids[:, j]], self.experts.w3[ids[:, j]]
+            h = torch.nn.functional.silu(torch.einsum("th,tfh->tf", x, w1)) * torch.einsum("th,tfh->tf", x, w3)
+            out = out + top[:, j, None] * torch.einsum("tf,thf->th", h, w2)
+        return out.reshape(bs, slen, dim)
+"""
+
+
+def test_torchtitan_adapter_copies_the_weights_in(tmp_path, monkeypatch):
+    """Against a stand-in for torchtitan's older ``models.moe`` API (the real one is installed only on
+    the GPU machine): the adapter's output must equal the plain-PyTorch layer's on the same weights."""
+    from mok_megatron.bench_peers import PlainMoE
+    from mok_megatron.bench_torchtitan import PeerUnavailable, TorchtitanMoE
+
+    (tmp_path / "torchtitan" / "models").mkdir(parents=True)
+    (tmp_path / "torchtitan" / "__init__.py").write_text("")
+    (tmp_path / "torchtitan" / "models" / "__init__.py").write_text("")
+    (tmp_path / "torchtitan" / "models" / "moe.py").write_text(FAKE_TORCHTITAN)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    for name in [m for m in sys.modules if m.startswith("torchtitan")]:
+        monkeypatch.delitem(sys.modules, name)
+    g = torch.Generator().manual_seed(1)
+    t, h, f, e, k = 20, 12, 6, 4, 2
+    router, fc1, fc2 = (torch.randn(*s, generator=g) for s in ((e, h), (e, 2 * f, h), (e, h, f)))
+    x = torch.randn(t, 1, h, generator=g)
+    titan = TorchtitanMoE(router, fc1, fc2, topk=k)
+    torch.testing.assert_close(titan(x)[0], PlainMoE(router, fc1, fc2, topk=k)(x)[0], rtol=1e-5, atol=1e-5)
+    with pytest.raises(PeerUnavailable, match=r"experts.w1 \(4, 6, 12\) matches no MoK weight \(4, 5, 12\)"):
+        TorchtitanMoE(router, torch.randn(e, 10, h), torch.randn(e, h, 6), topk=k)
