@@ -6,6 +6,7 @@ import platform
 import sys
 
 from mok_megatron import __version__
+from mok_megatron.fp8.recipes import available_recipes
 from mok_megatron.compat import (
     MCORE_MAX,
     MCORE_MIN,
@@ -17,16 +18,6 @@ from mok_megatron.compat import (
     mcore_version,
     te_version,
 )
-
-# FP8 recipes Megatron exposes (--fp8-recipe) and the compute capability each needs (TE kernels).
-FP8_RECIPES = {
-    "delayed": (8, 9),
-    "tensorwise": (8, 9),
-    "blockwise": (9, 0),
-    "mxfp8": (10, 0),
-    "nvfp4": (10, 0),
-}
-
 
 def report() -> dict:
     """Everything ``mok env`` prints, as data."""
@@ -46,16 +37,10 @@ def report() -> dict:
             )
     mcore = mcore_version()
     te = have_te() if mcore is not None else False
-    fp8 = {}
-    for recipe, need in FP8_RECIPES.items():
-        if not te:
-            fp8[recipe] = "no: needs Transformer Engine"
-        elif cap is None:
-            fp8[recipe] = "no: needs a CUDA GPU"
-        elif cap < need:
-            fp8[recipe] = f"no: needs sm_{need[0]}{need[1]}+, this GPU is sm_{cap[0]}{cap[1]}"
-        else:
-            fp8[recipe] = "yes"
+    fp8 = {
+        name: "yes" if a.available else f"no: {a.reason}"
+        for name, a in available_recipes(cap, te, te_version() if te else None).items()
+    }
     missing = []
     if mcore is None:
         missing.append(
