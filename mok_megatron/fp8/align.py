@@ -67,14 +67,16 @@ class PadPlan:
             raise ValueError(f"PadPlan: num_rows={self.num_rows} < {self.dest_R.shape[0]} real rows")
 
 
-def pad_plan(counts_E: torch.Tensor, alignment: int, num_rows: int | None = None) -> PadPlan:
-    """Plan for R = ``counts_E.sum()`` expert-major rows. ``num_rows`` (P) defaults to the static bound
-    ``num_rows_bound(R, E, A)``; R itself is read from the host only when ``num_rows`` is not given."""
+def pad_plan(counts_E: torch.Tensor, alignment: int, real_rows: int, num_rows: int | None = None) -> PadPlan:
+    """Plan for ``real_rows`` (R, a host int the caller knows: ``SendPlan.rows_M``; must equal
+    ``counts_E.sum()``, which is not read back) expert-major rows. ``num_rows`` (P) defaults to the static
+    bound ``num_rows_bound(R, E, A)``. No host synchronisation."""
     aligned_offsets_E = padded_offsets(counts_E, alignment)
     counts_E = counts_E.long()
     offsets_E = counts_E.cumsum(0)
     num_experts = counts_E.shape[0]
-    real_rows = int(offsets_E[-1]) if num_experts else 0  # host read: callers that know R pass num_rows
+    if real_rows < 0:
+        raise ValueError(f"pad_plan: real_rows={real_rows}, expected >= 0")
     if num_rows is None:
         num_rows = num_rows_bound(real_rows, num_experts, alignment)
     row_R = torch.arange(real_rows, device=counts_E.device)
