@@ -19,6 +19,7 @@ from mok_megatron.compat import (
     te_version,
 )
 
+
 def report() -> dict:
     """Everything ``mok env`` prints, as data."""
     import torch

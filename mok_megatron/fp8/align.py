@@ -28,7 +28,9 @@ from mok_megatron.kernels.routing import RoutingMeta, num_rows_bound, routing_me
 
 def _check_alignment(alignment: int) -> None:
     if not isinstance(alignment, int) or alignment < 1:
-        raise ValueError(f"alignment={alignment!r}: expected an int >= 1 (1 = no padding; FP8 recipes use 16/32/128)")
+        raise ValueError(
+            f"alignment={alignment!r}: expected an int >= 1 (1 = no padding; FP8 recipes use 16/32/128)"
+        )
 
 
 def padded_offsets(counts_E: torch.Tensor, alignment: int) -> torch.Tensor:

@@ -3,7 +3,7 @@
 Each row becomes one uint8 row ``[H fp8 bytes | S fp32 scales as 4S bytes | zero pad]``, padded to a
 multiple of 16 bytes (aligned rows for the copy engine and NCCL), so one ``transport.move`` moves both
 and nothing can pair a row with another row's scale. Bytes per row: ``round_up(H + 4 S, 16)`` vs ``2 H``
-in bf16 -- about half (H = 7168 rowwise: 7184 vs 14336 bytes, 0.501x; 1x128 blocks: 7408, 0.517x).
+in bf16 -- about half (H = 7168 rowwise: 7184 vs 14336 bytes, 0.501x; 1x128 blocks: 7392, 0.516x).
 
 Autograd (``fp8_dispatch``): forward sends FP8 and returns the dequantized rows (plus the raw FP8 rows
 and scales for experts that consume FP8 directly, e.g. ``native.fp8_grouped_linear`` with matching

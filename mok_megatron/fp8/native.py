@@ -96,7 +96,9 @@ def wgrad_operands(dy_MN, x_MK, offs_G):
 
 
 def _gemm(a, b, scale_a, scale_b, offs_G):
-    return torch._scaled_grouped_mm(a, b, scale_a, scale_b, offs=offs_G, out_dtype=OUT_DTYPE, use_fast_accum=False)
+    return torch._scaled_grouped_mm(
+        a, b, scale_a, scale_b, offs=offs_G, out_dtype=OUT_DTYPE, use_fast_accum=False
+    )
 
 
 class _FP8GroupedLinear(torch.autograd.Function):

@@ -57,7 +57,9 @@ def dequantize_rowwise(q: torch.Tensor, scale: torch.Tensor, dtype=torch.bfloat1
     if q.dtype != E4M3:
         raise TypeError(f"dequantize_rowwise: q dtype {q.dtype}, expected {E4M3}")
     if scale.shape != q.shape[:-1]:
-        raise ValueError(f"dequantize_rowwise: scale shape {tuple(scale.shape)}, expected {tuple(q.shape[:-1])}")
+        raise ValueError(
+            f"dequantize_rowwise: scale shape {tuple(scale.shape)}, expected {tuple(q.shape[:-1])}"
+        )
     return (q.float() * scale.float().unsqueeze(-1)).to(dtype)
 
 

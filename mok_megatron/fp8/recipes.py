@@ -42,7 +42,9 @@ class FP8Recipe:
         if self.alignment < 1 or self.alignment & (self.alignment - 1):
             raise ValueError(f"FP8Recipe {self.name}: alignment={self.alignment}, expected a power of two")
         if len(self.min_capability) != 2:
-            raise ValueError(f"FP8Recipe {self.name}: min_capability={self.min_capability}, expected (major, minor)")
+            raise ValueError(
+                f"FP8Recipe {self.name}: min_capability={self.min_capability}, expected (major, minor)"
+            )
         Version(self.min_te)  # raises on a malformed version
 
     @property
