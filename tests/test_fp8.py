@@ -261,6 +261,10 @@ def test_native_fp8_refuses_cpu():
         native.fp8_grouped_linear(torch.randn(32, 16), torch.randn(2, 16, 16), offs)
     with pytest.raises(MoKConfigError, match="this device is cpu"):
         native.check_native_fp8("cpu")
+    from mok_megatron.env import report
+
+    reason = native.unavailable_reason("cuda:0" if torch.cuda.is_available() else "cpu")
+    assert report()["fp8_native"] == ("yes" if reason is None else f"no: {reason}")
 
 
 def _operands(seed=0):

@@ -33,26 +33,29 @@ MIN_CAPABILITY = (9, 0)
 OUT_DTYPE = torch.bfloat16
 
 
-def check_native_fp8(device: torch.device | str) -> None:
-    """Raise MoKConfigError unless ``torch._scaled_grouped_mm`` can run FP8 on ``device``."""
+def unavailable_reason(device: torch.device | str) -> str | None:
+    """Why ``torch._scaled_grouped_mm`` cannot run FP8 on ``device`` (None: it can)."""
     device = torch.device(device)
     if not hasattr(torch, "_scaled_grouped_mm"):
-        raise MoKConfigError(
-            f"--mok-expert-backend torch-fp8 needs torch._scaled_grouped_mm, which torch {torch.__version__} "
-            "lacks; upgrade torch (>= 2.8) or use the default bf16 backend"
-        )
+        return f"needs torch._scaled_grouped_mm, which torch {torch.__version__} lacks (torch >= 2.8)"
     if device.type != "cuda":
-        raise MoKConfigError(
-            f"--mok-expert-backend torch-fp8 needs an FP8-capable GPU (sm_90+, Hopper or newer); this device is "
-            f"{device.type}. Use the default bf16 expert backend here."
-        )
+        return f"needs an FP8-capable GPU (sm_90+, Hopper or newer); this device is {device.type}"
     cap = torch.cuda.get_device_capability(device)
     if cap < MIN_CAPABILITY:
-        name = torch.cuda.get_device_name(device)
+        return (
+            "needs an FP8-capable GPU (sm_90+, Hopper or newer; torch's FP8 grouped GEMM has no sm_89 kernel); "
+            f"this device is {torch.cuda.get_device_name(device)} (sm_{cap[0]}{cap[1]})"
+        )
+    return None
+
+
+def check_native_fp8(device: torch.device | str) -> None:
+    """Raise MoKConfigError unless ``torch._scaled_grouped_mm`` can run FP8 on ``device``."""
+    reason = unavailable_reason(device)
+    if reason is not None:
         raise MoKConfigError(
-            f"--mok-expert-backend torch-fp8 needs an FP8-capable GPU (sm_90+, Hopper or newer; torch's FP8 "
-            f"grouped GEMM has no sm_89 kernel); this device is {name} (sm_{cap[0]}{cap[1]}). Use the default "
-            "bf16 expert backend, or TE FP8 (--fp8-recipe tensorwise) where TE supports this GPU."
+            f"--mok-expert-backend torch-fp8 {reason}. Use the default bf16 expert backend, or a TE FP8 recipe "
+            "(--fp8-recipe) where `mok env` lists one as available."
         )
 
 
@@ -122,7 +125,9 @@ class _FP8GroupedLinear(torch.autograd.Function):
 def fp8_grouped_linear(x_MK: torch.Tensor, w_GNK: torch.Tensor, offs_G: torch.Tensor) -> torch.Tensor:
     """``y_MN[rows of g] = x_MK[rows of g] @ w_GNK[g].T`` in FP8 (rowwise scales) with autograd.
 
-    Inputs as ``ops.grouped_gemm.grouped_linear``; each expert's rows padded to ``ALIGNMENT``.
+    Inputs as ``ops.grouped_gemm.grouped_linear``; each expert's rows padded to ``ALIGNMENT`` (zero
+    padding rows: they add nothing to dW). Rows past ``offs_G[-1]`` (spare rows of a static-size padded
+    buffer) get unspecified outputs and must not be read; their gradient rows are unspecified too.
     Raises MoKConfigError on a device without FP8 grouped GEMMs (CPU, pre-Hopper)."""
     check_native_fp8(x_MK.device)
     _check_shapes(x_MK, w_GNK, offs_G)
