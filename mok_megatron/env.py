@@ -6,6 +6,8 @@ import platform
 import sys
 
 from mok_megatron import __version__
+from mok_megatron.fp8.native import ALIGNMENT as NATIVE_ALIGNMENT
+from mok_megatron.fp8.recipes import RECIPES, available_recipes
 from mok_megatron.compat import (
     MCORE_MAX,
     MCORE_MIN,
@@ -18,14 +20,15 @@ from mok_megatron.compat import (
     te_version,
 )
 
-# FP8 recipes Megatron exposes (--fp8-recipe) and the compute capability each needs (TE kernels).
-FP8_RECIPES = {
-    "delayed": (8, 9),
-    "tensorwise": (8, 9),
-    "blockwise": (9, 0),
-    "mxfp8": (10, 0),
-    "nvfp4": (10, 0),
-}
+
+def _native_fp8_status() -> str:
+    """Whether the native ``torch._scaled_grouped_mm`` FP8 expert path could run on GPU 0."""
+    import torch
+
+    from mok_megatron.fp8.native import unavailable_reason
+
+    reason = unavailable_reason("cuda:0" if torch.cuda.is_available() else "cpu")
+    return "yes" if reason is None else f"no: {reason}"
 
 
 def report() -> dict:
@@ -46,16 +49,10 @@ def report() -> dict:
             )
     mcore = mcore_version()
     te = have_te() if mcore is not None else False
-    fp8 = {}
-    for recipe, need in FP8_RECIPES.items():
-        if not te:
-            fp8[recipe] = "no: needs Transformer Engine"
-        elif cap is None:
-            fp8[recipe] = "no: needs a CUDA GPU"
-        elif cap < need:
-            fp8[recipe] = f"no: needs sm_{need[0]}{need[1]}+, this GPU is sm_{cap[0]}{cap[1]}"
-        else:
-            fp8[recipe] = "yes"
+    fp8 = {
+        name: "yes" if a.available else f"no: {a.reason}"
+        for name, a in available_recipes(cap, te, te_version() if te else None).items()
+    }
     missing = []
     if mcore is None:
         missing.append(
@@ -94,6 +91,7 @@ def report() -> dict:
         "nccl": ".".join(map(str, torch.cuda.nccl.version())) if cap is not None else None,
         "gpus": gpus,
         "fp8_recipes": fp8,
+        "fp8_native": _native_fp8_status(),
         "missing": missing,
     }
 
@@ -122,9 +120,12 @@ def format_report(r: dict) -> str:
     else:
         lines.append("  gpu                  none (CPU only)")
     lines.append("")
-    lines.append("  FP8 recipes (--fp8-recipe):")
+    lines.append("  FP8 recipes (--fp8-recipe; nvfp4: --fp4-recipe), rows per expert padded to:")
     for recipe, status in r["fp8_recipes"].items():
-        lines.append(f"    {recipe:<12} {status}")
+        lines.append(f"    {recipe:<12} {RECIPES[recipe].alignment:>4}  {status}")
+    lines.append(
+        f"    {'torch-fp8':<12} {NATIVE_ALIGNMENT:>4}  {r['fp8_native']}  (native, no TE; not wired yet)"
+    )
     lines.append("")
     if r["missing"]:
         lines.append("  missing, and what that disables:")

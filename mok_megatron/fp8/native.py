@@ -1,0 +1,134 @@
+"""Native FP8 expert GEMMs without Transformer Engine: rowwise-scaled ``torch._scaled_grouped_mm``.
+
+Opt-in only and not wired into the layer yet. How it plugs in: ``--mok-expert-backend torch-fp8`` makes
+the experts call ``fp8_grouped_linear`` where they call ``ops.grouped_gemm.grouped_linear`` today (same
+``x_MK, w_GNK, offs_G`` contract, weights ``[G, N, K]`` like ``torch.nn.Linear`` per expert, so
+checkpoints do not change); the rows must be padded per expert to ``ALIGNMENT`` (``fp8.align``), and
+``check_native_fp8`` runs once at layer build so a wrong GPU fails before training starts.
+
+The three GEMMs (legend: M rows, K in, N out, G experts; torch wants A row-major, B column-major, e4m3
+operands, fp32 scales, bf16 output):
+
+    forward  y[M,N]    = x[M,K]    @ w_g[N,K]^T   scale_a [M] (row of x, over K)   scale_b [G,N] (over K)
+    dgrad    dx[M,K]   = dy[M,N]   @ w_g[N,K]     scale_a [M] (row of dy, over N)  scale_b [G,K] (over N)
+    wgrad    dw_g[N,K] = dy_g^T[N,M_g] @ x_g[M_g,K]  scale_a [G*N], scale_b [G*K]: one per (column, expert),
+                                                   over that expert's rows (``quantize.quantize_segments``)
+
+All scales are computed on the device (no host sync). Activations and gradients are e4m3 with
+per-row amax scaling (no e5m2: current scaling per row leaves no overflow risk, which is what e5m2's
+range buys delayed scaling). Accumulation is fp32 in the kernel (``use_fast_accum=False``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mok_megatron.config import MoKConfigError
+from mok_megatron.fp8.quantize import quantize_rowwise, quantize_segments
+
+# Every expert's row count must be a multiple of this (16-byte aligned fp8 rows for the wgrad's
+# contraction over tokens); pad with ``fp8.align.pad_plan(counts, ALIGNMENT, ...)``.
+ALIGNMENT = 16
+MIN_CAPABILITY = (9, 0)
+OUT_DTYPE = torch.bfloat16
+
+
+def unavailable_reason(device: torch.device | str) -> str | None:
+    """Why ``torch._scaled_grouped_mm`` cannot run FP8 on ``device`` (None: it can)."""
+    device = torch.device(device)
+    if not hasattr(torch, "_scaled_grouped_mm"):
+        return f"needs torch._scaled_grouped_mm, which torch {torch.__version__} lacks (torch >= 2.8)"
+    if device.type != "cuda":
+        return f"needs an FP8-capable GPU (sm_90+, Hopper or newer); this device is {device.type}"
+    cap = torch.cuda.get_device_capability(device)
+    if cap < MIN_CAPABILITY:
+        return (
+            "needs an FP8-capable GPU (sm_90+, Hopper or newer; torch's FP8 grouped GEMM has no sm_89 kernel); "
+            f"this device is {torch.cuda.get_device_name(device)} (sm_{cap[0]}{cap[1]})"
+        )
+    return None
+
+
+def check_native_fp8(device: torch.device | str) -> None:
+    """Raise MoKConfigError unless ``torch._scaled_grouped_mm`` can run FP8 on ``device``."""
+    reason = unavailable_reason(device)
+    if reason is not None:
+        raise MoKConfigError(
+            f"--mok-expert-backend torch-fp8 {reason}. Use the default bf16 expert backend, or a TE FP8 recipe "
+            "(--fp8-recipe) where `mok env` lists one as available."
+        )
+
+
+def _check_shapes(x_MK: torch.Tensor, w_GNK: torch.Tensor, offs_G: torch.Tensor) -> None:
+    if x_MK.dim() != 2 or w_GNK.dim() != 3 or x_MK.shape[1] != w_GNK.shape[2]:
+        raise ValueError(
+            f"fp8_grouped_linear: x {tuple(x_MK.shape)} and w {tuple(w_GNK.shape)} do not fit; "
+            "expected x [M, K] and w [G, N, K]"
+        )
+    _, n, k = w_GNK.shape
+    if n % 16 or k % 16:
+        raise ValueError(
+            f"fp8_grouped_linear: N={n}, K={k}; FP8 rows need 16-byte strides, so both must be multiples of 16"
+        )
+    if offs_G.shape != (w_GNK.shape[0],) or offs_G.dtype != torch.int32:
+        raise ValueError(
+            f"fp8_grouped_linear: offs {tuple(offs_G.shape)} {offs_G.dtype}; expected ({w_GNK.shape[0]},) int32 "
+            f"inclusive row offsets, each expert padded to a multiple of {ALIGNMENT} (fp8.align)"
+        )
+
+
+def fwd_operands(x_MK, w_GNK):
+    """(A, B, scale_a, scale_b) of the forward GEMM, in the layouts ``torch._scaled_grouped_mm`` takes."""
+    xq_MK, xs_M = quantize_rowwise(x_MK)
+    wq_GNK, ws_GN = quantize_rowwise(w_GNK)  # one scale per output column n, over K
+    # B [G, K, N] column-major: the transpose of the row-major [G, N, K] (a view)
+    return xq_MK.contiguous(), wq_GNK.contiguous().transpose(-2, -1), xs_M, ws_GN
+
+
+def dgrad_operands(dy_MN, w_GNK):
+    dyq_MN, dys_M = quantize_rowwise(dy_MN)
+    wq_GKN, ws_GK = quantize_rowwise(w_GNK.transpose(-2, -1))  # one scale per k, over N
+    # B [G, N, K] column-major: the transpose of the row-major [G, K, N]
+    return dyq_MN.contiguous(), wq_GKN.contiguous().transpose(-2, -1), dys_M, ws_GK
+
+
+def wgrad_operands(dy_MN, x_MK, offs_G):
+    dyq_NM, dys_GN = quantize_segments(dy_MN.t(), offs_G)  # A [N, M] row-major
+    xq_KM, xs_GK = quantize_segments(x_MK.t(), offs_G)
+    return dyq_NM.contiguous(), xq_KM.contiguous().t(), dys_GN.reshape(-1), xs_GK.reshape(-1)
+
+
+def _gemm(a, b, scale_a, scale_b, offs_G):
+    return torch._scaled_grouped_mm(
+        a, b, scale_a, scale_b, offs=offs_G, out_dtype=OUT_DTYPE, use_fast_accum=False
+    )
+
+
+class _FP8GroupedLinear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x_MK, w_GNK, offs_G):
+        ctx.save_for_backward(x_MK, w_GNK, offs_G)
+        return _gemm(*fwd_operands(x_MK, w_GNK), offs_G).to(x_MK.dtype)
+
+    @staticmethod
+    def backward(ctx, dy_MN):
+        x_MK, w_GNK, offs_G = ctx.saved_tensors
+        dy_MN = dy_MN.contiguous()
+        dx_MK = dw_GNK = None
+        if ctx.needs_input_grad[0]:
+            dx_MK = _gemm(*dgrad_operands(dy_MN, w_GNK), offs_G).to(x_MK.dtype)
+        if ctx.needs_input_grad[1]:
+            dw_GNK = _gemm(*wgrad_operands(dy_MN, x_MK, offs_G), offs_G).to(w_GNK.dtype)
+        return dx_MK, dw_GNK, None
+
+
+def fp8_grouped_linear(x_MK: torch.Tensor, w_GNK: torch.Tensor, offs_G: torch.Tensor) -> torch.Tensor:
+    """``y_MN[rows of g] = x_MK[rows of g] @ w_GNK[g].T`` in FP8 (rowwise scales) with autograd.
+
+    Inputs as ``ops.grouped_gemm.grouped_linear``; each expert's rows padded to ``ALIGNMENT`` (zero
+    padding rows: they add nothing to dW). Rows past ``offs_G[-1]`` (spare rows of a static-size padded
+    buffer) get unspecified outputs and must not be read; their gradient rows are unspecified too.
+    Raises MoKConfigError on a device without FP8 grouped GEMMs (CPU, pre-Hopper)."""
+    check_native_fp8(x_MK.device)
+    _check_shapes(x_MK, w_GNK, offs_G)
+    return _FP8GroupedLinear.apply(x_MK.contiguous(), w_GNK, offs_G)

@@ -1,0 +1,354 @@
+"""FP8 foundations on CPU (torch's float8 dtypes cast on CPU): recipes and their alignment, padded
+expert layouts, e4m3 scaling against the derived error bound, FP8 dispatch packing (in process and over a
+2-rank gloo exchange), and the native FP8 GEMM operands checked against torch's own layout rules (meta
+tensors) and an fp32 emulation of the kernel's math."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mok_megatron.fp8 import align, dispatch_pack, native, quantize, recipes
+from mok_megatron.kernels.routing import routing_metadata_reference
+
+# ---- recipes ------------------------------------------------------------------------------------------------
+
+
+def test_recipe_alignment_matches_megatron():
+    from megatron.core.enums import Fp4Recipe, Fp8Recipe
+    from megatron.core.fp4_utils import get_fp4_align_size
+    from megatron.core.fp8_utils import get_fp8_align_size
+
+    for r in Fp8Recipe:
+        if r != Fp8Recipe.custom:
+            assert recipes.alignment_for(r.value) == get_fp8_align_size(r), r
+    assert recipes.alignment_for("nvfp4") == get_fp4_align_size(Fp4Recipe.nvfp4)
+    assert {r.value for r in Fp8Recipe} - {"custom"} | {"nvfp4"} == set(recipes.RECIPES)
+    assert recipes.alignment_for("blockwise", op_fuser=True) == 256
+    with pytest.raises(ValueError, match="'fp9'.*delayed"):
+        recipes.get_recipe("fp9")
+
+
+def test_available_recipes_reasons():
+    none = recipes.available_recipes(None, have_te=False)
+    assert all(not a.available and "Transformer Engine" in a.reason for a in none.values())
+    assert all("CUDA GPU" in a.reason for a in recipes.available_recipes(None, True).values())
+    h100 = recipes.available_recipes((9, 0), True, "2.20.2")
+    assert [n for n, a in h100.items() if a.available] == ["delayed", "tensorwise", "blockwise"]
+    assert h100["mxfp8"].reason == "needs sm_100+, this GPU is sm_90"
+    ada = recipes.available_recipes((8, 9), True)
+    assert ada["tensorwise"].available and ada["blockwise"].reason == "needs sm_90+, this GPU is sm_89"
+    assert all(a.available for a in recipes.available_recipes((10, 0), True, "2.20.2").values())
+    old = recipes.available_recipes((10, 0), True, "2.2.0")
+    assert (
+        old["delayed"].available
+        and not old["blockwise"].available
+        and "2.3.0.dev0" in old["blockwise"].reason
+    )
+
+
+def test_mok_env_reports_recipes():
+    from mok_megatron.compat import cuda_capability, have_te
+    from mok_megatron.env import format_report, report
+
+    rep = report()
+    want = recipes.available_recipes(cuda_capability(), have_te())
+    for name, a in want.items():
+        assert rep["fp8_recipes"][name] == ("yes" if a.available else f"no: {a.reason}")
+    assert "mxfp8" in format_report(rep)
+
+
+# ---- alignment / padded layout -------------------------------------------------------------------------------
+
+
+def _topk(num_tokens, num_experts, topk, seed, empty=()):
+    g = torch.Generator().manual_seed(seed)
+    live = [e for e in range(num_experts) if e not in empty]
+    scores = torch.rand(num_tokens, len(live), generator=g)
+    idx = scores.topk(min(topk, len(live)), -1).indices
+    return torch.tensor(live)[idx]
+
+
+@pytest.mark.parametrize("alignment", [1, 16, 32, 128])
+@pytest.mark.parametrize("num_experts,empty", [(1, ()), (8, (0, 3, 7)), (5, ())])
+def test_pad_plan_matches_routing_meta(alignment, num_experts, empty):
+    topk_TK = _topk(37, num_experts, 2, seed=alignment + num_experts, empty=empty)
+    meta = align.plan_from_topk(topk_TK, num_experts, alignment)
+    assert torch.equal(align.padded_offsets(meta.counts_E, alignment), meta.aligned_offsets_E)
+    aligned_E = torch.diff(meta.aligned_offsets_E, prepend=meta.aligned_offsets_E.new_zeros(1))
+    assert bool((aligned_E % alignment == 0).all()) and bool((aligned_E >= meta.counts_E).all())
+    assert bool((aligned_E - meta.counts_E < alignment).all())
+    for e in empty:
+        assert int(aligned_E[e]) == 0
+    # The unpadded expert-major layout composed with the pad plan is the padded layout of row_TK.
+    unpadded = routing_metadata_reference(topk_TK, num_experts, 1)
+    real_rows = topk_TK.numel()
+    plan = align.pad_plan(meta.counts_E, alignment, real_rows)
+    assert plan.num_rows == meta.num_rows and torch.equal(plan.aligned_offsets_E, meta.aligned_offsets_E)
+    assert torch.equal(plan.dest_R[unpadded.row_TK.long()], meta.row_TK.long())
+    # Rows land, padding rows are zero, unpad inverts.
+    x_RH = torch.randn(real_rows, 8) + 10
+    y_PH = align.pad_rows(x_RH, plan)
+    assert torch.equal(align.unpad_rows(y_PH, plan), x_RH)
+    pad_mask = torch.ones(plan.num_rows, dtype=torch.bool)
+    pad_mask[plan.dest_R] = False
+    assert int(pad_mask.sum()) == plan.num_rows - real_rows and bool((y_PH[pad_mask] == 0).all())
+
+
+def test_pad_plan_all_empty_and_errors():
+    plan = align.pad_plan(torch.zeros(4, dtype=torch.int32), 16, 0)
+    assert plan.num_rows == 0 and plan.dest_R.numel() == 0 and int(plan.aligned_offsets_E[-1]) == 0
+    with pytest.raises(ValueError, match="alignment=0"):
+        align.padded_offsets(torch.ones(2, dtype=torch.int32), 0)
+    with pytest.raises(ValueError, match="real_rows=-1"):
+        align.pad_plan(torch.ones(2, dtype=torch.int32), 16, -1)
+    with pytest.raises(ValueError, match=r"shape \(2, 2\)"):
+        align.padded_offsets(torch.ones(2, 2, dtype=torch.int32), 16)
+
+
+# ---- quantize ---------------------------------------------------------------------------------------------
+
+
+def _bound(x, amax):
+    """Derived per-element bound (quantize docstring) + fp32 slack."""
+    return 2.0**-4 * x.abs() + 2.0**-10 * amax / 448 + 2.0**-20 * amax
+
+
+def _wide(rows, hidden, seed):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, hidden, generator=g) * torch.logspace(-6, 4, rows)[:, None]
+    x[0] = 0  # all-zero row: scale 1, exact
+    x[1, ::3] *= 1e-5  # subnormal range inside a row
+    return x
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rowwise_round_trip_bound(dtype):
+    x = _wide(16, 384, 0).to(dtype)
+    q, s = quantize.quantize_rowwise(x)
+    assert q.dtype == torch.float8_e4m3fn and s.dtype == torch.float32 and s.shape == (16,)
+    y = quantize.dequantize_rowwise(q, s, torch.float32)
+    xf = x.float()
+    amax = xf.abs().amax(-1, keepdim=True)
+    err = (y - xf).abs()
+    assert bool((err <= _bound(xf, amax)).all())
+    assert bool((err <= amax / 16 + 2.0**-20 * amax).all())
+    assert torch.equal(y[0], torch.zeros(384))
+    normal = xf.abs() > amax * 2.0**-6 / 448 * 2
+    assert float((err / xf.abs())[normal].max()) > 2.0**-5  # the bound is tight, not vacuous
+
+
+def test_blockwise_round_trip_bound_and_layout():
+    x = _wide(8, 512, 1)
+    x[2, 128:256] *= 1e4  # one loud block must not coarsen its neighbours
+    q, s = quantize.quantize_blockwise(x)
+    assert s.shape == (8, 4)
+    y = quantize.dequantize_blockwise(q, s, torch.float32)
+    amax = x.view(8, 4, 128).abs().amax(-1, keepdim=True).expand(8, 4, 128).reshape(8, 512)
+    assert bool(((y - x).abs() <= _bound(x, amax)).all())
+    # rowwise on the same row loses the quiet blocks' small values that blockwise keeps
+    qr, sr = quantize.quantize_rowwise(x)
+    err_row = (quantize.dequantize_rowwise(qr, sr, torch.float32) - x)[2, :128].abs().max()
+    assert float((y - x)[2, :128].abs().max()) < float(err_row)
+
+
+def test_segment_scales():
+    x_CM = _wide(6, 40, 2)
+    offs_G = torch.tensor([16, 16, 32], dtype=torch.int32)  # one empty segment, 8 spare columns
+    q, s_GC = quantize.quantize_segments(x_CM, offs_G)
+    assert s_GC.shape == (3, 6) and bool((s_GC[1] == 1).all())
+    for g, (a, b) in enumerate([(0, 16), (16, 16), (16, 32)]):
+        if b > a:
+            seg = x_CM[:, a:b]
+            amax = seg.abs().amax(-1)
+            want = torch.where(amax > 0, amax / 448, torch.ones_like(amax))  # row 0 is all zero: scale 1
+            torch.testing.assert_close(s_GC[g], want, rtol=0, atol=0)
+            y = q[:, a:b].float() * s_GC[g][:, None]
+            assert bool(((y - seg).abs() <= _bound(seg, seg.abs().amax(-1, keepdim=True))).all())
+
+
+def test_quantize_errors_name_the_value():
+    with pytest.raises(TypeError, match="torch.int64"):
+        quantize.quantize_rowwise(torch.ones(2, 4, dtype=torch.int64))
+    with pytest.raises(TypeError, match="float8_e4m3fn"):
+        quantize.quantize_rowwise(torch.ones(2, 4).to(torch.float8_e4m3fn))
+    with pytest.raises(ValueError, match="hidden size 200 is not a multiple of the block 128"):
+        quantize.quantize_blockwise(torch.ones(2, 200))
+    with pytest.raises(ValueError, match=r"scale shape \(3,\)"):
+        quantize.dequantize_rowwise(torch.zeros(2, 4).to(torch.float8_e4m3fn), torch.ones(3))
+
+
+# ---- dispatch packing ---------------------------------------------------------------------------------------
+
+
+def test_pack_bytes_about_half_of_bf16():
+    for hidden, block, want in [(7168, 0, 7184), (7168, 128, 7392), (2048, 0, 2064), (4096, 128, 4224)]:
+        layout = dispatch_pack.PackLayout(hidden, block)
+        assert layout.row_bytes == want and layout.row_bytes % 16 == 0
+        assert 0.5 < layout.row_bytes / (2 * hidden) <= 0.52
+    with pytest.raises(ValueError, match="hidden=200 is not a multiple of block=128"):
+        dispatch_pack.PackLayout(200, 128)
+
+
+@pytest.mark.parametrize("block", [0, 128])
+def test_pack_round_trip(block):
+    x = _wide(12, 256, 3).to(torch.bfloat16)
+    layout = dispatch_pack.PackLayout(256, block)
+    buf = dispatch_pack.pack(x, layout)
+    assert buf.dtype == torch.uint8 and buf.shape == (12, layout.row_bytes)
+    q, s = dispatch_pack.unpack(buf, layout)
+    y = dispatch_pack.dequantize(q, s, layout, torch.float32)
+    xf = x.float()
+    amax = (
+        xf.view(12, -1, block).abs().amax(-1, keepdim=True).expand(12, -1, block).reshape(12, 256)
+        if block
+        else xf.abs().amax(-1, keepdim=True)
+    )
+    assert bool(((y - xf).abs() <= _bound(xf, amax)).all())
+    # a row permutation of the buffer permutes the values: scales travel with their rows
+    perm = torch.randperm(12, generator=torch.Generator().manual_seed(0))
+    qp, sp = dispatch_pack.unpack(buf[perm], layout)
+    assert torch.equal(dispatch_pack.dequantize(qp, sp, layout, torch.float32), y[perm])
+
+
+def test_fp8_dispatch_autograd_in_process():
+    from mok_megatron.functional.transport import LoopbackTransport
+
+    transport = LoopbackTransport(emulated_ep=1, num_local_experts=1, topk=1, gbps=0)
+    x = _wide(10, 128, 4).to(torch.bfloat16).requires_grad_(True)
+    y, q, s = dispatch_pack.fp8_dispatch(x, transport, mb=None)
+    assert y.dtype == torch.bfloat16 and q.dtype == torch.float8_e4m3fn and not q.requires_grad
+    layout = dispatch_pack.PackLayout(128)
+    g = torch.randn(10, 128).to(torch.bfloat16) * 1e-7  # tiny gradients must come back exactly (bf16)
+    y.backward(g)
+    assert torch.equal(x.grad, g)
+    assert layout.row_bytes == 144
+
+
+@pytest.mark.parametrize("block", [0, 128])
+def test_fp8_dispatch_over_gloo(pool, block):
+    from tests.fp8_cases import HIDDEN
+
+    res = pool.run("tests.fp8_cases:fp8_exchange_case", block=block)
+    assert res[2] is None and res[3] is None
+    layout = dispatch_pack.PackLayout(HIDDEN, block)
+    for r in res[:2]:
+        assert r["q_equal"] and r["scale_equal"] and r["y_equal"] and r["grad_equal"]
+        x, y = r["x"], r["y"]
+        amax = (
+            x.view(len(x), -1, block).abs().amax(-1, keepdim=True).expand(len(x), -1, block).reshape(x.shape)
+            if block
+            else x.abs().amax(-1, keepdim=True)
+        )
+        # bf16 output adds its own rounding (2^-9 relative) on top of the FP8 bound
+        assert bool(((y - x).abs() <= _bound(x, amax) + 2.0**-8 * x.abs()).all())
+        (fdt, fbytes, fdir), (bdt, bbytes, bdir) = r["calls"]
+        assert (fdt, fdir, bdt, bdir) == ("torch.uint8", 0, "torch.bfloat16", 1)
+        assert fbytes == r["rows_sent"] * layout.row_bytes  # forward: FP8 + scales
+        assert bbytes == r["rows_recv"] * 2 * HIDDEN  # backward: the gradient in bf16
+        # half of bf16 plus the scales, plus < 16 bytes of row alignment
+        assert fbytes < r["rows_sent"] * (HIDDEN + 4 * layout.num_scales + 16) < r["rows_sent"] * 2 * HIDDEN
+
+
+# ---- native FP8 GEMM operands ----------------------------------------------------------------------------------
+
+
+def test_native_fp8_refuses_cpu():
+    from mok_megatron.config import MoKConfigError
+
+    offs = torch.tensor([16, 32], dtype=torch.int32)
+    with pytest.raises(MoKConfigError, match=r"needs an FP8-capable GPU \(sm_90\+.*this device is cpu"):
+        native.fp8_grouped_linear(torch.randn(32, 16), torch.randn(2, 16, 16), offs)
+    with pytest.raises(MoKConfigError, match="this device is cpu"):
+        native.check_native_fp8("cpu")
+    from mok_megatron.env import report
+
+    reason = native.unavailable_reason("cuda:0" if torch.cuda.is_available() else "cpu")
+    assert report()["fp8_native"] == ("yes" if reason is None else f"no: {reason}")
+
+
+def _operands(seed=0):
+    counts = [16, 0, 48, 32]
+    g = torch.Generator().manual_seed(seed)
+    M, K, N = sum(counts), 64, 48
+    x = torch.randn(M, K, generator=g).to(torch.bfloat16)
+    w = (torch.randn(len(counts), N, K, generator=g) / 8).to(torch.bfloat16)
+    dy = (torch.randn(M, N, generator=g) * 1e-3).to(torch.bfloat16)
+    offs = torch.tensor(counts, dtype=torch.int32).cumsum(0).to(torch.int32)
+    return counts, x, w, dy, offs
+
+
+def _on_meta(t):
+    return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
+
+
+def test_native_operands_pass_torch_layout_checks():
+    """torch's meta kernel for _scaled_grouped_mm enforces the CUDA kernel's dtype/layout/scale rules."""
+    counts, x, w, dy, offs = _operands()
+    G, N, K = w.shape
+    want = {"fwd": (x.shape[0], N), "dgrad": (x.shape[0], K), "wgrad": (G, N, K)}
+    ops = {
+        "fwd": native.fwd_operands(x, w),
+        "dgrad": native.dgrad_operands(dy, w),
+        "wgrad": native.wgrad_operands(dy, x, offs),
+    }
+    for name, (a, b, sa, sb) in ops.items():
+        out = torch._scaled_grouped_mm(
+            _on_meta(a),
+            _on_meta(b),
+            _on_meta(sa),
+            _on_meta(sb),
+            offs=_on_meta(offs),
+            out_dtype=torch.bfloat16,
+        )
+        assert tuple(out.shape) == want[name], name
+
+
+def _emulate(a, b, sa, sb, counts):
+    """fp32 emulation of rowwise-scaled grouped GEMM: out = (A * sa) @ (B * sb) per group."""
+    ends = torch.tensor(counts).cumsum(0).tolist()
+    starts = [e - c for e, c in zip(ends, counts, strict=True)]
+    if b.dim() == 3:  # 2d x 3d: groups split A's rows
+        return torch.cat(
+            [
+                (a[s:e].float() * sa[s:e, None]) @ (b[g].float() * sb[g][None, :])
+                for g, (s, e) in enumerate(zip(starts, ends, strict=True))
+            ]
+        )
+    n, k = a.shape[0], b.shape[1]  # 2d x 2d: groups split the contraction
+    return torch.stack(
+        [
+            (a[:, s:e].float() * sa[g * n : (g + 1) * n, None])
+            @ (b[s:e].float() * sb[g * k : (g + 1) * k][None, :])
+            for g, (s, e) in enumerate(zip(starts, ends, strict=True))
+        ]
+    )
+
+
+def _gemm_bound(a, b):
+    """|(A+dA)(B+dB) - AB| <= (|A|+eA)(|B|+eB) - |A||B| with the per-element quantize bound e <= |.|/16 + tiny."""
+    ea, eb = a.abs() * 2.0**-4 + 1e-30, b.abs() * 2.0**-4 + 1e-30
+    return (a.abs() + ea) @ (b.abs() + eb) - a.abs() @ b.abs()
+
+
+def test_native_math_emulated_within_bound():
+    counts, x, w, dy, offs = _operands(1)
+    xf, wf, dyf = x.float(), w.float(), dy.float()
+    ends = torch.tensor(counts).cumsum(0).tolist()
+    starts = [e - c for e, c in zip(ends, counts, strict=True)]
+    ref_fwd = torch.cat([xf[s:e] @ wf[g].t() for g, (s, e) in enumerate(zip(starts, ends, strict=True))])
+    ref_dgrad = torch.cat([dyf[s:e] @ wf[g] for g, (s, e) in enumerate(zip(starts, ends, strict=True))])
+    ref_wgrad = torch.stack([dyf[s:e].t() @ xf[s:e] for s, e in zip(starts, ends, strict=True)])
+    bound_fwd = torch.cat(
+        [_gemm_bound(xf[s:e], wf[g].t()) for g, (s, e) in enumerate(zip(starts, ends, strict=True))]
+    )
+    bound_wgrad = torch.stack([_gemm_bound(dyf[s:e].t(), xf[s:e]) for s, e in zip(starts, ends, strict=True)])
+    fwd = _emulate(*native.fwd_operands(x, w), counts)
+    dgrad = _emulate(*native.dgrad_operands(dy, w), counts)
+    wgrad = _emulate(*native.wgrad_operands(dy, x, offs), counts)
+    slack = 1e-5
+    assert bool(((fwd - ref_fwd).abs() <= bound_fwd + slack * ref_fwd.abs().max()).all())
+    assert bool(((wgrad - ref_wgrad).abs() <= bound_wgrad + slack * ref_wgrad.abs().max()).all())
+    assert torch.count_nonzero(wgrad[1]) == 0  # the empty expert's weight gradient is exactly zero
+    rel = lambda a, b: float((a - b).norm() / b.norm())  # noqa: E731
+    assert rel(fwd, ref_fwd) < 0.05 and rel(dgrad, ref_dgrad) < 0.05 and rel(wgrad, ref_wgrad) < 0.05
