@@ -151,6 +151,8 @@ def test_errors_name_the_bad_value():
         combine(torch.randn(7, 8), meta)
     with pytest.raises(ValueError, match=r"combine: probs has shape \(4, 3\), expected \(4, 2\)"):
         combine(torch.randn(8, 8), meta, torch.rand(4, 3))
+    with pytest.raises(ValueError, match="permute: x is on meta but the routing metadata is on cpu"):
+        permute(torch.empty(4, 8, device="meta"), meta)
     with pytest.raises(ValueError, match=r"swiglu: h has shape \(3, 5\)"):
         swiglu(torch.randn(3, 5))
 
@@ -288,12 +290,20 @@ def test_triton_on_gpu_matches_reference(case):
 
 @pytest.mark.gpu
 @needs_cuda
-def test_gpu_routing_needs_no_host_sync():
+def test_gpu_kernels_fwd_bwd_need_no_host_sync():
     ids = topk_ids(4096, 8, 128, "some").cuda()
+    x = torch.randn(4096, 256, device="cuda", requires_grad=True)
+    probs = torch.rand(4096, 8, device="cuda", requires_grad=True)
+
+    def step():
+        meta = routing_metadata(ids, 128, 128, impl=Impl.TRITON)
+        x_RH, probs_R = permute(x, meta, probs, impl=Impl.TRITON)
+        a = swiglu(torch.cat([x_RH, x_RH], dim=1), probs_R, impl=Impl.TRITON)
+        combine(a, meta, probs, impl=Impl.TRITON).sum().backward()
+
+    step()  # compile the kernels first
     torch.cuda.set_sync_debug_mode("error")
     try:
-        meta = routing_metadata(ids, 128, 128, impl=Impl.TRITON)
-        x_RH, _ = permute(torch.randn(4096, 256, device="cuda"), meta, impl=Impl.TRITON)
-        combine(x_RH, meta, impl=Impl.TRITON)
+        step()
     finally:
         torch.cuda.set_sync_debug_mode("default")

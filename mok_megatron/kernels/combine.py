@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from mok_megatron.kernels import Impl, use_triton
-from mok_megatron.kernels.permute import gather_sum_rows, scatter_rows
+from mok_megatron.kernels.permute import check_devices, gather_sum_rows, scatter_rows
 from mok_megatron.kernels.routing import RoutingMeta
 
 
@@ -58,6 +58,7 @@ def combine(
         raise ValueError(
             f"combine: probs has shape {tuple(probs_TK.shape)}, expected {tuple(meta.row_TK.shape)}"
         )
+    check_devices("combine", meta, y=y_RH, probs=probs_TK)
     out_dtype = out_dtype or y_RH.dtype
     if not use_triton(impl, y_RH, "combine"):
         return combine_reference(y_RH, meta, probs_TK, out_dtype)

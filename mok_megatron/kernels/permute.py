@@ -278,6 +278,15 @@ def _validate(x_TH: torch.Tensor, meta: RoutingMeta, probs_TK: torch.Tensor | No
         raise ValueError(
             f"{op}: probs has shape {tuple(probs_TK.shape)}, expected {tuple(meta.row_TK.shape)}"
         )
+    check_devices(op, meta, x=x_TH, probs=probs_TK)
+
+
+def check_devices(op: str, meta: RoutingMeta, **tensors: torch.Tensor | None) -> None:
+    for name, t in tensors.items():
+        if t is not None and t.device != meta.row_TK.device:
+            raise ValueError(
+                f"{op}: {name} is on {t.device} but the routing metadata is on {meta.row_TK.device}"
+            )
 
 
 def permute(

@@ -82,9 +82,10 @@ def _swiglu_bwd_kernel(
 
 
 def _blocks(ffn: int) -> tuple[int, int]:
-    """(BLOCK_M, BLOCK_F): tiles of 2048 elements (16 per thread at 4 warps)."""
-    block_f = min(next_pow2(max(ffn, 1)), 1024)
-    return max(1, 2048 // block_f), block_f
+    """(BLOCK_M, BLOCK_F): tiles of 2048 elements (16 per thread at 4 warps). BLOCK_F <= 256 divides the
+    usual FFN widths (768, 1536, 2048) so no lanes idle; wider tiles would waste 25 % at F = 768."""
+    block_f = min(next_pow2(max(ffn, 1)), 256)
+    return 2048 // block_f, block_f
 
 
 class _SwiGLU(torch.autograd.Function):
