@@ -8,7 +8,7 @@ the flags set (``set_default_options``). Frozen and validated at construction.
                          combine per layer call, Megatron's row layout); auto = see
                          ``mok_megatron.mcore.engine.select_transport``
     minibatch_size       tokens per pipelined minibatch (None: the automatic rule in
-                         ``mok_megatron.functional.pipeline.auto_minibatch_size``)
+                         ``mok_megatron.functional.pipeline_plan.auto_minibatch_size``)
     capacity_multiplier  sync-free mode: receive buffer per source rank, as a fraction of that
                          rank's tokens (1.0 can never overflow; smaller saves memory; overflow is
                          detected and the step's exchange is redone in exact mode, never dropped)
