@@ -27,7 +27,7 @@ def _grouped_mm_works(*weights_EOI: torch.Tensor) -> bool:
             x = torch.zeros(16, w.shape[-1], device=w.device, dtype=w.dtype)
             torch._grouped_mm(x, w.detach().transpose(-2, -1), offs=offsets_E)
         return True
-    except (RuntimeError, NotImplementedError):
+    except (RuntimeError, NotImplementedError):  # torch has no kernel for this dtype/device/stride: loop
         return False
 
 
