@@ -7,7 +7,14 @@ import math
 from dataclasses import dataclass
 
 from mok_megatron.planner import flops
-from mok_megatron.planner.calibrate import H200_HBM, Calibration, family, gemm_efficiency, link_efficiency
+from mok_megatron.planner.calibrate import (
+    GENERATIONS,
+    H200_HBM,
+    Calibration,
+    family,
+    gemm_efficiency,
+    link_efficiency,
+)
 from mok_megatron.planner.hardware import Cluster
 from mok_megatron.planner.links import LinkError, LinkModel
 from mok_megatron.planner.shapes import Layout, Model, MoEShape
@@ -16,12 +23,15 @@ ASSUMPTIONS = (
     "GEMM rate on the target = its dense peak for the precision x the grouped-GEMM efficiency measured on the "
     "H200 (bf16 {bf16:.0%}; FP8 rowwise {fp8:.0%}, also used for MXFP8); attention and dense layers run at "
     "the same efficiency",
-    "non-GEMM MoE time (permute, activation, combine) scales with HBM bandwidth (H200 4.8 TB/s); per-expert "
-    "launch/host terms do not scale",
+    "non-GEMM MoE time (permute, activation, combine) scales with HBM bandwidth (H200 4.8 TB/s); per-expert, "
+    "fixed and host terms do not scale",
     "all-to-all at {link:.0%} of link peak (NCCL on 2 x H200); NVLink and NIC shares run concurrently; EP groups "
     "on consecutive GPUs; uniform routing; bf16 tokens on the wire for both layers",
-    "MoK engine overhead = loopback overhead fraction x kappa (real EP / loopback, from the 2 x H200 runs), "
-    "times the layer's compute ({scaling}); exposed link fraction from the loopback sweep",
+    "MoK engine overhead = loopback overhead fraction x kappa (real EP / loopback, from the 2 x H200 runs of "
+    "the newest engine generation, {engine}), times the layer's compute ({scaling}); exposed link fraction "
+    "from the loopback sweep; transport factors (copy_engine / collective) from the same runs",
+    "host-bound per-expert launch cost (Megatron, Megatron+TE) as on the H200 test host; run-to-run "
+    "spread (~10 % between machine starts) not modelled: the typical machine is predicted",
     "Megatron alltoall: all-to-all fully exposed (as measured at EP=2); 'megatron 1F1B' is a bound: the "
     "all-to-all entirely hidden behind another micro-batch (not measured here)",
     "step = (micro-batches + (PP-1)/VPP) x per-micro-batch time / PP; DP gradient/parameter traffic, optimizer, "
@@ -46,6 +56,7 @@ class Assumptions:
                 fp8=gemm_efficiency("fp8"),
                 link=link_efficiency(),
                 scaling=self.overhead_scaling,
+                engine=GENERATIONS[-1],
             )
             for a in ASSUMPTIONS
         ]
@@ -99,7 +110,7 @@ def layer_options(
         for chunks, mode in ov.options(fam):
             o = ov.overhead[(fam, chunks, mode)] * ov.k(mode) * base
             ex = ov.exposed[(fam, chunks, mode)] * lk
-            tot = (t1 + o + ex) * ov.transport_factor.get(transport, 1.0)
+            tot = (t1 + o + ex) * ov.factor(transport)
             out.append(LayerPrediction("mok", transport, chunks, mode, t1, o, lk, ex, tot))
     return out
 
