@@ -341,7 +341,11 @@ def _engine_fit(name: str, eps: list[EPPoint], ones: dict, over: dict, expo: dic
     coll = {(p.source, p.shape, p.chunks, p.mode): p.ms for p in eps if p.transport == "collective"}
     ratios: dict[str, list[float]] = {}
     for p in eps:
-        key = (p.source, p.shape, 1, "exact") if p.transport == "plain" else (p.source, p.shape, p.chunks, p.mode)
+        key = (
+            (p.source, p.shape, 1, "exact")
+            if p.transport == "plain"
+            else (p.source, p.shape, p.chunks, p.mode)
+        )
         if p.transport != "collective" and key in coll:
             ratios.setdefault(p.transport, []).append(p.ms / coll[key])
     return EngineFit(
