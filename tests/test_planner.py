@@ -256,7 +256,9 @@ def test_nnls_recovers_non_negative_coefficients_and_clamps_negative_ones():
     assert calibrate._nnls([xs, [1.0] * 4], y, [1.0] * 4) == pytest.approx([2.0, 0.5])
     y_neg = [2.0 * x - 1.0 for x in xs]  # the intercept would be negative: dropped, slope refitted
     a, b = calibrate._nnls([xs, [1.0] * 4], y_neg, [1.0] * 4)
-    assert b == 0.0 and a == pytest.approx(sum(x * v for x, v in zip(xs, y_neg)) / sum(x * x for x in xs))
+    assert b == 0.0 and a == pytest.approx(
+        sum(x * v for x, v in zip(xs, y_neg, strict=True)) / sum(x * x for x in xs)
+    )
 
 
 def test_host_bound_fit_recovers_a_known_layer():
