@@ -194,9 +194,12 @@ def main(argv: list[str] | None = None) -> int:
     ns = p.parse_args(argv)
     try:
         if ns.validate:
-            rows = validate.checks(measurements.load())
+            m = measurements.load()
+            rows = validate.checks(m)
             print(validate.table(rows))
             print("\n" + validate.summary(rows))
+            print("\nRun-to-run spread of the EP=1 points measured in several sources:\n")
+            print(validate.spread_table(validate.spreads(m)))
             return 0
         print(compare() if ns.compare else plan(ns))
     except (shapes.LayoutError, hardware.HardwareError, LinkError) as e:
