@@ -19,6 +19,8 @@ Layer model, one MoE layer forward + backward on one rank, H200 (ms):
               e: the exposed fraction of link time, both from the loopback sweep; kappa (per engine
               generation and mode): real-EP overhead / loopback overhead; f: transport time / collective
               time (plain = the unpipelined EP path), per engine generation, from the 2 x H200 runs.
+MoK's own EP=1 fit is made per engine generation when the generation has enough points (its
+kernels changed with the engine); other implementations are fitted over every run.
 Run-to-run spread (separate machine starts differ ~10 %) is not modelled: every fit is a relative
 least-squares (or median) fit over all runs, i.e. the model predicts the typical machine.
 """
@@ -370,11 +372,27 @@ def fit_overlap(m: Measurements) -> OverlapFit:
     return OverlapFit(over, expo, engines)
 
 
+ENGINE_IMPLS = {"mok"}  # implementations whose own code changes between engine generations
+
+
 @dataclass(frozen=True)
 class Calibration:
-    compute: dict  # impl -> ComputeFit
+    compute: dict  # impl -> ComputeFit over every run
     overlap: OverlapFit
     sources: tuple  # measurement sources used
+    compute_by_gen: dict = field(default_factory=dict)  # (impl, generation) -> ComputeFit (ENGINE_IMPLS)
+
+    def fit(self, impl: str, gen: str | None = None) -> tuple[ComputeFit, bool]:
+        """The EP=1 fit of ``impl`` for engine generation ``gen`` (default: the newest fitted); False
+        with the fit over every run when that generation has too few points of its own."""
+        if impl not in ENGINE_IMPLS:
+            return self.compute[impl], True
+        have = [g for g in GENERATIONS if (impl, g) in self.compute_by_gen]
+        if gen is None and have:
+            return self.compute_by_gen[(impl, have[-1])], True
+        if (impl, gen) in self.compute_by_gen:
+            return self.compute_by_gen[(impl, gen)], True
+        return self.compute[impl], False
 
     def mok_ep_ms(
         self,
@@ -403,7 +421,18 @@ def fit_host_link(fit: ComputeFit, m: Measurements) -> ComputeFit:
     return replace(fit, host_link_exposed=statistics.median(xs)) if xs else fit
 
 
+def _enough(pts: list[Layer1]) -> bool:
+    """A generation's own fit needs 3 points (a, c, d) over at least 2 distinct shapes."""
+    return len(pts) >= 3 and len({(p.moe, p.tokens) for p in pts}) >= 2
+
+
 def calibrate(m: Measurements) -> Calibration:
     impls = sorted({p.impl for p in m.layer1})
     compute = {i: fit_host_link(fit_compute(list(m.layer1), i), m) for i in impls}
-    return Calibration(compute, fit_overlap(m), m.sources)
+    by_gen = {}
+    for impl in sorted(ENGINE_IMPLS & set(impls)):
+        for gen in GENERATIONS:
+            pts = [p for p in m.layer1 if p.impl == impl and engine_of(p.source) == gen]
+            if _enough(pts):
+                by_gen[(impl, gen)] = fit_compute(pts, impl)
+    return Calibration(compute, fit_overlap(m), m.sources, by_gen)

@@ -109,7 +109,7 @@ def layer_options(
         LayerPrediction("megatron", "nccl a2a", 1, "-", t1m, 0.0, lm, tm - t1m, tm),
         LayerPrediction("megatron-1f1b", "nccl a2a", 1, "-", t1m, 0.0, lm, 0.0, t1m),
     ]
-    fit = cal.compute["mok"]
+    fit = cal.fit("mok")[0]
     t1 = fit.ms(tokens, local, rate, hbm)
     base = t1 if a.overhead_scaling == "relative" else fit.ms(tokens, local)
     nbytes = flops.mok_bytes(tokens, moe, ep)

@@ -33,6 +33,7 @@ class Check:
     held_out_ms: float | None  # None: the held-out calibration lacks a needed term
     anchored_ms: float | None = None  # EP>1: held-out model with t1 = the run's own EP=1 time
     note: str = ""  # why a held-out prediction is missing or uses another engine generation
+    cross: bool = False  # the held-out prediction had to use another engine generation's fit
 
     @property
     def in_sample_err(self) -> float:
@@ -48,14 +49,14 @@ class Check:
 
 
 def predict_layer1(cal: Calibration, p: Layer1) -> float:
-    return cal.compute[p.impl].ms(p.tokens, p.moe)
+    return cal.fit(p.impl, engine_of(p.source))[0].ms(p.tokens, p.moe)
 
 
 def predict_ep(cal: Calibration, p: EPPoint, t1_ms: float | None = None) -> float:
     """The EP>1 time; ``t1_ms`` (the run's own EP=1 same-work time) replaces the modelled t1, which
     takes the machine's speed out of the comparison (the anchored column)."""
     local = local_shape(p)
-    fit = cal.compute[p.impl]
+    fit = cal.fit(p.impl, engine_of(p.source))[0]
     t1 = t1_ms or fit.ms(p.tokens, local)
     if p.impl != "mok":
         if t1_ms is None:
@@ -104,8 +105,11 @@ def checks(m: Measurements) -> list[Check]:
         h = held[p.source]
         ho = _safe(predict_layer1, h, p) if h and p.impl in h.compute else None
         note = "" if ho is not None else f"no {p.impl} point in another run"
+        cross = ho is not None and not h.fit(p.impl, engine_of(p.source))[1]
+        if cross:
+            note = f"other engine: {engine_of(p.source)} has too few EP=1 points without this run; fit over every run"
         what = f"EP=1 {p.impl} {p.shape} (E_local {p.moe.experts}, {p.tokens} tok)"
-        out.append(Check(p.source, what, p.ms, predict_layer1(full, p), ho, note=note))
+        out.append(Check(p.source, what, p.ms, predict_layer1(full, p), ho, note=note, cross=cross))
     ones = {(p.source, p.impl, p.shape): p.ms for p in m.layer1}
     for p in m.ep:
         if p.source not in held:
@@ -119,7 +123,14 @@ def checks(m: Measurements) -> list[Check]:
             what = f"EP=2 {p.impl} {p.shape}"
         t1 = ones.get((p.source, p.impl, p.shape))
         an = None if ho is None or t1 is None else predict_ep(h, p, t1)
-        out.append(Check(p.source, what, p.ms, predict_ep(full, p), ho, an, note))
+        cross = (
+            ho is not None
+            and p.impl == "mok"
+            and not (h.overlap.engine(engine_of(p.source))[1] and h.fit(p.impl, engine_of(p.source))[1])
+        )
+        if cross and "other engine" not in note:
+            note = f"other engine: {engine_of(p.source)} EP=1 fit lacks points without this run"
+        out.append(Check(p.source, what, p.ms, predict_ep(full, p), ho, an, note, cross))
     return out
 
 
@@ -153,9 +164,9 @@ def _stats(errs: list[float]) -> str:
 def summary(rows: list[Check]) -> str:
     ins = [abs(r.in_sample_err) for r in rows]
     ho = [abs(r.held_out_err) for r in rows if r.held_out_err is not None]
-    same = [abs(r.held_out_err) for r in rows if r.held_out_err is not None and "other engine" not in r.note]
+    same = [abs(r.held_out_err) for r in rows if r.held_out_err is not None and not r.cross]
     newest = [abs(r.in_sample_err) for r in rows if r.source in _newest_sources(rows)]
-    anch = [abs(r.anchored_err) for r in rows if r.anchored_err is not None and "other engine" not in r.note]
+    anch = [abs(r.anchored_err) for r in rows if r.anchored_err is not None and not r.cross]
     return (
         f"{len(rows)} measured points.\n- In-sample: {_stats(ins)}.\n- Held-out (leave-one-run-out): {_stats(ho)}."
         f"\n- Held-out, same engine generation: {_stats(same)}.\n- In-sample, newest engine's runs only: "
