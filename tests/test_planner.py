@@ -325,3 +325,18 @@ def test_run_to_run_spread_is_measured(meas):
     worst = sp[0]
     assert worst.spread == pytest.approx((max(worst.ms) - min(worst.ms)) / statistics.median(worst.ms))
     assert [s.spread for s in sp] == sorted((s.spread for s in sp), reverse=True)
+
+
+def test_recommendation_prefers_the_simplest_configuration_within_the_margin():
+    def lp(transport, mode, chunks, ms):
+        return predict.LayerPrediction("mok", transport, chunks, mode, 1.0, 0.0, 0.0, 0.0, ms)
+
+    margin = predict.DATA["recommendation_margin"]["value"]
+    opts = [
+        lp("copy_engine", "exact", 2, 10.0),
+        lp("collective", "exact", 4, 10.0 * (1 + margin / 2)),
+        lp("collective", "exact", 2, 10.0 * (1 + margin / 2)),
+        lp("collective", "exact", 1, 10.0 * (1 + 2 * margin)),
+    ]
+    assert predict.recommended(opts) is opts[2]
+    assert predict.recommended(opts[:1] + opts[3:]) is opts[0]  # collective x1 is too slow

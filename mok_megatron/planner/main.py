@@ -64,14 +64,15 @@ def plan(ns) -> str:
             f"| {name} | {o.t1_ms:.2f} | {o.overhead_ms:.2f} | {o.link_ms:.2f} | {o.exposed_ms:.2f} | "
             f"{o.total_ms:.2f} | {st.step_s:.2f} | {st.tokens_per_s_gpu:.0f} | {st.tflops_per_gpu:.0f} |"
         )
-    b = mok[0]
+    b = predict.recommended(opts)
     meg = predict.step(model, layout, cl, shown[0])
     mk = predict.step(model, layout, cl, b)
     mb = -(-layout.moe_tokens(model) // b.chunks)
     cap = predict.capacity_multiplier(model, layout) if "sync-free" in b.mode else 1.0
     lines += [
         "",
-        f"Recommended MoK settings: --mok-transport {b.transport} --mok-minibatch-size {mb}"
+        f"Recommended MoK settings (simplest within {predict.DATA['recommendation_margin']['value']:.0%} of the "
+        f"fastest, {b.total_ms:.2f} ms vs {mok[0].total_ms:.2f} ms): --mok-transport {b.transport} --mok-minibatch-size {mb}"
         + (" --mok-sync-free" if "sync-free" in b.mode else "")
         + (" (CUDA graph around the layer)" if "graph" in b.mode else "")
         + f" --mok-capacity-multiplier {cap}",

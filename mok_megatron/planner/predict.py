@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 from mok_megatron.planner import flops
 from mok_megatron.planner.calibrate import (
+    DATA,
     GENERATIONS,
     H200_HBM,
     Calibration,
@@ -132,6 +133,15 @@ def layer_options(
 
 def best(options: list[LayerPrediction], impl: str) -> LayerPrediction:
     return min((o for o in options if o.impl == impl), key=lambda o: o.total_ms)
+
+
+def recommended(options: list[LayerPrediction]) -> LayerPrediction:
+    """The simplest MoK configuration (collective, exact, fewest minibatches first) within the
+    recommendation margin (calibration.json) of the fastest one."""
+    fastest = best(options, "mok").total_ms
+    margin = DATA["recommendation_margin"]["value"]
+    near = [o for o in options if o.impl == "mok" and o.total_ms <= fastest * (1 + margin)]
+    return min(near, key=lambda o: (o.transport != "collective", o.mode != "exact", o.chunks, o.total_ms))
 
 
 def capacity_multiplier(model: Model, layout: Layout, sigmas: float = 4.0) -> float:
