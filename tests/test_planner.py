@@ -167,8 +167,23 @@ def test_model_reproduces_the_measurements_within_tolerance(meas):
     # Megatron + TE at EP=2 (link model from the NCCL baseline, no fit to these points)
     te2 = [r for r in rows if r.what.startswith("EP=2 megatron-te")]
     assert te2 and all(abs(r.held_out_err) < validate.TOLERANCE for r in te2), validate.table(te2)
-    mok_exact = [r for r in rows if "mok" in r.what and "exact" in r.what and r.what.startswith("EP=2")]
-    assert all(abs(r.in_sample_err) < 0.16 for r in mok_exact), validate.table(mok_exact)
+    mok2 = [r for r in rows if r.what.startswith("EP=2 mok")]
+    assert mok2 and all(abs(r.in_sample_err) < validate.TOLERANCE for r in mok2), validate.table(mok2)
+    # every in-sample point, except the one documented unmodelled cost (Megatron without TE at EP>1)
+    rest = [r for r in rows if not r.what.startswith("EP=2 megatron ")]
+    assert all(abs(r.in_sample_err) < validate.TOLERANCE for r in rest), validate.table(rest)
+    # held-out points predicted within their own engine generation carry no cross-generation note
+    assert all(("other engine" in r.note) == r.cross for r in rows if r.held_out_ms is not None)
+
+
+def test_cli_validate_and_compare(capsys):
+    assert main(["--validate"]) == 0
+    out = capsys.readouterr().out
+    assert "Held-out (leave-one-run-out)" in out and "Run-to-run spread" in out and "| s3a |" in out
+    assert "us per launch" in out
+    assert main(["--compare"]) == 0
+    out = capsys.readouterr().out
+    assert "published 1233" in out and "Drivers of the MoK / Megatron ratio" in out
 
 
 def test_efficiencies_are_below_one_and_link_from_nccl():

@@ -201,6 +201,8 @@ def main(argv: list[str] | None = None) -> int:
             print("\n" + validate.summary(rows))
             print("\nRun-to-run spread of the EP=1 points measured in several sources:\n")
             print(validate.spread_table(validate.spreads(m)))
+            print("\nProfiles (under the profiler, which inflates host time):\n")
+            print(validate.profile_table(m.profiles))
             return 0
         print(compare() if ns.compare else plan(ns))
     except (shapes.LayoutError, hardware.HardwareError, LinkError) as e:

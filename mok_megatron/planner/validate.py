@@ -216,3 +216,17 @@ def spread_table(rows: list[Spread]) -> str:
             f"| {s.what} | {', '.join(s.runs)} | {', '.join(f'{x:.2f}' for x in s.ms)} | {100 * s.spread:.0f}% |"
         )
     return "\n".join(lines)
+
+
+def profile_table(profiles) -> str:
+    """The profiled configurations: launches and host enqueue time (what makes a layer host-bound)."""
+    lines = [
+        "| source | configuration | wall ms | kernel launches | host enqueue ms | us per launch |",
+        "|---|---|---:|---:|---:|---:|",
+    ]
+    for p in profiles:
+        lines.append(
+            f"| {p.source} | {p.what} | {p.wall_ms:.2f} | {p.launches} | {p.host_ms:.2f} | "
+            f"{p.host_us_per_launch:.0f} |"
+        )
+    return "\n".join(lines)
