@@ -288,9 +288,20 @@ class OverlapFit:
     """Loopback tables per (loopback shape, minibatch count, mode): overhead fraction O and exposed
     link fraction e (medians over runs); the real-EP corrections per engine generation."""
 
-    overhead: dict  # (shape, chunks, mode) -> O
-    exposed: dict  # (shape, chunks, mode) -> e
+    overhead: dict  # (shape, chunks, mode) -> O, medians over every run
+    exposed: dict  # (shape, chunks, mode) -> e, medians over every run
     engines: dict = field(default_factory=dict)  # generation -> EngineFit
+    by_gen: dict = field(default_factory=dict)  # generation -> (overhead, exposed) of its own loopback runs
+
+    def oe(self, key: tuple, gen: str | None = None) -> tuple[float, float]:
+        """O and e of a loopback (shape, minibatches, mode) for engine generation ``gen`` (default: the
+        newest with an engine fit): the generation's own loopback rows when it has this key, else the
+        medians over every run. kappa is fitted against the same numbers, so the two stay consistent."""
+        gen = gen if gen is not None else self.engine()[0].name
+        over, expo = self.by_gen.get(gen, ({}, {}))
+        if key in over and key in expo:
+            return over[key], expo[key]
+        return self.overhead[key], self.exposed[key]
 
     def options(self, shape: str) -> list[tuple[int, str]]:
         return sorted({(c, m) for (s, c, m) in self.overhead if s == shape and (s, c, m) in self.exposed})
@@ -328,16 +339,17 @@ class OverlapFit:
         return 1.0
 
 
-def _engine_fit(name: str, eps: list[EPPoint], ones: dict, over: dict, expo: dict) -> EngineFit | None:
+def _engine_fit(name: str, eps: list[EPPoint], ones: dict, oe) -> EngineFit | None:
     kap: dict[str, list[float]] = {}
     for p in eps:
         if p.transport != "collective" or (p.source, p.shape) not in ones:
             continue
         key = (family(local_shape(p), p.tokens), p.chunks, p.mode)
-        if key not in over or key not in expo or over[key] <= 0:
+        o_e = oe(key)
+        if o_e is None or o_e[0] <= 0:
             continue
         t1 = ones[(p.source, p.shape)]
-        kap.setdefault(p.mode, []).append((p.ms - t1 - expo[key] * mok_link_ms(p)) / (over[key] * t1))
+        kap.setdefault(p.mode, []).append((p.ms - t1 - o_e[1] * mok_link_ms(p)) / (o_e[0] * t1))
     if not kap:
         return None
     coll = {(p.source, p.shape, p.chunks, p.mode): p.ms for p in eps if p.transport == "collective"}
@@ -360,16 +372,26 @@ def _engine_fit(name: str, eps: list[EPPoint], ones: dict, over: dict, expo: dic
 
 def fit_overlap(m: Measurements) -> OverlapFit:
     over, expo = _loop_tables(m)
+    by_gen = {}
+    for gen in GENERATIONS:
+        rows = tuple(r for r in m.loop if engine_of(r.source) == gen)
+        if rows:
+            by_gen[gen] = _loop_tables(Measurements((), (), rows))
     ones = {(p.source, p.shape): p.ms for p in m.layer1 if p.impl == "mok"}
     engines = {}
     for gen in GENERATIONS:
         eps = [p for p in m.ep if p.impl == "mok" and engine_of(p.source) == gen]
-        fit = _engine_fit(gen, eps, ones, over, expo)
+        probe = OverlapFit(over, expo, {gen: EngineFit(gen, {}, {}, 0)}, by_gen)
+
+        def oe(key, probe=probe, gen=gen):
+            return probe.oe(key, gen) if key in over and key in expo else None
+
+        fit = _engine_fit(gen, eps, ones, oe)
         if fit:
             engines[gen] = fit
     if not engines:
         raise ValueError("no MoK EP>1 measurement matches a loopback row: cannot calibrate kappa")
-    return OverlapFit(over, expo, engines)
+    return OverlapFit(over, expo, engines, by_gen)
 
 
 ENGINE_IMPLS = {"mok"}  # implementations whose own code changes between engine generations
@@ -404,9 +426,9 @@ class Calibration:
         transport: str,
         gen: str | None = None,
     ) -> float:
-        key = (shape, chunks, mode)
-        o = self.overlap.overhead[key] * self.overlap.k(mode, gen) * t1
-        return (t1 + o + self.overlap.exposed[key] * link_ms) * self.overlap.factor(transport, gen)
+        big_o, e = self.overlap.oe((shape, chunks, mode), gen)
+        o = big_o * self.overlap.k(mode, gen) * t1
+        return (t1 + o + e * link_ms) * self.overlap.factor(transport, gen)
 
 
 def fit_host_link(fit: ComputeFit, m: Measurements) -> ComputeFit:

@@ -124,8 +124,9 @@ def layer_options(
         for chunks, mode in ov.options(fam):
             if not any(mode in e.kappa for e in ov.engines.values()):
                 continue  # never measured on real EP: its real-EP overhead (kappa) is unknown
-            o = ov.overhead[(fam, chunks, mode)] * ov.k(mode) * base
-            ex = ov.exposed[(fam, chunks, mode)] * lk
+            big_o, e = ov.oe((fam, chunks, mode))
+            o = big_o * ov.k(mode) * base
+            ex = e * lk
             tot = (t1 + o + ex) * ov.factor(transport)
             out.append(LayerPrediction("mok", transport, chunks, mode, t1, o, lk, ex, tot))
     return out
