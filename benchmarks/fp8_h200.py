@@ -160,7 +160,9 @@ def timing(results: dict, iters: int = 10, warmup: int = 3) -> None:
         shape = SHAPES[shape_name]
         g = torch.Generator().manual_seed(0)
         x = torch.randn(shape["tokens"], 1, shape["hidden"], generator=g).to("cuda", torch.bfloat16)
-        dout = (torch.randn(shape["tokens"], 1, shape["hidden"], generator=g) * 1e-2).to("cuda", torch.bfloat16)
+        dout = (torch.randn(shape["tokens"], 1, shape["hidden"], generator=g) * 1e-2).to(
+            "cuda", torch.bfloat16
+        )
         flops = 3 * 2 * shape["tokens"] * shape["topk"] * 3 * shape["hidden"] * shape["ffn"]
         rows = results.setdefault(shape_name, {})
         for name, backend, recipe in variants():
@@ -172,7 +174,7 @@ def timing(results: dict, iters: int = 10, warmup: int = 3) -> None:
                 cfg = layer_config(shape, recipe)
                 layer = build_layer(backend, cfg, None)
 
-                def step(layer=layer, cfg=cfg):
+                def step(layer=layer, cfg=cfg, x=x, dout=dout):
                     layer.zero_grad(set_to_none=True)
                     fwd_bwd(layer, cfg, x, dout)
 
@@ -187,14 +189,20 @@ def timing(results: dict, iters: int = 10, warmup: int = 3) -> None:
 
 def start_tiny_runs(out: str, iters: int) -> dict:
     env = dict(os.environ, DEVICE="gpu", ITERS=str(iters), NPROC="1", DRY_RUN="1", PYTHON=sys.executable)
-    dry = subprocess.run(["bash", "examples/tiny_moe.sh"], env=env, capture_output=True, text=True, check=True)
+    dry = subprocess.run(
+        ["bash", "examples/tiny_moe.sh"], env=env, capture_output=True, text=True, check=True
+    )
     base = shlex.split(dry.stdout.strip().splitlines()[-1])
     procs = {}
     for i, (name, extra) in enumerate(TINY_RUNS.items()):
         port = 29611 + 7 * i  # one rendezvous per run: they share the machine
         cmd = [f"localhost:{port}" if c.startswith("localhost:") else c for c in base] + TINY_WIDEN + extra
         log = open(os.path.join(out, f"tiny_{name}.log"), "w")
-        procs[name] = (subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ)), log, cmd)
+        procs[name] = (
+            subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ)),
+            log,
+            cmd,
+        )
     return procs
 
 
@@ -214,7 +222,7 @@ def finish_tiny_runs(procs: dict, out: str, timeout: float) -> dict:
         if losses:
             res[name].update(first=losses[0], final=losses[-1], final10=statistics.mean(losses[-10:]))
     base = res.get("bf16", {}).get("final10")
-    for name, r in res.items():
+    for r in res.values():
         if base and "final10" in r:
             r["rel_to_bf16"] = r["final10"] / base - 1
             r["ok"] = abs(r["rel_to_bf16"]) <= LOSS_BOUND

@@ -378,7 +378,10 @@ def _quant_config(fp8=None, recipe=None, fp4=None, op_fuser=False):
     from types import SimpleNamespace
 
     return SimpleNamespace(
-        fp8=fp8, fp8_recipe=recipe, fp4=fp4, fp4_recipe="nvfp4" if fp4 else None,
+        fp8=fp8,
+        fp8_recipe=recipe,
+        fp4=fp4,
+        fp4_recipe="nvfp4" if fp4 else None,
         use_transformer_engine_op_fuser=op_fuser,
     )
 
@@ -409,7 +412,9 @@ def test_check_expert_backend_errors():
 
     cfg = _quant_config()
     check_expert_backend("torch", cfg, "cpu", have_te=False)  # always fine
-    with pytest.raises(MoKConfigError, match=r"torch-fp8 needs an FP8-capable GPU \(sm_90\+.*this device is cpu"):
+    with pytest.raises(
+        MoKConfigError, match=r"torch-fp8 needs an FP8-capable GPU \(sm_90\+.*this device is cpu"
+    ):
         check_expert_backend("torch-fp8", cfg, "cpu", have_te=True)
     with pytest.raises(MoKConfigError, match=r"te needs Transformer Engine.*torch-fp8"):
         check_expert_backend("te", cfg, "cuda", have_te=False)
@@ -463,7 +468,9 @@ def test_padded_expert_mlp_equals_unpadded(alignment, probs_on_input):
 
         return fc
 
-    want = run(lambda x, p, w1, w2: expert_mlp(x, p, counts, w1, w2, act, apply_probs_on_input=probs_on_input))
+    want = run(
+        lambda x, p, w1, w2: expert_mlp(x, p, counts, w1, w2, act, apply_probs_on_input=probs_on_input)
+    )
     got = run(
         lambda x, p, w1, w2: padded_expert_mlp(
             x, p, counts, plan_gemm(w1), plan_gemm(w2), act, alignment, apply_probs_on_input=probs_on_input
@@ -518,6 +525,6 @@ def test_moK_experts_refuse_fp8_backends_here():
     if not have_te():
         with pytest.raises(MoKConfigError, match="te needs Transformer Engine"):
             MoKGroupedMLP(8, cfg, options=MoKOptions(expert_backend="te"))
-    assert MoKGroupedMLP.__new__(MoKGroupedMLP, 8, cfg, options=MoKOptions(expert_backend="te")).__class__ is (
-        MoKTEGroupedMLP
-    )
+    assert MoKGroupedMLP.__new__(
+        MoKGroupedMLP, 8, cfg, options=MoKOptions(expert_backend="te")
+    ).__class__ is (MoKTEGroupedMLP)

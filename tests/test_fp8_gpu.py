@@ -138,7 +138,9 @@ def test_te_backend_keys_and_dist_checkpoint_match_te_grouped_mlp(tmp_path):
     assert set(te_layer.sharded_state_dict(prefix="m.")) == set(meg.sharded_state_dict(prefix="m."))
 
     def experts(layer):
-        sd = {k: v for k, v in layer.state_dict().items() if torch.is_tensor(v) and v.numel() and "experts" in k}
+        sd = {
+            k: v for k, v in layer.state_dict().items() if torch.is_tensor(v) and v.numel() and "experts" in k
+        }
         return convert_state_dict(sd, "mok")
 
     builders = {

@@ -87,7 +87,9 @@ def padded_counts_host(counts_L: torch.Tensor, alignment: int) -> list[int]:
     return te_m_splits((counts_L + alignment - 1) // alignment * alignment)
 
 
-def te_expert_mlp(x_RH, probs_R, counts_L, linear_fc1, linear_fc2, act, alignment, *, apply_probs_on_input=False):
+def te_expert_mlp(
+    x_RH, probs_R, counts_L, linear_fc1, linear_fc2, act, alignment, *, apply_probs_on_input=False
+):
     """The MLP through TE GroupedLinear modules (``module(x, m_splits) -> (y, bias)``, Megatron's
     wrapper contract). Runs under whatever FP8 context the caller entered (Megatron's block does)."""
     m_splits = padded_counts_host(counts_L, alignment)
