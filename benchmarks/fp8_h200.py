@@ -23,7 +23,6 @@ Writes fp8_h200.json and fp8_h200.txt (and the training logs) to --out; prints t
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import re
@@ -40,7 +39,9 @@ REL_BOUND = 0.1
 LOSS_BOUND = 0.02
 TE_RECIPES = ("tensorwise", "blockwise", "delayed", "mxfp8", "nvfp4")
 ACC_SHAPE = dict(hidden=1024, ffn=512, experts=16, topk=4, tokens=2048)
+SMOKE_SHAPE = dict(hidden=64, ffn=64, experts=8, topk=2, tokens=256)
 TIME_SHAPES = ("deepseek-v3-ep32", "qwen3-30b-a3b")
+DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # CPU: --smoke only (bf16 rows)
 TINY_RUNS = {
     "bf16": [],
     "te-blockwise": ["--fp8-format", "e4m3", "--fp8-recipe", "blockwise", "--mok-expert-backend", "te"],
@@ -57,45 +58,24 @@ def variants() -> list[tuple[str, str, str | None]]:
 
 
 def skip_reason(backend: str, recipe: str | None) -> str | None:
-    from mok_megatron.compat import cuda_capability, have_te, te_version
-    from mok_megatron.fp8.native import unavailable_reason
-    from mok_megatron.fp8.recipes import available_recipes
+    from mok_megatron.fp8.layers import unavailable
 
-    if backend == "torch-fp8":
-        return unavailable_reason("cuda")
-    if backend == "te" and not have_te():
-        return "Transformer Engine not importable"
-    if recipe is not None:
-        a = available_recipes(cuda_capability(), have_te(), te_version())[recipe]
-        return None if a.available else a.reason
-    return None
+    return unavailable(backend, recipe)
 
 
 def layer_config(shape: dict, recipe: str | None):
-    from megatron.core.enums import Fp4Recipe, Fp8Recipe
-
     from mok_megatron.bench import _config
+    from mok_megatron.fp8.layers import fp8_config
 
-    cfg = _config(shape, torch.bfloat16)
-    if recipe == "nvfp4":
-        return dataclasses.replace(cfg, fp4="e2m1", fp4_recipe=Fp4Recipe.nvfp4)
-    if recipe is not None:
-        return dataclasses.replace(cfg, fp8="e4m3", fp8_recipe=Fp8Recipe(recipe))
-    return cfg
+    return fp8_config(_config(shape, torch.bfloat16), recipe)
 
 
 def build_layer(backend: str, cfg, state: dict | None):
-    from mok_megatron.bench import build
     from mok_megatron.checkpoint import convert_state_dict
-    from mok_megatron.options import MoKOptions, default_options, set_default_options
+    from mok_megatron.fp8.layers import build_mok_layer
 
-    before = default_options()
-    set_default_options(MoKOptions(expert_backend=backend))  # what --mok-expert-backend sets
-    try:
-        torch.manual_seed(0)
-        layer = build("mok", cfg).cuda()
-    finally:
-        set_default_options(before)
+    torch.manual_seed(0)
+    layer = build_mok_layer(backend, cfg).to(DEV)
     if state is not None:
         layer.load_state_dict(convert_state_dict(state, "mok"), strict=True)
     return layer
@@ -122,11 +102,10 @@ def rel(a, b) -> float:
     return float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30))
 
 
-def accuracy(results: dict) -> None:
-    shape = ACC_SHAPE
+def accuracy(results: dict, shape: dict = ACC_SHAPE) -> None:
     g = torch.Generator().manual_seed(0)
-    x = torch.randn(shape["tokens"], 1, shape["hidden"], generator=g).to("cuda", torch.bfloat16)
-    dout = torch.randn(shape["tokens"], 1, shape["hidden"], generator=g).to("cuda", torch.bfloat16)
+    x = torch.randn(shape["tokens"], 1, shape["hidden"], generator=g).to(DEV, torch.bfloat16)
+    dout = torch.randn(shape["tokens"], 1, shape["hidden"], generator=g).to(DEV, torch.bfloat16)
     ref, state = None, None
     for name, backend, recipe in variants():
         why = skip_reason(backend, recipe)
@@ -137,7 +116,9 @@ def accuracy(results: dict) -> None:
             cfg = layer_config(shape, recipe)
             layer = build_layer(backend, cfg, state)
             if state is None:
-                state = {k: v.detach().clone() for k, v in layer.state_dict().items() if torch.is_tensor(v)}
+                state = {
+                    k: v.detach().clone() if torch.is_tensor(v) else v for k, v in layer.state_dict().items()
+                }
             for _ in range(3):  # 2 warm-up steps, then the measured one
                 layer.zero_grad(set_to_none=True)
                 out, dx = fwd_bwd(layer, cfg, x, dout)
@@ -150,19 +131,18 @@ def accuracy(results: dict) -> None:
             del layer
         except Exception as e:  # report and go on: one recipe's failure must not hide the others
             results[name] = {"error": f"{type(e).__name__}: {e}", "trace": traceback.format_exc()[-1500:]}
-        torch.cuda.empty_cache()
+        if DEV.type == "cuda":
+            torch.cuda.empty_cache()
 
 
-def timing(results: dict, iters: int = 10, warmup: int = 3) -> None:
+def timing(results: dict, shapes=TIME_SHAPES, iters: int = 10, warmup: int = 3) -> None:
     from mok_megatron.bench import SHAPES, time_steps
 
-    for shape_name in TIME_SHAPES:
+    for shape_name in shapes:
         shape = SHAPES[shape_name]
         g = torch.Generator().manual_seed(0)
-        x = torch.randn(shape["tokens"], 1, shape["hidden"], generator=g).to("cuda", torch.bfloat16)
-        dout = (torch.randn(shape["tokens"], 1, shape["hidden"], generator=g) * 1e-2).to(
-            "cuda", torch.bfloat16
-        )
+        x = torch.randn(shape["tokens"], 1, shape["hidden"], generator=g).to(DEV, torch.bfloat16)
+        dout = (torch.randn(shape["tokens"], 1, shape["hidden"], generator=g) * 1e-2).to(DEV, torch.bfloat16)
         flops = 3 * 2 * shape["tokens"] * shape["topk"] * 3 * shape["hidden"] * shape["ffn"]
         rows = results.setdefault(shape_name, {})
         for name, backend, recipe in variants():
@@ -184,7 +164,8 @@ def timing(results: dict, iters: int = 10, warmup: int = 3) -> None:
                 del layer
             except Exception as e:
                 rows[name] = {"error": f"{type(e).__name__}: {e}", "trace": traceback.format_exc()[-1500:]}
-            torch.cuda.empty_cache()
+            if DEV.type == "cuda":
+                torch.cuda.empty_cache()
 
 
 def start_tiny_runs(out: str, iters: int) -> dict:
@@ -197,6 +178,8 @@ def start_tiny_runs(out: str, iters: int) -> dict:
     for i, (name, extra) in enumerate(TINY_RUNS.items()):
         port = 29611 + 7 * i  # one rendezvous per run: they share the machine
         cmd = [f"localhost:{port}" if c.startswith("localhost:") else c for c in base] + TINY_WIDEN + extra
+        if cmd[0] == "torchrun":  # this interpreter's torchrun, whatever PATH holds
+            cmd = [sys.executable, "-m", "torch.distributed.run", *cmd[1:]]
         log = open(os.path.join(out, f"tiny_{name}.log"), "w")
         procs[name] = (
             subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ)),
@@ -229,9 +212,38 @@ def finish_tiny_runs(procs: dict, out: str, timeout: float) -> dict:
     return res
 
 
+def start_gpu_tests(out: str):
+    cmd = [
+        sys.executable,
+        "-m",
+        "pytest",
+        "-q",
+        "-rs",
+        "-m",
+        "gpu",
+        "tests/test_fp8_gpu.py",
+        "-p",
+        "no:cacheprovider",
+    ]
+    log = open(os.path.join(out, "gpu_tests.txt"), "w")
+    return subprocess.Popen(cmd + ["-o", "addopts="], stdout=log, stderr=subprocess.STDOUT), log
+
+
+def finish_gpu_tests(tests, out: str, timeout: float) -> dict:
+    p, log = tests
+    try:
+        rc = p.wait(timeout)
+    except subprocess.TimeoutExpired:
+        p.kill()
+        rc = "timeout"
+    log.close()
+    lines = open(os.path.join(out, "gpu_tests.txt")).read().strip().splitlines()
+    return {"rc": rc, "tail": lines[-12:]}
+
+
 def summary(rep: dict) -> str:
     lines = [f"device: {rep['device']}  torch {rep['torch']}  TE {rep['te']}"]
-    lines.append(f"accuracy vs bf16 (rel. Frobenius error, bound {REL_BOUND}), shape {ACC_SHAPE}:")
+    lines.append(f"accuracy vs bf16 (rel. Frobenius error, bound {REL_BOUND}), shape {rep['acc_shape']}:")
     for name, r in rep["accuracy"].items():
         if "rel_err" in r:
             errs = " ".join(f"{k} {v:.4f}" for k, v in r["rel_err"].items())
@@ -255,6 +267,9 @@ def summary(rep: dict) -> str:
             )
         else:
             lines.append(f"  {name:<14} rc={r['rc']} no loss lines (see tiny_{name}.log)")
+    if "gpu_tests" in rep:
+        lines.append(f"tests/test_fp8_gpu.py rc={rep['gpu_tests']['rc']}:")
+        lines += ["  " + t for t in rep["gpu_tests"]["tail"]]
     return "\n".join(lines)
 
 
@@ -264,20 +279,28 @@ def main(argv=None) -> int:
     p.add_argument("--tiny-iters", type=int, default=100)
     p.add_argument("--no-tiny", action="store_true")
     p.add_argument("--no-timing", action="store_true")
+    p.add_argument(
+        "--smoke", action="store_true", help="tiny shapes, no training runs (CPU check of the script)"
+    )
     a = p.parse_args(argv)
     os.makedirs(a.out, exist_ok=True)
     from mok_megatron.bench import _init_single_process
     from mok_megatron.compat import te_version
 
-    rep = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "te": te_version()}
-    procs = {} if a.no_tiny else start_tiny_runs(a.out, a.tiny_iters)
+    device = torch.cuda.get_device_name(0) if DEV.type == "cuda" else "cpu"
+    rep = {"device": device, "torch": torch.__version__, "te": te_version()}
+    procs = {} if (a.no_tiny or a.smoke) else start_tiny_runs(a.out, a.tiny_iters)
+    tests = start_gpu_tests(a.out) if a.with_tests else None
     _init_single_process()
     rep["accuracy"], rep["timing"] = {}, {}
-    accuracy(rep["accuracy"])
+    rep["acc_shape"] = SMOKE_SHAPE if a.smoke else ACC_SHAPE
+    accuracy(rep["accuracy"], rep["acc_shape"])
     if procs:
         rep["tiny"] = finish_tiny_runs(procs, a.out, timeout=150)
+    if tests is not None:
+        rep["gpu_tests"] = finish_gpu_tests(tests, a.out, timeout=120)
     if not a.no_timing:
-        timing(rep["timing"])
+        timing(rep["timing"], ("tiny",) if a.smoke else TIME_SHAPES, *((2, 1) if a.smoke else ()))
     text = summary(rep)
     with open(os.path.join(a.out, "fp8_h200.json"), "w") as f:
         json.dump(rep, f, indent=1, default=str)

@@ -528,3 +528,51 @@ def test_moK_experts_refuse_fp8_backends_here():
     assert MoKGroupedMLP.__new__(
         MoKGroupedMLP, 8, cfg, options=MoKOptions(expert_backend="te")
     ).__class__ is (MoKTEGroupedMLP)
+
+
+def test_bench_layer_fp8_rows_skip_with_reasons_here(tmp_path):
+    """``mok bench layer --impl ...,mok-torch-fp8,mok-te-*``: FP8 rows are accepted; where they cannot run
+    (CPU, no TE) they are listed under skipped with the reason, and the bf16 row still runs."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from mok_megatron.bench_suite import FP8_IMPLS, check_impls
+
+    check_impls(["mok", *FP8_IMPLS])
+    with pytest.raises(ValueError, match="mok-fp9"):
+        check_impls(["mok", "mok-fp9"])
+    if torch.cuda.is_available():
+        pytest.skip("CPU check (the GPU runs the rows: benchmarks/fp8_h200.py)")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "TORCHDYNAMO_DISABLE": "1", "PYTHONPATH": root}
+    out = tmp_path / "b.json"
+    cmd = [
+        sys.executable,
+        "-m",
+        "mok_megatron.cli",
+        "bench",
+        "layer",
+        "--shape",
+        "tiny",
+        "--routing",
+        "uniform",
+    ]
+    cmd += [
+        "--impl",
+        "mok,mok-torch-fp8,mok-te-blockwise",
+        "--iters",
+        "1",
+        "--warmup",
+        "1",
+        "--json",
+        str(out),
+    ]
+    p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=120, cwd=root)
+    assert p.returncode == 0, p.stderr[-3000:]
+    (case,) = json.loads(out.read_text())["cases"]
+    assert [r["impl"] for r in case["rows"]] == ["mok"]
+    reasons = {s["impl"]: s["reason"] for s in case["skipped"]}
+    assert "torch-fp8" in reasons["mok-torch-fp8"] and "this device is cpu" in reasons["mok-torch-fp8"]
+    assert "blockwise" in reasons["mok-te-blockwise"]
