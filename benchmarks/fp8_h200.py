@@ -282,6 +282,7 @@ def main(argv=None) -> int:
     p.add_argument(
         "--smoke", action="store_true", help="tiny shapes, no training runs (CPU check of the script)"
     )
+    p.add_argument("--with-tests", action="store_true", help="also run tests/test_fp8_gpu.py (before timing)")
     a = p.parse_args(argv)
     os.makedirs(a.out, exist_ok=True)
     from mok_megatron.bench import _init_single_process
