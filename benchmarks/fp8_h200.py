@@ -202,6 +202,9 @@ def finish_tiny_runs(procs: dict, out: str, timeout: float) -> dict:
         text = open(os.path.join(out, f"tiny_{name}.log")).read()
         losses = [float(v) for v in re.findall(r"lm loss: ([0-9.eE+-]+)", text)]
         res[name] = {"rc": rc, "steps": len(losses), "cmd": " ".join(cmd)}
+        errors = [ln for ln in text.splitlines() if re.search(r"\w+Error\b|Exception", ln)]
+        if rc != 0 and errors:
+            res[name]["error"] = errors[-1][-300:]
         if losses:
             res[name].update(first=losses[0], final=losses[-1], final10=statistics.mean(losses[-10:]))
     base = res.get("bf16", {}).get("final10")
@@ -266,7 +269,9 @@ def summary(rep: dict) -> str:
                 f"last10 {r['final10']:.4f} ({d:+.2%}) {'OK' if r.get('ok', True) else 'FAIL'}"
             )
         else:
-            lines.append(f"  {name:<14} rc={r['rc']} no loss lines (see tiny_{name}.log)")
+            lines.append(
+                f"  {name:<14} rc={r['rc']} no loss lines (see tiny_{name}.log) {r.get('error', '')}"
+            )
     if "gpu_tests" in rep:
         lines.append(f"tests/test_fp8_gpu.py rc={rep['gpu_tests']['rc']}:")
         lines += ["  " + t for t in rep["gpu_tests"]["tail"]]
@@ -282,12 +287,14 @@ def main(argv=None) -> int:
     p.add_argument(
         "--smoke", action="store_true", help="tiny shapes, no training runs (CPU check of the script)"
     )
+    p.add_argument("--budget-s", type=float, default=140, help="wall budget; timing gets the last 35 s")
     p.add_argument("--with-tests", action="store_true", help="also run tests/test_fp8_gpu.py (before timing)")
     a = p.parse_args(argv)
     os.makedirs(a.out, exist_ok=True)
     from mok_megatron.bench import _init_single_process
     from mok_megatron.compat import te_version
 
+    t0 = time.time()
     device = torch.cuda.get_device_name(0) if DEV.type == "cuda" else "cpu"
     rep = {"device": device, "torch": torch.__version__, "te": te_version()}
     procs = {} if (a.no_tiny or a.smoke) else start_tiny_runs(a.out, a.tiny_iters)
@@ -297,9 +304,11 @@ def main(argv=None) -> int:
     rep["acc_shape"] = SMOKE_SHAPE if a.smoke else ACC_SHAPE
     accuracy(rep["accuracy"], rep["acc_shape"])
     if procs:
-        rep["tiny"] = finish_tiny_runs(procs, a.out, timeout=150)
+        rep["tiny"] = finish_tiny_runs(procs, a.out, timeout=max(5.0, a.budget_s - 35 - (time.time() - t0)))
     if tests is not None:
-        rep["gpu_tests"] = finish_gpu_tests(tests, a.out, timeout=120)
+        rep["gpu_tests"] = finish_gpu_tests(
+            tests, a.out, timeout=max(5.0, a.budget_s - 35 - (time.time() - t0))
+        )
     if not a.no_timing:
         timing(rep["timing"], ("tiny",) if a.smoke else TIME_SHAPES, *((2, 1) if a.smoke else ()))
     text = summary(rep)
@@ -308,6 +317,7 @@ def main(argv=None) -> int:
     with open(os.path.join(a.out, "fp8_h200.txt"), "w") as f:
         f.write(text + "\n")
     print(text)
+    print(f"wall {time.time() - t0:.0f} s; files in {a.out}")
     return 0
 
 

@@ -45,8 +45,10 @@ class MoKGroupedMLP(MegatronModule):
 
     def __new__(cls, *args, **kwargs):
         # The TE backend has other parameters (TE's GroupedLinear): its own class, chosen here so
-        # that specs, MoKMoELayer and ``isinstance(experts, MoKGroupedMLP)`` stay as they are.
-        if cls is MoKGroupedMLP and cls._resolve_options(kwargs.get("options")).expert_backend == "te":
+        # that specs, MoKMoELayer and ``isinstance(experts, MoKGroupedMLP)`` stay as they are. Only on
+        # construction (args given): copy/pickle call __new__(cls) bare and must keep the class.
+        backend = cls._resolve_options(kwargs.get("options")).expert_backend
+        if cls is MoKGroupedMLP and args and backend == "te":
             from mok_megatron.mcore.te_experts import MoKTEGroupedMLP
 
             return super().__new__(MoKTEGroupedMLP)
