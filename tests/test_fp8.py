@@ -481,6 +481,41 @@ def test_padded_expert_mlp_equals_unpadded(alignment, probs_on_input):
     assert torch.count_nonzero(got[3][1]) == 0 and torch.count_nonzero(got[3][4]) == 0  # empty experts
 
 
+@pytest.mark.parametrize("counts", [[5, 0, 17, 1, 0, 40], [0, 0, 0, 16], [3]])
+def test_native_static_buffer_plan_equals_unpadded(counts):
+    """The native path's static-size buffer (``native_num_rows``; spare rows owned by the last expert,
+    ``native_offsets``) gives the unpadded MLP's results with every group a multiple of 16 and the
+    GEMM's offsets ending at the buffer's end; checked with torch's per-expert reference GEMM."""
+    from mok_megatron.functional.experts import expert_mlp
+    from mok_megatron.mcore.padded_experts import native_num_rows, native_offsets, padded_expert_mlp
+    from mok_megatron.ops.activation import Activation, ActivationSpec
+    from mok_megatron.ops.grouped_gemm import grouped_linear_reference
+
+    counts = torch.tensor(counts)
+    g = torch.Generator().manual_seed(5)
+    R, H, F, L = int(counts.sum()), 16, 8, len(counts)
+    x = torch.randn(R, H, generator=g, dtype=torch.float64)
+    p = torch.rand(R, generator=g, dtype=torch.float64)
+    w1 = torch.randn(L, F, H, generator=g, dtype=torch.float64)
+    w2 = torch.randn(L, H, F, generator=g, dtype=torch.float64)
+    act = ActivationSpec(kind=Activation.RELU, gated=False)
+    P = native_num_rows(R, L, native.ALIGNMENT)
+    assert P % native.ALIGNMENT == 0 and P >= R + min(L, R) * (native.ALIGNMENT - 1)
+
+    def gemm(w):
+        def fc(x_PK, plan):
+            offs = native_offsets(plan)
+            assert int(offs[-1]) == x_PK.shape[0] == plan.num_rows == P
+            sizes = torch.diff(offs.long(), prepend=torch.zeros(1, dtype=torch.long))
+            assert all(int(c) % native.ALIGNMENT == 0 for c in sizes)
+            return grouped_linear_reference(x_PK, w, sizes.tolist())
+
+        return fc
+
+    y = padded_expert_mlp(x, p, counts, gemm(w1), gemm(w2), act, native.ALIGNMENT, num_rows=P)
+    torch.testing.assert_close(y, expert_mlp(x, p, counts, w1, w2, act), rtol=1e-10, atol=1e-10)
+
+
 def test_to_te_layout_key_mapping():
     from mok_megatron.checkpoint import from_mok_layout, to_mok_layout
     from mok_megatron.mcore.te_experts import to_te_layout

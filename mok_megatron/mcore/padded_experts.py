@@ -5,7 +5,8 @@ hidden, F1 fc1 rows (2F with a GLU), F FFN width, L local experts, A alignment.
 
 FP8 grouped GEMMs need every expert's row count to be a multiple of A (``fp8.backend.expert_alignment``).
 The rows are scattered once into a zeroed ``[P, H]`` buffer by the device-side plan of ``fp8.align``
-(no host read for the native path; ``P`` is the static bound ``num_rows_bound``), the probabilities the
+(no host read for the native path: ``P`` is the static bound ``num_rows_bound`` rounded up to A, the last
+expert owning the spare rows, ``native_offsets``), the probabilities the
 same way (padding rows get probability 0, so their activation output is 0 and they add nothing to any
 gradient), fc1 -> activation * probs -> fc2 run on the padded buffer, and the real rows are gathered
 back. The scatter/gather are autograd ops (index_copy / index_select), so backward is exact.
@@ -21,6 +22,7 @@ from collections.abc import Callable
 import torch
 
 from mok_megatron.fp8.align import PadPlan, pad_plan, pad_rows, unpad_rows
+from mok_megatron.kernels.routing import num_rows_bound
 from mok_megatron.ops.activation import ActivationSpec, apply_activation
 
 # fc(x_PK, plan) -> y_PN
@@ -64,18 +66,45 @@ def padded_expert_mlp(
     return unpad_rows(y_PH, plan)
 
 
+def native_num_rows(real_rows: int, num_experts: int, alignment: int) -> int:
+    """P for the native path: the static bound ``num_rows_bound``, rounded up to ``alignment``."""
+    bound = num_rows_bound(real_rows, num_experts, alignment)
+    return (bound + alignment - 1) // alignment * alignment
+
+
+def native_offsets(plan: PadPlan) -> torch.Tensor:
+    """The grouped GEMM's ``offs`` for the static-size buffer: the plan's padded offsets with the last
+    expert extended to the end, so it also owns the spare rows past the real padded total. Those rows
+    are zero inputs with probability 0: they add nothing to any output row that is read or to any
+    gradient, every group stays a multiple of the alignment (P is), and no GEMM output row is left
+    unwritten (torch's kernels leave rows past ``offs[-1]`` unspecified)."""
+    offs = plan.aligned_offsets_E.clone()
+    if offs.numel():
+        offs[-1] = plan.num_rows
+    return offs
+
+
 def native_expert_mlp(x_RH, probs_R, counts_L, w1_LFH, w2_LHF, act, *, apply_probs_on_input=False):
     """The MLP with both GEMMs in native rowwise FP8 (``torch._scaled_grouped_mm``); device-only."""
     from mok_megatron.fp8.native import ALIGNMENT, fp8_grouped_linear
 
     def fc1(x_PH, plan):
-        return fp8_grouped_linear(x_PH, w1_LFH, plan.aligned_offsets_E)
+        return fp8_grouped_linear(x_PH, w1_LFH, native_offsets(plan))
 
     def fc2(a_PF, plan):
-        return fp8_grouped_linear(a_PF, w2_LHF, plan.aligned_offsets_E)
+        return fp8_grouped_linear(a_PF, w2_LHF, native_offsets(plan))
 
+    num_rows = native_num_rows(x_RH.shape[0], w1_LFH.shape[0], ALIGNMENT)
     return padded_expert_mlp(
-        x_RH, probs_R, counts_L, fc1, fc2, act, ALIGNMENT, apply_probs_on_input=apply_probs_on_input
+        x_RH,
+        probs_R,
+        counts_L,
+        fc1,
+        fc2,
+        act,
+        ALIGNMENT,
+        apply_probs_on_input=apply_probs_on_input,
+        num_rows=num_rows,
     )
 
 
