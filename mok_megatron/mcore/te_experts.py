@@ -135,10 +135,10 @@ class MoKTEGroupedMLP(MoKGroupedMLP):
         return out, None
 
     def register_wgrad_accumulation_and_reduce_hooks(self, hook) -> None:
-        for linear in (self.linear_fc1, self.linear_fc2):
-            register = getattr(linear, "register_wgrad_accumulation_and_reduce_hooks", None)
-            if register is not None:
-                register(hook)
+        """Nothing here: Megatron's DDP visits every module holding the parameter, so it registers the
+        hook on the TE linears themselves (which fire it in their backward_dw), as for TEGroupedMLP
+        (which has no such method). Registering here as well would reduce the gradient twice."""
+        return None
 
     def backward_dw(self) -> None:
         """TE's deferred weight gradients (``delay_wgrad_compute``), fc2 then fc1 as ``TEGroupedMLP``."""
