@@ -219,7 +219,8 @@ def gather_sum_rows(
     out_TH = torch.empty(num_tokens, hidden, dtype=out_dtype, device=src_RH.device)
     probs_TK = None
     if probs_R is not None:
-        probs_TK = torch.zeros(num_tokens, topk, dtype=probs_dtype or probs_R.dtype, device=src_RH.device)
+        # Every entry is written (0 for a dropped route): no zero fill needed.
+        probs_TK = torch.empty(num_tokens, topk, dtype=probs_dtype or probs_R.dtype, device=src_RH.device)
     if num_tokens == 0:
         return out_TH, probs_TK
     block_h = min(next_pow2(max(hidden, 1)), GATHER_BLOCK_H)

@@ -109,7 +109,7 @@ class _SwiGLU(torch.autograd.Function):
         h_M2F, probs_M = ctx.saved_tensors
         num_rows, ffn = h_M2F.shape[0], h_M2F.shape[1] // 2
         dh_M2F = torch.empty_like(h_M2F)
-        dp_M = None if probs_M is None else torch.zeros_like(probs_M)
+        dp_M = None if probs_M is None else torch.empty_like(probs_M)  # every row is written
         if num_rows and ffn:
             block_m, block_f = _blocks(ffn)
             p = probs_M.contiguous() if probs_M is not None else h_M2F

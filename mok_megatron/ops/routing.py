@@ -19,6 +19,7 @@ multiply their output by that zero, so they contribute exactly nothing.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -61,10 +62,17 @@ def capacity_order(routing_map_TE: torch.Tensor, capacity: int) -> tuple[torch.T
 class SlotMap:
     """Each token's rows in the permuted layout: ``row_TK`` (int64), valid where ``valid_TK`` (bool).
 
-    ``valid_TK is None`` means every slot is valid (dropless: every token has exactly K rows)."""
+    ``valid_TK is None`` means every slot is valid (dropless: every token has exactly K rows).
+    ``rows32_TK`` is the same map as the Triton kernels take it (int32, -1 for an invalid slot), built once
+    per map and shared by permute, combine and their backwards."""
 
     row_TK: torch.Tensor
     valid_TK: torch.Tensor | None = None
+
+    @functools.cached_property
+    def rows32_TK(self) -> torch.Tensor:
+        rows = self.row_TK if self.valid_TK is None else torch.where(self.valid_TK, self.row_TK, -1)
+        return rows.to(torch.int32)
 
 
 def slot_map(token_idx_N: torch.Tensor, live_N: torch.Tensor | None, num_tokens: int, topk: int) -> SlotMap:
