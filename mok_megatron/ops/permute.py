@@ -40,7 +40,11 @@ def _dense_meta(slots: SlotMap, num_rows: int):
     is None``): one group without padding, so the kernel's zero-fill step has nothing to do."""
     from mok_megatron.kernels.routing import RoutingMeta
 
-    offs = torch.full((1,), num_rows, dtype=torch.int32, device=slots.row_TK.device)
+    if num_rows != slots.row_TK.numel():
+        raise ValueError(
+            f"dense permute: {num_rows} rows but {slots.row_TK.numel()} slots; every row needs a slot"
+        )
+    offs = slots.dense_offsets32
     return RoutingMeta(offs, offs, offs, slots.rows32_TK, num_rows, 1)
 
 

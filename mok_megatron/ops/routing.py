@@ -64,7 +64,7 @@ class SlotMap:
 
     ``valid_TK is None`` means every slot is valid (dropless: every token has exactly K rows).
     ``rows32_TK`` is the same map as the Triton kernels take it (int32, -1 for an invalid slot), built once
-    per map and shared by permute, combine and their backwards."""
+    per map and shared by permute, combine and their backwards (as is ``dense_offsets32``)."""
 
     row_TK: torch.Tensor
     valid_TK: torch.Tensor | None = None
@@ -73,6 +73,12 @@ class SlotMap:
     def rows32_TK(self) -> torch.Tensor:
         rows = self.row_TK if self.valid_TK is None else torch.where(self.valid_TK, self.row_TK, -1)
         return rows.to(torch.int32)
+
+    @functools.cached_property
+    def dense_offsets32(self) -> torch.Tensor:
+        """``[T * K]`` as a one-element int32 device tensor: with every slot valid the rows are exactly the
+        slots, one group without padding (the offsets the Triton scatter takes)."""
+        return torch.full((1,), self.row_TK.numel(), dtype=torch.int32, device=self.row_TK.device)
 
 
 def slot_map(token_idx_N: torch.Tensor, live_N: torch.Tensor | None, num_tokens: int, topk: int) -> SlotMap:
