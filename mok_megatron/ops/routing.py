@@ -31,10 +31,12 @@ def expert_counts(routing_map_TE: torch.Tensor) -> torch.Tensor:
 
 
 def dropless_order(routing_map_TE: torch.Tensor, num_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(token_idx_N, expert_idx_N)`` of the expert-major layout; ``num_rows`` = routing_map.sum()."""
-    num_tokens = routing_map_TE.shape[0]
-    flat = routing_map_TE.t().reshape(-1).argsort(descending=True, stable=True)[:num_rows]
-    return flat % num_tokens, flat // num_tokens
+    """``(token_idx_N, expert_idx_N)`` of the expert-major layout; ``num_rows`` = routing_map.sum().
+
+    The routed ``(expert, token)`` pairs of the ``[E, T]`` map in row-major order are exactly this layout:
+    ``torch.nonzero_static`` lists them with a static row count (no host sync, no sort of T*E keys)."""
+    pairs_N2 = torch.nonzero_static(routing_map_TE.t(), size=num_rows)
+    return pairs_N2[:, 1], pairs_N2[:, 0]
 
 
 def capacity_order(routing_map_TE: torch.Tensor, capacity: int) -> tuple[torch.Tensor, torch.Tensor]:
