@@ -43,7 +43,9 @@ for name in sys.argv[1:] or ["qwen3-30b-a3b", "deepseek-v3-ep32"]:
     cuda = [k for k in prof.key_averages() if k.device_type.name == "CUDA"]
     busy = sum(k.self_device_time_total for k in cuda) / 1e3
     n = sum(k.count for k in cuda)
-    print(f"\n== {name}: wall {ms:.2f} ms | GPU kernels {busy:.2f} ms in {n} launches | host enqueue {host:.2f} ms")
+    print(
+        f"\n== {name}: wall {ms:.2f} ms | GPU kernels {busy:.2f} ms in {n} launches | host enqueue {host:.2f} ms"
+    )
     for k in sorted(cuda, key=lambda k: -k.self_device_time_total)[:25]:
         print(f"   {k.self_device_time_total / 1e3:8.3f} ms x{k.count:4d}  {k.key[:120]}")
     cpu = [k for k in prof.key_averages() if k.device_type.name == "CPU" and k.key.startswith("aten::")]

@@ -18,6 +18,7 @@ import argparse
 import json
 import traceback
 import warnings
+from collections import Counter
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -148,6 +149,11 @@ def main() -> None:
     ]
     with open(args.json, "w") as f:
         json.dump({"aten": counter.ops, "triton": launches, "max_rel_err": max(errs)}, f, indent=1)
+    by_source = Counter(f"{where}: {op}" for op, where in counter.ops)
+    print(f"{len(counter.ops)} aten ops + {len(launches)} Triton launches per fwd+bwd; by source:")
+    for line, n in sorted(by_source.items()):
+        print(f"  {n:3d} x {line}")
+    print("  Triton: " + ", ".join(launches))
 
 
 if __name__ == "__main__":
