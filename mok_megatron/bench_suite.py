@@ -10,7 +10,8 @@ Implementations:
     mok            MoK's MoE layer (the spec's MLP submodule)
     megatron       Megatron-Core MoELayer, local (non-TE) spec: SequentialMLP
     megatron-te    Megatron-Core MoELayer, TE spec: TEGroupedMLP + moe_permute_fusion (needs TE and a GPU)
-    torchtitan     torchtitan's MoE (``bench_torchtitan``), when installed
+    torchtitan     torchtitan's MoE (``bench_torchtitan``), when installed; torch.compile'd on CUDA when that works
+                   (eager otherwise: the row's note says which and why)
     plain-pytorch  sort-based permute + torch._grouped_mm (``bench_peers``)
 
 FP8 rows (opt-in, ``--impl mok,mok-torch-fp8,...``; not in the default list): MoK's layer with an FP8 expert
@@ -117,7 +118,17 @@ def _build(impl: str, shape: dict, dtype, device, ref_sd: dict | None):
         return layer, f"expert GEMMs: {layer.gemm}"
     from mok_megatron.bench_torchtitan import TorchtitanMoE
 
-    return TorchtitanMoE(*weights, topk=shape["topk"]), "eager (no torch.compile)"
+    import os
+
+    import torch
+
+    layer = TorchtitanMoE(*weights, topk=shape["topk"])
+    if device.type != "cuda":
+        return layer, "eager (torch.compile is tried on CUDA only)"
+    if os.environ.get("MOK_BENCH_TORCHTITAN_COMPILE", "1") == "0":
+        return layer, "eager (MOK_BENCH_TORCHTITAN_COMPILE=0)"
+    x = torch.randn(shape["tokens"], 1, shape["hidden"], device=device, dtype=dtype)
+    return layer, layer.compile_moe(x)  # "torch.compile", or eager with the reason
 
 
 def _build_fp8(impl: str, shape: dict, dtype, device, ref_sd: dict):
