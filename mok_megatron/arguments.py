@@ -26,6 +26,7 @@ group exists. argparse has no post-parse hook, so ``extra_args_provider`` wraps 
     --mok-sync-free             sync_free             off
     --mok-deterministic         deterministic         on (--no-mok-deterministic: atomics)
     --mok-transport T           transport             auto
+    --mok-nvlink-programs N     nvlink_programs       64
 """
 
 from __future__ import annotations
@@ -110,7 +111,14 @@ def add_mok_flags(parser) -> None:
         choices=TRANSPORTS,
         default=d.transport,
         help="EP exchange: collective (NCCL/gloo all-to-all), copy_engine (symmetric-memory peer "
-        "pulls inside one NVLink domain), loopback (benchmarks only), auto (default)",
+        "pulls inside one NVLink domain), loopback (benchmarks only), auto (default)"
+        ", nvlink (Triton kernels read/write peer memory, one NVLink domain)",
+    )
+    g.add_argument(
+        "--mok-nvlink-programs",
+        type=int,
+        default=d.nvlink_programs,
+        help="--mok-transport nvlink: CTAs (SMs) that communicate (default: %(default)s)",
     )
 
 
@@ -180,6 +188,7 @@ def options_from_args(args) -> MoKOptions:
         sync_free=args.mok_sync_free,
         deterministic=args.mok_deterministic,
         transport=args.mok_transport,
+        nvlink_programs=getattr(args, "mok_nvlink_programs", MoKOptions().nvlink_programs),
     )
 
 
@@ -195,6 +204,7 @@ def _given_mok_flags(args) -> list[str]:
             "sync_free",
             "deterministic",
             "transport",
+            "nvlink_programs",
         )
         if getattr(given, f) != getattr(d, f)
     ]

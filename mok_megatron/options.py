@@ -22,13 +22,16 @@ the flags set (``set_default_options``). Frozen and validated at construction.
                          'loopback' (one GPU stands in for EP peers; benchmarks only)
     loopback_gbps        loopback transport: emulated per-direction link bandwidth (0 = infinite)
     loopback_ep          loopback transport: the EP size whose traffic is emulated
+    transport 'nvlink'   device-initiated peer reads (dispatch) and writes (combine) by Triton kernels
+                         over symmetric memory, one NVLink domain (``mok_megatron.nvlink``)
+    nvlink_programs      nvlink transport: CTAs (SMs) that communicate
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-TRANSPORTS = ("auto", "collective", "copy_engine", "loopback")
+TRANSPORTS = ("auto", "collective", "copy_engine", "loopback", "nvlink")
 ENGINES = ("auto", "pipeline", "plain")
 
 
@@ -46,6 +49,7 @@ class MoKOptions:
     transport: str = "auto"
     loopback_gbps: float = 0.0
     loopback_ep: int = 2
+    nvlink_programs: int = 64
 
     def __post_init__(self):
         if self.minibatch_size is not None and (
@@ -81,6 +85,10 @@ class MoKOptions:
             raise MoKOptionsError(f"loopback_gbps={self.loopback_gbps}: must be >= 0 (0 = infinite).")
         if self.loopback_ep < 1:
             raise MoKOptionsError(f"loopback_ep={self.loopback_ep}: must be >= 1.")
+        if self.nvlink_programs < 1:
+            raise MoKOptionsError(
+                f"--mok-nvlink-programs={self.nvlink_programs}: must be >= 1 (CTAs that communicate)."
+            )
 
 
 _default = MoKOptions()

@@ -50,6 +50,22 @@ def buffer_rows(matrix) -> int:
     return max([sum(r) for r in matrix] + [sum(matrix[s][d] for s in range(P)) for d in range(P)] + [1])
 
 
+_seg_cache: dict = {}  # (matrix, me, push, device) -> [P, 3] on the device; sync-free plans repeat
+
+
+def _segment_table(matrix, me: int, push: bool, device) -> torch.Tensor:
+    """The segment table on the device, cached: a repeated plan (sync-free capacities, or a CUDA graph
+    replay) needs no host-to-device copy."""
+    key = (tuple(map(tuple, matrix)), me, push, torch.device(device))
+    seg = _seg_cache.get(key)
+    if seg is None:
+        if len(_seg_cache) > 1024:
+            _seg_cache.clear()
+        rows = push_segments(matrix, me) if push else pull_segments(matrix, me)
+        seg = _seg_cache[key] = torch.tensor(rows, dtype=torch.int64).to(device)
+    return seg
+
+
 def _impl(use_triton: bool):
     if use_triton:
         return K.pull_rows, K.push_rows

@@ -1,0 +1,75 @@
+"""Shared cases of tests/test_nvlink.py: loopback exchanges and a loopback MoE layer of N emulated ranks,
+each checked against the all-to-all reference / the single-rank computation. Run on CPU (torch references,
+or Triton under TRITON_INTERPRET=1) and on CUDA (Triton)."""
+
+from __future__ import annotations
+
+import torch
+
+from mok_megatron.nvlink.exchange import all_to_all_reference, loopback_exchange
+from mok_megatron.nvlink.workspace import LoopbackWorkspace
+
+
+def random_matrix(P: int, seed: int, most: int = 5) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    m = torch.randint(0, most + 1, (P, P), generator=g)
+    m[0, P - 1] = 0  # an empty pair
+    return m.tolist()
+
+
+# (dtype, row shape): bf16 rows of 16-byte multiples take the aligned kernel, the others the plain one.
+ROW_FORMATS = [(torch.bfloat16, (24,)), (torch.float32, (3,)), (torch.float16, (1,)), (torch.float32, (2, 4))]
+
+
+def check_exchanges(P: int, device: str, use_triton: bool, programs: int = 3, most: int = 5) -> None:
+    """Pull and push on one workspace (buffers reused and grown) equal all_to_all for every rank."""
+    ws = LoopbackWorkspace(P, device)
+    g = torch.Generator().manual_seed(P)
+    for i, (dtype, row) in enumerate(ROW_FORMATS * 2):
+        m = random_matrix(P, seed=10 * P + i, most=most * (1 + i // len(ROW_FORMATS)))
+        xs = [torch.randn((sum(m[s]),) + row, generator=g).to(device, dtype) for s in range(P)]
+        ref = all_to_all_reference(xs, m)
+        for push in (False, True):
+            outs = loopback_exchange(ws, xs, m, push, programs, use_triton)
+            for d in range(P):
+                assert torch.equal(outs[d], ref[d]), (P, dtype, row, push, d)
+    ws.close()
+
+
+def loopback_moe(P: int, device: str, use_triton: bool, T: int = 12, H: int = 16, programs: int = 4):
+    """N emulated EP ranks run one MoE step through the workspace: each rank routes its tokens to
+    ranks (a token goes once to each rank that holds one of its experts), dispatch pulls the rows,
+    each rank applies its expert weight, combine pushes the results back, each source sums its
+    token's rows in rank order. Returns (per-rank outputs, the single-rank computation)."""
+    g = torch.Generator().manual_seed(100 + P)
+    dt = torch.bfloat16
+    w_PHH = (torch.randn(P, H, H, generator=g) / H**0.5).to(device, dt)
+    x_PTH = torch.randn(P, T, H, generator=g).to(device, dt)
+    to_PTP = torch.rand(P, T, P, generator=g) < 0.5  # [src, token, dest]
+    to_PTP[:, 0, :] = False  # a token that goes nowhere
+    ws = LoopbackWorkspace(P, device)
+    # Dest-major rows of every source (the pipeline's send order): token order inside a destination.
+    sends, toks = [], []
+    for s in range(P):
+        d_N, t_N = to_PTP[s].t().nonzero(as_tuple=True)
+        sends.append(x_PTH[s][t_N.to(device)])
+        toks.append((t_N, d_N))
+    m = [[int(to_PTP[s, :, d].sum()) for d in range(P)] for s in range(P)]
+    recv = loopback_exchange(ws, sends, m, push=False, programs=programs, use_triton=use_triton)
+    y = [recv[d] @ w_PHH[d].t() for d in range(P)]  # rows grouped by source
+    mt = [list(r) for r in zip(*m, strict=True)]
+    back = loopback_exchange(ws, y, mt, push=True, programs=programs, use_triton=use_triton)
+    outs, refs = [], []
+    for s in range(P):
+        t_N, d_N = toks[s]
+        out = torch.zeros(T, H, dtype=torch.float32, device=device)
+        ref = torch.zeros(T, H, dtype=torch.float32, device=device)
+        for d in range(P):  # fixed rank order on both sides: bitwise comparable
+            rows = (d_N == d).nonzero().flatten()
+            out[t_N[rows].to(device)] += back[s][rows.to(device)].float()
+            sel = to_PTP[s, :, d].to(device)
+            ref += torch.where(sel.unsqueeze(1), (x_PTH[s] @ w_PHH[d].t()).float(), 0)
+        outs.append(out)
+        refs.append(ref)
+    ws.close()
+    return outs, refs
