@@ -227,6 +227,21 @@ def test_loopback_on_gpu_real_rows():
             assert all(torch.equal(a, b) for a, b in zip(outs, ref, strict=True)), (dtype, push)
 
 
+def _no_host_sync(layer, x, dout):
+    """True when a forward + backward runs with no device-to-host synchronisation, else the error."""
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        out, _ = layer(x.clone().requires_grad_())
+        out.backward(dout)
+        return True
+    except Exception as e:
+        return repr(e)[:300]
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+        torch.cuda.synchronize()
+
+
 def _nvlink_worker(rank, port, out_path):
     from datetime import timedelta
 
@@ -275,6 +290,13 @@ def _nvlink_worker(rank, port, out_path):
             "repeat_bitwise": bool(torch.equal(o2, o3) and torch.equal(d2, d3)),
             "max_abs_out": (o1 - o2).abs().max().item(),
         }
+        with open(f"{out_path}.{rank}", "w") as f:  # the bitwise evidence first
+            json.dump(report, f)
+        if extra.get("sync_free"):  # warm now: the nvlink transport adds no host sync to the layer
+            report[name]["no_host_sync"] = {
+                "collective": _no_host_sync(coll, x, dout),
+                "nvlink": _no_host_sync(nvl, x, dout),
+            }
     from mok_megatron.nvlink.workspace import close_all
 
     close_all()
@@ -298,3 +320,6 @@ def test_nvlink_layer_bitwise_equals_collective_ep2(tmp_path):
         for name, entry in report.items():
             assert entry["transport"] == "NVLinkTransport", (rank, name, entry)
             assert entry["bitwise"] and entry["repeat_bitwise"], (rank, name, entry)
+            sync = entry.get("no_host_sync")
+            if sync is not None and sync["collective"] is True:
+                assert sync["nvlink"] is True, (rank, name, sync)

@@ -50,6 +50,15 @@ def buffer_rows(matrix) -> int:
     return max([sum(r) for r in matrix] + [sum(matrix[s][d] for s in range(P)) for d in range(P)] + [1])
 
 
+def to_device(t: torch.Tensor, device) -> torch.Tensor:
+    """A small host tensor on ``device`` without a stream synchronisation (a blocking copy would wait
+    for everything queued on the stream, i.e. stall the pipeline): pinned, non-blocking."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
 _seg_cache: dict = {}  # (matrix, me, push, device) -> [P, 3] on the device; sync-free plans repeat
 
 
@@ -62,7 +71,7 @@ def _segment_table(matrix, me: int, push: bool, device) -> torch.Tensor:
         if len(_seg_cache) > 1024:
             _seg_cache.clear()
         rows = push_segments(matrix, me) if push else pull_segments(matrix, me)
-        seg = _seg_cache[key] = torch.tensor(rows, dtype=torch.int64).to(device)
+        seg = _seg_cache[key] = to_device(torch.tensor(rows, dtype=torch.int64), device)
     return seg
 
 
@@ -87,10 +96,7 @@ def exchange_rows(ws, x: torch.Tensor, matrix, me: int, push: bool, programs: in
     out = x.new_empty((R,) + tuple(x.shape[1:]))
     peers = ws.buffers(word, W, buffer_rows(matrix))
     x_NW, out_RW = K.as_words(x, word), K.as_words(out, word)
-    seg = torch.tensor(
-        pull_segments(matrix, me) if not push else push_segments(matrix, me), dtype=torch.int64
-    )
-    seg = seg.to(x.device, non_blocking=True)
+    seg = _segment_table(matrix, me, push, x.device)
     if not push:
         peers.bufs[me][: x_NW.shape[0]].copy_(x_NW)
         ws.barrier()
@@ -120,11 +126,11 @@ def loopback_exchange(ws, xs: list[torch.Tensor], matrix, push: bool, programs: 
             peers.bufs[s][: xs[s].shape[0]].copy_(K.as_words(xs[s], word))
         ws.barrier()
         for d in range(P):
-            seg = torch.tensor(pull_segments(matrix, d), dtype=torch.int64, device=ws.device)
+            seg = _segment_table(matrix, d, False, ws.device)
             pull(K.as_words(outs[d], word), peers, seg, programs)
     else:
         for s in range(P):
-            seg = torch.tensor(push_segments(matrix, s), dtype=torch.int64, device=ws.device)
+            seg = _segment_table(matrix, s, True, ws.device)
             push_fn(K.as_words(xs[s], word), peers, seg, programs)
         ws.barrier()
         for d in range(P):
