@@ -323,3 +323,62 @@ def test_nvlink_layer_bitwise_equals_collective_ep2(tmp_path):
             sync = entry.get("no_host_sync")
             if sync is not None and sync["collective"] is True:
                 assert sync["nvlink"] is True, (rank, name, sync)
+
+
+class _FakeDist:
+    """torch.distributed as check_nvlink_group sees it: every rank's (host, GPU) given."""
+
+    def __init__(self, ranks, backend="nccl", peer_ok=True):
+        self.ranks, self.backend, self.peer_ok = ranks, backend, peer_ok
+
+    def is_initialized(self):
+        return True
+
+    def get_backend(self, group):
+        return self.backend
+
+    def get_world_size(self, group):
+        return len(self.ranks)
+
+    def all_gather_object(self, out, obj, group=None):
+        if isinstance(obj[0], str):  # (host, device)
+            out[:] = self.ranks
+        else:  # (device, unreachable devices)
+            out[:] = [
+                (d, [] if self.peer_ok else [x for _, x in self.ranks if x != d]) for _, d in self.ranks
+            ]
+
+
+@pytest.mark.parametrize(
+    "fake,match",
+    [
+        (_FakeDist([("a", 0), ("a", 1)], backend="gloo"), "NCCL EP group; this one is 'gloo'"),
+        (_FakeDist([("a", 0), ("b", 0)]), r"spans 2 hosts \(a, b\)"),
+        (_FakeDist([("a", 0), ("a", 1)], peer_ok=False), "GPU 0 cannot reach GPU\\(s\\) \\[1\\]"),
+    ],
+)
+def test_nvlink_group_checks_name_the_problem_and_the_fix(monkeypatch, fake, match):
+    from mok_megatron.config import MoKConfigError
+    from mok_megatron.nvlink import workspace as W
+
+    monkeypatch.setattr(W, "dist", fake)
+    monkeypatch.setattr(W, "group_size", lambda g: len(fake.ranks))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "can_device_access_peer", lambda a, b: fake.peer_ok)
+    with pytest.raises(MoKConfigError, match=match) as e:
+        W.check_nvlink_group(object())
+    assert "--mok-transport collective" in str(e.value)
+
+
+def test_nvlink_group_check_passes_one_host_with_peer_access(monkeypatch):
+    from mok_megatron.nvlink import workspace as W
+
+    fake = _FakeDist([("a", 0), ("a", 1)])
+    monkeypatch.setattr(W, "dist", fake)
+    monkeypatch.setattr(W, "group_size", lambda g: 2)
+    monkeypatch.setattr(W.socket, "gethostname", lambda: "a")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "can_device_access_peer", lambda a, b: True)
+    W.check_nvlink_group(object())

@@ -120,7 +120,7 @@ def _launch(local: torch.Tensor, peers: PeerBuffers, seg_P3: torch.Tensor, push:
     if programs < 1:
         raise ValueError(f"programs={programs}: must be >= 1 (the CTAs that communicate).")
     block_w = min(triton.next_power_of_2(W), 1024)
-    block_r = max(1, min(16, 2048 // block_w))
+    block_r = max(1, min(16, 4096 // block_w))  # 32 KiB of int64 words in flight per CTA
     grid = (max(1, min(programs, triton.cdiv(rows, block_r))),)
     row_bytes = W * local.element_size()
     aligned = (
@@ -128,7 +128,7 @@ def _launch(local: torch.Tensor, peers: PeerBuffers, seg_P3: torch.Tensor, push:
     )
     key = local.device.type
     args = (local, peers.table_P, seg_P3, W, P)
-    meta = dict(PUSH=push, ELEM=local.element_size(), BLOCK_R=block_r, BLOCK_W=block_w, num_warps=4)
+    meta = dict(PUSH=push, ELEM=local.element_size(), BLOCK_R=block_r, BLOCK_W=block_w, num_warps=8)
     if aligned and _aligned_ok.get(key, True):
         try:
             _rows_kernel[grid](*args, ALIGNED=True, **meta)

@@ -88,10 +88,13 @@ def check_nvlink_group(group) -> None:
             f"memory reaches one NVLink domain only: {_FIX} (or a smaller EP group inside the node)."
         )
     no_peer = [d for _, d in everyone if d != me and not torch.cuda.can_device_access_peer(me, d)]
-    if no_peer:
+    verdicts = [None] * len(everyone)  # every rank must raise together (or all would hang later)
+    dist.all_gather_object(verdicts, (me, no_peer), group=group)
+    bad = [(d, n) for d, n in verdicts if n]
+    if bad:
+        pairs = "; ".join(f"GPU {d} cannot reach GPU(s) {n}" for d, n in bad)
         raise MoKConfigError(
-            f"--mok-transport nvlink: GPU {me} has no peer access to GPU(s) {no_peer} of its EP group "
-            f"(not one NVLink/P2P domain): {_FIX}."
+            f"--mok-transport nvlink: {pairs}: the EP group is not one NVLink/P2P domain: {_FIX}."
         )
 
 
