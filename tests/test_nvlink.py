@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -52,10 +53,13 @@ class _ThreadRankWorkspace:
     def __init__(self, shared: LoopbackWorkspace, bar: threading.Barrier, lock: threading.Lock):
         self.shared, self.bar, self.lock, self.device = shared, bar, lock, shared.device
 
-    def buffers(self, word, W, rows):
-        self.bar.wait()  # every rank asks for the same size (collective, like symmetric memory)
+    def buffers(self, word, W, rows, role=None):
+        have = self.shared._bufs.get((word, W, role))
+        if have is not None and have.bufs[0].shape[0] >= rows:
+            return have  # no synchronisation, like NVLinkWorkspace
+        self.bar.wait()  # growing: collective, every rank asks for the same size
         with self.lock:
-            peers = self.shared.buffers(word, W, rows)
+            peers = self.shared.buffers(word, W, rows, role)
         self.bar.wait()
         return peers
 
@@ -64,25 +68,40 @@ class _ThreadRankWorkspace:
 
 
 @pytest.mark.parametrize("P", [2, 4])
-def test_exchange_rows_per_rank_threads_equal_all_to_all(P):
-    """The real transport's per-rank path (staging, two barriers, copy-out), ranks as threads."""
+def test_exchange_rows_per_rank_threads_equal_all_to_all(P, monkeypatch):
+    """The real transport's per-rank path (staging, barriers, copy-out), ranks as threads. Each step
+    uses one buffer twice in a row with different rows, and rank 0 reads slowly: a write that
+    skipped its barrier would overwrite rows that rank has not read yet."""
+    from mok_megatron.nvlink import kernels as K
+
     shared = LoopbackWorkspace(P, "cpu")
     lock = threading.Lock()
     bar = threading.Barrier(P)
+    who = threading.local()
+    slow_pull = K.pull_rows_reference
+
+    def pull_rows_reference(*args, **kw):
+        if who.me == 0:  # (random_matrix leaves the pair 0 -> P-1 empty)
+            time.sleep(0.02)
+        return slow_pull(*args, **kw)
+
+    monkeypatch.setattr(K, "pull_rows_reference", pull_rows_reference)
     g = torch.Generator().manual_seed(P)
     steps = []
     for i, (dtype, H) in enumerate([(torch.bfloat16, 8), (torch.float32, 3), (torch.bfloat16, 8)]):
         m = random_matrix(P, seed=i, most=4 + 20 * i)  # the last one grows the first format's buffer
-        steps.append((m, [torch.randn(sum(m[s]), H, generator=g).to(dtype) for s in range(P)]))
-    results = [[None] * len(steps) * 2 for _ in range(P)]
+        xa, xb = ([torch.randn(sum(m[s]), H, generator=g).to(dtype) for s in range(P)] for _ in range(2))
+        steps.append((m, [(xa, False), (xb, False), (xa, True), (xb, True)]))
+    results = [[] for _ in range(P)]
     errors = []
 
     def rank(me):
+        who.me = me
         try:
             ws = _ThreadRankWorkspace(shared, bar, lock)
-            for k, (m, xs) in enumerate(steps):
-                for j, push in enumerate((False, True)):
-                    results[me][2 * k + j] = exchange_rows(ws, xs[me], m, me, push, 2, use_triton=False)
+            for m, seq in steps:
+                for xs, push in seq:
+                    results[me].append(exchange_rows(ws, xs[me], m, me, push, 2, use_triton=False))
         except Exception as e:  # pragma: no cover - reported below
             errors.append(e)
             bar.abort()
@@ -93,11 +112,13 @@ def test_exchange_rows_per_rank_threads_equal_all_to_all(P):
     for t in threads:
         t.join(60)
     assert not errors, errors
-    for k, (m, xs) in enumerate(steps):
-        ref = all_to_all_reference(xs, m)
-        for me in range(P):
-            for j in range(2):
-                assert torch.equal(results[me][2 * k + j], ref[me]), (k, me, j)
+    i = 0
+    for m, seq in steps:
+        for xs, _ in seq:
+            ref = all_to_all_reference(xs, m)
+            for me in range(P):
+                assert torch.equal(results[me][i], ref[me]), (i, me)
+            i += 1
 
 
 # ---- the Triton kernels on CPU, interpreted (one subprocess: the interpreter is chosen at import) --------

@@ -4,13 +4,18 @@
 destination (dest-major); rank d receives them grouped by source (source-major), exactly like
 ``all_to_all_single`` with those splits, so the result is bitwise the collective transport's.
 
-    pull (dispatch)  stage my rows in my buffer | barrier | read my rows from every peer's buffer
-                     straight into the output | barrier (peers' buffers free again)
-    push (combine)   barrier (my buffer free) | write my rows into every destination's buffer,
-                     source-major | barrier (all rows landed) | copy my buffer's rows out
+    pull (dispatch)  [barrier] | stage my rows in my buffer | barrier | read my rows from every
+                     peer's buffer straight into the output
+    push (combine)   [barrier] | write my rows into every destination's buffer, source-major |
+                     barrier (all rows landed) | copy my buffer's rows out
 
-Signalling: ``hdl.barrier()`` of symmetric memory, on the device (no host synchronisation), two per
-exchange; the reduction that follows a combine is the pipeline's fixed-order gather (deterministic).
+Signalling: ``hdl.barrier()`` of symmetric memory, on the device (no host synchronisation). The
+barrier in brackets protects a buffer's readers of the previous exchange on it from its next writer;
+any later barrier on the same stream already does that (every rank runs the same sequence of
+exchanges, so the barrier counts agree), and buffers are kept per row format and direction, so in
+the pipeline (x dispatch, routing dispatch, combine, ...) each exchange pays one barrier, not two.
+A change of stream waits for the previous one and takes the bracketed barrier. The reduction that
+follows a combine is the pipeline's fixed-order gather (deterministic).
 
 Legend: P ranks, N rows sent, R rows received, W words per row.
 """
@@ -87,6 +92,27 @@ def _words(x: torch.Tensor):
     return word, row_bytes // word.itemsize
 
 
+class _Fences:
+    """One rank's barrier bookkeeping on a workspace (identical on every rank: same exchanges)."""
+
+    def __init__(self):
+        self.count = 0  # barriers so far
+        self.last: dict = {}  # buffer key -> barrier count when its readers last read it
+        self.stream = None
+
+
+def _fences(ws) -> _Fences:
+    f = getattr(ws, "_fences", None)
+    if f is None:
+        f = ws._fences = _Fences()
+    return f
+
+
+def _barrier(ws, f: _Fences) -> None:
+    ws.barrier()
+    f.count += 1
+
+
 def exchange_rows(ws, x: torch.Tensor, matrix, me: int, push: bool, programs: int, use_triton: bool = True):
     """This rank's part of one exchange on ``ws`` (an NVLinkWorkspace): the rows it receives."""
     pull, push_fn = _impl(use_triton)
@@ -94,19 +120,27 @@ def exchange_rows(ws, x: torch.Tensor, matrix, me: int, push: bool, programs: in
     word, W = _words(x)
     R = sum(matrix[s][me] for s in range(len(matrix)))
     out = x.new_empty((R,) + tuple(x.shape[1:]))
-    peers = ws.buffers(word, W, buffer_rows(matrix))
+    f = _fences(ws)
+    key = (word, W, push)
+    stream = torch.cuda.current_stream(x.device) if x.is_cuda else None
+    moved = f.stream is not None and stream != f.stream
+    if moved:
+        stream.wait_stream(f.stream)
+    if moved or f.last.get(key) == f.count:
+        _barrier(ws, f)  # before the buffer is written (or regrown) again
+    peers = ws.buffers(word, W, buffer_rows(matrix), push)
     x_NW, out_RW = K.as_words(x, word), K.as_words(out, word)
     seg = _segment_table(matrix, me, push, x.device)
     if not push:
         peers.bufs[me][: x_NW.shape[0]].copy_(x_NW)
-        ws.barrier()
+        _barrier(ws, f)
         pull(out_RW, peers, seg, programs)
-        ws.barrier()
     else:
-        ws.barrier()
         push_fn(x_NW, peers, seg, programs)
-        ws.barrier()
+        _barrier(ws, f)
         out_RW.copy_(peers.bufs[me][:R])
+    f.last[key] = f.count
+    f.stream = stream
     return out
 
 
@@ -116,7 +150,7 @@ def loopback_exchange(ws, xs: list[torch.Tensor], matrix, push: bool, programs: 
     P = len(matrix)
     xs = [x.contiguous() for x in xs]
     word, W = _words(xs[0])
-    peers = ws.buffers(word, W, buffer_rows(matrix))
+    peers = ws.buffers(word, W, buffer_rows(matrix), push)
     outs = []
     for d in range(P):
         R = sum(matrix[s][d] for s in range(P))

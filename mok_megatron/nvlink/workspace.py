@@ -1,9 +1,10 @@
 """Workspaces: the buffers every rank of an EP group publishes, allocated once and reused.
 
 ``NVLinkWorkspace(group)`` holds symmetric-memory buffers (``torch.distributed._symmetric_memory``)
-keyed by row format (word dtype, words per row); a buffer grows (collectively: every rank computes the
-same size from the global split matrix) and is otherwise reused by every layer and call on the group.
-``workspace(group, device)`` returns the cached one; ``close()`` frees it (and drops it from the cache).
+keyed by row format (word dtype, words per row) and role (the exchange direction); a buffer grows
+(collectively: every rank computes the same size from the global split matrix) and is otherwise
+reused by every layer and call on the group. ``workspace(group, device)`` returns the cached one;
+``close()`` frees it (and drops it from the cache).
 Creating one checks, and raises ``MoKConfigError`` naming the fix, that: CUDA and an NCCL group are
 there, symmetric memory imports, and every rank of the group is on this host with peer access to this
 GPU (one NVLink domain; across nodes use the collective transport).
@@ -41,10 +42,10 @@ class LoopbackWorkspace:
             raise MoKConfigError(f"loopback num_ranks={num_ranks}: must be >= 1.")
         self.size = num_ranks
         self.device = torch.device(device)
-        self._bufs: dict = {}  # (word dtype, W) -> PeerBuffers
+        self._bufs: dict = {}  # (word dtype, W, role) -> PeerBuffers
 
-    def buffers(self, word: torch.dtype, W: int, rows: int) -> PeerBuffers:
-        key = (word, W)
+    def buffers(self, word: torch.dtype, W: int, rows: int, role=None) -> PeerBuffers:
+        key = (word, W, role)
         have = self._bufs.get(key)
         if have is not None and have.bufs[0].shape[0] >= rows:
             return have
@@ -113,11 +114,11 @@ class NVLinkWorkspace:
         self.size = group_size(group)
         self.rank = dist.get_rank(group)
         self.device = torch.device(device)
-        self._bufs: dict = {}  # (word dtype, W) -> (PeerBuffers, handle, local buffer)
+        self._bufs: dict = {}  # (word dtype, W, role) -> (PeerBuffers, handle, local buffer)
         self._hdl = None  # the handle of the newest buffer: its signal pad carries the barriers
 
-    def buffers(self, word: torch.dtype, W: int, rows: int) -> PeerBuffers:
-        key = (word, W)
+    def buffers(self, word: torch.dtype, W: int, rows: int, role=None) -> PeerBuffers:
+        key = (word, W, role)
         have = self._bufs.get(key)
         if have is not None and have[0].bufs[0].shape[0] >= rows:
             return have[0]
