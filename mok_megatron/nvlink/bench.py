@@ -9,7 +9,9 @@ layout), so each rank sends ``rows[s][d]`` token rows of H bf16 to rank d. Bandw
 bottleneck definition: bytes a rank sends over NVLink (rows to *other* ranks x row bytes) / time, the
 slowest rank's. Times are per exchange as the layer pays them: nvlink dispatch = stage + barrier +
 pull kernel + barrier; combine = barrier + push kernel + barrier + copy-out. Every exchange's result is
-checked bitwise against all_to_all_single's.
+checked bitwise against all_to_all_single's. Timing one direction repeatedly reuses one buffer, so
+nvlink pays two barriers per exchange there; ``both`` (dispatch then combine, the pipeline's pattern)
+pays one per exchange.
 
 Legend: T tokens per rank, H hidden, K top-k, E experts, P ranks.
 """
@@ -87,13 +89,17 @@ def _bench_shape(name, ns, rank, P, device, slowest, smallest) -> list[dict]:
     def a2a_combine():
         dist.all_to_all_single(ref_N, ref_R, list(m[rank]), recv)
 
-    a2a_dispatch()
-    a2a_combine()
+    def a2a_both():
+        a2a_dispatch()
+        a2a_combine()
+
+    a2a_both()
     results = {
         "nccl a2a": (
             slowest(_time(a2a_dispatch, ns.iters, ns.warmup)),
             slowest(_time(a2a_combine, ns.iters, ns.warmup)),
             True,
+            slowest(_time(a2a_both, ns.iters, ns.warmup)),
         )
     }
     ce = CopyEngineTransport(dist.group.WORLD)
@@ -103,6 +109,7 @@ def _bench_shape(name, ns, rank, P, device, slowest, smallest) -> list[dict]:
         slowest(_time(lambda: ce.move(x_NH, mb, 0), ns.iters, ns.warmup)),
         slowest(_time(lambda: ce.move(ref_R, mb, 1), ns.iters, ns.warmup)),
         ok,
+        slowest(_time(lambda: (ce.move(x_NH, mb, 0), ce.move(ref_R, mb, 1)), ns.iters, ns.warmup)),
     )
     ws = workspace(dist.group.WORLD, device)
     for progs in [int(v) for v in ns.programs.split(",")]:
@@ -111,13 +118,24 @@ def _bench_shape(name, ns, rank, P, device, slowest, smallest) -> list[dict]:
         ok = torch.equal(d_out, ref_R) and torch.equal(c_out, ref_N)
         td = slowest(_time(lambda g=progs: exchange_rows(ws, x_NH, m, rank, False, g), ns.iters, ns.warmup))
         tc = slowest(_time(lambda g=progs: exchange_rows(ws, ref_R, mt, rank, True, g), ns.iters, ns.warmup))
-        results[f"nvlink programs={progs}"] = (td, tc, ok)
-    for label, (td, tc, ok) in results.items():
+        tb = slowest(
+            _time(
+                lambda g=progs: (
+                    exchange_rows(ws, x_NH, m, rank, False, g),
+                    exchange_rows(ws, ref_R, mt, rank, True, g),
+                ),
+                ns.iters,
+                ns.warmup,
+            )
+        )
+        results[f"nvlink programs={progs}"] = (td, tc, ok, tb)
+    for label, (td, tc, ok, tb) in results.items():
         row = dict(
             shape=name,
             transport=label,
             dispatch_ms=1e3 * td,
             combine_ms=1e3 * tc,
+            dispatch_then_combine_ms=1e3 * tb,
             dispatch_gbps=smallest(sent_remote / td / 1e9),
             combine_gbps=smallest(back_remote / tc / 1e9),
             bitwise_equal_a2a=bool(smallest(float(ok))),
@@ -129,6 +147,7 @@ def _bench_shape(name, ns, rank, P, device, slowest, smallest) -> list[dict]:
             print(
                 f"{name:6s} {label:20s} dispatch {row['dispatch_ms']:.3f} ms {row['dispatch_gbps']:6.1f} GB/s | "
                 f"combine {row['combine_ms']:.3f} ms {row['combine_gbps']:6.1f} GB/s | "
+                f"both {row['dispatch_then_combine_ms']:.3f} ms | "
                 f"equal a2a {row['bitwise_equal_a2a']}",
                 flush=True,
             )
