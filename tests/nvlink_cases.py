@@ -4,6 +4,8 @@ or Triton under TRITON_INTERPRET=1) and on CUDA (Triton)."""
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from mok_megatron.nvlink.exchange import all_to_all_reference, loopback_exchange
@@ -73,3 +75,86 @@ def loopback_moe(P: int, device: str, use_triton: bool, T: int = 12, H: int = 16
         refs.append(ref)
     ws.close()
     return outs, refs
+
+
+_generation = [0]
+
+
+class SharedFileWorkspace:
+    """A CPU stand-in for NVLinkWorkspace across gloo ranks: each rank's buffer is a file in /dev/shm
+    that every rank of the group maps (so peers' rows are really read and written across processes);
+    ``barrier`` is a gloo barrier. Same interface: ``buffers(word, W, rows, role)``, ``barrier()``."""
+
+    def __init__(self, group):
+        import torch.distributed as dist
+
+        self.dist, self.group = dist, group
+        self.rank, self.size = dist.get_rank(group), dist.get_world_size(group)
+        self.device = torch.device("cpu")
+        ranks = "-".join(map(str, dist.get_process_group_ranks(group)))
+        _generation[0] += 1  # every rank creates its workspaces in the same order
+        self.tag = f"{os.getppid()}-{ranks}-{_generation[0]}"
+        self._bufs: dict = {}
+        self._n = 0
+
+    def buffers(self, word, W, rows, role=None):
+        from mok_megatron.nvlink.kernels import PeerBuffers
+
+        key = (word, W, role)
+        have = self._bufs.get(key)
+        if have is not None and have.bufs[0].shape[0] >= rows:
+            return have
+        n = max(rows, 2 * (have.bufs[0].shape[0] if have else 0), 64)
+        self._n += 1
+        paths = [f"/dev/shm/mok-nvl-{self.tag}-{self._n}-{p}" for p in range(self.size)]
+        nbytes = n * W * word.itemsize
+
+        def mapped(path):
+            return torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8).view(word).view(n, W)
+
+        mine = mapped(paths[self.rank])
+        self.dist.barrier(group=self.group)
+        bufs = tuple(mine if p == self.rank else mapped(paths[p]) for p in range(self.size))
+        self.dist.barrier(group=self.group)
+        os.unlink(paths[self.rank])  # every rank has mapped it
+        self._bufs[key] = PeerBuffers(bufs, torch.tensor([b.data_ptr() for b in bufs], dtype=torch.int64))
+        return self._bufs[key]
+
+    def barrier(self):
+        self.dist.barrier(group=self.group)
+
+
+def nvlink_layer_case(rank, world, *, ep=2, topk=2, opts=None):
+    """The MoK layer through the overlap pipeline with NVLinkTransport (its exchanges on a shared-memory
+    workspace across the gloo ranks) against the same layer with the collective transport."""
+    from mok_megatron.nvlink import transport as NT
+    from tests.cases import build_layers, make_config, run_layer, setup_parallel
+
+    setup_parallel(ep=ep)
+    cfg = make_config(ep=ep, topk=topk)
+    layers = []
+    for _ in range(2):
+        torch.manual_seed(0)
+        layers.append(build_layers(cfg, opts=dict(opts or {}, transport="collective"))[1])
+    coll, nvl = layers
+    group = coll.token_dispatcher.transport.group
+    ws = SharedFileWorkspace(group)
+    nvl.token_dispatcher.transport = NT.NVLinkTransport(group, programs=3)
+    original = NT.workspace
+    NT.workspace = lambda g, device: ws
+    try:
+        g = torch.Generator().manual_seed(rank)
+        x = torch.randn(16, 2, cfg.hidden_size, generator=g)
+        dout = torch.randn(16, 2, cfg.hidden_size, generator=g)
+        (o1, dx1, g1, _), (o2, dx2, g2, _) = run_layer(coll, x, dout), run_layer(nvl, x, dout)
+        again = run_layer(nvl, x, dout)  # the workspace's buffers reused
+    finally:
+        NT.workspace = original
+    return dict(
+        bitwise=bool(
+            torch.equal(o1, o2) and torch.equal(dx1, dx2) and all(torch.equal(g1[k], g2[k]) for k in g1)
+        ),
+        repeat=bool(torch.equal(o2, again[0]) and torch.equal(dx2, again[1])),
+        nonzero=bool(o1.abs().sum() > 0),
+        buffers=len(ws._bufs),
+    )

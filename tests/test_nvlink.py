@@ -403,3 +403,18 @@ def test_nvlink_group_check_passes_one_host_with_peer_access(monkeypatch):
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(torch.cuda, "can_device_access_peer", lambda a, b: True)
     W.check_nvlink_group(object())
+
+
+@pytest.mark.parametrize(
+    "ep,topk,opts",
+    [
+        (2, 2, dict(minibatch_size=11)),  # 3 minibatches, exact splits
+        (4, 4, dict(minibatch_size=16, sync_free=True)),  # fixed capacities
+    ],
+)
+def test_nvlink_transport_in_the_pipeline_bitwise_equals_collective(pool, ep, topk, opts):
+    """NVLinkTransport's dispatch (pull) and combine (push), forward and backward, inside the real
+    pipeline across gloo ranks (peer buffers in shared memory, torch references for the kernels)."""
+    for r in pool.run("tests.nvlink_cases:nvlink_layer_case", ep=ep, topk=topk, opts=opts):
+        assert r["nonzero"] and r["bitwise"] and r["repeat"], r
+        assert r["buffers"] == 4  # token rows and routing rows, each per direction
