@@ -116,6 +116,7 @@ class NVLinkWorkspace:
         self.device = torch.device(device)
         self._bufs: dict = {}  # (word dtype, W, role) -> (PeerBuffers, handle, local buffer)
         self._hdl = None  # the handle of the newest buffer: its signal pad carries the barriers
+        self._retired: list = []  # grown-out buffers: kept until close() (frees need not be stream-ordered)
 
     def buffers(self, word: torch.dtype, W: int, rows: int, role=None) -> PeerBuffers:
         key = (word, W, role)
@@ -123,6 +124,8 @@ class NVLinkWorkspace:
         if have is not None and have[0].bufs[0].shape[0] >= rows:
             return have[0]
         n = _grow(rows, have[0].bufs[0].shape[0] if have else 0)  # same on every rank: same decision
+        if have is not None:
+            self._retired.append(have)
         buf = self.symm_mem.empty((n, W), dtype=word, device=self.device)
         hdl = self.symm_mem.rendezvous(buf, self.group_name)
         bufs = tuple(
@@ -140,8 +143,9 @@ class NVLinkWorkspace:
     def close(self) -> None:
         """Free the buffers (call on every rank, after the last exchange) and forget this workspace."""
         if self._bufs:
-            torch.cuda.current_stream(self.device).synchronize()
+            torch.cuda.synchronize(self.device)  # every stream: exchanges run on the comm stream
         self._bufs.clear()
+        self._retired.clear()
         self._hdl = None
         for k, v in list(_cache.items()):
             if v is self:
