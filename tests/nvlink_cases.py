@@ -41,11 +41,12 @@ def check_exchanges(P: int, device: str, use_triton: bool, programs: int = 3, mo
 def loopback_moe(P: int, device: str, use_triton: bool, T: int = 12, H: int = 16, programs: int = 4):
     """N emulated EP ranks run one MoE step through the workspace: each rank routes its tokens to
     ranks (a token goes once to each rank that holds one of its experts), dispatch pulls the rows,
-    each rank applies its expert weight, combine pushes the results back, each source sums its
+    each rank scales the rows by its expert vector (elementwise: bitwise independent of how many
+    rows a batch has, unlike a GEMM), combine pushes the results back, each source sums its
     token's rows in rank order. Returns (per-rank outputs, the single-rank computation)."""
     g = torch.Generator().manual_seed(100 + P)
     dt = torch.bfloat16
-    w_PHH = (torch.randn(P, H, H, generator=g) / H**0.5).to(device, dt)
+    w_PH = torch.randn(P, H, generator=g).to(device, dt)
     x_PTH = torch.randn(P, T, H, generator=g).to(device, dt)
     to_PTP = torch.rand(P, T, P, generator=g) < 0.5  # [src, token, dest]
     to_PTP[:, 0, :] = False  # a token that goes nowhere
@@ -58,7 +59,7 @@ def loopback_moe(P: int, device: str, use_triton: bool, T: int = 12, H: int = 16
         toks.append((t_N, d_N))
     m = [[int(to_PTP[s, :, d].sum()) for d in range(P)] for s in range(P)]
     recv = loopback_exchange(ws, sends, m, push=False, programs=programs, use_triton=use_triton)
-    y = [recv[d] @ w_PHH[d].t() for d in range(P)]  # rows grouped by source
+    y = [recv[d] * w_PH[d] for d in range(P)]  # rows grouped by source
     mt = [list(r) for r in zip(*m, strict=True)]
     back = loopback_exchange(ws, y, mt, push=True, programs=programs, use_triton=use_triton)
     outs, refs = [], []
@@ -70,7 +71,7 @@ def loopback_moe(P: int, device: str, use_triton: bool, T: int = 12, H: int = 16
             rows = (d_N == d).nonzero().flatten()
             out[t_N[rows].to(device)] += back[s][rows.to(device)].float()
             sel = to_PTP[s, :, d].to(device)
-            ref += torch.where(sel.unsqueeze(1), (x_PTH[s] @ w_PHH[d].t()).float(), 0)
+            ref += torch.where(sel.unsqueeze(1), (x_PTH[s] * w_PH[d]).float(), 0)
         outs.append(out)
         refs.append(ref)
     ws.close()
