@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Issue 8 (NVLink transport) on the H200 machine(s), from the repo root, megatron-core on PYTHONPATH:
 #   OUT=<dir> bash benchmarks/nvlink_h200.sh [all|tests|bench|layer]
-#   all (default, ~100 s): GPU tests of tests/test_nvlink.py (loopback N=2,4,8 on one GPU; the EP=2 layer,
+#   all (default, <= 115 s): GPU tests of tests/test_nvlink.py (loopback N=2,4,8 on one GPU; the EP=2 layer,
 #       bitwise vs the collective transport, when 2 GPUs) + on 2 GPUs the dispatch/combine bandwidth bench.
 #   layer (optional, longer): bench_overlap ep with the nvlink transport beside collective/copy_engine/Megatron.
 set -u
@@ -13,12 +13,12 @@ phase=${1:-all}
 ngpu=$($py -c "import torch; print(torch.cuda.device_count())")
 echo "GPUs: $ngpu"
 if [ "$phase" = all ] || [ "$phase" = tests ]; then
-  timeout 80 $py -m pytest -q -m gpu tests/test_nvlink.py -p no:cacheprovider -o addopts="" --timeout 75 -rs \
+  timeout 72 $py -m pytest -q -m gpu tests/test_nvlink.py -p no:cacheprovider -o addopts="" --timeout 65 -rs \
     > "$out/nvlink_tests.txt" 2>&1
   echo "== nvlink GPU tests rc=$?"; grep -E "passed|failed|error|Error|SKIP" "$out/nvlink_tests.txt" | tail -12
 fi
 if { [ "$phase" = all ] || [ "$phase" = bench ]; } && [ "$ngpu" -ge 2 ]; then
-  timeout 60 torchrun --nproc-per-node 2 -m mok_megatron.nvlink.bench --iters 20 --warmup 3 \
+  timeout 42 torchrun --nproc-per-node 2 -m mok_megatron.nvlink.bench --iters 20 --warmup 3 \
     --json "$out/nvlink_bench.json" > "$out/nvlink_bench.txt" 2>&1
   echo "== nvlink bench rc=$?"; grep -E "GB/s|Error|error" "$out/nvlink_bench.txt" | head -20
 fi
