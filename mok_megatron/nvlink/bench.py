@@ -58,6 +58,23 @@ def _time(fn, iters, warmup):
     return s.elapsed_time(e) / iters / 1e3
 
 
+def _kernel_time(ws, x, matrix, me, push, programs, ns, slowest):
+    import torch
+
+    from mok_megatron.nvlink import kernels as K
+    from mok_megatron.nvlink.exchange import _segment_table, _words, buffer_rows
+
+    word, W = _words(x)
+    peers = ws.buffers(word, W, buffer_rows(matrix), push)
+    seg = _segment_table(matrix, me, push, x.device)
+    if push:
+        local = K.as_words(x, word)
+        return slowest(_time(lambda: K.push_rows(local, peers, seg, programs), ns.iters, ns.warmup))
+    R = sum(matrix[s][me] for s in range(len(matrix)))
+    out = torch.empty((R, W), dtype=word, device=x.device)
+    return slowest(_time(lambda: K.pull_rows(out, peers, seg, programs), ns.iters, ns.warmup))
+
+
 def _bench_shape(name, ns, rank, P, device, slowest, smallest) -> list[dict]:
     import torch
     import torch.distributed as dist
@@ -65,6 +82,9 @@ def _bench_shape(name, ns, rank, P, device, slowest, smallest) -> list[dict]:
     from mok_megatron.functional.transport import CopyEngineTransport
     from mok_megatron.nvlink.exchange import exchange_rows
     from mok_megatron.nvlink.workspace import workspace
+
+    def kernel_time(*args):
+        return _kernel_time(*args, slowest)
 
     rows = []
     s = SHAPES[name]
@@ -129,6 +149,14 @@ def _bench_shape(name, ns, rank, P, device, slowest, smallest) -> list[dict]:
             )
         )
         results[f"nvlink programs={progs}"] = (td, tc, ok, tb)
+        # The kernels alone (no staging, no barriers): re-reading the same staged rows and re-writing
+        # the same rows is race-free, so this is the raw NVLink rate of the pull and push kernels.
+        exchange_rows(ws, x_NH, m, rank, push=False, programs=progs)  # stage the rows once
+        torch.cuda.synchronize()
+        dist.barrier()
+        kd = kernel_time(ws, x_NH, m, rank, False, progs, ns)
+        kc = kernel_time(ws, ref_R, mt, rank, True, progs, ns)
+        results[f"nvlink kernels only p={progs}"] = (kd, kc, ok, kd + kc)
     for label, (td, tc, ok, tb) in results.items():
         row = dict(
             shape=name,
