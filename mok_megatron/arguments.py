@@ -27,6 +27,7 @@ group exists. argparse has no post-parse hook, so ``extra_args_provider`` wraps 
     --mok-deterministic         deterministic         on (--no-mok-deterministic: atomics)
     --mok-transport T           transport             auto
     --mok-expert-backend B      expert_backend        torch (bf16; torch-fp8 | te for FP8)
+    --mok-nvlink-programs N     nvlink_programs       64
 """
 
 from __future__ import annotations
@@ -111,7 +112,14 @@ def add_mok_flags(parser) -> None:
         choices=TRANSPORTS,
         default=d.transport,
         help="EP exchange: collective (NCCL/gloo all-to-all), copy_engine (symmetric-memory peer "
-        "pulls inside one NVLink domain), loopback (benchmarks only), auto (default)",
+        "pulls inside one NVLink domain), loopback (benchmarks only), auto (default)"
+        ", nvlink (Triton kernels read/write peer memory, one NVLink domain)",
+    )
+    g.add_argument(
+        "--mok-nvlink-programs",
+        type=int,
+        default=d.nvlink_programs,
+        help="--mok-transport nvlink: CTAs (SMs) that communicate (default: %(default)s)",
     )
     g.add_argument(
         "--mok-expert-backend",
@@ -189,6 +197,7 @@ def options_from_args(args) -> MoKOptions:
         deterministic=args.mok_deterministic,
         transport=args.mok_transport,
         expert_backend=getattr(args, "mok_expert_backend", "torch"),
+        nvlink_programs=getattr(args, "mok_nvlink_programs", MoKOptions().nvlink_programs),
     )
 
 
@@ -205,6 +214,7 @@ def _given_mok_flags(args) -> list[str]:
             "deterministic",
             "transport",
             "expert_backend",
+            "nvlink_programs",
         )
         if getattr(given, f) != getattr(d, f)
     ]

@@ -26,13 +26,16 @@ the flags set (``set_default_options``). Frozen and validated at construction.
                          rowwise-scaled ``torch._scaled_grouped_mm``, Hopper+, no TE) | 'te' (Transformer
                          Engine GroupedLinear under Megatron's --fp8-format/--fp8-recipe; bf16 without it).
                          Device/TE checks run at layer build: ``mok_megatron.fp8.backend``
+    transport 'nvlink'   device-initiated peer reads (dispatch) and writes (combine) by Triton kernels
+                         over symmetric memory, one NVLink domain (``mok_megatron.nvlink``)
+    nvlink_programs      nvlink transport: CTAs (SMs) that communicate
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-TRANSPORTS = ("auto", "collective", "copy_engine", "loopback")
+TRANSPORTS = ("auto", "collective", "copy_engine", "loopback", "nvlink")
 ENGINES = ("auto", "pipeline", "plain")
 EXPERT_BACKENDS = ("torch", "torch-fp8", "te")
 
@@ -52,6 +55,7 @@ class MoKOptions:
     loopback_gbps: float = 0.0
     loopback_ep: int = 2
     expert_backend: str = "torch"
+    nvlink_programs: int = 64
 
     def __post_init__(self):
         if self.minibatch_size is not None and (
@@ -91,6 +95,10 @@ class MoKOptions:
             raise MoKOptionsError(
                 f"--mok-expert-backend={self.expert_backend!r}: choose one of {', '.join(EXPERT_BACKENDS)} "
                 "(torch: bf16 grouped GEMM; torch-fp8: native FP8 on Hopper+; te: Transformer Engine)."
+            )
+        if self.nvlink_programs < 1:
+            raise MoKOptionsError(
+                f"--mok-nvlink-programs={self.nvlink_programs}: must be >= 1 (CTAs that communicate)."
             )
 
 
