@@ -1,14 +1,15 @@
 #!/usr/bin/env bash
 # Issue 10 on 2 x H200: the tiny recipe (examples/tiny_moe.sh, EP=2, bf16, mock data) through Megatron's
 # training loop with Megatron's own schedules switched on, MoK vs Megatron's alltoall layer.
-#   bash benchmarks/composability_h200x2.sh [outdir] [group]    group: graphs | memory | all (default)
-# graphs: iteration time with and without CUDA graphs (--cuda-graph-impl local, attn + moe_router), and
+#   bash benchmarks/composability_h200x2.sh [outdir] [group]    group: graphs (default) | memory | all
+# graphs: MoK iteration time with and without CUDA graphs (--cuda-graph-impl local, attn + moe_router), and
 #         Megatron's 1F1B EP overlap + delayed wgrad driving MoK layers (2 micro-batches per step).
+# all:    graphs + the same for Megatron's alltoall layer + memory.
 # memory: a wider model (hidden 1024, 4k tokens per micro-batch) with and without selective recompute of
 #         the MoE module (moe) or its activation (moe_act): Megatron's "max allocated" after iteration 1.
 # Prints one table; logs stay in outdir.
 set -u
-out=${1:-${OUT:-/tmp/mok-composability}}; group=${2:-all}
+out=${1:-${OUT:-/tmp/mok-composability}}; group=${2:-graphs}
 mkdir -p "$out"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 CUDA_DEVICE_MAX_CONNECTIONS=1
 run() {  # name dispatcher iters extra-args
@@ -22,11 +23,13 @@ WIDE="--moe-grouped-gemm --hidden-size 1024 --ffn-hidden-size 2048 --moe-ffn-hid
 if [ "$group" != memory ]; then
   run mok mok 30
   run mok_graphs mok 30 $GRAPHS
-  run alltoall alltoall 30
-  run alltoall_graphs alltoall 30 $GRAPHS
   run mok_ep_overlap mok 30 --overlap-moe-expert-parallel-comm --delay-wgrad-compute
 fi
-if [ "$group" != graphs ]; then
+if [ "$group" = all ]; then
+  run alltoall alltoall 30
+  run alltoall_graphs alltoall 30 $GRAPHS
+fi
+if [ "$group" = memory ] || [ "$group" = all ]; then
   run wide_mok mok 5 $WIDE
   run wide_mok_recompute_moe mok 5 $WIDE --recompute-granularity selective --recompute-modules moe
   run wide_mok_recompute_moe_act mok 5 $WIDE --recompute-granularity selective --recompute-modules moe_act
