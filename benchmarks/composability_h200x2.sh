@@ -11,7 +11,7 @@
 set -u
 out=${1:-${OUT:-/tmp/mok-composability}}; group=${2:-graphs}
 mkdir -p "$out"
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 CUDA_DEVICE_MAX_CONNECTIONS=1
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 run() {  # name dispatcher iters extra-args
   local name=$1 disp=$2 iters=$3; shift 3
   DEVICE=gpu NPROC=2 ITERS=$iters DISPATCHER=$disp EXTRA_ARGS="--global-batch-size 16 $*" \
