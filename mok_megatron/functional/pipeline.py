@@ -239,5 +239,7 @@ def run_pipeline(
         st.wait("main", ev_back)
         st.hand_over("main", back_NH)
         rows = torch.cat([back_NH, z_a, z_b])
-        outs.append(_sum_rows(rows, lp.sum_index_N, lp.sum_slots, mb.num_tokens, lp.sum_valid_N, deterministic))
+        outs.append(
+            _sum_rows(rows, lp.sum_index_N, lp.sum_slots, mb.num_tokens, lp.sum_valid_N, deterministic)
+        )
     return outs[0] if C == 1 else torch.cat(outs, 0)

@@ -144,9 +144,22 @@ def regions(num_tokens: int, emulated_ep: int) -> tuple[int, int, int]:
     return r, a, num_tokens - r - a
 
 
+_LABELS: dict = {}  # (T, size, emulated_ep, device) -> labels: read-only, reused by every call
+
+
 def _region_labels(T: int, size: int, emulated_ep: int, device) -> torch.Tensor:
     """``[T]`` region id ``3c + {0: R, 1: A, 2: B}`` of every token, by device arithmetic (the same
-    rule as ``regions``; no host tensors, so a CUDA graph can capture it)."""
+    rule as ``regions``; no host tensors, so a CUDA graph can capture it). Cached per shape: later
+    calls launch nothing (a graph captured after the first call reads the cached tensor)."""
+    key = (T, size, emulated_ep, str(device))
+    if key not in _LABELS:
+        if len(_LABELS) > 64:
+            _LABELS.clear()
+        _LABELS[key] = _labels(T, size, emulated_ep, device)
+    return _LABELS[key]
+
+
+def _labels(T: int, size: int, emulated_ep: int, device) -> torch.Tensor:
     t = torch.arange(T, device=device)
     c = t // size
     o = t - c * size
@@ -230,7 +243,8 @@ def build_pipeline_plan(
             "pipeline needs the same number of tokens on every EP rank (Megatron's layout gives it)."
         )
     host_SDGW = host[:, :-1].view(ep, ep, 3 * MAX_MINIBATCHES, L + 1).tolist()
-    mbs = tuple(_exact_minibatch(ctx, c, host_SDGW) for c in range(C))
+    tpe = ctx.device_tpe(C)
+    mbs = tuple(_exact_minibatch(ctx, c, host_SDGW, [t[c] for t in tpe]) for c in range(C))
     return PipelinePlan(hidden_shape, T, mbs, L, ep_group, False, None, emulated_ep)
 
 
@@ -251,19 +265,34 @@ class _Ctx:
         to_rank_TP = self.routing_map_TE[start:stop].view(tc, self.ep, self.L).any(-1)  # [Tc, EP]
         return start, tc, to_rank_TP, regions(tc, self.emulated_ep)
 
-    def device_tpe(self, c, sources, region):
-        """[L] rows per local expert that ``sources`` send me in ``region`` of minibatch c (device)."""
-        g = 3 * c + region
-        return self.all_SDGW[list(sources), self.me, g, : self.L].sum(0)
+    def device_tpe(self, C):
+        """``[C, 3, L]`` rows per local expert arriving here per minibatch: (remote, A, B), device.
+        Views of two reductions for the whole call, not small ops per minibatch."""
+        mine_SGL = self.all_SDGW[:, self.me, : 3 * C, : self.L]
+        own_CRL = mine_SGL[self.me].view(C, 3, self.L)
+        if self.emulated_ep > 1:
+            remote_CL = own_CRL[:, 0]
+        else:
+            remote_CL = (mine_SGL.sum(0) - mine_SGL[self.me]).view(C, 3, self.L).sum(1)
+        return remote_CL, own_CRL[:, 1], own_CRL[:, 2]
 
 
-def _sum_map(ctx, tc, tok_N, valid_N, here_T, r):
-    """The final per-token sum over ``cat(remote rows, region A and B rows)``."""
+def _sum_map(tc, tok_N, valid_N, here_T, r, remote: SlotMap):
+    """The final per-token sum over ``cat(remote rows, region A and B rows)``: each token's remote
+    rows in destination order (the remote slot map), then its local row (a column appended)."""
     dev = tok_N.device
-    local_idx = torch.arange(r, tc, device=dev)
-    index = torch.cat([tok_N, local_idx])
-    valid = torch.cat([valid_N if valid_N is not None else torch.ones_like(tok_N, dtype=torch.bool), here_T[r:]])
-    return index, valid, slot_map(index, valid, tc, ctx.ep)
+    n = tok_N.shape[0]
+    local_T = torch.arange(n - r, n - r + tc, device=dev).clamp(min=n)  # row of token t: n + t - r
+    row_TK = torch.cat([remote.row_TK, local_T.unsqueeze(1)], 1)
+    valid_rem = (
+        remote.valid_TK if remote.valid_TK is not None else torch.ones_like(remote.row_TK, dtype=torch.bool)
+    )
+    valid_TK = torch.cat([valid_rem, here_T.unsqueeze(1)], 1)
+    index = torch.cat([tok_N, torch.arange(r, tc, device=dev)])
+    valid = torch.cat(
+        [valid_N if valid_N is not None else torch.ones_like(tok_N, dtype=torch.bool), here_T[r:]]
+    )
+    return index, valid, SlotMap(row_TK, valid_TK)
 
 
 def _remote_sources(ctx):
@@ -279,7 +308,7 @@ def _here_T(ctx, to_rank_TP, r):
     return here
 
 
-def _exact_minibatch(ctx: _Ctx, c: int, host_SDGW) -> SendPlan:
+def _exact_minibatch(ctx: _Ctx, c: int, host_SDGW, tpe_dev) -> SendPlan:
     ep, me, L = ctx.ep, ctx.me, ctx.L
     start, tc, to_rank_TP, (r, a, b) = ctx.minibatch(c)
     G = (3 * c, 3 * c + 1, 3 * c + 2)
@@ -311,17 +340,18 @@ def _exact_minibatch(ctx: _Ctx, c: int, host_SDGW) -> SendPlan:
     sources = _remote_sources(ctx)
     tpe_remote = tpe(sources, me, src_gs)
     here_T = _here_T(ctx, to_rank_TP, r)
-    index, valid, sum_slots = _sum_map(ctx, tc, tok, None, here_T, r)
+    slots = slot_map(tok, torch.ones_like(tok, dtype=torch.bool), tc, max(ep - 1, 1))
+    index, valid, sum_slots = _sum_map(tc, tok, None, here_T, r, slots)
 
-    def part(s_list, gs, host):
-        return ExpertPart(sum(host), _dev_tpe(ctx, c, s_list, gs), host, False)
+    def part(i, host):
+        return ExpertPart(sum(host), tpe_dev[i], host, False)
 
     local = LocalPlan(
         regions=(r, a, b),
         here_T=here_T,
-        remote=part(sources, [g - 3 * c for g in src_gs], tpe_remote),
-        part_a=part([me], [1], tpe([me], me, G[1:2])),
-        part_b=part([me], [2], tpe([me], me, G[2:3])),
+        remote=part(0, tpe_remote),
+        part_a=part(1, tpe([me], me, G[1:2])),
+        part_b=part(2, tpe([me], me, G[2:3])),
         sum_slots=sum_slots,
         sum_index_N=index,
         sum_valid_N=valid,
@@ -332,7 +362,7 @@ def _exact_minibatch(ctx: _Ctx, c: int, host_SDGW) -> SendPlan:
         token_idx_N=tok,
         dest_N=dest,
         valid_N=None,
-        slots=slot_map(tok, torch.ones_like(tok, dtype=torch.bool), tc, ep),
+        slots=slots,
         send_splits=send,
         recv_splits=recv,
         split_matrix=split,
@@ -342,10 +372,6 @@ def _exact_minibatch(ctx: _Ctx, c: int, host_SDGW) -> SendPlan:
         tokens_per_expert_host=tpe_remote,
         local=local,
     )
-
-
-def _dev_tpe(ctx, c, sources, region_ids):
-    return sum(ctx.device_tpe(c, sources, g) for g in region_ids)
 
 
 def _sync_free_minibatch(ctx: _Ctx, c: int, multiplier: float):
@@ -385,7 +411,8 @@ def _sync_free_minibatch(ctx: _Ctx, c: int, multiplier: float):
     send = split[me]
     recv = tuple(split[s][me] for s in range(len(split)))
     here_T = _here_T(ctx, to_rank_TP, r)
-    index, sum_valid, sum_slots = _sum_map(ctx, tc, tok, valid, here_T, r)
+    slots = slot_map(tok, valid, tc, max(ep - 1, 1))
+    index, sum_valid, sum_slots = _sum_map(tc, tok, valid, here_T, r, slots)
     nrecv = sum(recv)
     zero = torch.zeros(L, dtype=torch.int64, device=dev)
     local = LocalPlan(
@@ -404,7 +431,7 @@ def _sync_free_minibatch(ctx: _Ctx, c: int, multiplier: float):
         token_idx_N=tok,
         dest_N=dest,
         valid_N=valid,
-        slots=slot_map(tok, valid, tc, ep),
+        slots=slots,
         send_splits=send,
         recv_splits=recv,
         split_matrix=split,
