@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
+import mok_megatron.functional.pipeline_plan as plan_module
 from mok_megatron.functional.pipeline import run_pipeline
 from mok_megatron.functional.pipeline_plan import build_pipeline_plan
 from mok_megatron.functional.transport import CollectiveTransport, LoopbackTransport
@@ -110,7 +111,34 @@ def _remote_pairs(routing_TE, ep, me):
     return to_rank.sum() - to_rank[:, me].sum()
 
 
-def schedule_case(rank, world, *, chunks=1, emulated_ep=1, tokens=64):
+class _MinLocalHalf:
+    """Sets ``pipeline_plan.MIN_LOCAL_HALF`` for one case (test shapes are far below the default)."""
+
+    def __init__(self, value):
+        self.value = value
+
+    def __enter__(self):
+        self.old = plan_module.MIN_LOCAL_HALF
+        plan_module.MIN_LOCAL_HALF = self.value
+
+    def __exit__(self, *exc):
+        plan_module.MIN_LOCAL_HALF = self.old
+
+
+def megatron_case(rank, world, *, min_local_half=4, **kw):
+    """``tests.cases.pipeline_case`` (MoK layer vs Megatron's MoELayer) with regions A/B split."""
+    from tests.cases import pipeline_case
+
+    with _MinLocalHalf(min_local_half):
+        return pipeline_case(rank, world, **kw)
+
+
+def schedule_case(rank, world, *, min_local_half=4, **kw):
+    with _MinLocalHalf(min_local_half):
+        return _schedule_case(rank, world, **kw)
+
+
+def _schedule_case(rank, world, *, chunks=1, emulated_ep=1, tokens=64):
     """One pipeline call forward+backward; returns the event log and aten op counts.
 
     ``emulated_ep`` > 1: one process per "group" (each rank alone, EP=1) with a loopback transport."""

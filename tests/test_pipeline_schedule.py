@@ -78,3 +78,22 @@ def test_loopback_moves_the_emulated_share_with_full_bytes():
     meta_bytes = tokens * 2 * pc.L * 4 * r["factor"]
     # forward: dispatch x + meta, combine; backward: the three reversed.
     assert r["bytes_moved"] == pytest.approx(2 * (2 * x_bytes + meta_bytes))
+
+
+@pytest.mark.parametrize("emulated_ep", [1, 3, 32])
+def test_region_labels_follow_the_host_rule(emulated_ep):
+    # The device labels (counts, capturable) and the host rule (sizes) must agree on every token.
+    import torch
+
+    import mok_megatron.functional.pipeline_plan as P
+
+    for min_half in (1, 4, 256):
+        with pc._MinLocalHalf(min_half):
+            for T, size in ((1, 1), (7, 3), (64, 64), (100, 16), (1000, 333)):
+                bounds = P.minibatch_bounds(T, size)
+                expect = []
+                for c in range(len(bounds) - 1):
+                    r, a, b = P.regions(bounds[c + 1] - bounds[c], emulated_ep)
+                    expect += [3 * c] * r + [3 * c + 1] * a + [3 * c + 2] * b
+                got = P._labels(T, bounds[1] - bounds[0], emulated_ep, "cpu")
+                assert got.tolist() == expect, (T, size, min_half)

@@ -43,6 +43,7 @@ from mok_megatron.ops.routing import SlotMap, slot_map
 MAX_MINIBATCHES = 16  # bounds the counts exchange; larger splits only shrink the GEMMs further
 _MIN_ROWS_PER_EXPERT = 512  # auto rule: keep each local expert's GEMM at least this tall on average
 _AUTO_MAX_MINIBATCHES = 4
+MIN_LOCAL_HALF = 256  # tokens: a minibatch's local rows are split in halves A/B only above 2x this
 
 
 class PipelineError(ValueError):
@@ -138,10 +139,12 @@ class PipelinePlan:
 
 def regions(num_tokens: int, emulated_ep: int) -> tuple[int, int, int]:
     """``(r, a, b)`` of a minibatch of ``num_tokens``: R is the emulated peers' share (``1 - 1/EP``)
-    of the tokens (0 without emulation), the local rest is halved into A and B."""
+    of the tokens (0 without emulation); the local rest is halved into A and B when it holds at
+    least ``2 * MIN_LOCAL_HALF`` tokens, else it is all A (halves that small would only add launches)."""
     r = num_tokens - (num_tokens + emulated_ep - 1) // emulated_ep
-    a = (num_tokens - r + 1) // 2
-    return r, a, num_tokens - r - a
+    rest = num_tokens - r
+    a = (rest + 1) // 2 if rest >= 2 * MIN_LOCAL_HALF else rest
+    return r, a, rest - a
 
 
 _LABELS: dict = {}  # (T, size, emulated_ep, device) -> labels: read-only, reused by every call
@@ -151,7 +154,7 @@ def _region_labels(T: int, size: int, emulated_ep: int, device) -> torch.Tensor:
     """``[T]`` region id ``3c + {0: R, 1: A, 2: B}`` of every token, by device arithmetic (the same
     rule as ``regions``; no host tensors, so a CUDA graph can capture it). Cached per shape: later
     calls launch nothing (a graph captured after the first call reads the cached tensor)."""
-    key = (T, size, emulated_ep, str(device))
+    key = (T, size, emulated_ep, MIN_LOCAL_HALF, str(device))
     if key not in _LABELS:
         if len(_LABELS) > 64:
             _LABELS.clear()
@@ -165,7 +168,8 @@ def _labels(T: int, size: int, emulated_ep: int, device) -> torch.Tensor:
     o = t - c * size
     tc = (T - c * size).clamp(max=size)
     r = tc - (tc + emulated_ep - 1) // emulated_ep
-    a = (tc - r + 1) // 2
+    rest = tc - r
+    a = torch.where(rest >= 2 * MIN_LOCAL_HALF, (rest + 1) // 2, rest)
     return 3 * c + (o >= r).to(torch.int64) + (o >= r + a).to(torch.int64)
 
 
