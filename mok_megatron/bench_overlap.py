@@ -99,14 +99,20 @@ def stream_overlap(step, device) -> dict:
     import torch
     from torch.profiler import ProfilerActivity, profile
 
+    import time
+
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        t_host = time.perf_counter()
         step()
+        t_host = time.perf_counter() - t_host  # host enqueue (and any host waits) of one step
         torch.cuda.synchronize()
     spans: dict[int, list] = {}
+    kernels = 0
     for e in prof.events():
         if e.device_type.name != "CUDA" or e.time_range.elapsed_us() <= 0:
             continue
+        kernels += 1
         stream = getattr(e, "stream", None) or getattr(e, "device_resource_id", 0)
         spans.setdefault(stream, []).append((e.time_range.start, e.time_range.end))
 
@@ -131,9 +137,14 @@ def stream_overlap(step, device) -> dict:
             both += t - last
         depth += d
         last = t
+    starts = [a for v in busy.values() for a, _ in v]
+    ends = [b for v in busy.values() for _, b in v]
     return {
         "busy_ms_per_stream": {str(s): sum(b - a for a, b in v) / 1e3 for s, v in busy.items()},
         "concurrent_ms": both / 1e3,
+        "gpu_span_ms": (max(ends) - min(starts)) / 1e3 if starts else 0.0,
+        "gpu_ops": kernels,
+        "host_ms": 1e3 * t_host,
     }
 
 
@@ -289,7 +300,9 @@ def _reinit(ep: int):
     model_parallel_cuda_manual_seed(1234)
 
 
-def bench_ep(shapes, transports, chunks_list, iters, warmup, modes=("exact",)) -> list[dict]:
+def bench_ep(shapes, transports, chunks_list, iters, warmup, modes=("exact",), profile=False) -> list[dict]:
+    """``profile``: also one profiled step (streams busy and concurrent, GPU ops, host enqueue) of
+    Megatron's layer and of every one-minibatch exact-mode MoK variant at EP=N."""
     import torch
     import torch.distributed as dist
 
@@ -337,6 +350,8 @@ def bench_ep(shapes, transports, chunks_list, iters, warmup, modes=("exact",)) -
             ref_out = ref(x)[0].detach().float()
             t = tmax(_time(_stepper(ref, x, dout), iters, warmup))
             rows.append(dict(shape=name, ep=ep, impl=meg, transport="nccl a2a", chunks=1, ms=1e3 * t))
+            if profile and cuda and ep > 1:
+                rows[-1]["profile"] = _profiled(name, meg, _stepper(ref, x, dout), device, rank)
             del ref
             mok_sd = convert_state_dict(sd, "mok")
             variants = [("plain", None, 1, "exact")]
@@ -363,6 +378,9 @@ def bench_ep(shapes, transports, chunks_list, iters, warmup, modes=("exact",)) -
                         continue
                 t = tmax(_time(step, iters, warmup))
                 label_mode = label if tr is None else f"{label} {mode}"
+                prof = None
+                if profile and cuda and ep > 1 and chunks == 1 and not graph:
+                    prof = _profiled(name, f"mok {label_mode}", step, device, rank)
                 rows.append(
                     dict(
                         shape=name,
@@ -372,6 +390,7 @@ def bench_ep(shapes, transports, chunks_list, iters, warmup, modes=("exact",)) -
                         chunks=chunks,
                         ms=1e3 * t,
                         rel_err=err,
+                        **({"profile": prof} if prof else {}),
                     )
                 )
                 if rank == 0:
@@ -384,6 +403,20 @@ def bench_ep(shapes, transports, chunks_list, iters, warmup, modes=("exact",)) -
                 meg_row = next(r for r in rows if r["shape"] == name and r["ep"] == ep and r["impl"] == meg)
                 print(f"{name} EP={ep} {meg}: {meg_row['ms']:.2f} ms", flush=True)
     return rows
+
+
+def _profiled(shape, label, step, device, rank) -> dict:
+    """One profiled step on every rank (collectives need all of them); rank 0 prints."""
+    prof = stream_overlap(step, device)
+    if rank == 0:
+        busy = ", ".join(f"{v:.2f}" for v in prof["busy_ms_per_stream"].values())
+        print(
+            f"profile {shape} {label}: GPU span {prof['gpu_span_ms']:.2f} ms, streams busy [{busy}] ms, "
+            f"concurrent {prof['concurrent_ms']:.2f} ms, {prof['gpu_ops']} GPU ops, host "
+            f"{prof['host_ms']:.2f} ms",
+            flush=True,
+        )
+    return prof
 
 
 def format_ep(rows) -> str:
@@ -432,6 +465,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--json", default=None, help="write the rows as JSON to this file")
+    p.add_argument("--profile", action="store_true", help="ep: also profile one step per 1-minibatch variant")
     ns = p.parse_args(argv)
     import warnings
 
@@ -452,7 +486,13 @@ def main(argv: list[str] | None = None) -> int:
     else:
         shapes = (ns.shapes or "dsv3,qwen3").split(",")
         rows = bench_ep(
-            shapes, ns.transports.split(","), chunks, ns.iters, ns.warmup, modes=ns.modes.split(",")
+            shapes,
+            ns.transports.split(","),
+            chunks,
+            ns.iters,
+            ns.warmup,
+            modes=ns.modes.split(","),
+            profile=ns.profile,
         )
         text = format_ep(rows)
         rank0 = int(os.environ.get("RANK", 0)) == 0

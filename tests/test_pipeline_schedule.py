@@ -83,8 +83,6 @@ def test_loopback_moves_the_emulated_share_with_full_bytes():
 @pytest.mark.parametrize("emulated_ep", [1, 3, 32])
 def test_region_labels_follow_the_host_rule(emulated_ep):
     # The device labels (counts, capturable) and the host rule (sizes) must agree on every token.
-    import torch
-
     import mok_megatron.functional.pipeline_plan as P
 
     for min_half in (1, 4, 256):
