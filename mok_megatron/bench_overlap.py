@@ -300,12 +300,16 @@ def _reinit(ep: int):
     model_parallel_cuda_manual_seed(1234)
 
 
-def bench_ep(shapes, transports, chunks_list, iters, warmup, modes=("exact",), profile=False) -> list[dict]:
+def bench_ep(
+    shapes, transports, chunks_list, iters, warmup, modes=("exact",), profile=False, no_b=False
+) -> list[dict]:
     """``profile``: also one profiled step (streams busy and concurrent, GPU ops, host enqueue) of
-    Megatron's layer and of every one-minibatch exact-mode MoK variant at EP=N."""
+    Megatron's layer and of every one-minibatch exact-mode MoK variant at EP=N. ``no_b``: also each
+    transport with all local rows in region A (``pipeline_plan.MIN_LOCAL_HALF`` set huge)."""
     import torch
     import torch.distributed as dist
 
+    import mok_megatron.functional.pipeline_plan as plan_module
     from mok_megatron.bench import build
     from mok_megatron.checkpoint import convert_state_dict
     from mok_megatron.compat import have_te
@@ -325,6 +329,7 @@ def bench_ep(shapes, transports, chunks_list, iters, warmup, modes=("exact",), p
     device = torch.device("cuda", local) if cuda else torch.device("cpu")
     dtype = torch.bfloat16 if cuda else torch.float32
     meg = "megatron-te" if have_te() else "megatron"
+    default_half = plan_module.MIN_LOCAL_HALF
 
     def tmax(t):
         v = torch.tensor([t], device=device, dtype=torch.float64)
@@ -357,7 +362,11 @@ def bench_ep(shapes, transports, chunks_list, iters, warmup, modes=("exact",), p
             variants = [("plain", None, 1, "exact")]
             if ep > 1:
                 variants += [(tr, tr, c, m) for tr in transports for c in chunks_list for m in modes]
+                # Local rows in one region A (no B): one expert call and one weight-gradient add
+                # fewer, but the combine (forward) and combine-backward are not hidden.
+                variants += [(f"{tr} no-B", tr, 1, "exact") for tr in transports if no_b]
             for label, tr, chunks, mode in variants:
+                plan_module.MIN_LOCAL_HALF = 10**9 if label.endswith("no-B") else default_half
                 extra, graph = MODES[mode]
                 opts = MoKOptions(engine="plain")  # one dispatch, experts, combine (no pipeline)
                 if tr is not None:
@@ -466,6 +475,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--json", default=None, help="write the rows as JSON to this file")
     p.add_argument("--profile", action="store_true", help="ep: also profile one step per 1-minibatch variant")
+    p.add_argument("--no-b", action="store_true", help="ep: also time each transport without local region B")
     ns = p.parse_args(argv)
     import warnings
 
@@ -493,6 +503,7 @@ def main(argv: list[str] | None = None) -> int:
             ns.warmup,
             modes=ns.modes.split(","),
             profile=ns.profile,
+            no_b=ns.no_b,
         )
         text = format_ep(rows)
         rank0 = int(os.environ.get("RANK", 0)) == 0
