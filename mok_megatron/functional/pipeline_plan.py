@@ -139,9 +139,13 @@ class PipelinePlan:
 
 def regions(num_tokens: int, emulated_ep: int) -> tuple[int, int, int]:
     """``(r, a, b)`` of a minibatch of ``num_tokens``: R is the emulated peers' share (``1 - 1/EP``)
-    of the tokens (0 without emulation); the local rest is halved into A and B when it holds at
-    least ``2 * MIN_LOCAL_HALF`` tokens, else it is all A (halves that small would only add launches)."""
+    of the tokens (0 without emulation; all of them when the emulated local share is under
+    ``MIN_LOCAL_HALF`` tokens: too small to hide anything, it would only add an expert call); the
+    local rest is halved into A and B when it holds at least ``2 * MIN_LOCAL_HALF`` tokens, else it
+    is all A (halves that small would only add launches and a weight-gradient sum)."""
     r = num_tokens - (num_tokens + emulated_ep - 1) // emulated_ep
+    if emulated_ep > 1 and num_tokens - r < MIN_LOCAL_HALF:
+        r = num_tokens  # emulated local share too small to hide anything: it travels too
     rest = num_tokens - r
     a = (rest + 1) // 2 if rest >= 2 * MIN_LOCAL_HALF else rest
     return r, a, rest - a
@@ -168,6 +172,8 @@ def _labels(T: int, size: int, emulated_ep: int, device) -> torch.Tensor:
     o = t - c * size
     tc = (T - c * size).clamp(max=size)
     r = tc - (tc + emulated_ep - 1) // emulated_ep
+    if emulated_ep > 1:
+        r = torch.where(tc - r < MIN_LOCAL_HALF, tc, r)
     rest = tc - r
     a = torch.where(rest >= 2 * MIN_LOCAL_HALF, (rest + 1) // 2, rest)
     return 3 * c + (o >= r).to(torch.int64) + (o >= r + a).to(torch.int64)
@@ -286,7 +292,8 @@ def _sum_map(tc, tok_N, valid_N, here_T, r, remote: SlotMap):
     rows in destination order (the remote slot map), then its local row (a column appended)."""
     dev = tok_N.device
     n = tok_N.shape[0]
-    local_T = torch.arange(n - r, n - r + tc, device=dev).clamp(min=n)  # row of token t: n + t - r
+    local_T = torch.arange(n - r, n - r + tc, device=dev)  # row of token t >= r: n + t - r
+    local_T = local_T * (local_T >= n)  # tokens of region R own no local row: 0, masked
     row_TK = torch.cat([remote.row_TK, local_T.unsqueeze(1)], 1)
     valid_rem = (
         remote.valid_TK if remote.valid_TK is not None else torch.ones_like(remote.row_TK, dtype=torch.bool)
