@@ -104,15 +104,21 @@ def _pack(x_c, meta_cPW, mb: SendPlan, ep: int):
     return x_NH, meta_NW
 
 
-def _experts(x_RH, meta_RW, part: ExpertPart, L: int, topk: int, expert_fn: ExpertFn, deterministic: bool):
+def _experts(
+    x_RH, meta_RW, part: ExpertPart, L: int, topk: int, expert_fn: ExpertFn, deterministic: bool, local=False
+):
+    """Expand rows to (row, local expert), run the experts, sum each row's experts. A local region
+    that routes nothing here skips the call; the received part always calls the experts (even with
+    no rows: the weights then get zero gradients, as in Megatron, and the exchanges that delivered
+    the rows stay in the backward graph, so every rank runs the same collectives)."""
     R = x_RH.shape[0]
-    if part.rows_M == 0 or R == 0:  # nothing routes here: no GEMM call
+    if local and (part.rows_M == 0 or R == 0):
         return x_RH.new_zeros((R, x_RH.shape[-1])) + 0 * meta_RW.sum()
     probs_RL, mask_RL = meta_RW[:, :L], meta_RW[:, L:] > 0.5
     flat_mask = mask_RL.t().reshape(-1)
     rows = min(part.rows_M, flat_mask.numel())
     flat = flat_mask.argsort(descending=True, stable=True)[:rows]  # grouped by local expert
-    row_M, l_M = flat % R, flat // R
+    row_M, l_M = flat % max(R, 1), flat // max(R, 1)
     valid_M = flat_mask[flat] if part.padded else None
     kk = min(topk, L)
     if valid_M is None and rows == R * kk:
@@ -213,7 +219,7 @@ def run_pipeline(
         tr, x_NH, meta_NW, (x_raw, meta_raw), ev_recv = flights[c]
         x_loc = x_parts[c].split(list(lp.regions))
         meta_loc = meta_parts[c].select(1, me).split(list(lp.regions))
-        z_a = _experts(x_loc[1], meta_loc[1], lp.part_a, *run)
+        z_a = _experts(x_loc[1], meta_loc[1], lp.part_a, *run, local=True)
         with st.on("comm"):  # created after A: A's backward hides the dispatch-backward
             x_RH = _Arrived.apply(x_NH, x_raw, tr, mb, DISPATCH)
             meta_RW = _Arrived.apply(meta_NW, meta_raw, tr, mb, DISPATCH)
@@ -226,7 +232,7 @@ def run_pipeline(
             st.hand_over("comm", z_RH)
             back_raw = tr.move(z_RH.detach(), mb, COMBINE)
             ev_back = st.event("comm")
-        z_b = _experts(x_loc[2], meta_loc[2], lp.part_b, *run)
+        z_b = _experts(x_loc[2], meta_loc[2], lp.part_b, *run, local=True)
         with st.on("comm"):  # created after B: the combine-backward runs first, B's backward hides it
             back_NH = _Arrived.apply(z_RH, back_raw, tr, mb, COMBINE)
         pending.append((back_NH, z_a, z_b, ev_back))
