@@ -48,8 +48,11 @@ class GroupedExperts(torch.nn.Module):
         self.calls = 0
 
     def forward(self, x_MH, tpe_L, tpe_host, probs_M):
-        assert sum(tpe_host) == x_MH.shape[0] and tpe_L.tolist() == list(tpe_host), (tpe_L, tpe_host)
-        l_M = torch.repeat_interleave(torch.arange(L), tpe_L, output_size=x_MH.shape[0])
+        if tpe_host is not None:  # exact mode: host and device counts agree and cover every row
+            assert sum(tpe_host) == x_MH.shape[0] and tpe_L.tolist() == list(tpe_host), (tpe_L, tpe_host)
+        # Sync-free: rows past the counts are padding (probability 0); they map to the last expert.
+        row_M = torch.arange(x_MH.shape[0])
+        l_M = torch.searchsorted(tpe_L.cumsum(0), row_M, right=True).clamp(max=L - 1)
         y_MH = torch.bmm(x_MH.unsqueeze(1), self.w_LHH[l_M]).squeeze(1) * probs_M.unsqueeze(-1)
         k = self.calls
         self.calls += 1
@@ -58,10 +61,12 @@ class GroupedExperts(torch.nn.Module):
         return y_MH
 
 
-def _inputs(rank, T, E):
+def _inputs(rank, T, E, only_rank=None):
     g = torch.Generator().manual_seed(100 + rank)
     x = torch.randn(T, H, generator=g, requires_grad=True)
     logits = torch.randn(T, E, generator=g)
+    if only_rank is not None:  # every token picks experts of one EP rank only
+        logits[:, only_rank * L : (only_rank + 1) * L] += 100.0
     top = logits.topk(TOPK, dim=-1).indices
     routing = torch.zeros(T, E, dtype=torch.bool).scatter_(1, top, True)
     probs = (logits.softmax(-1) * routing).requires_grad_(True)
@@ -138,7 +143,9 @@ def schedule_case(rank, world, *, min_local_half=4, **kw):
         return _schedule_case(rank, world, **kw)
 
 
-def _schedule_case(rank, world, *, chunks=1, emulated_ep=1, tokens=64):
+def _schedule_case(
+    rank, world, *, chunks=1, emulated_ep=1, tokens=64, sync_free=False, capacity=1.0, to=None
+):
     """One pipeline call forward+backward; returns the event log and aten op counts.
 
     ``emulated_ep`` > 1: one process per "group" (each rank alone, EP=1) with a loopback transport."""
@@ -150,13 +157,15 @@ def _schedule_case(rank, world, *, chunks=1, emulated_ep=1, tokens=64):
         group, ep = dist.group.WORLD, world
         transport = Recording(CollectiveTransport(group), log)
     experts = GroupedExperts(log)
-    x, probs, routing = _inputs(rank, tokens, ep * L)
+    only = {None: None, "own": rank, "rank0": 0}[to]
+    x, probs, routing = _inputs(rank, tokens, ep * L, only)
     size = -(-tokens // chunks)
     # Steady state: a first call fills the per-shape caches (as every training step after the first).
-    build_pipeline_plan(x.shape, routing, L, TOPK, group, size, emulated_ep=emulated_ep)
+    kw = dict(emulated_ep=emulated_ep, sync_free=sync_free, capacity_multiplier=capacity)
+    build_pipeline_plan(x.shape, routing, L, TOPK, group, size, **kw)
     fwd, bwd, plan_ops = _Count(), _Count(), _Count()
     with plan_ops:
-        plan = build_pipeline_plan(x.shape, routing, L, TOPK, group, size, emulated_ep=emulated_ep)
+        plan = build_pipeline_plan(x.shape, routing, L, TOPK, group, size, **kw)
     with fwd:
         out = run_pipeline(x, probs, routing, plan, experts, transport, TOPK, deterministic=True)
     log.append(("forward_done",))
@@ -179,6 +188,7 @@ def _schedule_case(rank, world, *, chunks=1, emulated_ep=1, tokens=64):
         "x_grad": x.grad is not None and bool(torch.isfinite(x.grad).all()),
         "w_grad": experts.w_LHH.grad is not None,
         "minibatches": len(plan.minibatches),
+        "overflow": None if plan.overflow is None else bool(plan.overflow),
         "remote_rows": [mb.token_idx_N.shape[0] for mb in plan.minibatches],
         "local_here": [int(mb.local.here_T.sum()) for mb in plan.minibatches],
         # (token, other rank) pairs: what must travel when local rows never do

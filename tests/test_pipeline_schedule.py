@@ -95,3 +95,21 @@ def test_region_labels_follow_the_host_rule(emulated_ep):
                     expect += [3 * c] * r + [3 * c + 1] * a + [3 * c + 2] * b
                 got = P._labels(T, bounds[1] - bounds[0], emulated_ep, "cpu")
                 assert got.tolist() == expect, (T, size, min_half)
+
+
+def test_sync_free_local_rows_need_no_capacity(pool):
+    # Every token routes to its own rank's experts: nothing travels, so even a tiny capacity
+    # cannot overflow (local rows are never padded into the exchange buffers).
+    for r in pool.run("tests.pipeline_cases:schedule_case", sync_free=True, capacity=0.05, to="own"):
+        assert r["overflow"] is False
+        assert r["max_err"] < 1e-5 and r["x_grad"] and r["w_grad"]
+
+
+def test_sync_free_overflow_counts_remote_rows(pool):
+    # Every token routes to rank 0: ranks 1..3 send all 64 tokens there, over a capacity of ~3.
+    for r in pool.run("tests.pipeline_cases:schedule_case", sync_free=True, capacity=0.05, to="rank0"):
+        assert r["overflow"] is True
+    # With room for every token the same routing fits, and the result is exact.
+    for r in pool.run("tests.pipeline_cases:schedule_case", sync_free=True, capacity=1.0, to="rank0"):
+        assert r["overflow"] is False
+        assert r["max_err"] < 1e-5
