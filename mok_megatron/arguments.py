@@ -26,6 +26,8 @@ group exists. argparse has no post-parse hook, so ``extra_args_provider`` wraps 
     --mok-sync-free             sync_free             off
     --mok-deterministic         deterministic         on (--no-mok-deterministic: atomics)
     --mok-transport T           transport             auto
+    --mok-expert-backend B      expert_backend        torch (bf16; torch-fp8 | te for FP8)
+    --mok-nvlink-programs N     nvlink_programs       64
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from __future__ import annotations
 import argparse
 import warnings
 
-from mok_megatron.options import ENGINES, TRANSPORTS, MoKOptions, MoKOptionsError
+from mok_megatron.options import ENGINES, EXPERT_BACKENDS, TRANSPORTS, MoKOptions, MoKOptionsError
 
 DISPATCHER_FLAG = "--moe-token-dispatcher-type"
 MOK = "mok"
@@ -110,7 +112,21 @@ def add_mok_flags(parser) -> None:
         choices=TRANSPORTS,
         default=d.transport,
         help="EP exchange: collective (NCCL/gloo all-to-all), copy_engine (symmetric-memory peer "
-        "pulls inside one NVLink domain), loopback (benchmarks only), auto (default)",
+        "pulls inside one NVLink domain), loopback (benchmarks only), auto (default)"
+        ", nvlink (Triton kernels read/write peer memory, one NVLink domain)",
+    )
+    g.add_argument(
+        "--mok-nvlink-programs",
+        type=int,
+        default=d.nvlink_programs,
+        help="--mok-transport nvlink: CTAs (SMs) that communicate (default: %(default)s)",
+    )
+    g.add_argument(
+        "--mok-expert-backend",
+        choices=EXPERT_BACKENDS,
+        default=d.expert_backend,
+        help="experts' GEMMs: torch (bf16 grouped GEMM, default), torch-fp8 (native rowwise FP8, "
+        "Hopper+, no TE), te (Transformer Engine GroupedLinear under --fp8-format/--fp8-recipe)",
     )
 
 
@@ -180,6 +196,8 @@ def options_from_args(args) -> MoKOptions:
         sync_free=args.mok_sync_free,
         deterministic=args.mok_deterministic,
         transport=args.mok_transport,
+        expert_backend=getattr(args, "mok_expert_backend", "torch"),
+        nvlink_programs=getattr(args, "mok_nvlink_programs", MoKOptions().nvlink_programs),
     )
 
 
@@ -195,6 +213,8 @@ def _given_mok_flags(args) -> list[str]:
             "sync_free",
             "deterministic",
             "transport",
+            "expert_backend",
+            "nvlink_programs",
         )
         if getattr(given, f) != getattr(d, f)
     ]

@@ -469,7 +469,7 @@ def main(argv: list[str] | None = None) -> int:
         "--gbps", default="0,900,450,50", help="overlap: emulated link GB/s per direction (0 = infinite)"
     )
     p.add_argument("--chunks", default="1,2,4,8", help="minibatches per layer call to sweep")
-    p.add_argument("--transports", default="collective,copy_engine", help="ep: MoK transports")
+    p.add_argument("--transports", default="collective,copy_engine", help="ep: MoK transports (also nvlink)")
     p.add_argument("--modes", default="exact", help=f"comma list of {', '.join(MODES)}")
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--warmup", type=int, default=5)

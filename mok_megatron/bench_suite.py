@@ -10,8 +10,13 @@ Implementations:
     mok            MoK's MoE layer (the spec's MLP submodule)
     megatron       Megatron-Core MoELayer, local (non-TE) spec: SequentialMLP
     megatron-te    Megatron-Core MoELayer, TE spec: TEGroupedMLP + moe_permute_fusion (needs TE and a GPU)
-    torchtitan     torchtitan's MoE (``bench_torchtitan``), when installed
+    torchtitan     torchtitan's MoE (``bench_torchtitan``), when installed; torch.compile'd on CUDA when that works
+                   (eager otherwise: the row's note says which and why)
     plain-pytorch  sort-based permute + torch._grouped_mm (``bench_peers``)
+
+FP8 rows (opt-in, ``--impl mok,mok-torch-fp8,...``; not in the default list): MoK's layer with an FP8 expert
+backend (``FP8_IMPLS``: --mok-expert-backend and Megatron's --fp8-recipe), checked against the reference
+with the looser ``FP8_TOLERANCE``; a path this machine cannot run is skipped with the reason.
 """
 
 from __future__ import annotations
@@ -30,10 +35,20 @@ BEST_EFFORT = ("torchtitan",)
 TOLERANCE = {"bf16": 5e-2, "fp32": 1e-4}
 # expert GEMM FLOPs per phase, in units of 2 * rows * 3 * H * F (forward: fc1 is 2F wide, fc2 F)
 PHASE_FLOP_FACTOR = {"fwd": 1, "bwd": 2, "fwd_bwd": 3}
+# MoK with an FP8 expert backend: name -> (--mok-expert-backend, --fp8-recipe or None)
+FP8_IMPLS = {
+    "mok-torch-fp8": ("torch-fp8", None),
+    "mok-te-tensorwise": ("te", "tensorwise"),
+    "mok-te-blockwise": ("te", "blockwise"),
+    "mok-te-mxfp8": ("te", "mxfp8"),
+}
+# max |diff| / max |ref| of an FP8 path: e4m3 rounds each operand by up to 2^-4 relative, and the worst
+# element of two chained GEMMs can reach a few times that (the Frobenius error is ~0.05: tests/test_fp8_gpu.py)
+FP8_TOLERANCE = 0.25
 
 
 def check_impls(impls: list[str]) -> None:
-    bad = [i for i in impls if i not in IMPLS]
+    bad = [i for i in impls if i not in IMPLS and i not in FP8_IMPLS]
     if bad:
         raise ValueError(f"unknown implementation(s) {bad}: choose from {', '.join(IMPLS)}")
     if not any(i in MEGATRON_IMPLS for i in impls):
@@ -83,6 +98,8 @@ def _build(impl: str, shape: dict, dtype, device, ref_sd: dict | None):
 
     if impl == "megatron-te" and (reason := _te_reason()):
         raise PeerUnavailable(reason)
+    if impl in FP8_IMPLS:
+        return _build_fp8(impl, shape, dtype, device, ref_sd), ""
     if impl in MEGATRON_IMPLS:
         layer = build(impl, _bench_config(shape, dtype, impl)).to(device)
         if ref_sd is None:
@@ -101,7 +118,30 @@ def _build(impl: str, shape: dict, dtype, device, ref_sd: dict | None):
         return layer, f"expert GEMMs: {layer.gemm}"
     from mok_megatron.bench_torchtitan import TorchtitanMoE
 
-    return TorchtitanMoE(*weights, topk=shape["topk"]), "eager (no torch.compile)"
+    import os
+
+    import torch
+
+    layer = TorchtitanMoE(*weights, topk=shape["topk"])
+    if device.type != "cuda":
+        return layer, "eager (torch.compile is tried on CUDA only)"
+    if os.environ.get("MOK_BENCH_TORCHTITAN_COMPILE", "1") == "0":
+        return layer, "eager (MOK_BENCH_TORCHTITAN_COMPILE=0)"
+    x = torch.randn(shape["tokens"], 1, shape["hidden"], device=device, dtype=dtype)
+    return layer, layer.compile_moe(x)  # "torch.compile", or eager with the reason
+
+
+def _build_fp8(impl: str, shape: dict, dtype, device, ref_sd: dict):
+    from mok_megatron.checkpoint import convert_state_dict
+    from mok_megatron.fp8.layers import InQuantContext, build_mok_layer, fp8_config, unavailable
+
+    backend, recipe = FP8_IMPLS[impl]
+    if reason := unavailable(backend, recipe):
+        raise PeerUnavailable(f"--mok-expert-backend {backend} {recipe or ''}: {reason}")
+    cfg = fp8_config(_bench_config(shape, dtype, "mok"), recipe)
+    layer = build_mok_layer(backend, cfg).to(device)
+    layer.load_state_dict(convert_state_dict(ref_sd, "mok"), strict=True)
+    return InQuantContext(layer, cfg)
 
 
 def _rel_err(a, ref) -> float:
@@ -156,7 +196,7 @@ def bench_case(
             ref, ref_impl, err = (out.detach().float(), xi.grad.float()), impl, (0.0, 0.0)
         else:
             err = (_rel_err(out.detach(), ref[0]), _rel_err(xi.grad, ref[1]))
-            if max(err) > TOLERANCE[dtype_name]:
+            if max(err) > (FP8_TOLERANCE if impl in FP8_IMPLS else TOLERANCE[dtype_name]):
                 msg = f"{impl} disagrees with {ref_impl}: relative error out {err[0]:.3e}, dx {err[1]:.3e}"
                 if impl in BEST_EFFORT:
                     skipped.append({"impl": impl, "reason": msg})

@@ -115,3 +115,64 @@ def use_prebuilt_dataset_helpers() -> bool:
         return False
     dutils.compile_helpers = lambda: None
     return True
+
+
+# ---- Transformer Engine expert GEMMs (mok_megatron.mcore.te_experts) ---------------------------
+
+
+def te_grouped_linear_classes():
+    """Megatron's TE ``GroupedLinear`` wrappers for fc1 / fc2 (what ``TEGroupedMLP``'s spec builds):
+    ``(TEColumnParallelGroupedLinear, TERowParallelGroupedLinear)``. Raises ImportError without TE."""
+    if not have_te():
+        raise ImportError(
+            "Transformer Engine is not importable: --mok-expert-backend te needs it "
+            "(pip install 'mok-megatron[te]')."
+        )
+    from megatron.core.extensions.transformer_engine import (
+        TEColumnParallelGroupedLinear,
+        TERowParallelGroupedLinear,
+    )
+
+    return TEColumnParallelGroupedLinear, TERowParallelGroupedLinear
+
+
+def te_m_splits(counts_G: torch.Tensor) -> list[int]:
+    """Per-GEMM row counts in the form TE's ``GroupedLinear.forward(inp, m_splits)`` takes.
+
+    TE 2.x (through 2.20, what Megatron 0.19's ``TEGroupedMLP`` calls) wants a host ``List[int]``
+    (``torch.split`` inside): one device-to-host read, as ``TEGroupedMLP`` does with ``tolist()``.
+    A TE whose GroupedLinear takes a device tensor would go here, behind a version check."""
+    return [int(c) for c in counts_G.tolist()]
+
+
+def quantization_context(config):
+    """Megatron's FP8 / FP4 autocast for ``config`` (``fp8_utils.get_fp8_context`` /
+    ``fp4_utils.get_fp4_context``), a null context in bf16. Megatron's ``TransformerBlock`` enters it
+    around every layer; standalone layers (tests, benchmarks) enter it themselves."""
+    from contextlib import nullcontext
+
+    if getattr(config, "fp4", None):
+        from megatron.core.fp4_utils import get_fp4_context
+
+        return get_fp4_context(config)
+    if getattr(config, "fp8", None):
+        from megatron.core.fp8_utils import get_fp8_context
+
+        return get_fp8_context(config)
+    return nullcontext()
+
+
+def te_autocast(enabled: bool, recipe=None, amax_group=None):
+    """TE's autocast: ``te.pytorch.autocast(enabled, recipe, amax_reduction_group)`` (TE >= 2.8) or
+    ``te.pytorch.fp8_autocast(enabled, fp8_recipe, fp8_group)`` (older TE)."""
+    import inspect
+
+    import transformer_engine.pytorch as tep
+
+    fn = getattr(tep, "autocast", None)
+    if fn is None:
+        return tep.fp8_autocast(enabled=enabled, fp8_recipe=recipe, fp8_group=amax_group)
+    kwargs = {"enabled": enabled, "recipe": recipe}
+    if amax_group is not None and "amax_reduction_group" in inspect.signature(fn).parameters:
+        kwargs["amax_reduction_group"] = amax_group
+    return fn(**kwargs)

@@ -124,7 +124,7 @@ def format_report(r: dict) -> str:
     for recipe, status in r["fp8_recipes"].items():
         lines.append(f"    {recipe:<12} {RECIPES[recipe].alignment:>4}  {status}")
     lines.append(
-        f"    {'torch-fp8':<12} {NATIVE_ALIGNMENT:>4}  {r['fp8_native']}  (native, no TE; not wired yet)"
+        f"    {'torch-fp8':<12} {NATIVE_ALIGNMENT:>4}  {r['fp8_native']}  (--mok-expert-backend torch-fp8, no TE)"
     )
     lines.append("")
     if r["missing"]:

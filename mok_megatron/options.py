@@ -22,14 +22,22 @@ the flags set (``set_default_options``). Frozen and validated at construction.
                          'loopback' (one GPU stands in for EP peers; benchmarks only)
     loopback_gbps        loopback transport: emulated per-direction link bandwidth (0 = infinite)
     loopback_ep          loopback transport: the EP size whose traffic is emulated
+    expert_backend       the experts' GEMMs: 'torch' (bf16 grouped_mm, default) | 'torch-fp8' (native
+                         rowwise-scaled ``torch._scaled_grouped_mm``, Hopper+, no TE) | 'te' (Transformer
+                         Engine GroupedLinear under Megatron's --fp8-format/--fp8-recipe; bf16 without it).
+                         Device/TE checks run at layer build: ``mok_megatron.fp8.backend``
+    transport 'nvlink'   device-initiated peer reads (dispatch) and writes (combine) by Triton kernels
+                         over symmetric memory, one NVLink domain (``mok_megatron.nvlink``)
+    nvlink_programs      nvlink transport: CTAs (SMs) that communicate
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-TRANSPORTS = ("auto", "collective", "copy_engine", "loopback")
+TRANSPORTS = ("auto", "collective", "copy_engine", "loopback", "nvlink")
 ENGINES = ("auto", "pipeline", "plain")
+EXPERT_BACKENDS = ("torch", "torch-fp8", "te")
 
 
 class MoKOptionsError(ValueError):
@@ -46,6 +54,8 @@ class MoKOptions:
     transport: str = "auto"
     loopback_gbps: float = 0.0
     loopback_ep: int = 2
+    expert_backend: str = "torch"
+    nvlink_programs: int = 64
 
     def __post_init__(self):
         if self.minibatch_size is not None and (
@@ -81,6 +91,15 @@ class MoKOptions:
             raise MoKOptionsError(f"loopback_gbps={self.loopback_gbps}: must be >= 0 (0 = infinite).")
         if self.loopback_ep < 1:
             raise MoKOptionsError(f"loopback_ep={self.loopback_ep}: must be >= 1.")
+        if self.expert_backend not in EXPERT_BACKENDS:
+            raise MoKOptionsError(
+                f"--mok-expert-backend={self.expert_backend!r}: choose one of {', '.join(EXPERT_BACKENDS)} "
+                "(torch: bf16 grouped GEMM; torch-fp8: native FP8 on Hopper+; te: Transformer Engine)."
+            )
+        if self.nvlink_programs < 1:
+            raise MoKOptionsError(
+                f"--mok-nvlink-programs={self.nvlink_programs}: must be >= 1 (CTAs that communicate)."
+            )
 
 
 _default = MoKOptions()

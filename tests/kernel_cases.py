@@ -155,6 +155,83 @@ def check_bench_cases(device, alignment):
         _check(name, fn(Impl.TRITON), fn(Impl.TORCH))
 
 
+# ---- the kernels as the layer's ops take them (ops.permute / ops.activation / the experts' MLP) ----------------
+
+
+def _dropless_plan(T, K, E, device):
+    from mok_megatron.ops.routing import dropless_order, slot_map
+
+    routing_map = torch.zeros(T, E, dtype=torch.bool).scatter_(1, topk_ids(T, K, E, "none"), True).to(device)
+    token_idx, expert_idx = dropless_order(routing_map, T * K)
+    return token_idx, expert_idx, slot_map(token_idx, None, T, K)
+
+
+def check_wired_permute_combine(device, T, K, E, H, dtype):
+    """``permute_tokens_with_probs`` and ``combine_tokens`` on their Triton path against the index ops."""
+    from mok_megatron.ops.fast import triton_path
+    from mok_megatron.ops.permute import combine_tokens, permute_tokens_with_probs
+
+    token_idx, expert_idx, slots = _dropless_plan(T, K, E, device)
+    x = _grad_inputs((T, H), dtype, device, 11)
+    assert triton_path(x, "permute"), "the wired case must run the Triton path (CUDA or TRITON_INTERPRET=1)"
+    probs = _grad_inputs((T, E), torch.float32, device, 12, positive=True)
+    dx_out = _grad_inputs((T * K, H), dtype, device, 13)
+    dp_out = _grad_inputs((T * K,), torch.float32, device, 14)
+    x_, p_ = x.clone().requires_grad_(), probs.clone().requires_grad_()
+    x_NH, p_N = permute_tokens_with_probs(x_, p_, token_idx, expert_idx, slots)
+    assert torch.equal(x_NH, x.index_select(0, token_idx)), "permuted rows differ from index_select"
+    assert torch.equal(p_N, probs[token_idx, expert_idx]), "permuted probabilities differ"
+    ((x_NH.float() * dx_out.float()).sum() + (p_N * dp_out).sum()).backward()
+    want_dx = torch.zeros(T, H, dtype=torch.float32, device=device).index_add(0, token_idx, dx_out.float())
+    want_dp = torch.zeros_like(probs).index_put((token_idx, expert_idx), dp_out, accumulate=True)
+    _close("permute dx", x_.grad, want_dx.to(dtype), dtype)
+    _close("permute dprobs", p_.grad, want_dp, torch.float32)
+
+    y = _grad_inputs((T * K, H), dtype, device, 15).requires_grad_()
+    dout = _grad_inputs((T, H), dtype, device, 16)
+    out = combine_tokens(y, slots)
+    want = torch.zeros(T, H, dtype=torch.float32, device=device).index_add(0, token_idx, y.detach().float())
+    _close("combine out", out, want.to(dtype), dtype)
+    out.backward(dout)
+    assert torch.equal(y.grad, dout.index_select(0, token_idx)), "combine backward is not a plain row copy"
+
+
+def check_wired_swiglu(device, M, F, dtype, recompute=False):
+    """The experts' MLP with the fused SwiGLU against the same MLP on the torch activation (Megatron's ops),
+    gradients of x, both weights and the probabilities; ``recompute``: the moe_act recompute path."""
+    import mok_megatron.ops.activation as A
+    from mok_megatron.mcore.expert_schedule import scheduled_expert_mlp
+
+    spec = A.ActivationSpec(A.Activation.SILU, gated=True)
+    L, H = 3, 16
+    counts = torch.tensor([M // 2, 0, M - M // 2], device=device)
+    x = _grad_inputs((M, H), dtype, device, 17)
+    assert A.fused_swiglu_applies(spec, x), "the wired case must run the fused kernel"
+    assert not A.fused_swiglu_applies(A.ActivationSpec(A.Activation.SILU, gated=True, clamp=7.0), x)
+    probs = _grad_inputs((M,), torch.float32, device, 18, positive=True)
+    w1 = (_grad_inputs((L, 2 * F, H), dtype, device, 19) * 0.2).to(dtype)
+    w2 = (_grad_inputs((L, H, F), dtype, device, 20) * 0.2).to(dtype)
+    dy = _grad_inputs((M, H), dtype, device, 21)
+
+    def run(fused: bool):
+        leaves = [t.clone().requires_grad_() for t in (x, probs, w1, w2)]
+        saved = A.fused_swiglu_applies
+        A.fused_swiglu_applies = saved if fused else (lambda spec, h: False)
+        try:
+            y = scheduled_expert_mlp(*leaves[:2], counts, *leaves[2:], spec, recompute_activation=recompute)
+            y.backward(dy)
+        finally:
+            A.fused_swiglu_applies = saved
+        return [y] + [t.grad for t in leaves]
+
+    # Relative to each tensor's largest entry: bf16 weight gradients sum thousands of rows whose
+    # activations may differ by one rounding (the kernel rounds once, Megatron's ops twice).
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    for name, g, w in zip(("y", "dx", "dprobs", "dw1", "dw2"), run(True), run(False), strict=True):
+        err = ((g.float() - w.float()).abs().max() / w.float().abs().max().clamp(min=1e-30)).item()
+        assert err <= tol, f"experts {name}: relative error {err:.3e} > {tol}"
+
+
 f32, bf16 = torch.float32, torch.bfloat16
 
 # Small enough for the interpreter (~seconds each): odd sizes, E=1, K=1 and K=8, dropped routes, tokens
@@ -191,6 +268,16 @@ CPU_CASES = {
     "swiglu/M33-F300-no-probs": partial(check_swiglu, M=33, F=300, dtype=f32, with_probs=False),
     "swiglu/M5-F1100-bf16-probs": partial(check_swiglu, M=5, F=1100, dtype=bf16),
     "bench/tiny-A16": partial(check_bench_cases, alignment=16),
+    "wired/permute-combine-T13-K2-E5-H40": partial(
+        check_wired_permute_combine, T=13, K=2, E=5, H=40, dtype=f32
+    ),
+    "wired/permute-combine-T9-K8-E9-H17-bf16": partial(
+        check_wired_permute_combine, T=9, K=8, E=9, H=17, dtype=bf16
+    ),
+    "wired/experts-swiglu-M11-F8": partial(check_wired_swiglu, M=11, F=8, dtype=f32),
+    "wired/experts-swiglu-M11-F8-recompute": partial(
+        check_wired_swiglu, M=11, F=8, dtype=f32, recompute=True
+    ),
 }
 
 # On the GPU: the CPU cases plus real sizes (T not a multiple of any block, H past one block, 128 experts).
@@ -216,6 +303,10 @@ GPU_CASES = {
     "swiglu/M8193-F768-bf16-probs": partial(check_swiglu, M=8193, F=768, dtype=bf16),
     "swiglu/M1000-F2048-bf16-no-probs": partial(check_swiglu, M=1000, F=2048, dtype=bf16, with_probs=False),
     "swiglu/M999-F1537-f32-probs": partial(check_swiglu, M=999, F=1537, dtype=f32),
+    "wired/permute-combine-T1001-K8-E128-H2048-bf16": partial(
+        check_wired_permute_combine, T=1001, K=8, E=128, H=2048, dtype=bf16
+    ),
+    "wired/experts-swiglu-M4099-F768-bf16": partial(check_wired_swiglu, M=4099, F=768, dtype=bf16),
 }
 
 

@@ -62,7 +62,8 @@ def test_every_routing_runs_and_the_json_has_the_schema(bench_run):
             "mok",
             "n/a on CPU",
         )
-        assert [r["impl"] for r in c["rows"]] == ["mok", "megatron", "plain-pytorch"]
+        titan = ["torchtitan"] if importlib.util.find_spec("torchtitan") is not None else []
+        assert [r["impl"] for r in c["rows"]] == ["mok", "megatron", *titan, "plain-pytorch"]
         assert sum(c["expert_rows"]) == c["tokens"] * c["topk"]
         for r in c["rows"]:
             assert set(r) == ROW_KEYS
@@ -84,7 +85,11 @@ def test_peers_that_cannot_run_are_listed_with_reasons(bench_run):
             assert "Transformer Engine not importable" in reasons["megatron-te"]
         else:
             assert reasons["megatron-te"] == "Transformer Engine needs a CUDA GPU"
-    assert "| torchtitan | skipped: " in out and "| megatron-te | skipped: " in out
+    if importlib.util.find_spec("torchtitan") is None:
+        assert "| torchtitan | skipped: " in out
+    else:  # runs on CPU too, eager (compiling is tried on CUDA only)
+        assert "| torchtitan | " in out and "| torchtitan | skipped: " not in out
+    assert "| megatron-te | skipped: " in out
     assert out.count("| impl | fwd | bwd | fwd+bwd | peak MiB |") == len(ROUTINGS)
 
 
@@ -228,3 +233,36 @@ def test_torchtitan_adapter_copies_the_weights_in(tmp_path, monkeypatch):
     torch.testing.assert_close(titan(x)[0], PlainMoE(router, fc1, fc2, topk=k)(x)[0], rtol=1e-5, atol=1e-5)
     with pytest.raises(PeerUnavailable, match=r"experts.w1 \(4, 6, 12\) matches no MoK weight \(4, 5, 12\)"):
         TorchtitanMoE(router, torch.randn(e, 10, h), torch.randn(e, h, 6), topk=k)
+
+
+def test_torchtitan_adapter_against_the_installed_package(monkeypatch):
+    """The real torchtitan (0.3.0 on the GPU machine; on CPU put its unzipped wheel on PYTHONPATH): same
+    output as the plain-PyTorch layer on the same weights (torchtitan runs its experts in bf16), a working
+    backward, and torch.compile failures reported in the note while the layer still runs eager."""
+    if importlib.util.find_spec("torchtitan") is None:
+        pytest.skip("torchtitan not installed (CPU: unzip its wheel and put it on PYTHONPATH)")
+    from mok_megatron.bench_peers import PlainMoE
+    from mok_megatron.bench_torchtitan import TorchtitanMoE
+
+    g = torch.Generator().manual_seed(1)
+    t, h, f, e, k = 24, 16, 8, 4, 2
+    router, fc1, fc2 = (torch.randn(*s, generator=g) for s in ((e, h), (e, 2 * f, h), (e, h, f)))
+    x = torch.randn(t, 1, h, generator=g)
+    titan = TorchtitanMoE(router, fc1, fc2, topk=k)
+    want = PlainMoE(router, fc1, fc2, topk=k)(x)[0]
+    xi = x.clone().requires_grad_(True)
+    got = titan(xi)[0]
+    assert ((got - want).abs().max() / want.abs().max()).item() < 2e-2
+    got.square().mean().backward()
+    assert xi.grad is not None and torch.isfinite(xi.grad).all()
+
+    def broken_compile(module, **kw):
+        def run(*a):
+            raise RuntimeError("inductor says no\nsecond line")
+
+        return run
+
+    monkeypatch.setattr(torch, "compile", broken_compile)
+    note = titan.compile_moe(x)
+    assert note == "eager (torch.compile failed: RuntimeError: inductor says no)"
+    torch.testing.assert_close(titan(x)[0], got.detach())

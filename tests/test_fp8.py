@@ -352,3 +352,262 @@ def test_native_math_emulated_within_bound():
     assert torch.count_nonzero(wgrad[1]) == 0  # the empty expert's weight gradient is exactly zero
     rel = lambda a, b: float((a - b).norm() / b.norm())  # noqa: E731
     assert rel(fwd, ref_fwd) < 0.05 and rel(dgrad, ref_dgrad) < 0.05 and rel(wgrad, ref_wgrad) < 0.05
+
+
+# ---- expert backends (--mok-expert-backend) -------------------------------------------------------------------
+
+
+def test_expert_backend_option_and_flag():
+    import argparse
+
+    from mok_megatron.arguments import add_mok_flags, options_from_args
+    from mok_megatron.options import MoKOptions, MoKOptionsError
+
+    assert MoKOptions().expert_backend == "torch"
+    with pytest.raises(MoKOptionsError, match=r"--mok-expert-backend='fp8'.*torch, torch-fp8, te"):
+        MoKOptions(expert_backend="fp8")
+    parser = argparse.ArgumentParser()
+    add_mok_flags(parser)
+    for value in ("torch", "torch-fp8", "te"):
+        args = parser.parse_args(["--mok-expert-backend", value])
+        assert options_from_args(args).expert_backend == value
+    assert options_from_args(parser.parse_args([])).expert_backend == "torch"
+
+
+def _quant_config(fp8=None, recipe=None, fp4=None, op_fuser=False):
+    from types import SimpleNamespace
+
+    return SimpleNamespace(
+        fp8=fp8,
+        fp8_recipe=recipe,
+        fp4=fp4,
+        fp4_recipe="nvfp4" if fp4 else None,
+        use_transformer_engine_op_fuser=op_fuser,
+    )
+
+
+def test_expert_alignment_per_backend_and_recipe():
+    from megatron.core.enums import Fp4Recipe, Fp8Recipe
+    from megatron.core.fp4_utils import get_fp4_align_size
+    from megatron.core.fp8_utils import get_fp8_align_size
+
+    from mok_megatron.fp8.backend import expert_alignment
+
+    bf16 = _quant_config()
+    assert expert_alignment("torch", bf16) == 1
+    assert expert_alignment("te", bf16) == 1  # TE without --fp8-format: bf16 GEMMs, no padding
+    assert expert_alignment("torch-fp8", bf16) == native.ALIGNMENT == 16
+    for r in Fp8Recipe:
+        if r != Fp8Recipe.custom:
+            assert expert_alignment("te", _quant_config("e4m3", r)) == get_fp8_align_size(r), r
+            assert expert_alignment("te", _quant_config("e4m3", r, op_fuser=True)) == 256
+    nvfp4 = _quant_config(fp4="nvfp4")
+    nvfp4.fp4_recipe = Fp4Recipe.nvfp4
+    assert expert_alignment("te", nvfp4) == get_fp4_align_size(Fp4Recipe.nvfp4) == 128
+
+
+def test_check_expert_backend_errors():
+    from mok_megatron.config import MoKConfigError
+    from mok_megatron.fp8.backend import check_expert_backend
+
+    cfg = _quant_config()
+    check_expert_backend("torch", cfg, "cpu", have_te=False)  # always fine
+    with pytest.raises(
+        MoKConfigError, match=r"torch-fp8 needs an FP8-capable GPU \(sm_90\+.*this device is cpu"
+    ):
+        check_expert_backend("torch-fp8", cfg, "cpu", have_te=True)
+    with pytest.raises(MoKConfigError, match=r"te needs Transformer Engine.*torch-fp8"):
+        check_expert_backend("te", cfg, "cuda", have_te=False)
+    with pytest.raises(MoKConfigError, match=r"--mok-sync-free"):
+        check_expert_backend("te", cfg, "cuda", have_te=True, sync_free=True)
+    with pytest.raises(MoKConfigError, match=r"te runs .* on a CUDA GPU; this device is cpu"):
+        check_expert_backend("te", cfg, "cpu", have_te=True)
+    check_expert_backend("te", cfg, "cuda", have_te=True)  # bf16 TE: allowed
+    for backend in ("te", "torch-fp8"):
+        with pytest.raises(MoKConfigError, match=r"moe_act"):
+            check_expert_backend(backend, cfg, "cuda", have_te=True, recompute_activation=True)
+    with pytest.raises(MoKConfigError, match=r"'fp16'.*torch, torch-fp8, te"):
+        check_expert_backend("fp16", cfg, "cpu", have_te=True)
+
+
+@pytest.mark.parametrize("alignment", [16, 32, 128])
+@pytest.mark.parametrize("probs_on_input", [False, True])
+def test_padded_expert_mlp_equals_unpadded(alignment, probs_on_input):
+    """The padded MLP (rows scattered by the fp8.align plan, probabilities 0 on padding rows) gives the
+    unpadded MLP's output and gradients, with any grouped GEMM; here torch's per-expert reference."""
+    from mok_megatron.functional.experts import expert_mlp
+    from mok_megatron.mcore.padded_experts import padded_counts_host, padded_expert_mlp
+    from mok_megatron.ops.activation import Activation, ActivationSpec
+    from mok_megatron.ops.grouped_gemm import grouped_linear_reference
+
+    counts = torch.tensor([5, 0, 17, 1, 0, 40])
+    g = torch.Generator().manual_seed(3)
+    R, H, F, L = int(counts.sum()), 24, 12, len(counts)
+    x0 = torch.randn(R, H, generator=g, dtype=torch.float64)
+    p0 = torch.rand(R, generator=g, dtype=torch.float64)
+    w10 = torch.randn(L, 2 * F, H, generator=g, dtype=torch.float64) / 4
+    w20 = torch.randn(L, H, F, generator=g, dtype=torch.float64) / 4
+    dy = torch.randn(R, H, generator=g, dtype=torch.float64)
+    act = ActivationSpec(kind=Activation.SILU, gated=True)
+    padded = torch.tensor(padded_counts_host(counts, alignment))
+    assert padded.tolist() == [(c + alignment - 1) // alignment * alignment for c in counts.tolist()]
+
+    def run(fn):
+        leaves = [t.clone().requires_grad_() for t in (x0, p0, w10, w20)]
+        y = fn(*leaves)
+        y.backward(dy)
+        return [y.detach()] + [t.grad for t in leaves]
+
+    def plan_gemm(w):
+        def fc(x_PK, plan):
+            real = torch.diff(plan.aligned_offsets_E.long(), prepend=torch.zeros(1, dtype=torch.long))
+            assert torch.equal(real, padded) and all(int(c) % alignment == 0 for c in real)
+            spare = plan.num_rows - int(real.sum())
+            y = grouped_linear_reference(x_PK[: int(real.sum())], w, real.tolist())
+            return torch.cat([y, y.new_zeros(spare, y.shape[1])])
+
+        return fc
+
+    want = run(
+        lambda x, p, w1, w2: expert_mlp(x, p, counts, w1, w2, act, apply_probs_on_input=probs_on_input)
+    )
+    got = run(
+        lambda x, p, w1, w2: padded_expert_mlp(
+            x, p, counts, plan_gemm(w1), plan_gemm(w2), act, alignment, apply_probs_on_input=probs_on_input
+        )
+    )
+    for name, a, b in zip(("y", "dx", "dprobs", "dw1", "dw2"), got, want, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10, msg=name)
+    assert torch.count_nonzero(got[3][1]) == 0 and torch.count_nonzero(got[3][4]) == 0  # empty experts
+
+
+@pytest.mark.parametrize("counts", [[5, 0, 17, 1, 0, 40], [0, 0, 0, 16], [3]])
+def test_native_static_buffer_plan_equals_unpadded(counts):
+    """The native path's static-size buffer (``native_num_rows``; spare rows owned by the last expert,
+    ``native_offsets``) gives the unpadded MLP's results with every group a multiple of 16 and the
+    GEMM's offsets ending at the buffer's end; checked with torch's per-expert reference GEMM."""
+    from mok_megatron.functional.experts import expert_mlp
+    from mok_megatron.mcore.padded_experts import native_num_rows, native_offsets, padded_expert_mlp
+    from mok_megatron.ops.activation import Activation, ActivationSpec
+    from mok_megatron.ops.grouped_gemm import grouped_linear_reference
+
+    counts = torch.tensor(counts)
+    g = torch.Generator().manual_seed(5)
+    R, H, F, L = int(counts.sum()), 16, 8, len(counts)
+    x = torch.randn(R, H, generator=g, dtype=torch.float64)
+    p = torch.rand(R, generator=g, dtype=torch.float64)
+    w1 = torch.randn(L, F, H, generator=g, dtype=torch.float64)
+    w2 = torch.randn(L, H, F, generator=g, dtype=torch.float64)
+    act = ActivationSpec(kind=Activation.RELU, gated=False)
+    P = native_num_rows(R, L, native.ALIGNMENT)
+    assert P % native.ALIGNMENT == 0 and P >= R + min(L, R) * (native.ALIGNMENT - 1)
+
+    def gemm(w):
+        def fc(x_PK, plan):
+            offs = native_offsets(plan)
+            assert int(offs[-1]) == x_PK.shape[0] == plan.num_rows == P
+            sizes = torch.diff(offs.long(), prepend=torch.zeros(1, dtype=torch.long))
+            assert all(int(c) % native.ALIGNMENT == 0 for c in sizes)
+            return grouped_linear_reference(x_PK, w, sizes.tolist())
+
+        return fc
+
+    y = padded_expert_mlp(x, p, counts, gemm(w1), gemm(w2), act, native.ALIGNMENT, num_rows=P)
+    torch.testing.assert_close(y, expert_mlp(x, p, counts, w1, w2, act), rtol=1e-10, atol=1e-10)
+
+
+def test_to_te_layout_key_mapping():
+    from mok_megatron.checkpoint import from_mok_layout, to_mok_layout
+    from mok_megatron.mcore.te_experts import to_te_layout
+
+    L, p = 3, "decoder.layers.0.mlp.experts."
+    fc1, fc2 = torch.randn(L, 8, 4), torch.randn(L, 4, 4)
+    for source in ("mok", "sequential", "te_grouped"):
+        sd = {f"{p}fc1_weight": fc1.clone(), f"{p}fc2_weight": fc2.clone(), "other.weight": torch.ones(1)}
+        if source != "mok":
+            from_mok_layout(sd, p, source)
+        to_te_layout(sd, p, L)
+        want = {f"{p}linear_fc{fc}.weight{i}" for fc in (1, 2) for i in range(L)}
+        want |= {f"{p}linear_fc1._extra_state", f"{p}linear_fc2._extra_state", "other.weight"}
+        assert set(sd) == want, source
+        for i in range(L):
+            assert torch.equal(sd[f"{p}linear_fc1.weight{i}"], fc1[i])
+            assert torch.equal(sd[f"{p}linear_fc2.weight{i}"], fc2[i])
+        to_mok_layout(sd, p, L)  # and back
+        assert torch.equal(sd[f"{p}fc1_weight"], fc1) and torch.equal(sd[f"{p}fc2_weight"], fc2)
+    with pytest.raises(ValueError, match="2 experts.*holds 3"):
+        sd = {f"{p}fc1_weight": fc1[:2].clone(), f"{p}fc2_weight": fc2[:2].clone()}
+        from_mok_layout(sd, p, "sequential")
+        to_te_layout(sd, p, L)
+
+
+@pytest.mark.usefixtures("single_rank")
+def test_moK_experts_refuse_fp8_backends_here():
+    """On this machine (CPU, or a GPU without TE) the experts refuse at build, naming the fix; the te
+    backend is chosen by MoKGroupedMLP itself (so Megatron's spec and MoKMoELayer need no change)."""
+    from mok_megatron.compat import have_te
+    from mok_megatron.config import MoKConfigError
+    from mok_megatron.mcore.experts import MoKGroupedMLP
+    from mok_megatron.mcore.te_experts import MoKTEGroupedMLP
+    from mok_megatron.options import MoKOptions
+    from tests.cases import make_config
+
+    cfg = make_config()
+    assert type(MoKGroupedMLP(8, cfg, options=MoKOptions())) is MoKGroupedMLP
+    if not torch.cuda.is_available():
+        with pytest.raises(MoKConfigError, match="torch-fp8 needs an FP8-capable GPU"):
+            MoKGroupedMLP(8, cfg, options=MoKOptions(expert_backend="torch-fp8"))
+    if not have_te():
+        with pytest.raises(MoKConfigError, match="te needs Transformer Engine"):
+            MoKGroupedMLP(8, cfg, options=MoKOptions(expert_backend="te"))
+    te_opts = MoKOptions(expert_backend="te")
+    assert type(MoKGroupedMLP.__new__(MoKGroupedMLP, 8, cfg, options=te_opts)) is MoKTEGroupedMLP
+    assert type(MoKGroupedMLP.__new__(MoKGroupedMLP)) is MoKGroupedMLP  # what copy / pickle call
+
+
+def test_bench_layer_fp8_rows_skip_with_reasons_here(tmp_path):
+    """``mok bench layer --impl ...,mok-torch-fp8,mok-te-*``: FP8 rows are accepted; where they cannot run
+    (CPU, no TE) they are listed under skipped with the reason, and the bf16 row still runs."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from mok_megatron.bench_suite import FP8_IMPLS, check_impls
+
+    check_impls(["mok", *FP8_IMPLS])
+    with pytest.raises(ValueError, match="mok-fp9"):
+        check_impls(["mok", "mok-fp9"])
+    if torch.cuda.is_available():
+        pytest.skip("CPU check (the GPU runs the rows: benchmarks/fp8_h200.py)")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "TORCHDYNAMO_DISABLE": "1", "PYTHONPATH": root}
+    out = tmp_path / "b.json"
+    cmd = [
+        sys.executable,
+        "-m",
+        "mok_megatron.cli",
+        "bench",
+        "layer",
+        "--shape",
+        "tiny",
+        "--routing",
+        "uniform",
+    ]
+    cmd += [
+        "--impl",
+        "mok,mok-torch-fp8,mok-te-blockwise",
+        "--iters",
+        "1",
+        "--warmup",
+        "1",
+        "--json",
+        str(out),
+    ]
+    p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=120, cwd=root)
+    assert p.returncode == 0, p.stderr[-3000:]
+    (case,) = json.loads(out.read_text())["cases"]
+    assert [r["impl"] for r in case["rows"]] == ["mok"]
+    reasons = {s["impl"]: s["reason"] for s in case["skipped"]}
+    assert "torch-fp8" in reasons["mok-torch-fp8"] and "this device is cpu" in reasons["mok-torch-fp8"]
+    assert "blockwise" in reasons["mok-te-blockwise"]

@@ -3,8 +3,11 @@ layouts, calibration against the repo's result files. No torch, no GPU; a few se
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
+import shutil
+import statistics
 import subprocess
 import sys
 
@@ -164,8 +167,23 @@ def test_model_reproduces_the_measurements_within_tolerance(meas):
     # Megatron + TE at EP=2 (link model from the NCCL baseline, no fit to these points)
     te2 = [r for r in rows if r.what.startswith("EP=2 megatron-te")]
     assert te2 and all(abs(r.held_out_err) < validate.TOLERANCE for r in te2), validate.table(te2)
-    mok_exact = [r for r in rows if "mok" in r.what and "exact" in r.what and r.what.startswith("EP=2")]
-    assert all(abs(r.in_sample_err) < 0.16 for r in mok_exact), validate.table(mok_exact)
+    mok2 = [r for r in rows if r.what.startswith("EP=2 mok")]
+    assert mok2 and all(abs(r.in_sample_err) < validate.TOLERANCE for r in mok2), validate.table(mok2)
+    # every in-sample point, except the one documented unmodelled cost (Megatron without TE at EP>1)
+    rest = [r for r in rows if not r.what.startswith("EP=2 megatron ")]
+    assert all(abs(r.in_sample_err) < validate.TOLERANCE for r in rest), validate.table(rest)
+    # held-out points predicted within their own engine generation carry no cross-generation note
+    assert all(("other engine" in r.note) == r.cross for r in rows if r.held_out_ms is not None)
+
+
+def test_cli_validate_and_compare(capsys):
+    assert main(["--validate"]) == 0
+    out = capsys.readouterr().out
+    assert "Held-out (leave-one-run-out)" in out and "Run-to-run spread" in out and "| s3a |" in out
+    assert "us per launch" in out
+    assert main(["--compare"]) == 0
+    out = capsys.readouterr().out
+    assert "published 1233" in out and "Drivers of the MoK / Megatron ratio" in out
 
 
 def test_efficiencies_are_below_one_and_link_from_nccl():
@@ -242,3 +260,98 @@ def test_cli(capsys):
 def test_planner_does_not_import_torch():
     code = "import sys, mok_megatron.planner.main; assert 'torch' not in sys.modules and 'megatron' not in sys.modules"
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
+
+
+# ---- calibration from the results directories ------------------------------------------------------
+
+
+def test_nnls_recovers_non_negative_coefficients_and_clamps_negative_ones():
+    xs = [1.0, 2.0, 3.0, 5.0]
+    y = [2.0 * x + 0.5 for x in xs]
+    assert calibrate._nnls([xs, [1.0] * 4], y, [1.0] * 4) == pytest.approx([2.0, 0.5])
+    y_neg = [2.0 * x - 1.0 for x in xs]  # the intercept would be negative: dropped, slope refitted
+    a, b = calibrate._nnls([xs, [1.0] * 4], y_neg, [1.0] * 4)
+    assert b == 0.0 and a == pytest.approx(
+        sum(x * v for x, v in zip(xs, y_neg, strict=True)) / sum(x * x for x in xs)
+    )
+
+
+def test_host_bound_fit_recovers_a_known_layer():
+    true = calibrate.ComputeFit("megatron-te", 4e-9, 0.0, 0.0, 6.0, 0.2, 0)
+    pts = []
+    for e, t in ((4, 4096), (8, 4096), (8, 16384), (64, 16384), (128, 16384), (96, 8192)):
+        moe = shapes.MoEShape(2048, 768, e, 8)
+        pts.append(measurements.Layer1("synthetic", "megatron-te", f"e{e}", moe, t, true.ms(t, moe)))
+    fit = calibrate.fit_compute(pts, "megatron-te")
+    assert (fit.h0_ms, fit.h_ms_per_expert) == pytest.approx((6.0, 0.2), rel=1e-6)
+    assert fit.a_ms_per_byte == pytest.approx(4e-9, rel=1e-6)
+    assert fit.host_bound(16384, shapes.MoEShape(2048, 768, 128, 8))
+    assert not fit.host_bound(16384, shapes.MoEShape(7168, 2048, 8, 8))
+    # at EP>1 a host-bound layer hides part of the all-to-all in its idle GPU gaps
+    moe = shapes.MoEShape(2048, 768, 128, 8)
+    half = dataclasses.replace(fit, host_link_exposed=0.5)
+    assert half.ep_ms(16384, moe, 2.0) == pytest.approx(fit.host_ms(moe) + 1.0)
+
+
+def test_profile_headers_are_parsed(tmp_path):
+    (tmp_path / "profile_x.txt").write_text(
+        "== qwen3: wall 13.28 ms | GPU kernels 12.29 ms in 151 launches | host enqueue 3.87 ms\n"
+        "== dsv3 EP=2 megatron: wall 24.84 ms | GPU busy 30.32 ms | copy 2.15 | host enqueue 10.01 ms | 318 kernels\n"
+        "      1.981 ms x   2  cutlass\n"
+    )
+    prof = measurements.profile_results(tmp_path)
+    assert [(p.what, p.launches, p.host_ms) for p in prof] == [
+        ("qwen3", 151, 3.87),
+        ("dsv3 EP=2 megatron", 318, 10.01),
+    ]
+    assert prof[0].host_us_per_launch == pytest.approx(3870 / 151)
+
+
+def test_a_new_results_directory_is_read_without_code_changes(tmp_path):
+    docs = measurements.DOCS
+    (tmp_path / "results").mkdir()
+    shutil.copy(docs / "benchmarks.md", tmp_path / "benchmarks.md")
+    shutil.copytree(docs / "results/2026-11-30", tmp_path / "results/2026-11-30")
+    s3b = tmp_path / "results/2026-11-30/s3b"
+    shutil.copytree(tmp_path / "results/2026-11-30/s3a", s3b)
+    m = measurements.load(tmp_path)
+    assert "s3b" in m.sources and calibrate.engine_of("s3b") == calibrate.GENERATIONS[-1]
+    new = {(p.impl, p.shape, p.ms) for p in m.layer1 if p.source == "s3b"}
+    assert new == {(p.impl, p.shape, p.ms) for p in m.layer1 if p.source == "s3a"}
+    assert sum(p.source == "s3b" for p in m.ep) == sum(p.source == "s3a" for p in m.ep) > 0
+    # with a second run of the newest engine, its real-EP points get a same-engine held-out fit
+    rows = [r for r in validate.checks(m) if r.source == "s3a" and "mok" in r.what and "EP=2" in r.what]
+    assert rows and all("other engine" not in r.note for r in rows)
+
+
+def test_engine_generation_fallback_is_reported(meas):
+    gens = {calibrate.engine_of(s) for s in meas.sources}
+    assert calibrate.GENERATIONS[-1] in gens
+    newest = [s for s in meas.sources if calibrate.engine_of(s) == calibrate.GENERATIONS[-1]]
+    held = calibrate.calibrate(meas.without(newest[0])) if len(newest) == 1 else None
+    if held is not None:
+        eng, same = held.overlap.engine(calibrate.GENERATIONS[-1])
+        assert not same and eng.name != calibrate.GENERATIONS[-1]
+
+
+def test_run_to_run_spread_is_measured(meas):
+    sp = validate.spreads(meas)
+    assert sp and all(len(set(s.runs)) > 1 and s.spread >= 0 for s in sp)
+    worst = sp[0]
+    assert worst.spread == pytest.approx((max(worst.ms) - min(worst.ms)) / statistics.median(worst.ms))
+    assert [s.spread for s in sp] == sorted((s.spread for s in sp), reverse=True)
+
+
+def test_recommendation_prefers_the_simplest_configuration_within_the_margin():
+    def lp(transport, mode, chunks, ms):
+        return predict.LayerPrediction("mok", transport, chunks, mode, 1.0, 0.0, 0.0, 0.0, ms)
+
+    margin = predict.DATA["recommendation_margin"]["value"]
+    opts = [
+        lp("copy_engine", "exact", 2, 10.0),
+        lp("collective", "exact", 4, 10.0 * (1 + margin / 2)),
+        lp("collective", "exact", 2, 10.0 * (1 + margin / 2)),
+        lp("collective", "exact", 1, 10.0 * (1 + 2 * margin)),
+    ]
+    assert predict.recommended(opts) is opts[2]
+    assert predict.recommended(opts[:1] + opts[3:]) is opts[0]  # collective x1 is too slow

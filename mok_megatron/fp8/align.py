@@ -12,9 +12,10 @@ Two entry points, one layout:
   row goes; ``pad_rows`` scatters them into a zeroed ``[P, H]`` buffer (padding rows stay zero, so they
   add nothing to a wgrad and produce rows nobody reads), ``unpad_rows`` gathers them back.
 
-How it plugs in (not wired yet): the expert backend asks ``recipes.alignment_for(recipe)``, builds the
-plan once per minibatch, and fuses the scatter into the permute (``row_TK`` as the permute's slot map),
-so padding is not a separate pass on the critical path.
+How it plugs in: the FP8 expert backends (``mcore.padded_experts``; alignment from ``fp8.backend``) build
+``pad_plan`` from the experts' device counts and scatter the expert-major rows once into the padded
+buffer (one device pass, no host read). Not done yet: fusing that scatter into the dispatcher's permute
+(``row_TK`` as the permute's slot map), which would remove the pass.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Native FP8 expert GEMMs without Transformer Engine: rowwise-scaled ``torch._scaled_grouped_mm``.
 
-Opt-in only and not wired into the layer yet. How it plugs in: ``--mok-expert-backend torch-fp8`` makes
-the experts call ``fp8_grouped_linear`` where they call ``ops.grouped_gemm.grouped_linear`` today (same
+Opt-in: ``--mok-expert-backend torch-fp8`` makes the experts (``mcore.padded_experts.native_expert_mlp``)
+call ``fp8_grouped_linear`` where the bf16 path calls ``ops.grouped_gemm.grouped_linear`` (same
 ``x_MK, w_GNK, offs_G`` contract, weights ``[G, N, K]`` like ``torch.nn.Linear`` per expert, so
 checkpoints do not change); the rows must be padded per expert to ``ALIGNMENT`` (``fp8.align``), and
 ``check_native_fp8`` runs once at layer build so a wrong GPU fails before training starts.

@@ -19,7 +19,7 @@ import torch
 
 from mok_megatron.functional.comm import all_gather_v, all_to_all_v, reduce_scatter_v
 from mok_megatron.functional.plan import DispatchPlan
-from mok_megatron.ops.permute import combine_tokens, permute_tokens
+from mok_megatron.ops.permute import combine_tokens, permute_tokens_with_probs
 
 
 class _PermuteRows(torch.autograd.Function):
@@ -42,9 +42,7 @@ def permute_rows(x: torch.Tensor, idx: torch.Tensor, inv: torch.Tensor) -> torch
 
 
 def dispatch_preprocess(x_TH: torch.Tensor, probs_TE: torch.Tensor, plan: DispatchPlan):
-    x_NH = permute_tokens(x_TH, plan.token_idx_N, plan.slots)
-    probs_N = probs_TE[plan.token_idx_N, plan.expert_idx_N]
-    return x_NH, probs_N
+    return permute_tokens_with_probs(x_TH, probs_TE, plan.token_idx_N, plan.expert_idx_N, plan.slots)
 
 
 def token_dispatch(x_NH: torch.Tensor, probs_N: torch.Tensor, plan: DispatchPlan):

@@ -14,9 +14,11 @@ whose backward is the scatter):
                         extra programs zero the rows no route lands on
     _gather_sum_kernel  one program per (token, H block): sum the token's K rows (optionally weighted)
 
-How it plugs in: replaces ``ops.permute.permute_tokens`` plus the ``probs_TE[token_idx_N, expert_idx_N]``
-gather of ``functional.dispatch.dispatch_preprocess`` (one pass instead of two, the cast to the
-dispatch dtype fused), fed by ``kernels.routing.routing_metadata``.
+How it plugs in: ``ops.permute.permute_tokens_with_probs`` (``functional.dispatch.dispatch_preprocess``) runs
+``permute`` for dropless layouts on CUDA, rows and probabilities in one pass, with a one-group ``RoutingMeta``
+built from the plan's slot map; ``scatter_rows`` is also the combine backward there, and ``gather_sum_rows``
+the combine forward and permute backward. ``kernels.routing.routing_metadata`` (aligned groups) is not yet
+what the plan is built from.
 """
 
 from __future__ import annotations
@@ -219,7 +221,8 @@ def gather_sum_rows(
     out_TH = torch.empty(num_tokens, hidden, dtype=out_dtype, device=src_RH.device)
     probs_TK = None
     if probs_R is not None:
-        probs_TK = torch.zeros(num_tokens, topk, dtype=probs_dtype or probs_R.dtype, device=src_RH.device)
+        # Every entry is written (0 for a dropped route): no zero fill needed.
+        probs_TK = torch.empty(num_tokens, topk, dtype=probs_dtype or probs_R.dtype, device=src_RH.device)
     if num_tokens == 0:
         return out_TH, probs_TK
     block_h = min(next_pow2(max(hidden, 1)), GATHER_BLOCK_H)

@@ -10,9 +10,9 @@ Backward: from ``h_M2F`` and ``p_M`` (nothing else saved) and ``da_MF``:
 Megatron rounds ``silu(gate) * up`` to the activation dtype before the probability multiply; this kernel
 rounds once, so bf16 results may differ from ``ops.activation.apply_activation`` by one bf16 ulp.
 
-How it plugs in: replaces ``ops.activation.apply_activation`` for ``ActivationSpec(SILU, gated=True)`` with
-no clamp, no linear offset and no fc1 interleave (the other specs keep the torch op), between the two
-grouped GEMMs of ``functional.experts.expert_mlp``.
+How it plugs in: ``ops.activation.apply_activation`` runs it for ``ActivationSpec(SILU, gated=True)`` with
+no clamp, no linear offset and no fc1 interleave on CUDA (the other specs keep the torch op), between the two
+grouped GEMMs of ``functional.experts.expert_mlp`` and in its delayed-wgrad / recompute variants.
 """
 
 from __future__ import annotations
@@ -109,7 +109,7 @@ class _SwiGLU(torch.autograd.Function):
         h_M2F, probs_M = ctx.saved_tensors
         num_rows, ffn = h_M2F.shape[0], h_M2F.shape[1] // 2
         dh_M2F = torch.empty_like(h_M2F)
-        dp_M = None if probs_M is None else torch.zeros_like(probs_M)
+        dp_M = None if probs_M is None else torch.empty_like(probs_M)  # every row is written
         if num_rows and ffn:
             block_m, block_f = _blocks(ffn)
             p = probs_M.contiguous() if probs_M is not None else h_M2F

@@ -84,6 +84,14 @@ def select_transport(cfg: MoKConfig, options: MoKOptions, ep_group):
         return LoopbackTransport(options.loopback_ep, cfg.num_local_experts, cfg.topk, options.loopback_gbps)
     if cfg.ep_size == 1:
         return None  # nothing to move, nothing to overlap
+    if options.transport == "nvlink":
+        if not torch.cuda.is_available():
+            raise MoKConfigError(
+                "--mok-transport nvlink needs CUDA GPUs in one NVLink domain; use collective here."
+            )
+        from mok_megatron.nvlink.transport import NVLinkTransport
+
+        return NVLinkTransport(ep_group, options.nvlink_programs)
     if options.transport == "copy_engine":
         if not torch.cuda.is_available():
             raise MoKConfigError(

@@ -10,6 +10,12 @@ Parameters (one tensor per projection, so the grouped GEMM reads them in place):
 keys, global shapes and offsets, including the SwiGLU split), so ``dist_checkpointing`` checkpoints
 move between the three layouts. ``load_state_dict`` also accepts plain (non-distributed) state dicts
 in either Megatron layout (see ``mok_megatron.checkpoint``).
+
+Expert backend (``MoKOptions.expert_backend``, ``--mok-expert-backend``; checks in ``fp8.backend``):
+    torch      the bf16 grouped GEMMs below (``mcore.expert_schedule``)
+    torch-fp8  the same parameters, GEMMs in native rowwise FP8 (``mcore.padded_experts.native_expert_mlp``)
+    te         ``MoKGroupedMLP(...)`` builds a ``mcore.te_experts.MoKTEGroupedMLP`` instead: Transformer
+               Engine GroupedLinear parameters and GEMMs, exactly TEGroupedMLP's layout
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ from megatron.core.utils import get_pg_rank, get_pg_size
 
 from mok_megatron.config import MoKConfig, MoKConfigError
 from mok_megatron.mcore.expert_schedule import WgradQueue, scheduled_expert_mlp
+from mok_megatron.options import MoKOptions, default_options
 
 
 def _init_device(config) -> torch.device:
@@ -36,6 +43,21 @@ def _init_device(config) -> torch.device:
 class MoKGroupedMLP(MegatronModule):
     """Routed experts: ``forward(x, tokens_per_expert, permuted_probs) -> (out, None)``."""
 
+    def __new__(cls, *args, **kwargs):
+        # The TE backend has other parameters (TE's GroupedLinear): its own class, chosen here so
+        # that specs, MoKMoELayer and ``isinstance(experts, MoKGroupedMLP)`` stay as they are. Only on
+        # construction (args given): copy/pickle call __new__(cls) bare and must keep the class.
+        backend = cls._resolve_options(kwargs.get("options")).expert_backend
+        if cls is MoKGroupedMLP and args and backend == "te":
+            from mok_megatron.mcore.te_experts import MoKTEGroupedMLP
+
+            return super().__new__(MoKTEGroupedMLP)
+        return super().__new__(cls)
+
+    @staticmethod
+    def _resolve_options(options: MoKOptions | None) -> MoKOptions:
+        return options if options is not None else default_options()
+
     def __init__(
         self,
         num_local_experts: int,
@@ -43,6 +65,7 @@ class MoKGroupedMLP(MegatronModule):
         pg_collection=None,
         name: str | None = None,
         mok_config: MoKConfig | None = None,
+        options: MoKOptions | None = None,
     ):
         super().__init__(config=config)
         pg = pg_collection if pg_collection is not None else get_default_pg_collection()
@@ -57,6 +80,22 @@ class MoKGroupedMLP(MegatronModule):
                 f"{cfg.num_experts} over EP={cfg.ep_size} gives {cfg.num_local_experts}."
             )
         self.num_local_experts = num_local_experts
+        self.options = self._resolve_options(options)
+        self.expert_backend = self.options.expert_backend
+        if self.expert_backend != "torch":
+            from mok_megatron.compat import have_te
+            from mok_megatron.fp8.backend import check_expert_backend
+
+            gpu = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
+            check_expert_backend(
+                self.expert_backend,
+                config,
+                gpu,
+                have_te=have_te(),
+                sync_free=self.options.sync_free,
+                recompute_activation=cfg.recompute_activation,
+                delay_wgrad=cfg.delay_wgrad,
+            )
         fc1_rows = cfg.activation.fc1_multiplier() * cfg.local_ffn_size
         device = _init_device(config)
         dtype = config.params_dtype
@@ -101,6 +140,19 @@ class MoKGroupedMLP(MegatronModule):
 
     def forward(self, permuted_local_hidden_states, tokens_per_expert, permuted_probs):
         cfg = self.mok_config
+        if self.expert_backend == "torch-fp8":
+            from mok_megatron.mcore.padded_experts import native_expert_mlp
+
+            out = native_expert_mlp(
+                permuted_local_hidden_states,
+                permuted_probs,
+                tokens_per_expert,
+                self.fc1_weight,
+                self.fc2_weight,
+                cfg.activation,
+                apply_probs_on_input=cfg.apply_probs_on_input,
+            )
+            return out, None
         out = scheduled_expert_mlp(
             permuted_local_hidden_states,
             permuted_probs,

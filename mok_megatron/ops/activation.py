@@ -8,6 +8,13 @@ With a GLU the fc1 output ``h_M2F`` holds ``[gate | up]`` halves (Megatron's lay
 ``act(min(gate, c)) * (clamp(up, -c, c) + offset)``; without one it is ``act(h_MF)``. The router
 probability of each row is applied after the activation, before fc2, in the activation's dtype
 rounding exactly as Megatron's experts do.
+
+On CUDA with Triton the plain SwiGLU (SILU, gated, no clamp, no linear offset, no interleave) runs as the
+fused kernel ``mok_megatron.kernels.swiglu.swiglu``: one pass forward (activation and probability scaling,
+fp32 math rounded once, so bf16 results may differ from Megatron's two roundings by one ulp), one pass
+backward (gate, up and probability gradients), and only ``h`` and the probabilities saved for backward.
+Every other spec, and every CPU tensor, runs the torch code below (exact CPU parity with Megatron;
+under ``TRITON_INTERPRET=1`` CPU tensors take the kernel too, see ``ops.fast``).
 """
 
 from __future__ import annotations
@@ -17,6 +24,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from mok_megatron.ops.fast import triton_path
 
 
 class Activation(enum.Enum):
@@ -78,8 +87,20 @@ def _deinterleave(h_M2F: torch.Tensor, block: int) -> torch.Tensor:
     return h_M2F.reshape(m, two_f // (2 * block), 2, block).transpose(1, 2).reshape(m, two_f)
 
 
+def fused_swiglu_applies(spec: ActivationSpec, h: torch.Tensor) -> bool:
+    """Whether ``apply_activation`` runs the fused Triton SwiGLU for this spec and tensor."""
+    plain = spec.kind is Activation.SILU and spec.gated and spec.clamp is None
+    if not (plain and spec.glu_linear_offset == 0.0 and spec.glu_interleave is None):
+        return False
+    return triton_path(h, "swiglu")
+
+
 def apply_activation(h: torch.Tensor, spec: ActivationSpec, probs_M: torch.Tensor | None) -> torch.Tensor:
     """``act(h) * probs`` (probs may be None). Input ``[M, 2F]`` (gated) or ``[M, F]``; output ``[M, F]``."""
+    if fused_swiglu_applies(spec, h):
+        from mok_megatron.kernels.swiglu import swiglu
+
+        return swiglu(h, probs_M)
     fn = _FUNCS[spec.kind]
     if spec.gated:
         if spec.glu_interleave is not None:
@@ -88,7 +109,9 @@ def apply_activation(h: torch.Tensor, spec: ActivationSpec, probs_M: torch.Tenso
         if spec.clamp is not None:
             gate = gate.clamp(min=None, max=spec.clamp)
             up = up.clamp(min=-spec.clamp, max=spec.clamp)
-        out = fn(gate) * (up + spec.glu_linear_offset)
+        if spec.glu_linear_offset:
+            up = up + spec.glu_linear_offset
+        out = fn(gate) * up  # (adding a zero offset would be an extra [M, F] pass; x + 0.0 == x)
     else:
         out = fn(h)
     if probs_M is not None:

@@ -43,7 +43,7 @@ def kernel_supports(x_MK: torch.Tensor, w_GNK: torch.Tensor) -> bool:
 
 def offsets_from_counts(tokens_per_expert_G: torch.Tensor, device: torch.device) -> torch.Tensor:
     """Inclusive cumulative row offsets ``[G]`` (int32, on ``device``) as the kernel wants them."""
-    return torch.cumsum(tokens_per_expert_G.to(device=device, dtype=torch.int64), 0).to(torch.int32)
+    return torch.cumsum(tokens_per_expert_G.to(device=device), 0, dtype=torch.int32)  # one launch
 
 
 def _fwd(x_MK, w_GNK, offs_G):

@@ -15,21 +15,37 @@ most one slot, so this is a plain indexed copy).
 (Megatron's unfused path) that the tests hold these against.
 
 On CUDA with Triton the gather-sum runs as ``mok_megatron.kernels.permute.gather_sum_rows`` (one pass,
-masked slots never read, fp32 accumulation in the same fixed k order), and the scatter-copy is a plain
-row gather through the inverse slot map; on CPU both run as the torch code below.
+masked slots never read, fp32 accumulation in the same fixed k order). When every slot is valid (dropless:
+the slot map is a permutation of the rows) the token-to-rows copy (permute forward, combine backward) runs
+as ``kernels.permute.scatter_rows`` (each token row read once, written to its K rows, one launch), and
+``permute_tokens_with_probs`` moves the routing probabilities in the same pass; with invalid slots the
+copy is a row gather through the inverse slot map. On CPU everything runs as the torch code below
+(the Triton paths too under ``TRITON_INTERPRET=1``: ``ops.fast``).
 """
 
 from __future__ import annotations
 
 import torch
 
+from mok_megatron.ops.fast import triton_path
 from mok_megatron.ops.routing import SlotMap
 
 
 def _fast(t: torch.Tensor) -> bool:
-    from mok_megatron.compat import have_triton
+    return triton_path(t, "permute")
 
-    return t.is_cuda and have_triton()
+
+def _dense_meta(slots: SlotMap, num_rows: int):
+    """Routing metadata for the Triton scatter of a layout whose rows all belong to some slot (``valid_TK
+    is None``): one group without padding, so the kernel's zero-fill step has nothing to do."""
+    from mok_megatron.kernels.routing import RoutingMeta
+
+    if num_rows != slots.row_TK.numel():
+        raise ValueError(
+            f"dense permute: {num_rows} rows but {slots.row_TK.numel()} slots; every row needs a slot"
+        )
+    offs = slots.dense_offsets32
+    return RoutingMeta(offs, offs, offs, slots.rows32_TK, num_rows, 1)
 
 
 def _gather_sum(src_NH: torch.Tensor, slots: SlotMap) -> torch.Tensor:
@@ -40,8 +56,7 @@ def _gather_sum(src_NH: torch.Tensor, slots: SlotMap) -> torch.Tensor:
     if _fast(src_NH):
         from mok_megatron.kernels.permute import gather_sum_rows
 
-        rows = slots.row_TK if slots.valid_TK is None else torch.where(slots.valid_TK, slots.row_TK, -1)
-        return gather_sum_rows(src_NH, rows.to(torch.int32), src_NH.dtype)[0]
+        return gather_sum_rows(src_NH, slots.rows32_TK, src_NH.dtype)[0]
     picked_TKH = src_NH.index_select(0, slots.row_TK.reshape(-1)).view(num_tokens, k, hidden)
     if slots.valid_TK is not None:
         picked_TKH = torch.where(slots.valid_TK.unsqueeze(-1), picked_TKH, 0)
@@ -56,11 +71,12 @@ def _scatter_copy(src_TH: torch.Tensor, slots: SlotMap, num_rows: int) -> torch.
         return src_TH.new_zeros((num_rows, hidden))
     rows = slots.row_TK.reshape(-1)
     if _fast(src_TH):
+        if slots.valid_TK is None:  # every row is exactly one slot's: one scatter pass
+            from mok_megatron.kernels.permute import scatter_rows
+
+            return scatter_rows(src_TH, _dense_meta(slots, num_rows), src_TH.dtype)[0]
         # Each row belongs to at most one slot: gather every row's token instead of scattering tokens.
         tok = torch.arange(num_tokens, device=src_TH.device).repeat_interleave(k)
-        if slots.valid_TK is None:
-            owner = torch.empty(num_rows, dtype=torch.int64, device=src_TH.device)
-            return src_TH.index_select(0, owner.index_copy_(0, rows, tok))
         # Rows no slot owns read an appended zero row (invalid slots all write that spare entry).
         valid = slots.valid_TK.reshape(-1)
         owner = torch.full((num_rows + 1,), num_tokens, dtype=torch.int64, device=src_TH.device)
@@ -76,37 +92,61 @@ def _scatter_copy(src_TH: torch.Tensor, slots: SlotMap, num_rows: int) -> torch.
 
 
 class _Permute(torch.autograd.Function):
+    # The SlotMap rides on ctx (not saved tensors) so that its cached int32 row map is built once per map.
     @staticmethod
-    def forward(ctx, x_TH, token_idx_N, row_TK, valid_TK):
-        ctx.slots = SlotMap(row_TK, valid_TK)
-        ctx.num_tokens = x_TH.shape[0]
+    def forward(ctx, x_TH, token_idx_N, slots):
+        ctx.slots = slots
+        if slots.valid_TK is None and x_TH.shape[0] and _fast(x_TH):
+            return _scatter_copy(x_TH.contiguous(), slots, token_idx_N.shape[0])
         return x_TH.index_select(0, token_idx_N)
 
     @staticmethod
     def backward(ctx, dx_NH):
-        return _gather_sum(dx_NH.contiguous(), ctx.slots), None, None, None
+        return _gather_sum(dx_NH.contiguous(), ctx.slots), None, None
 
 
 class _Combine(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, y_NH, row_TK, valid_TK):
-        ctx.slots = SlotMap(row_TK, valid_TK)
+    def forward(ctx, y_NH, slots):
+        ctx.slots = slots
         ctx.num_rows = y_NH.shape[0]
         return _gather_sum(y_NH, ctx.slots)
 
     @staticmethod
     def backward(ctx, dout_TH):
-        return _scatter_copy(dout_TH.contiguous(), ctx.slots, ctx.num_rows), None, None
+        return _scatter_copy(dout_TH.contiguous(), ctx.slots, ctx.num_rows), None
 
 
 def permute_tokens(x_TH: torch.Tensor, token_idx_N: torch.Tensor, slots: SlotMap) -> torch.Tensor:
     """Inputs: x_TH [T, H]; token_idx_N [N] int64; slots (row_TK, valid_TK). Output: x_NH [N, H]."""
-    return _Permute.apply(x_TH, token_idx_N, slots.row_TK, slots.valid_TK)
+    return _Permute.apply(x_TH, token_idx_N, slots)
+
+
+def permute_tokens_with_probs(
+    x_TH: torch.Tensor,
+    probs_TE: torch.Tensor,
+    token_idx_N: torch.Tensor,
+    expert_idx_N: torch.Tensor,
+    slots: SlotMap,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(x_NH, probs_N)``: ``permute_tokens`` and ``probs_N[r] = probs_TE[token_idx_N[r], expert_idx_N[r]]``.
+
+    Inputs: x_TH [T, H]; probs_TE [T, E] (router dtype); token_idx_N / expert_idx_N [N] int64; slots.
+    Outputs: x_NH [N, H] x's dtype; probs_N [N] probs' dtype. Differentiable in x and probs.
+    On CUDA with every slot valid: one Triton pass moves rows and probabilities (``kernels.permute``),
+    whose backward is one gather-sum pass for both gradients."""
+    num_rows = token_idx_N.shape[0]
+    if slots.valid_TK is None and x_TH.shape[0] and num_rows and _fast(x_TH):
+        from mok_megatron.kernels.permute import permute
+
+        probs_TK = probs_TE.gather(1, expert_idx_N[slots.row_TK])  # slot (t, k)'s probability
+        return permute(x_TH, _dense_meta(slots, num_rows), probs_TK)
+    return permute_tokens(x_TH, token_idx_N, slots), probs_TE[token_idx_N, expert_idx_N]
 
 
 def combine_tokens(y_NH: torch.Tensor, slots: SlotMap) -> torch.Tensor:
     """Inputs: y_NH [N, H] (already scaled by the router probabilities); slots. Output: [T, H]."""
-    return _Combine.apply(y_NH, slots.row_TK, slots.valid_TK)
+    return _Combine.apply(y_NH, slots)
 
 
 def permute_tokens_reference(x_TH: torch.Tensor, token_idx_N: torch.Tensor) -> torch.Tensor:

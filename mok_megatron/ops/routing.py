@@ -19,6 +19,7 @@ multiply their output by that zero, so they contribute exactly nothing.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -30,10 +31,12 @@ def expert_counts(routing_map_TE: torch.Tensor) -> torch.Tensor:
 
 
 def dropless_order(routing_map_TE: torch.Tensor, num_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(token_idx_N, expert_idx_N)`` of the expert-major layout; ``num_rows`` = routing_map.sum()."""
-    num_tokens = routing_map_TE.shape[0]
-    flat = routing_map_TE.t().reshape(-1).argsort(descending=True, stable=True)[:num_rows]
-    return flat % num_tokens, flat // num_tokens
+    """``(token_idx_N, expert_idx_N)`` of the expert-major layout; ``num_rows`` = routing_map.sum().
+
+    The routed ``(expert, token)`` pairs of the ``[E, T]`` map in row-major order are exactly this layout:
+    ``torch.nonzero_static`` lists them with a static row count (no host sync, no sort of T*E keys)."""
+    pairs_N2 = torch.nonzero_static(routing_map_TE.t(), size=num_rows)
+    return pairs_N2[:, 1], pairs_N2[:, 0]
 
 
 def capacity_order(routing_map_TE: torch.Tensor, capacity: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -61,10 +64,23 @@ def capacity_order(routing_map_TE: torch.Tensor, capacity: int) -> tuple[torch.T
 class SlotMap:
     """Each token's rows in the permuted layout: ``row_TK`` (int64), valid where ``valid_TK`` (bool).
 
-    ``valid_TK is None`` means every slot is valid (dropless: every token has exactly K rows)."""
+    ``valid_TK is None`` means every slot is valid (dropless: every token has exactly K rows).
+    ``rows32_TK`` is the same map as the Triton kernels take it (int32, -1 for an invalid slot), built once
+    per map and shared by permute, combine and their backwards (as is ``dense_offsets32``)."""
 
     row_TK: torch.Tensor
     valid_TK: torch.Tensor | None = None
+
+    @functools.cached_property
+    def rows32_TK(self) -> torch.Tensor:
+        rows = self.row_TK if self.valid_TK is None else torch.where(self.valid_TK, self.row_TK, -1)
+        return rows.to(torch.int32)
+
+    @functools.cached_property
+    def dense_offsets32(self) -> torch.Tensor:
+        """``[T * K]`` as a one-element int32 device tensor: with every slot valid the rows are exactly the
+        slots, one group without padding (the offsets the Triton scatter takes)."""
+        return torch.full((1,), self.row_TK.numel(), dtype=torch.int32, device=self.row_TK.device)
 
 
 def slot_map(token_idx_N: torch.Tensor, live_N: torch.Tensor | None, num_tokens: int, topk: int) -> SlotMap:

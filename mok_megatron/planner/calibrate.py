@@ -1,39 +1,57 @@
 """Fit the layer model to the measurements (measurements.py). Every number it returns comes from a
-result file or from the measured baselines quoted in issue 9 (BASELINES); nothing else is tuned.
+result file or from calibration.json (measured baselines quoted in issue 9, which run timed which MoK
+engine); nothing else is tuned.
 
 Layer model, one MoE layer forward + backward on one rank, H200 (ms):
-  EP=1 work   t1 = max(FLOP / R + a * traffic_bytes + c * local_experts,  h * local_experts)
-              R = measured grouped-GEMM rate; a, c, h fitted per implementation (relative least
-              squares); h (host-bound per-expert loop) only for Megatron without TE (SequentialMLP).
-  Megatron    t1 + link   (no overlap inside the layer; bytes per (token, expert) pair)
-  MoK         t1 + kappa * O(chunks, mode) * t1 + e(chunks, mode) * link   (deduplicated bytes)
-              O: engine overhead with an infinitely fast link, as a fraction of the plain layer,
-              and e: the exposed fraction of link time, both from the loopback sweep;
-              kappa: real-EP overhead / loopback overhead, from the 2 x H200 runs.
+  EP=1 work   t1 = max(gpu, host)
+              gpu  = FLOP / R + a * traffic_bytes + c * local_experts + d
+              host = h0 + h * local_experts        (host-bound implementations only)
+              R = measured grouped-GEMM rate; a, c, d (d: fixed cost per layer, e.g. MoK's engine) and
+              h0, h fitted per implementation by non-negative relative least squares. The host line is
+              the profiles' finding: Megatron without TE (SequentialMLP) and Megatron+TE (GroupedLinear)
+              launch kernels per expert, and with many small experts the host enqueue time per launch
+              (25-45 us under the profiler) exceeds the GPU work per launch.
+  Megatron    gpu + link when GPU-bound; host + x * link when host-bound (x: the exposed fraction of
+              the all-to-all, which partly runs in the GPU's idle gaps; median over the host-bound EP>1
+              points, within [0, 1]); bytes per (token, expert) pair
+  MoK         (t1 + kappa * O(chunks, mode) * t1 + e(chunks, mode) * link) * f(transport)
+              O: engine overhead with an infinitely fast link, as a fraction of the plain layer, and
+              e: the exposed fraction of link time, both from the loopback sweep; kappa (per engine
+              generation and mode): real-EP overhead / loopback overhead; f: transport time / collective
+              time (plain = the unpipelined EP path), per engine generation, from the 2 x H200 runs.
+MoK's own EP=1 fit is made per engine generation when the generation has enough points (its
+kernels changed with the engine); other implementations are fitted over every run.
+Run-to-run spread (separate machine starts differ ~10 %) is not modelled: every fit is a relative
+least-squares (or median) fit over all runs, i.e. the model predicts the typical machine.
 """
 
 from __future__ import annotations
 
+import itertools
+import json
 import math
 import statistics
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
+from pathlib import Path
 
 from mok_megatron.bench_overlap import OVERLAP_SHAPES
 from mok_megatron.planner import flops
+from mok_megatron.planner.hardware import GPUS
 from mok_megatron.planner.measurements import EPPoint, Layer1, Measurements
 from mok_megatron.planner.shapes import MoEShape
 
-# Measured baselines quoted in issue 9 (H200 and 2 x H200; ranges over shapes). Midpoints are used.
-BASELINES = {
-    "grouped_gemm_bf16_tflops": (627.0, 732.0),  # torch._grouped_mm, bf16, H200
-    "grouped_gemm_fp8_tflops": (807.0, 1221.0),  # FP8 rowwise grouped GEMM, H200
-    "nccl_a2a_gbps": (208.0, 280.0),  # NCCL all_to_all per rank, 2 x H200 NVLink
-}
-H200_BF16_PEAK, H200_FP8_PEAK, H200_NVLINK, H200_HBM = 989.4, 1978.9, 450.0, 4.8
+DATA = json.loads((Path(__file__).with_name("calibration.json")).read_text())
+H200 = GPUS["H200"]
+H200_BF16_PEAK, H200_FP8_PEAK, H200_NVLINK, H200_HBM = (
+    H200.bf16_tflops,
+    H200.fp8_tflops,
+    H200.nvlink_gbps,
+    H200.hbm_tbps,
+)
 
 
 def mid(key: str) -> float:
-    lo, hi = BASELINES[key]
+    lo, hi = DATA["baselines"][key]["range"]
     return (lo + hi) / 2
 
 
@@ -48,13 +66,71 @@ def link_efficiency() -> float:
     return mid("nccl_a2a_gbps") / H200_NVLINK
 
 
+GENERATIONS = [g["name"] for g in DATA["engine_generations"]]
+
+
+def engine_of(source: str) -> str:
+    """The MoK engine generation a results directory timed; unlisted (newer) directories: the last."""
+    for g in DATA["engine_generations"]:
+        if source in g["runs"]:
+            return g["name"]
+    return GENERATIONS[-1]
+
+
+# ---- EP=1 work ------------------------------------------------------------------------------------
+
+HOST_BOUND = {"megatron", "megatron-te"}  # kernel launches per expert (SequentialMLP, TE GroupedLinear)
+HOST_BOUND_MIN_EXPERTS = 32  # initial regime guess only; the fit reassigns points
+
+
+def _solve(a: list[list[float]], b: list[float]) -> list[float] | None:
+    n = len(b)
+    m = [row[:] + [v] for row, v in zip(a, b, strict=True)]
+    for i in range(n):
+        piv = max(range(i, n), key=lambda r: abs(m[r][i]))
+        if abs(m[piv][i]) < 1e-30:
+            return None
+        m[i], m[piv] = m[piv], m[i]
+        for r in range(n):
+            if r != i:
+                f = m[r][i] / m[i][i]
+                m[r] = [x - f * y for x, y in zip(m[r], m[i], strict=True)]
+    return [m[i][n] / m[i][i] for i in range(n)]
+
+
+def _nnls(cols: list[list[float]], y: list[float], w: list[float]) -> list[float]:
+    """Weighted least squares with non-negative coefficients, by trying every subset of columns
+    (at most 3 columns here, so 7 subsets)."""
+    best, best_r = [0.0] * len(cols), sum((v * q) ** 2 for v, q in zip(y, w, strict=True))
+    for k in range(1, len(cols) + 1):
+        for sub in itertools.combinations(range(len(cols)), k):
+            a = [[sum(cols[i][n] * cols[j][n] * w[n] ** 2 for n in range(len(y))) for j in sub] for i in sub]
+            b = [sum(cols[i][n] * y[n] * w[n] ** 2 for n in range(len(y))) for i in sub]
+            p = _solve(a, b)
+            if p is None or min(p) < 0:
+                continue
+            coef = [0.0] * len(cols)
+            for i, v in zip(sub, p, strict=True):
+                coef[i] = v
+            r = sum(
+                ((sum(coef[i] * cols[i][n] for i in range(len(cols))) - y[n]) * w[n]) ** 2
+                for n in range(len(y))
+            )
+            if r < best_r * (1 - 1e-12):
+                best, best_r = coef, r
+    return best
+
+
 @dataclass(frozen=True)
 class ComputeFit:
     impl: str
     a_ms_per_byte: float
     c_ms_per_expert: float
+    d_ms: float  # fixed GPU/engine cost per layer
+    h0_ms: float  # host-bound line: h0 + h * local experts
     h_ms_per_expert: float
     points: int
+    host_link_exposed: float = 1.0  # EP>1, host-bound: exposed fraction of the all-to-all (fitted)
 
     def gpu_ms(self, tokens: int, moe: MoEShape, rate_tflops: float, hbm_scale: float = 1.0) -> float:
         gemm = flops.expert_flops(tokens, moe) / (rate_tflops * 1e12) * 1e3
@@ -62,71 +138,90 @@ class ComputeFit:
             gemm
             + self.a_ms_per_byte * flops.token_traffic_bytes(tokens, moe) * hbm_scale
             + self.c_ms_per_expert * moe.experts
+            + self.d_ms
         )
+
+    def host_ms(self, moe: MoEShape) -> float:
+        return self.h0_ms + self.h_ms_per_expert * moe.experts if self.h_ms_per_expert else 0.0
 
     def ms(
         self, tokens: int, moe: MoEShape, rate_tflops: float | None = None, hbm_scale: float = 1.0
     ) -> float:
         rate = rate_tflops or mid("grouped_gemm_bf16_tflops")
-        return max(self.gpu_ms(tokens, moe, rate, hbm_scale), self.h_ms_per_expert * moe.experts)
+        return max(self.gpu_ms(tokens, moe, rate, hbm_scale), self.host_ms(moe))
+
+    def ep_ms(
+        self,
+        tokens: int,
+        moe: MoEShape,
+        link_ms: float,
+        rate_tflops: float | None = None,
+        hbm_scale: float = 1.0,
+    ) -> float:
+        """Megatron alltoall at EP>1: the all-to-all is fully exposed behind GPU-bound work; when the
+        layer is host-bound part of it runs in the GPU's idle gaps (exposed fraction fitted)."""
+        rate = rate_tflops or mid("grouped_gemm_bf16_tflops")
+        gpu, host = self.gpu_ms(tokens, moe, rate, hbm_scale), self.host_ms(moe)
+        if host > gpu:
+            return max(host + self.host_link_exposed * link_ms, gpu + link_ms)
+        return gpu + link_ms
+
+    def host_bound(self, tokens: int, moe: MoEShape) -> bool:
+        return self.host_ms(moe) > self.gpu_ms(tokens, moe, mid("grouped_gemm_bf16_tflops"))
 
 
-HOST_BOUND = {"megatron"}  # SequentialMLP: one GEMM launch per expert from Python
-HOST_BOUND_MIN_EXPERTS = 32
+def _gemm_ms(p: Layer1) -> float:
+    return flops.expert_flops(p.tokens, p.moe) / (mid("grouped_gemm_bf16_tflops") * 1e12) * 1e3
 
 
-def _ls(cols: list[list[float]], y: list[float], w: list[float]) -> list[float]:
-    """Weighted least squares for 1 or 2 non-negative coefficients (drops a negative one and refits)."""
-    if len(cols) == 2:
-        a11 = sum((x * q) ** 2 for x, q in zip(cols[0], w, strict=True))
-        a22 = sum((x * q) ** 2 for x, q in zip(cols[1], w, strict=True))
-        a12 = sum(x * z * q * q for x, z, q in zip(cols[0], cols[1], w, strict=True))
-        b1 = sum(x * v * q * q for x, v, q in zip(cols[0], y, w, strict=True))
-        b2 = sum(x * v * q * q for x, v, q in zip(cols[1], y, w, strict=True))
-        det = a11 * a22 - a12 * a12
-        if det > 1e-12 * a11 * a22:
-            p = [(b1 * a22 - b2 * a12) / det, (a11 * b2 - a12 * b1) / det]
-            if min(p) >= 0:
-                return p
-        p0, p1 = _ls(cols[:1], y, w)[0], _ls(cols[1:], y, w)[0]
-        r0 = sum(((p0 * x - v) * q) ** 2 for x, v, q in zip(cols[0], y, w, strict=True))
-        r1 = sum(((p1 * x - v) * q) ** 2 for x, v, q in zip(cols[1], y, w, strict=True))
-        return [p0, 0.0] if r0 <= r1 else [0.0, p1]
-    num = sum(x * v * q * q for x, v, q in zip(cols[0], y, w, strict=True))
-    den = sum((x * q) ** 2 for x, q in zip(cols[0], w, strict=True))
-    return [max(num / den, 0.0) if den else 0.0]
+def _fit_gpu(pts: list[Layer1]) -> tuple[float, float, float]:
+    if not pts:
+        return 0.0, 0.0, 0.0
+    a, c, d = _nnls(
+        [
+            [flops.token_traffic_bytes(p.tokens, p.moe) for p in pts],
+            [float(p.moe.experts) for p in pts],
+            [1.0] * len(pts),
+        ],
+        [p.ms - _gemm_ms(p) for p in pts],
+        [1 / p.ms for p in pts],
+    )
+    return a, c, d
+
+
+def _fit_host(pts: list[Layer1]) -> tuple[float, float]:
+    if not pts:
+        return 0.0, 0.0
+    cols = [[1.0] * len(pts), [float(p.moe.experts) for p in pts]]
+    if len({p.moe.experts for p in pts}) < 2:
+        cols = cols[1:]  # one expert count: the line through the origin
+        return 0.0, _nnls(cols, [p.ms for p in pts], [1 / p.ms for p in pts])[0]
+    h0, h = _nnls(cols, [p.ms for p in pts], [1 / p.ms for p in pts])
+    return h0, h
 
 
 def fit_compute(points: list[Layer1], impl: str) -> ComputeFit:
     pts = [p for p in points if p.impl == impl]
     if not pts:
         raise ValueError(f"no EP=1 measurement of {impl!r} to calibrate from")
-    rate = mid("grouped_gemm_bf16_tflops") * 1e12
-    gemm = [flops.expert_flops(p.tokens, p.moe) / rate * 1e3 for p in pts]
-    if impl in HOST_BOUND:
-        gpu = [(p, g) for p, g in zip(pts, gemm, strict=True) if p.moe.experts < HOST_BOUND_MIN_EXPERTS]
-        host = [p for p in pts if p.moe.experts >= HOST_BOUND_MIN_EXPERTS]
-        a = (
-            _ls(
-                [[flops.token_traffic_bytes(p.tokens, p.moe) for p, _ in gpu]],
-                [p.ms - g for p, g in gpu],
-                [1 / p.ms for p, _ in gpu],
-            )[0]
-            if gpu
-            else 0.0
+    if impl not in HOST_BOUND:
+        return ComputeFit(impl, *_fit_gpu(pts), 0.0, 0.0, len(pts))
+    host = {i for i, p in enumerate(pts) if p.moe.experts >= HOST_BOUND_MIN_EXPERTS}
+    for _ in range(10):  # alternate: fit each regime on its points, reassign each point to the max
+        fit = ComputeFit(
+            impl,
+            *_fit_gpu([p for i, p in enumerate(pts) if i not in host]),
+            *_fit_host([p for i, p in enumerate(pts) if i in host]),
+            len(pts),
         )
-        h = (
-            _ls([[p.moe.experts for p in host]], [p.ms for p in host], [1 / p.ms for p in host])[0]
-            if host
-            else 0.0
-        )
-        return ComputeFit(impl, a, 0.0, h, len(pts))
-    a, c = _ls(
-        [[flops.token_traffic_bytes(p.tokens, p.moe) for p in pts], [float(p.moe.experts) for p in pts]],
-        [p.ms - g for p, g in zip(pts, gemm, strict=True)],
-        [1 / p.ms for p in pts],
-    )
-    return ComputeFit(impl, a, c, 0.0, len(pts))
+        new = {i for i, p in enumerate(pts) if fit.host_bound(p.tokens, p.moe)}
+        if new == host:
+            break
+        host = new
+    return fit
+
+
+# ---- MoK engine on real EP ----------------------------------------------------------------------
 
 
 def family(moe: MoEShape, tokens: int) -> str:
@@ -138,23 +233,6 @@ def family(moe: MoEShape, tokens: int) -> str:
         return (abs(math.log(s["hidden"] / moe.hidden)), abs(math.log(s["tokens"] / tokens)))
 
     return min(cands, key=dist)
-
-
-@dataclass(frozen=True)
-class OverlapFit:
-    """Per (loopback shape, minibatch count, mode): overhead fraction O and exposed link fraction e
-    (medians over runs), and kappa per mode (real EP / loopback overhead)."""
-
-    overhead: dict  # (shape, chunks, mode) -> O
-    exposed: dict  # (shape, chunks, mode) -> e
-    kappa: dict  # mode -> kappa; "*" pooled
-    transport_factor: dict  # transport -> t(transport) / t(collective) at EP=2
-
-    def options(self, shape: str) -> list[tuple[int, str]]:
-        return sorted({(c, m) for (s, c, m) in self.overhead if s == shape and (s, c, m) in self.exposed})
-
-    def k(self, mode: str) -> float:
-        return self.kappa.get(mode, self.kappa["*"])
 
 
 def _loop_tables(m: Measurements):
@@ -191,53 +269,192 @@ def megatron_link_ms(p: EPPoint, eff: float | None = None) -> float:
     return nbytes / (H200_NVLINK * 1e9 * (eff or link_efficiency())) * 1e3
 
 
-def fit_overlap(m: Measurements) -> OverlapFit:
-    over, expo = _loop_tables(m)
-    ones = {(p.source, p.shape): p.ms for p in m.layer1 if p.impl == "mok"}
+def local_shape(p: EPPoint) -> MoEShape:
+    return MoEShape(p.moe.hidden, p.moe.ffn, p.moe.experts // p.ep, p.moe.topk)
+
+
+@dataclass(frozen=True)
+class EngineFit:
+    """One engine generation on real EP: kappa per mode and the transport factors."""
+
+    name: str
+    kappa: dict  # mode -> kappa
+    transport_factor: dict  # transport -> t(transport) / t(collective), same run/shape/minibatches/mode
+    points: int
+
+
+@dataclass(frozen=True)
+class OverlapFit:
+    """Loopback tables per (loopback shape, minibatch count, mode): overhead fraction O and exposed
+    link fraction e (medians over runs); the real-EP corrections per engine generation."""
+
+    overhead: dict  # (shape, chunks, mode) -> O, medians over every run
+    exposed: dict  # (shape, chunks, mode) -> e, medians over every run
+    engines: dict = field(default_factory=dict)  # generation -> EngineFit
+    by_gen: dict = field(default_factory=dict)  # generation -> (overhead, exposed) of its own loopback runs
+
+    def oe(self, key: tuple, gen: str | None = None) -> tuple[float, float]:
+        """O and e of a loopback (shape, minibatches, mode) for engine generation ``gen`` (default: the
+        newest with an engine fit): the generation's own loopback rows when it has this key, else the
+        medians over every run. kappa is fitted against the same numbers, so the two stay consistent."""
+        gen = gen if gen is not None else self.engine()[0].name
+        over, expo = self.by_gen.get(gen, ({}, {}))
+        if key in over and key in expo:
+            return over[key], expo[key]
+        return self.overhead[key], self.exposed[key]
+
+    def options(self, shape: str) -> list[tuple[int, str]]:
+        return sorted({(c, m) for (s, c, m) in self.overhead if s == shape and (s, c, m) in self.exposed})
+
+    def engine(self, gen: str | None = None) -> tuple[EngineFit, bool]:
+        """The fit of ``gen`` (default: the newest measured); False with the newest other generation
+        when ``gen`` has no real-EP measurement."""
+        have = [g for g in GENERATIONS if g in self.engines]
+        if not have:
+            raise ValueError("no MoK EP>1 measurement matches a loopback row: cannot calibrate kappa")
+        if gen in self.engines:
+            return self.engines[gen], True
+        return self.engines[have[-1]], gen is None
+
+    def k(self, mode: str, gen: str | None = None) -> float:
+        """kappa of ``mode``; a mode this generation did not measure gets the newest generation's
+        kappa for it that also measured exact, scaled by the two generations' exact kappas."""
+        eng, _ = self.engine(gen)
+        if mode in eng.kappa:
+            return eng.kappa[mode]
+        for g in reversed(GENERATIONS):
+            o = self.engines.get(g)
+            if o and mode in o.kappa and "exact" in o.kappa and "exact" in eng.kappa:
+                return eng.kappa["exact"] * o.kappa[mode] / o.kappa["exact"]
+        return statistics.median(eng.kappa.values())
+
+    def factor(self, transport: str, gen: str | None = None) -> float:
+        eng, _ = self.engine(gen)
+        if transport in eng.transport_factor:
+            return eng.transport_factor[transport]
+        for g in reversed(GENERATIONS):
+            o = self.engines.get(g)
+            if o and transport in o.transport_factor:
+                return o.transport_factor[transport]
+        return 1.0
+
+
+def _engine_fit(name: str, eps: list[EPPoint], ones: dict, oe) -> EngineFit | None:
     kap: dict[str, list[float]] = {}
-    for p in m.ep:
-        if p.impl != "mok" or p.transport == "plain" or (p.source, p.shape) not in ones:
+    for p in eps:
+        if p.transport != "collective" or (p.source, p.shape) not in ones:
             continue
-        fam = family(MoEShape(p.moe.hidden, p.moe.ffn, p.moe.experts // p.ep, p.moe.topk), p.tokens)
-        key = (fam, p.chunks, p.mode)
-        if key not in over or key not in expo or over[key] <= 0:
+        key = (family(local_shape(p), p.tokens), p.chunks, p.mode)
+        o_e = oe(key)
+        if o_e is None or o_e[0] <= 0:
             continue
         t1 = ones[(p.source, p.shape)]
-        real = p.ms - t1 - expo[key] * mok_link_ms(p)
-        kap.setdefault(p.mode, []).append(real / (over[key] * t1))
+        kap.setdefault(p.mode, []).append((p.ms - t1 - o_e[1] * mok_link_ms(p)) / (o_e[0] * t1))
     if not kap:
-        raise ValueError("no MoK EP>1 measurement matches a loopback row: cannot calibrate kappa")
-    kappa = {mode: statistics.median(v) for mode, v in kap.items()}
-    kappa["*"] = statistics.median([x for v in kap.values() for x in v])
-    coll = {(p.source, p.shape, p.chunks, p.mode): p.ms for p in m.ep if p.transport == "collective"}
+        return None
+    coll = {(p.source, p.shape, p.chunks, p.mode): p.ms for p in eps if p.transport == "collective"}
     ratios: dict[str, list[float]] = {}
-    for p in m.ep:
-        key = (p.source, p.shape, p.chunks, p.mode)
-        if p.impl == "mok" and p.transport not in ("plain", "collective") and key in coll:
+    for p in eps:
+        key = (
+            (p.source, p.shape, 1, "exact")
+            if p.transport == "plain"
+            else (p.source, p.shape, p.chunks, p.mode)
+        )
+        if p.transport != "collective" and key in coll:
             ratios.setdefault(p.transport, []).append(p.ms / coll[key])
-    factor = {"collective": 1.0, **{t: statistics.median(v) for t, v in ratios.items()}}
-    return OverlapFit(over, expo, kappa, factor)
+    return EngineFit(
+        name,
+        {mode: statistics.median(v) for mode, v in kap.items()},
+        {"collective": 1.0, **{t: statistics.median(v) for t, v in ratios.items()}},
+        len(eps),
+    )
+
+
+def fit_overlap(m: Measurements) -> OverlapFit:
+    over, expo = _loop_tables(m)
+    by_gen = {}
+    for gen in GENERATIONS:
+        rows = tuple(r for r in m.loop if engine_of(r.source) == gen)
+        if rows:
+            by_gen[gen] = _loop_tables(Measurements((), (), rows))
+    ones = {(p.source, p.shape): p.ms for p in m.layer1 if p.impl == "mok"}
+    engines = {}
+    for gen in GENERATIONS:
+        eps = [p for p in m.ep if p.impl == "mok" and engine_of(p.source) == gen]
+        probe = OverlapFit(over, expo, {gen: EngineFit(gen, {}, {}, 0)}, by_gen)
+
+        def oe(key, probe=probe, gen=gen):
+            return probe.oe(key, gen) if key in over and key in expo else None
+
+        fit = _engine_fit(gen, eps, ones, oe)
+        if fit:
+            engines[gen] = fit
+    if not engines:
+        raise ValueError("no MoK EP>1 measurement matches a loopback row: cannot calibrate kappa")
+    return OverlapFit(over, expo, engines, by_gen)
+
+
+ENGINE_IMPLS = {"mok"}  # implementations whose own code changes between engine generations
 
 
 @dataclass(frozen=True)
 class Calibration:
-    compute: dict  # impl -> ComputeFit
+    compute: dict  # impl -> ComputeFit over every run
     overlap: OverlapFit
     sources: tuple  # measurement sources used
+    compute_by_gen: dict = field(default_factory=dict)  # (impl, generation) -> ComputeFit (ENGINE_IMPLS)
+
+    def fit(self, impl: str, gen: str | None = None) -> tuple[ComputeFit, bool]:
+        """The EP=1 fit of ``impl`` for engine generation ``gen`` (default: the newest fitted); False
+        with the fit over every run when that generation has too few points of its own."""
+        if impl not in ENGINE_IMPLS:
+            return self.compute[impl], True
+        have = [g for g in GENERATIONS if (impl, g) in self.compute_by_gen]
+        if gen is None and have:
+            return self.compute_by_gen[(impl, have[-1])], True
+        if (impl, gen) in self.compute_by_gen:
+            return self.compute_by_gen[(impl, gen)], True
+        return self.compute[impl], False
 
     def mok_ep_ms(
-        self, t1: float, link_ms: float, shape: str, chunks: int, mode: str, transport: str
+        self,
+        t1: float,
+        link_ms: float,
+        shape: str,
+        chunks: int,
+        mode: str,
+        transport: str,
+        gen: str | None = None,
     ) -> float:
-        key = (shape, chunks, mode)
-        o = self.overlap.overhead[key] * self.overlap.k(mode) * t1
-        return (t1 + o + self.overlap.exposed[key] * link_ms) * self.overlap.transport_factor.get(
-            transport, 1.0
-        )
+        big_o, e = self.overlap.oe((shape, chunks, mode), gen)
+        o = big_o * self.overlap.k(mode, gen) * t1
+        return (t1 + o + e * link_ms) * self.overlap.factor(transport, gen)
+
+
+def fit_host_link(fit: ComputeFit, m: Measurements) -> ComputeFit:
+    """The exposed all-to-all fraction of a host-bound implementation at EP>1, from its EP points and
+    the same run's EP=1 time (median; 1.0 = no hiding when there is no such point)."""
+    ones = {(p.source, p.impl, p.shape): p.ms for p in m.layer1}
+    xs = []
+    for p in m.ep:
+        t1 = ones.get((p.source, p.impl, p.shape))
+        if p.impl == fit.impl and t1 and fit.host_bound(p.tokens, local_shape(p)):
+            xs.append(min(max((p.ms - t1) / megatron_link_ms(p), 0.0), 1.0))
+    return replace(fit, host_link_exposed=statistics.median(xs)) if xs else fit
+
+
+def _enough(pts: list[Layer1]) -> bool:
+    """A generation's own fit needs 3 points (a, c, d) over at least 2 distinct shapes."""
+    return len(pts) >= 3 and len({(p.moe, p.tokens) for p in pts}) >= 2
 
 
 def calibrate(m: Measurements) -> Calibration:
     impls = sorted({p.impl for p in m.layer1})
-    sources = tuple(
-        sorted({p.source for p in m.layer1} | {p.source for p in m.ep} | {p.source for p in m.loop})
-    )
-    return Calibration({i: fit_compute(list(m.layer1), i) for i in impls}, fit_overlap(m), sources)
+    compute = {i: fit_host_link(fit_compute(list(m.layer1), i), m) for i in impls}
+    by_gen = {}
+    for impl in sorted(ENGINE_IMPLS & set(impls)):
+        for gen in GENERATIONS:
+            pts = [p for p in m.layer1 if p.impl == impl and engine_of(p.source) == gen]
+            if _enough(pts):
+                by_gen[(impl, gen)] = fit_compute(pts, impl)
+    return Calibration(compute, fit_overlap(m), m.sources, by_gen)

@@ -1,5 +1,8 @@
-"""The repo's measured numbers as records: docs/benchmarks.md (EP=1 layer times, H200) and
-docs/results/<date>/run*/{ep,overlap}.json (EP=2 on 2 x H200, single-H200 loopback sweep).
+"""The repo's measured numbers as records: docs/benchmarks.md (EP=1 layer times, H200) and every
+results directory docs/results/<date>/<run>/ (one machine start each; files anywhere below it):
+ep.json (EP=2 on 2 x H200 and the EP=1 same-work baselines), overlap.json (single-H200 loopback
+sweep), layer-*.json (``mok bench layer``: one-GPU layer, fwd+bwd, uniform routing rows) and
+profile*.txt (kernel launches and host enqueue time). A new directory is picked up with no code change.
 
 Shapes come from the benchmark definitions themselves (``mok_megatron.bench_overlap``), so a result
 file and the planner never disagree on what was timed.
@@ -85,12 +88,29 @@ def benchmarks_md(path: Path | None = None) -> list[Layer1]:
     return out
 
 
+def _run_key(p: Path) -> tuple:
+    m = re.match(r"([A-Za-z_-]*)(\d*)(.*)", p.name)
+    return (p.parent.name, m.group(1), int(m.group(2) or 0), m.group(3))
+
+
+RESULT_FILES = ("ep.json", "overlap.json", "layer-*.json", "profile*.txt")
+
+
 def run_dirs(root: Path | None = None) -> list[Path]:
+    """Every docs/results/<date>/<run> directory holding a result file at any depth below it."""
     root = root or DOCS / "results"
     return sorted(
-        (p for p in root.glob("*/run*") if (p / "ep.json").exists() or (p / "overlap.json").exists()),
-        key=lambda p: (p.parent.name, int(re.sub(r"\D", "", p.name) or 0)),
+        (p for p in root.glob("*/*") if p.is_dir() and any(next(p.rglob(g), None) for g in RESULT_FILES)),
+        key=_run_key,
     )
+
+
+def _one(run: Path, name: str) -> Path | None:
+    """The single file called ``name`` below ``run`` (a run has at most one ep.json / overlap.json)."""
+    found = sorted(run.rglob(name))
+    if len(found) > 1:
+        raise ValueError(f"{run}: {len(found)} files named {name}; keep one per results directory")
+    return found[0] if found else None
 
 
 def _ep_moe(name: str, ep: int) -> tuple[MoEShape, int]:
@@ -100,8 +120,8 @@ def _ep_moe(name: str, ep: int) -> tuple[MoEShape, int]:
 
 def ep_results(run: Path) -> tuple[list[Layer1], list[EPPoint]]:
     ones, twos = [], []
-    f = run / "ep.json"
-    if not f.exists():
+    f = _one(run, "ep.json")
+    if f is None:
         return ones, twos
     for r in json.loads(f.read_text()):
         if "ms" not in r or r["shape"] not in EP_SHAPES or r["shape"] == "tiny":
@@ -122,8 +142,8 @@ def ep_results(run: Path) -> tuple[list[Layer1], list[EPPoint]]:
 
 
 def overlap_results(run: Path) -> tuple[list[Layer1], list[LoopRow]]:
-    f = run / "overlap.json"
-    if not f.exists():
+    f = _one(run, "overlap.json")
+    if f is None:
         return [], []
     rows = [r for r in json.loads(f.read_text()) if "profile" not in r and r["shape"] in OVERLAP_SHAPES]
     t0 = {r["shape"]: r["ms"] for r in rows if r["gbps"] is None}
@@ -158,29 +178,86 @@ def overlap_results(run: Path) -> tuple[list[Layer1], list[LoopRow]]:
     return ones, loops
 
 
+def layer_results(run: Path) -> list[Layer1]:
+    """``mok bench layer`` JSON: the fwd+bwd time of each implementation, uniform routing only (the
+    planner models uniform routing); skipped implementations have no row."""
+    out = []
+    for f in sorted(run.rglob("layer-*.json")):
+        for case in json.loads(f.read_text()).get("cases", []):
+            if case.get("routing", "uniform") != "uniform" or case.get("dtype", "bf16") != "bf16":
+                continue
+            moe = MoEShape(case["hidden"], case["ffn"], case["experts"], case["topk"])
+            for r in case["rows"]:
+                ms = r.get("fwd_bwd_ms", r.get("ms"))
+                if ms:
+                    out.append(Layer1(run.name, r["impl"], case["shape"], moe, case["tokens"], ms))
+    return out
+
+
+@dataclass(frozen=True)
+class Profile:
+    """One profiled configuration: wall ms, kernel launches, host enqueue ms (under the profiler)."""
+
+    source: str
+    what: str
+    wall_ms: float
+    launches: int
+    host_ms: float
+
+    @property
+    def host_us_per_launch(self) -> float:
+        return 1e3 * self.host_ms / self.launches
+
+
+_PROFILE_LINE = re.compile(
+    r"^== (?P<what>.+?): wall (?P<wall>[\d.]+) ms \|.*?(?:in (?P<n1>\d+) launches)?"
+    r" ?\|? host enqueue (?P<host>[\d.]+) ms(?: \| (?P<n2>\d+) kernels)?"
+)
+
+
+def profile_results(run: Path) -> list[Profile]:
+    """The header line of each configuration in profile*.txt (profile_layer.py / profile_ep.py)."""
+    out = []
+    for f in sorted(run.rglob("profile*.txt")):
+        for line in f.read_text().splitlines():
+            m = _PROFILE_LINE.match(line)
+            if m and (m["n1"] or m["n2"]):
+                n = int(m["n1"] or m["n2"])
+                out.append(Profile(run.name, m["what"], float(m["wall"]), n, float(m["host"])))
+    return out
+
+
 @dataclass(frozen=True)
 class Measurements:
     layer1: tuple[Layer1, ...]
     ep: tuple[EPPoint, ...]
     loop: tuple[LoopRow, ...]
+    profiles: tuple[Profile, ...] = ()
 
     def without(self, source: str) -> Measurements:
         return Measurements(
             tuple(p for p in self.layer1 if p.source != source),
             tuple(p for p in self.ep if p.source != source),
             tuple(p for p in self.loop if p.source != source),
+            tuple(p for p in self.profiles if p.source != source),
         )
+
+    @property
+    def sources(self) -> tuple[str, ...]:
+        seen = dict.fromkeys(p.source for group in (self.layer1, self.ep, self.loop) for p in group)
+        return tuple(seen)
 
 
 def load(docs: Path | None = None) -> Measurements:
     docs = docs or DOCS
-    layer1, ep, loop = list(benchmarks_md(docs / "benchmarks.md")), [], []
+    layer1, ep, loop, prof = list(benchmarks_md(docs / "benchmarks.md")), [], [], []
     for run in run_dirs(docs / "results"):
         a, b = ep_results(run)
         c, d = overlap_results(run)
-        layer1 += a + c
+        layer1 += a + c + layer_results(run)
         ep += b
         loop += d
+        prof += profile_results(run)
     if not ep or not loop:
         raise ValueError(f"{docs}/results: no ep.json / overlap.json rows found; the planner needs both")
-    return Measurements(tuple(layer1), tuple(ep), tuple(loop))
+    return Measurements(tuple(layer1), tuple(ep), tuple(loop), tuple(prof))

@@ -7,7 +7,15 @@ import math
 from dataclasses import dataclass
 
 from mok_megatron.planner import flops
-from mok_megatron.planner.calibrate import H200_HBM, Calibration, family, gemm_efficiency, link_efficiency
+from mok_megatron.planner.calibrate import (
+    DATA,
+    GENERATIONS,
+    H200_HBM,
+    Calibration,
+    family,
+    gemm_efficiency,
+    link_efficiency,
+)
 from mok_megatron.planner.hardware import Cluster
 from mok_megatron.planner.links import LinkError, LinkModel
 from mok_megatron.planner.shapes import Layout, Model, MoEShape
@@ -16,12 +24,16 @@ ASSUMPTIONS = (
     "GEMM rate on the target = its dense peak for the precision x the grouped-GEMM efficiency measured on the "
     "H200 (bf16 {bf16:.0%}; FP8 rowwise {fp8:.0%}, also used for MXFP8); attention and dense layers run at "
     "the same efficiency",
-    "non-GEMM MoE time (permute, activation, combine) scales with HBM bandwidth (H200 4.8 TB/s); per-expert "
-    "launch/host terms do not scale",
+    "non-GEMM MoE time (permute, activation, combine) scales with HBM bandwidth (H200 4.8 TB/s); per-expert, "
+    "fixed and host terms do not scale",
     "all-to-all at {link:.0%} of link peak (NCCL on 2 x H200); NVLink and NIC shares run concurrently; EP groups "
     "on consecutive GPUs; uniform routing; bf16 tokens on the wire for both layers",
-    "MoK engine overhead = loopback overhead fraction x kappa (real EP / loopback, from the 2 x H200 runs), "
-    "times the layer's compute ({scaling}); exposed link fraction from the loopback sweep",
+    "MoK engine overhead = loopback overhead fraction x kappa (real EP / loopback, from the 2 x H200 runs of "
+    "the newest engine generation, {engine}), times the layer's compute ({scaling}); exposed link fraction "
+    "from the loopback sweep; transport factors (copy_engine / collective) from the same runs",
+    "host-bound launch floor of Megatron / Megatron+TE (h0 + h x local experts) {host} on the target "
+    "(measured = as on the H200 test host; hidden = CUDA graphs or a faster host remove it); run-to-run "
+    "spread (~10 % between machine starts) not modelled: the typical machine is predicted",
     "Megatron alltoall: all-to-all fully exposed (as measured at EP=2); 'megatron 1F1B' is a bound: the "
     "all-to-all entirely hidden behind another micro-batch (not measured here)",
     "step = (micro-batches + (PP-1)/VPP) x per-micro-batch time / PP; DP gradient/parameter traffic, optimizer, "
@@ -34,10 +46,17 @@ class Assumptions:
     overhead_scaling: str = (
         "relative"  # relative: engine overhead shrinks with the target's compute; absolute: H200 ms
     )
+    host: str = (
+        "hidden"  # hidden: no host floor on the target (CUDA graphs / fast host); measured: the H200 floor
+    )
 
     def __post_init__(self):
         if self.overhead_scaling not in ("relative", "absolute"):
             raise ValueError(f"overhead_scaling={self.overhead_scaling!r}: must be relative or absolute")
+        if self.host not in ("measured", "hidden"):
+            raise ValueError(
+                f"host={self.host!r}: must be measured (H200 host floor kept) or hidden (CUDA graphs / fast host)"
+            )
 
     def text(self) -> list[str]:
         return [
@@ -46,6 +65,8 @@ class Assumptions:
                 fp8=gemm_efficiency("fp8"),
                 link=link_efficiency(),
                 scaling=self.overhead_scaling,
+                engine=GENERATIONS[-1],
+                host=self.host,
             )
             for a in ASSUMPTIONS
         ]
@@ -79,13 +100,17 @@ def layer_options(
     rate, hbm = _rate(cluster, layout.precision), H200_HBM / cluster.gpu.hbm_tbps
     link = LinkModel(link_efficiency())
     meg_fit = cal.compute.get("megatron-te") or cal.compute["megatron"]
-    t1m = meg_fit.ms(tokens, local, rate, hbm)
     lm = link.seconds(flops.megatron_bytes(tokens, moe, ep), cluster, ep) * 1e3
+    if a.host == "measured":
+        t1m, tm = meg_fit.ms(tokens, local, rate, hbm), meg_fit.ep_ms(tokens, local, lm, rate, hbm)
+    else:
+        t1m = meg_fit.gpu_ms(tokens, local, rate, hbm)
+        tm = t1m + lm
     out = [
-        LayerPrediction("megatron", "nccl a2a", 1, "-", t1m, 0.0, lm, lm, t1m + lm),
+        LayerPrediction("megatron", "nccl a2a", 1, "-", t1m, 0.0, lm, tm - t1m, tm),
         LayerPrediction("megatron-1f1b", "nccl a2a", 1, "-", t1m, 0.0, lm, 0.0, t1m),
     ]
-    fit = cal.compute["mok"]
+    fit = cal.fit("mok")[0]
     t1 = fit.ms(tokens, local, rate, hbm)
     base = t1 if a.overhead_scaling == "relative" else fit.ms(tokens, local)
     nbytes = flops.mok_bytes(tokens, moe, ep)
@@ -97,15 +122,27 @@ def layer_options(
         except LinkError:
             continue
         for chunks, mode in ov.options(fam):
-            o = ov.overhead[(fam, chunks, mode)] * ov.k(mode) * base
-            ex = ov.exposed[(fam, chunks, mode)] * lk
-            tot = (t1 + o + ex) * ov.transport_factor.get(transport, 1.0)
+            if not any(mode in e.kappa for e in ov.engines.values()):
+                continue  # never measured on real EP: its real-EP overhead (kappa) is unknown
+            big_o, e = ov.oe((fam, chunks, mode))
+            o = big_o * ov.k(mode) * base
+            ex = e * lk
+            tot = (t1 + o + ex) * ov.factor(transport)
             out.append(LayerPrediction("mok", transport, chunks, mode, t1, o, lk, ex, tot))
     return out
 
 
 def best(options: list[LayerPrediction], impl: str) -> LayerPrediction:
     return min((o for o in options if o.impl == impl), key=lambda o: o.total_ms)
+
+
+def recommended(options: list[LayerPrediction]) -> LayerPrediction:
+    """The simplest MoK configuration (collective, exact, fewest minibatches first) within the
+    recommendation margin (calibration.json) of the fastest one."""
+    fastest = best(options, "mok").total_ms
+    margin = DATA["recommendation_margin"]["value"]
+    near = [o for o in options if o.impl == "mok" and o.total_ms <= fastest * (1 + margin)]
+    return min(near, key=lambda o: (o.transport != "collective", o.mode != "exact", o.chunks, o.total_ms))
 
 
 def capacity_multiplier(model: Model, layout: Layout, sigmas: float = 4.0) -> float:

@@ -1,13 +1,25 @@
 """Each measured point against the model: in-sample (calibrated on every file) and held-out
-(calibrated without the point's own source file: benchmarks.md or one run directory)."""
+(leave-one-run-out: calibrated without the point's own source, benchmarks.md or one results
+directory, i.e. one machine start). A held-out MoK EP>1 prediction whose engine generation was only
+measured in that run uses the other generation's engine fit and is marked "other engine"."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from mok_megatron.planner.calibrate import Calibration, calibrate, family, megatron_link_ms, mok_link_ms
+import statistics
+
+from mok_megatron.planner.calibrate import (
+    GENERATIONS,
+    Calibration,
+    calibrate,
+    engine_of,
+    family,
+    local_shape,
+    megatron_link_ms,
+    mok_link_ms,
+)
 from mok_megatron.planner.measurements import EPPoint, Layer1, Measurements
-from mok_megatron.planner.shapes import MoEShape
 
 TOLERANCE = 0.15
 
@@ -19,6 +31,9 @@ class Check:
     measured_ms: float
     in_sample_ms: float
     held_out_ms: float | None  # None: the held-out calibration lacks a needed term
+    anchored_ms: float | None = None  # EP>1: held-out model with t1 = the run's own EP=1 time
+    note: str = ""  # why a held-out prediction is missing or uses another engine generation
+    cross: bool = False  # the held-out prediction had to use another engine generation's fit
 
     @property
     def in_sample_err(self) -> float:
@@ -28,18 +43,46 @@ class Check:
     def held_out_err(self) -> float | None:
         return None if self.held_out_ms is None else self.held_out_ms / self.measured_ms - 1
 
+    @property
+    def anchored_err(self) -> float | None:
+        return None if self.anchored_ms is None else self.anchored_ms / self.measured_ms - 1
+
 
 def predict_layer1(cal: Calibration, p: Layer1) -> float:
-    return cal.compute[p.impl].ms(p.tokens, p.moe)
+    return cal.fit(p.impl, engine_of(p.source))[0].ms(p.tokens, p.moe)
 
 
-def predict_ep(cal: Calibration, p: EPPoint) -> float:
-    local = MoEShape(p.moe.hidden, p.moe.ffn, p.moe.experts // p.ep, p.moe.topk)
-    t1 = cal.compute[p.impl].ms(p.tokens, local)
+def predict_ep(cal: Calibration, p: EPPoint, t1_ms: float | None = None) -> float:
+    """The EP>1 time; ``t1_ms`` (the run's own EP=1 same-work time) replaces the modelled t1, which
+    takes the machine's speed out of the comparison (the anchored column)."""
+    local = local_shape(p)
+    fit = cal.fit(p.impl, engine_of(p.source))[0]
+    t1 = t1_ms or fit.ms(p.tokens, local)
     if p.impl != "mok":
-        return t1 + megatron_link_ms(p)
+        if t1_ms is None:
+            return fit.ep_ms(p.tokens, local, megatron_link_ms(p))
+        scale = t1_ms / fit.ms(p.tokens, local)
+        return fit.ep_ms(p.tokens, local, megatron_link_ms(p) / scale) * scale
     chunks, mode = (1, "exact") if p.transport == "plain" else (p.chunks, p.mode)
-    return cal.mok_ep_ms(t1, mok_link_ms(p), family(local, p.tokens), chunks, mode, p.transport)
+    gen = engine_of(p.source)
+    return cal.mok_ep_ms(t1, mok_link_ms(p), family(local, p.tokens), chunks, mode, p.transport, gen)
+
+
+def _ep_note(cal: Calibration, p: EPPoint) -> str:
+    if p.impl != "mok":
+        return ""
+    gen = engine_of(p.source)
+    eng, same = cal.overlap.engine(gen)
+    if not same:
+        return f"other engine ({eng.name}): {gen} measured on real EP only in this run"
+    mode = "exact" if p.transport == "plain" else p.mode
+    if mode not in eng.kappa:
+        if any(mode in e.kappa for e in cal.overlap.engines.values()):
+            return f"kappa({mode}) transferred from another generation"
+        return f"{mode} measured on real EP only in this run: the generation's exact kappa is used"
+    if p.transport not in eng.transport_factor:
+        return f"{p.transport} factor from another generation"
+    return ""
 
 
 def _safe(fn, cal, p):
@@ -61,43 +104,129 @@ def checks(m: Measurements) -> list[Check]:
                 held[p.source] = None
         h = held[p.source]
         ho = _safe(predict_layer1, h, p) if h and p.impl in h.compute else None
+        note = "" if ho is not None else f"no {p.impl} point in another run"
+        cross = ho is not None and not h.fit(p.impl, engine_of(p.source))[1]
+        if cross:
+            note = f"other engine: {engine_of(p.source)} has too few EP=1 points without this run; fit over every run"
         what = f"EP=1 {p.impl} {p.shape} (E_local {p.moe.experts}, {p.tokens} tok)"
-        out.append(Check(p.source, what, p.ms, predict_layer1(full, p), ho))
+        out.append(Check(p.source, what, p.ms, predict_layer1(full, p), ho, note=note, cross=cross))
+    ones = {(p.source, p.impl, p.shape): p.ms for p in m.layer1}
     for p in m.ep:
         if p.source not in held:
             held[p.source] = calibrate(m.without(p.source))
         h = held[p.source]
         ho = _safe(predict_ep, h, p) if p.impl in h.compute else None
+        note = _ep_note(h, p) if ho is not None else f"no {p.impl} point in another run"
         if p.impl == "mok":
             what = f"EP=2 mok {p.transport} {p.mode} x{p.chunks} {p.shape}"
         else:
             what = f"EP=2 {p.impl} {p.shape}"
-        out.append(Check(p.source, what, p.ms, predict_ep(full, p), ho))
+        t1 = ones.get((p.source, p.impl, p.shape))
+        an = None if ho is None or t1 is None else predict_ep(h, p, t1)
+        cross = (
+            ho is not None
+            and p.impl == "mok"
+            and not (h.overlap.engine(engine_of(p.source))[1] and h.fit(p.impl, engine_of(p.source))[1])
+        )
+        if cross and "other engine" not in note:
+            note = f"other engine: {engine_of(p.source)} EP=1 fit lacks points without this run"
+        out.append(Check(p.source, what, p.ms, predict_ep(full, p), ho, an, note, cross))
     return out
 
 
 def table(rows: list[Check]) -> str:
     lines = [
-        "| source | point | measured ms | model ms (in-sample) | error | model ms (held-out) | error |",
-        "|---|---|---:|---:|---:|---:|---:|",
+        "| source | point | measured ms | in-sample ms | error | held-out ms | error | anchored ms | error | note |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for r in rows:
         ho = "-" if r.held_out_ms is None else f"{r.held_out_ms:.2f}"
         he = "-" if r.held_out_err is None else f"{100 * r.held_out_err:+.1f}%"
+        an = "-" if r.anchored_ms is None else f"{r.anchored_ms:.2f}"
+        ae = "-" if r.anchored_err is None else f"{100 * r.anchored_err:+.1f}%"
         lines.append(
             f"| {r.source} | {r.what} | {r.measured_ms:.2f} | {r.in_sample_ms:.2f} | "
-            f"{100 * r.in_sample_err:+.1f}% | {ho} | {he} |"
+            f"{100 * r.in_sample_err:+.1f}% | {ho} | {he} | {an} | {ae} | {r.note} |"
         )
     return "\n".join(lines)
+
+
+def _stats(errs: list[float]) -> str:
+    if not errs:
+        return "none"
+    bad = sum(e > TOLERANCE for e in errs)
+    return (
+        f"{len(errs)} points, max |error| {100 * max(errs):.1f}%, mean {100 * sum(errs) / len(errs):.1f}%, "
+        f"{bad} outside {100 * TOLERANCE:.0f}%"
+    )
 
 
 def summary(rows: list[Check]) -> str:
     ins = [abs(r.in_sample_err) for r in rows]
     ho = [abs(r.held_out_err) for r in rows if r.held_out_err is not None]
-    bad_in = sum(e > TOLERANCE for e in ins)
-    bad_ho = sum(e > TOLERANCE for e in ho)
+    same = [abs(r.held_out_err) for r in rows if r.held_out_err is not None and not r.cross]
+    newest = [abs(r.in_sample_err) for r in rows if r.source in _newest_sources(rows)]
+    anch = [abs(r.anchored_err) for r in rows if r.anchored_err is not None and not r.cross]
     return (
-        f"{len(rows)} measured points. In-sample: max |error| {100 * max(ins):.1f}%, mean {100 * sum(ins) / len(ins):.1f}%, "
-        f"{bad_in} outside {100 * TOLERANCE:.0f}%. Held-out ({len(ho)} points with a held-out fit): max "
-        f"{100 * max(ho):.1f}%, mean {100 * sum(ho) / len(ho):.1f}%, {bad_ho} outside {100 * TOLERANCE:.0f}%."
+        f"{len(rows)} measured points.\n- In-sample: {_stats(ins)}.\n- Held-out (leave-one-run-out): {_stats(ho)}."
+        f"\n- Held-out, same engine generation: {_stats(same)}.\n- In-sample, newest engine's runs only: "
+        f"{_stats(newest)}.\n- EP>1 held-out, anchored on the run's own EP=1 time, same engine generation: "
+        f"{_stats(anch)}."
     )
+
+
+def _newest_sources(rows: list[Check]) -> set[str]:
+    gens = {r.source: engine_of(r.source) for r in rows}
+    last = max(gens.values(), key=GENERATIONS.index)
+    return {s for s, g in gens.items() if g == last}
+
+
+@dataclass(frozen=True)
+class Spread:
+    """One point measured in several runs (machine starts): the run-to-run spread of the measurement."""
+
+    what: str
+    runs: tuple[str, ...]
+    ms: tuple[float, ...]
+
+    @property
+    def spread(self) -> float:
+        """(max - min) / median."""
+        return (max(self.ms) - min(self.ms)) / statistics.median(self.ms)
+
+
+def spreads(m: Measurements) -> list[Spread]:
+    """EP=1 points (same implementation, per-rank shape, tokens) measured in more than one source."""
+    by: dict[tuple, list] = {}
+    for p in m.layer1:
+        key = (p.impl, p.moe.hidden, p.moe.ffn, p.moe.experts, p.moe.topk, p.tokens)
+        by.setdefault(key, []).append(p)
+    out = []
+    for (impl, h, _f, e, _k, t), pts in by.items():
+        if len({p.source for p in pts}) > 1:
+            what = f"EP=1 {impl} H{h} E_local {e} {t} tok"
+            out.append(Spread(what, tuple(p.source for p in pts), tuple(p.ms for p in pts)))
+    return sorted(out, key=lambda s: -s.spread)
+
+
+def spread_table(rows: list[Spread]) -> str:
+    lines = ["| point | runs | ms | spread (max-min)/median |", "|---|---|---|---:|"]
+    for s in rows:
+        lines.append(
+            f"| {s.what} | {', '.join(s.runs)} | {', '.join(f'{x:.2f}' for x in s.ms)} | {100 * s.spread:.0f}% |"
+        )
+    return "\n".join(lines)
+
+
+def profile_table(profiles) -> str:
+    """The profiled configurations: launches and host enqueue time (what makes a layer host-bound)."""
+    lines = [
+        "| source | configuration | wall ms | kernel launches | host enqueue ms | us per launch |",
+        "|---|---|---:|---:|---:|---:|",
+    ]
+    for p in profiles:
+        lines.append(
+            f"| {p.source} | {p.what} | {p.wall_ms:.2f} | {p.launches} | {p.host_ms:.2f} | "
+            f"{p.host_us_per_launch:.0f} |"
+        )
+    return "\n".join(lines)

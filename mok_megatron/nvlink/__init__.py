@@ -1,0 +1,12 @@
+"""The NVLink path: device-initiated dispatch/combine over PyTorch symmetric memory (one NVLink domain).
+
+    kernels    Triton row movers (pull = dispatch, push = combine) through a peer pointer table,
+               each beside its torch reference
+    workspace  symmetric buffers per EP group and row format, cached, with ``close()``; the loopback
+               workspace (N emulated ranks on one device) has the same interface
+    exchange   one exchange: segment tables from the split matrix, staging, barriers
+    transport  ``NVLinkTransport``: the overlap pipeline's ``--mok-transport nvlink``
+    bench      dispatch/combine bandwidth vs NCCL all_to_all_single (torchrun --nproc-per-node 2)
+
+Legend: P ranks/peers, N rows sent, R rows received, W words per row.
+"""

@@ -1,0 +1,420 @@
+"""The NVLink transport (mok_megatron.nvlink): segment tables, the loopback workspace of N emulated ranks
+with the torch references and (under TRITON_INTERPRET=1, in a subprocess) the Triton kernels, options and
+transport selection, the kernels compiled for sm_90 without a GPU; on CUDA the loopback N=2,4,8 and real
+sizes, and on two GPUs the MoK layer with --mok-transport nvlink bitwise equal to the collective transport."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from mok_megatron.compat import have_triton
+from mok_megatron.nvlink.exchange import all_to_all_reference, exchange_rows, pull_segments, push_segments
+from mok_megatron.nvlink.workspace import LoopbackWorkspace
+from tests.nvlink_cases import check_exchanges, loopback_moe, random_matrix
+
+REPO = Path(__file__).resolve().parent.parent
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+MULTICAST_OFF = dict(NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NVSHMEM_DISABLE_NVLS="1")
+os.environ.update(MULTICAST_OFF)
+
+
+def test_segments_hand_worked():
+    # rank 0 sends 1 row to itself, 2 to rank 1; rank 1 sends 3 to rank 0, 0 to itself.
+    m = [[1, 2], [3, 0]]
+    assert pull_segments(m, 0) == [[0, 0, 1], [0, 1, 3]]  # rank 0 reads 1 row of its own, then 3 of rank 1
+    assert pull_segments(m, 1) == [[1, 0, 2], [3, 2, 0]]
+    assert push_segments(m, 1) == [[0, 1, 3], [3, 2, 0]]  # rank 1's rows land after rank 0's in rank 0
+
+
+@pytest.mark.parametrize("P", [2, 4, 8])
+def test_loopback_references_equal_all_to_all(P):
+    check_exchanges(P, "cpu", use_triton=False)
+
+
+@pytest.mark.parametrize("P", [2, 4, 8])
+def test_loopback_moe_references_equal_single_rank(P):
+    outs, refs = loopback_moe(P, "cpu", use_triton=False)
+    for o, r in zip(outs, refs, strict=True):
+        assert torch.equal(o, r)
+
+
+class _ThreadRankWorkspace:
+    """One emulated rank's view of a shared LoopbackWorkspace; ``barrier`` waits for the other threads."""
+
+    def __init__(self, shared: LoopbackWorkspace, bar: threading.Barrier, lock: threading.Lock):
+        self.shared, self.bar, self.lock, self.device = shared, bar, lock, shared.device
+
+    def buffers(self, word, W, rows, role=None):
+        have = self.shared._bufs.get((word, W, role))
+        if have is not None and have.bufs[0].shape[0] >= rows:
+            return have  # no synchronisation, like NVLinkWorkspace
+        self.bar.wait()  # growing: collective, every rank asks for the same size
+        with self.lock:
+            peers = self.shared.buffers(word, W, rows, role)
+        self.bar.wait()
+        return peers
+
+    def barrier(self):
+        self.bar.wait()
+
+
+@pytest.mark.parametrize("P", [2, 4])
+def test_exchange_rows_per_rank_threads_equal_all_to_all(P, monkeypatch):
+    """The real transport's per-rank path (staging, barriers, copy-out), ranks as threads. Each step
+    uses one buffer twice in a row with different rows, and rank 0 reads slowly: a write that
+    skipped its barrier would overwrite rows that rank has not read yet."""
+    from mok_megatron.nvlink import kernels as K
+
+    shared = LoopbackWorkspace(P, "cpu")
+    lock = threading.Lock()
+    bar = threading.Barrier(P)
+    who = threading.local()
+    slow_pull = K.pull_rows_reference
+
+    def pull_rows_reference(*args, **kw):
+        if who.me == 0:  # (random_matrix leaves the pair 0 -> P-1 empty)
+            time.sleep(0.02)
+        return slow_pull(*args, **kw)
+
+    monkeypatch.setattr(K, "pull_rows_reference", pull_rows_reference)
+    g = torch.Generator().manual_seed(P)
+    steps = []
+    for i, (dtype, H) in enumerate([(torch.bfloat16, 8), (torch.float32, 3), (torch.bfloat16, 8)]):
+        m = random_matrix(P, seed=i, most=4 + 20 * i)  # the last one grows the first format's buffer
+        xa, xb = ([torch.randn(sum(m[s]), H, generator=g).to(dtype) for s in range(P)] for _ in range(2))
+        steps.append((m, [(xa, False), (xb, False), (xa, True), (xb, True)]))
+    results = [[] for _ in range(P)]
+    errors = []
+
+    def rank(me):
+        who.me = me
+        try:
+            ws = _ThreadRankWorkspace(shared, bar, lock)
+            for m, seq in steps:
+                for xs, push in seq:
+                    results[me].append(exchange_rows(ws, xs[me], m, me, push, 2, use_triton=False))
+        except Exception as e:  # pragma: no cover - reported below
+            errors.append(e)
+            bar.abort()
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(P)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors, errors
+    i = 0
+    for m, seq in steps:
+        for xs, _ in seq:
+            ref = all_to_all_reference(xs, m)
+            for me in range(P):
+                assert torch.equal(results[me][i], ref[me]), (i, me)
+            i += 1
+
+
+# ---- the Triton kernels on CPU, interpreted (one subprocess: the interpreter is chosen at import) --------
+
+
+_INTERPRETED = """
+import json, sys, torch
+from tests.nvlink_cases import check_exchanges, loopback_moe
+res = {}
+for P in (2, 4, 8):
+    try:
+        check_exchanges(P, "cpu", use_triton=True, programs=3, most=3)
+        outs, refs = loopback_moe(P, "cpu", use_triton=True, T=6, H=8, programs=2)
+        assert all(torch.equal(o, r) for o, r in zip(outs, refs))
+        res[P] = "ok"
+    except Exception as e:
+        res[P] = repr(e)
+print(json.dumps(res))
+"""
+
+
+@pytest.fixture(scope="module")
+def interpreted_results():
+    if not have_triton():
+        pytest.skip("needs Triton")
+    env = dict(
+        os.environ, TRITON_INTERPRET="1", PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", _INTERPRETED], env=env, cwd=REPO, capture_output=True, text=True, timeout=300
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    return {int(k): v for k, v in json.loads(out.stdout.strip().splitlines()[-1]).items()}
+
+
+@pytest.mark.parametrize("P", [2, 4, 8])
+def test_triton_interpreted_loopback_equals_reference(P, interpreted_results):
+    assert interpreted_results[P] == "ok", interpreted_results[P]
+
+
+@pytest.mark.skipif(
+    not have_triton() or os.environ.get("TRITON_INTERPRET") == "1", reason="needs compiled Triton"
+)
+@pytest.mark.parametrize("aligned", [True, False])
+def test_rows_kernel_compiles_for_sm90_and_vectorizes_when_aligned(aligned):
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from mok_megatron.nvlink.kernels import _rows_kernel as fn
+
+    if not (Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas").exists():
+        pytest.skip("this Triton has no bundled ptxas")
+    for push in (False, True):
+        constexprs = dict(PUSH=push, ALIGNED=aligned, ELEM=8, BLOCK_R=2, BLOCK_W=1024)
+        ptrs = dict(local_ptr="*i64", table_ptr="*i64", seg_ptr="*i64")
+        sig = {n: "constexpr" if n in constexprs else ptrs.get(n, "i32") for n in fn.arg_names}
+        div16 = [["tt.divisibility", 16]]  # what a launch specialises: 16-byte pointers, W % 16 == 0
+        attrs = {(0,): div16, (1,): div16, (2,): div16, (3,): div16}
+        ptx = triton.compile(
+            ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs),
+            target=GPUTarget("cuda", 90, 32),
+        ).asm["ptx"]
+        # The local side is always vectorized (16-byte loads/stores); the peer side (the load of a
+        # pull, the store of a push) only with the alignment hint.
+        peer_vec = "ld.global.v2.b64" if not push else "st.global.v2.b64"
+        local_vec = "st.global.v2.b64" if not push else "ld.global.v2.b64"
+        assert local_vec in ptx, (push, aligned)
+        assert (peer_vec in ptx) == aligned, (push, aligned)
+
+
+# ---- options and selection ---------------------------------------------------------------------------------
+
+
+def test_options_and_flags_accept_nvlink():
+    import argparse
+
+    from mok_megatron.arguments import add_mok_flags, options_from_args
+    from mok_megatron.options import MoKOptions, MoKOptionsError
+
+    assert MoKOptions(transport="nvlink", nvlink_programs=16).nvlink_programs == 16
+    with pytest.raises(MoKOptionsError, match="nvlink-programs=0"):
+        MoKOptions(nvlink_programs=0)
+    p = argparse.ArgumentParser()
+    add_mok_flags(p)
+    opts = options_from_args(p.parse_args(["--mok-transport", "nvlink", "--mok-nvlink-programs", "24"]))
+    assert (opts.transport, opts.nvlink_programs) == ("nvlink", 24)
+    assert MoKOptions().transport == "auto"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only error")
+def test_nvlink_without_cuda_is_a_config_error():
+    from mok_megatron.config import MoKConfigError
+    from mok_megatron.nvlink.workspace import check_nvlink_group
+
+    with pytest.raises(MoKConfigError, match="collective"):
+        check_nvlink_group(None)
+
+
+# ---- on the GPU -------------------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("P", [2, 4, 8])
+def test_loopback_on_gpu_equals_reference(P):
+    check_exchanges(P, "cuda", use_triton=True, programs=5, most=300)
+    outs, refs = loopback_moe(P, "cuda", use_triton=True, T=512, H=256, programs=8)
+    for o, r in zip(outs, refs, strict=True):
+        assert torch.equal(o, r)
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_loopback_on_gpu_real_rows():
+    """DeepSeek-V3 rows (H 7168 bf16) and the routing metadata rows (fp32, 2L wide), 8 emulated ranks."""
+    P = 8
+    ws = LoopbackWorkspace(P, "cuda")
+    from mok_megatron.nvlink.exchange import loopback_exchange
+
+    for dtype, H in ((torch.bfloat16, 7168), (torch.float32, 32)):
+        m = random_matrix(P, seed=H, most=700)
+        xs = [torch.randn(sum(m[s]), H, device="cuda").to(dtype) for s in range(P)]
+        ref = all_to_all_reference(xs, m)
+        for push in (False, True):
+            outs = loopback_exchange(ws, xs, m, push, programs=64)
+            assert all(torch.equal(a, b) for a, b in zip(outs, ref, strict=True)), (dtype, push)
+
+
+def _no_host_sync(layer, x, dout):
+    """True when a forward + backward runs with no device-to-host synchronisation, else the error."""
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        out, _ = layer(x.clone().requires_grad_())
+        out.backward(dout)
+        return True
+    except Exception as e:
+        return repr(e)[:300]
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+        torch.cuda.synchronize()
+
+
+def _nvlink_worker(rank, port, out_path):
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), **MULTICAST_OFF)
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", rank=rank, world_size=2, timeout=timedelta(seconds=120))
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    from mok_megatron.bench import _config, build
+    from mok_megatron.options import MoKOptions
+    from tests.test_gpu import _run_both
+
+    ps.initialize_model_parallel(expert_model_parallel_size=2)
+    model_parallel_cuda_manual_seed(7)
+    dtype = torch.bfloat16
+    cfg = _config(dict(hidden=512, ffn=256, experts=16, topk=4, tokens=2048), dtype)
+    cfg.expert_model_parallel_size = 2
+    g = torch.Generator().manual_seed(rank)
+    x = torch.randn(2048, 1, 512, generator=g).to("cuda", dtype)
+    dout = torch.randn(2048, 1, 512, generator=g).to("cuda", dtype)
+    report = {}
+    for name, extra in {
+        "exact-3": dict(minibatch_size=700),
+        "syncfree-2": dict(minibatch_size=1024, sync_free=True),
+    }.items():
+        torch.manual_seed(0)
+        coll = build(
+            "mok", cfg, options=MoKOptions(transport="collective", deterministic=True, **extra)
+        ).cuda()
+        nvl = build(
+            "mok",
+            cfg,
+            options=MoKOptions(transport="nvlink", deterministic=True, nvlink_programs=16, **extra),
+        ).cuda()
+        nvl.load_state_dict(coll.state_dict())
+        (o1, d1, g1), (o2, d2, g2) = _run_both(coll, nvl, x, dout)
+        (o3, d3, g3), _ = _run_both(nvl, nvl, x, dout)  # again: the workspace is reused
+        report[name] = {
+            "transport": type(nvl.token_dispatcher.transport).__name__,
+            "bitwise": bool(
+                torch.equal(o1, o2) and torch.equal(d1, d2) and all(torch.equal(g1[k], g2[k]) for k in g1)
+            ),
+            "repeat_bitwise": bool(torch.equal(o2, o3) and torch.equal(d2, d3)),
+            "max_abs_out": (o1 - o2).abs().max().item(),
+        }
+        with open(f"{out_path}.{rank}", "w") as f:  # the bitwise evidence first
+            json.dump(report, f)
+        if extra.get("sync_free"):  # warm now: the nvlink transport adds no host sync to the layer
+            report[name]["no_host_sync"] = {
+                "collective": _no_host_sync(coll, x, dout),
+                "nvlink": _no_host_sync(nvl, x, dout),
+            }
+    from mok_megatron.nvlink.workspace import close_all
+
+    close_all()
+    with open(f"{out_path}.{rank}", "w") as f:
+        json.dump(report, f)
+    dist.destroy_process_group()
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_nvlink_layer_bitwise_equals_collective_ep2(tmp_path):
+    import torch.multiprocessing as mp
+
+    from tests.pool import free_port
+
+    out = str(tmp_path / "nvl")
+    mp.spawn(_nvlink_worker, args=(free_port(), out), nprocs=2, join=True)
+    for rank in (0, 1):
+        report = json.loads(open(f"{out}.{rank}").read())
+        for name, entry in report.items():
+            assert entry["transport"] == "NVLinkTransport", (rank, name, entry)
+            assert entry["bitwise"] and entry["repeat_bitwise"], (rank, name, entry)
+            sync = entry.get("no_host_sync")
+            if sync is not None and sync["collective"] is True:
+                assert sync["nvlink"] is True, (rank, name, sync)
+
+
+class _FakeDist:
+    """torch.distributed as check_nvlink_group sees it: every rank's (host, GPU) given."""
+
+    def __init__(self, ranks, backend="nccl", peer_ok=True):
+        self.ranks, self.backend, self.peer_ok = ranks, backend, peer_ok
+
+    def is_initialized(self):
+        return True
+
+    def get_backend(self, group):
+        return self.backend
+
+    def get_world_size(self, group):
+        return len(self.ranks)
+
+    def all_gather_object(self, out, obj, group=None):
+        if isinstance(obj[0], str):  # (host, device)
+            out[:] = self.ranks
+        else:  # (device, unreachable devices)
+            out[:] = [
+                (d, [] if self.peer_ok else [x for _, x in self.ranks if x != d]) for _, d in self.ranks
+            ]
+
+
+@pytest.mark.parametrize(
+    "fake,match",
+    [
+        (_FakeDist([("a", 0), ("a", 1)], backend="gloo"), "NCCL EP group; this one is 'gloo'"),
+        (_FakeDist([("a", 0), ("b", 0)]), r"spans 2 hosts \(a, b\)"),
+        (_FakeDist([("a", 0), ("a", 1)], peer_ok=False), "GPU 0 cannot reach GPU\\(s\\) \\[1\\]"),
+    ],
+)
+def test_nvlink_group_checks_name_the_problem_and_the_fix(monkeypatch, fake, match):
+    from mok_megatron.config import MoKConfigError
+    from mok_megatron.nvlink import workspace as W
+
+    monkeypatch.setattr(W, "dist", fake)
+    monkeypatch.setattr(W, "group_size", lambda g: len(fake.ranks))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "can_device_access_peer", lambda a, b: fake.peer_ok)
+    with pytest.raises(MoKConfigError, match=match) as e:
+        W.check_nvlink_group(object())
+    assert "--mok-transport collective" in str(e.value)
+
+
+def test_nvlink_group_check_passes_one_host_with_peer_access(monkeypatch):
+    from mok_megatron.nvlink import workspace as W
+
+    fake = _FakeDist([("a", 0), ("a", 1)])
+    monkeypatch.setattr(W, "dist", fake)
+    monkeypatch.setattr(W, "group_size", lambda g: 2)
+    monkeypatch.setattr(W.socket, "gethostname", lambda: "a")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "can_device_access_peer", lambda a, b: True)
+    W.check_nvlink_group(object())
+
+
+@pytest.mark.parametrize(
+    "ep,topk,opts",
+    [
+        (2, 2, dict(minibatch_size=11)),  # 3 minibatches, exact splits
+        (4, 4, dict(minibatch_size=16, sync_free=True)),  # fixed capacities
+    ],
+)
+def test_nvlink_transport_in_the_pipeline_bitwise_equals_collective(pool, ep, topk, opts):
+    """NVLinkTransport's dispatch (pull) and combine (push), forward and backward, inside the real
+    pipeline across gloo ranks (peer buffers in shared memory, torch references for the kernels)."""
+    for r in pool.run("tests.nvlink_cases:nvlink_layer_case", ep=ep, topk=topk, opts=opts):
+        assert r["nonzero"] and r["bitwise"] and r["repeat"], r
+        assert r["buffers"] == 4  # token rows and routing rows, each per direction
