@@ -99,14 +99,20 @@ def stream_overlap(step, device) -> dict:
     import torch
     from torch.profiler import ProfilerActivity, profile
 
+    import time
+
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        t_host = time.perf_counter()
         step()
+        t_host = time.perf_counter() - t_host  # host enqueue (and any host waits) of one step
         torch.cuda.synchronize()
     spans: dict[int, list] = {}
+    kernels = 0
     for e in prof.events():
         if e.device_type.name != "CUDA" or e.time_range.elapsed_us() <= 0:
             continue
+        kernels += 1
         stream = getattr(e, "stream", None) or getattr(e, "device_resource_id", 0)
         spans.setdefault(stream, []).append((e.time_range.start, e.time_range.end))
 
@@ -131,9 +137,14 @@ def stream_overlap(step, device) -> dict:
             both += t - last
         depth += d
         last = t
+    starts = [a for v in busy.values() for a, _ in v]
+    ends = [b for v in busy.values() for _, b in v]
     return {
         "busy_ms_per_stream": {str(s): sum(b - a for a, b in v) / 1e3 for s, v in busy.items()},
         "concurrent_ms": both / 1e3,
+        "gpu_span_ms": (max(ends) - min(starts)) / 1e3 if starts else 0.0,
+        "gpu_ops": kernels,
+        "host_ms": 1e3 * t_host,
     }
 
 
@@ -289,10 +300,16 @@ def _reinit(ep: int):
     model_parallel_cuda_manual_seed(1234)
 
 
-def bench_ep(shapes, transports, chunks_list, iters, warmup, modes=("exact",)) -> list[dict]:
+def bench_ep(
+    shapes, transports, chunks_list, iters, warmup, modes=("exact",), profile=False, no_b=False
+) -> list[dict]:
+    """``profile``: also one profiled step (streams busy and concurrent, GPU ops, host enqueue) of
+    Megatron's layer and of every one-minibatch exact-mode MoK variant at EP=N. ``no_b``: also each
+    transport with all local rows in region A (``pipeline_plan.MIN_LOCAL_HALF`` set huge)."""
     import torch
     import torch.distributed as dist
 
+    import mok_megatron.functional.pipeline_plan as plan_module
     from mok_megatron.bench import build
     from mok_megatron.checkpoint import convert_state_dict
     from mok_megatron.compat import have_te
@@ -312,6 +329,7 @@ def bench_ep(shapes, transports, chunks_list, iters, warmup, modes=("exact",)) -
     device = torch.device("cuda", local) if cuda else torch.device("cpu")
     dtype = torch.bfloat16 if cuda else torch.float32
     meg = "megatron-te" if have_te() else "megatron"
+    default_half = plan_module.MIN_LOCAL_HALF
 
     def tmax(t):
         v = torch.tensor([t], device=device, dtype=torch.float64)
@@ -337,12 +355,18 @@ def bench_ep(shapes, transports, chunks_list, iters, warmup, modes=("exact",)) -
             ref_out = ref(x)[0].detach().float()
             t = tmax(_time(_stepper(ref, x, dout), iters, warmup))
             rows.append(dict(shape=name, ep=ep, impl=meg, transport="nccl a2a", chunks=1, ms=1e3 * t))
+            if profile and cuda and ep > 1:
+                rows[-1]["profile"] = _profiled(name, meg, _stepper(ref, x, dout), device, rank)
             del ref
             mok_sd = convert_state_dict(sd, "mok")
             variants = [("plain", None, 1, "exact")]
             if ep > 1:
                 variants += [(tr, tr, c, m) for tr in transports for c in chunks_list for m in modes]
+                # Local rows in one region A (no B): one expert call and one weight-gradient add
+                # fewer, but the combine (forward) and combine-backward are not hidden.
+                variants += [(f"{tr} no-B", tr, 1, "exact") for tr in transports if no_b]
             for label, tr, chunks, mode in variants:
+                plan_module.MIN_LOCAL_HALF = 10**9 if label.endswith("no-B") else default_half
                 extra, graph = MODES[mode]
                 opts = MoKOptions(engine="plain")  # one dispatch, experts, combine (no pipeline)
                 if tr is not None:
@@ -363,6 +387,9 @@ def bench_ep(shapes, transports, chunks_list, iters, warmup, modes=("exact",)) -
                         continue
                 t = tmax(_time(step, iters, warmup))
                 label_mode = label if tr is None else f"{label} {mode}"
+                prof = None
+                if profile and cuda and ep > 1 and chunks == 1 and not graph:
+                    prof = _profiled(name, f"mok {label_mode}", step, device, rank)
                 rows.append(
                     dict(
                         shape=name,
@@ -372,6 +399,7 @@ def bench_ep(shapes, transports, chunks_list, iters, warmup, modes=("exact",)) -
                         chunks=chunks,
                         ms=1e3 * t,
                         rel_err=err,
+                        **({"profile": prof} if prof else {}),
                     )
                 )
                 if rank == 0:
@@ -384,6 +412,20 @@ def bench_ep(shapes, transports, chunks_list, iters, warmup, modes=("exact",)) -
                 meg_row = next(r for r in rows if r["shape"] == name and r["ep"] == ep and r["impl"] == meg)
                 print(f"{name} EP={ep} {meg}: {meg_row['ms']:.2f} ms", flush=True)
     return rows
+
+
+def _profiled(shape, label, step, device, rank) -> dict:
+    """One profiled step on every rank (collectives need all of them); rank 0 prints."""
+    prof = stream_overlap(step, device)
+    if rank == 0:
+        busy = ", ".join(f"{v:.2f}" for v in prof["busy_ms_per_stream"].values())
+        print(
+            f"profile {shape} {label}: GPU span {prof['gpu_span_ms']:.2f} ms, streams busy [{busy}] ms, "
+            f"concurrent {prof['concurrent_ms']:.2f} ms, {prof['gpu_ops']} GPU ops, host "
+            f"{prof['host_ms']:.2f} ms",
+            flush=True,
+        )
+    return prof
 
 
 def format_ep(rows) -> str:
@@ -432,6 +474,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--json", default=None, help="write the rows as JSON to this file")
+    p.add_argument("--profile", action="store_true", help="ep: also profile one step per 1-minibatch variant")
+    p.add_argument("--no-b", action="store_true", help="ep: also time each transport without local region B")
     ns = p.parse_args(argv)
     import warnings
 
@@ -452,7 +496,14 @@ def main(argv: list[str] | None = None) -> int:
     else:
         shapes = (ns.shapes or "dsv3,qwen3").split(",")
         rows = bench_ep(
-            shapes, ns.transports.split(","), chunks, ns.iters, ns.warmup, modes=ns.modes.split(",")
+            shapes,
+            ns.transports.split(","),
+            chunks,
+            ns.iters,
+            ns.warmup,
+            modes=ns.modes.split(","),
+            profile=ns.profile,
+            no_b=ns.no_b,
         )
         text = format_ep(rows)
         rank0 = int(os.environ.get("RANK", 0)) == 0

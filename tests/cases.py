@@ -212,6 +212,8 @@ def compare(ref_res, mok_res) -> dict:
     }
     for k in g1:
         out[f"grad:{k}"] = _maxdiff(g1[k], g2[k])
+        # fp32 sums in another order (split GEMMs) differ relative to the gradient's magnitude
+        out[f"grad:{k}_scale"] = float(g1[k].abs().max()) if g1[k].numel() else 0.0
     assert set(a1) == set(a2), f"aux losses differ: {sorted(a1)} vs {sorted(a2)}"
     for k in a1:
         out[f"aux:{k}"] = _maxdiff(a1[k], a2[k])
@@ -257,10 +259,11 @@ def parity_case(
     for _ in range(steps):
         x = torch.randn(seq // tp, batch, cfg.hidden_size, generator=g)
         dout = torch.randn(seq // tp, batch, cfg.hidden_size, generator=g)
+        seen_counts.clear()  # the pipelined layer calls its experts once per local region/received part
         results.append(compare(run_layer(ref, x, dout), run_layer(mok, x, dout)))
     worst = {k: max(r[k] for r in results) for k in results[0] if k != "aux_names"}
     worst["aux_names"] = results[0]["aux_names"]
-    worst["tokens_per_expert"] = seen_counts[-1]
+    worst["tokens_per_expert"] = [sum(c) for c in zip(*seen_counts, strict=True)]
     return worst
 
 

@@ -34,7 +34,9 @@ def _mbs(chunks: int) -> int:
 def test_pipeline_matches_megatron(pool, ep, chunks, topk, deterministic):
     opts = dict(minibatch_size=_mbs(chunks), deterministic=deterministic)
     shared = dict(shared=True, shared_overlap=True) if chunks == 3 else {}
-    for r in pool.run("tests.cases:pipeline_case", ep=ep, topk=topk, opts=opts, **shared):
+    # Local rows split in halves A/B (test shapes are below the default threshold) half the time.
+    split = dict(min_local_half=2 if deterministic else 10**6)
+    for r in pool.run("tests.pipeline_cases:megatron_case", ep=ep, topk=topk, opts=opts, **shared, **split):
         check(r, f"ep{ep} chunks{chunks} k{topk}")
         assert r["pipeline_calls"] == 1
         assert r["overflow_redos"] == 0
@@ -44,7 +46,7 @@ def test_pipeline_matches_megatron(pool, ep, chunks, topk, deterministic):
 @pytest.mark.parametrize("chunks", [1, 3])
 def test_sync_free_matches_megatron(pool, ep, chunks):
     opts = dict(minibatch_size=_mbs(chunks), sync_free=True, capacity_multiplier=1.0)
-    for r in pool.run("tests.cases:pipeline_case", ep=ep, topk=4, score="sigmoid", opts=opts):
+    for r in pool.run("tests.pipeline_cases:megatron_case", ep=ep, topk=4, score="sigmoid", opts=opts):
         check(r, f"sync-free ep{ep}")
         assert r["overflow_redos"] == 0
 
@@ -76,7 +78,7 @@ def test_sync_free_small_capacity_without_overflow(pool):
 
 def test_deterministic_bitwise_repeatable(pool):
     opts = dict(minibatch_size=_mbs(3), deterministic=True)
-    for r in pool.run("tests.cases:pipeline_case", ep=4, topk=4, opts=opts, repeat=True):
+    for r in pool.run("tests.pipeline_cases:megatron_case", ep=4, topk=4, opts=opts, repeat=True):
         check(r, "deterministic")
         assert r["bitwise"]
 
@@ -84,6 +86,6 @@ def test_deterministic_bitwise_repeatable(pool):
 def test_loopback_transport_matches_megatron(pool):
     # One rank emulating EP=8: the layer's result is the EP=1 result; only timing changes.
     opts = dict(minibatch_size=_mbs(3), transport="loopback", loopback_ep=8)
-    for r in pool.run("tests.cases:pipeline_case", ep=1, topk=2, opts=opts):
+    for r in pool.run("tests.pipeline_cases:megatron_case", ep=1, topk=2, opts=opts):
         check(r, "loopback")
         assert r["pipeline_calls"] == 1

@@ -1,28 +1,32 @@
 """The overlap engine: dispatch -> experts -> combine, pipelined over minibatches, forward and backward.
 
-Schedule (GPU; on CPU the same steps run in order on one stream):
+Local rows never travel. Each minibatch's tokens are cut into regions (``LocalPlan``): the rows a
+token sends to other ranks go through the transport; the rows it keeps on this rank are computed in
+place, half (region A) while the dispatch flies and half (region B) while the combine returns, so
+neither exchange waits on an idle GPU and no GEMM is cut finer than in halves:
 
-    main stream   pack 0 | pack 1 | ... | experts 0 | experts 1 | ... | unpack 0 | unpack 1 ...
-    comm stream          | send 0 | send 1 | ...   | back 0    | back 1 | ...
+    main stream   pack | A experts (c=0) | remote experts (c=0) | B experts (c=0) | A (c=1) ... | sums
+    comm stream        | dispatch c=0, 1, ...  (launched at once) | combine c=0    | combine c=1 ...
 
-Every minibatch's dispatch is queued on the communication stream as soon as its rows are packed,
-so minibatch i+1 (and later) is in flight while the experts of minibatch i run, and the combine of
-minibatch i-1 returns meanwhile. Events order the two streams; no host synchronisation happens
-inside (the plan read the counts once, or not at all in sync-free mode).
-
-Backward overlaps the same way without extra code: autograd runs each op's backward on the stream
-its forward ran on, so the combine-backward exchanges (dispatch direction) run on the
-communication stream while the expert dgrad/wgrad of an earlier minibatch run on the main stream,
-and the dispatch-backward of minibatch i overlaps the expert backward of minibatch i-1.
+Backward mirrors it. Autograd runs a node's backward on the stream its forward ran on and, among
+ready nodes, the most recently created first; so every exchange is *launched* early (outside
+autograd, on the communication stream) but its autograd node (``_Arrived``) is created late, after
+the local region that should hide its backward: the combine-backward exchange is created after
+region B's experts and runs first in backward, while B's dgrad/wgrad run; the dispatch-backward
+exchange is created after region A's experts, so A's backward hides it. Events order the streams;
+no host synchronisation happens inside (the plan read the counts once, or not at all in sync-free
+mode).
 
 Reductions: each expert row is scaled by its probability inside the experts; a rank sums its local
-experts' rows per received token, the source sums the ranks' partial rows per token. With
-``deterministic`` both sums are fixed-order gathers accumulated in fp32 (bitwise repeatable);
-without, they are ``index_add_`` into an fp32 buffer (atomics on GPUs).
+experts' rows per received token, the source sums the ranks' partial rows per token (remote rows,
+then region A/B rows, in that fixed order). With ``deterministic`` both sums are fixed-order gathers
+accumulated in fp32 (bitwise repeatable); without, they are ``index_add_`` into an fp32 buffer
+(atomics on GPUs).
 
 Legend:
     T tokens   Tc tokens of one minibatch   H hidden   L local experts   W = 2L routing metadata
-    N rows sent (one per token and destination rank)   R rows received   M (token, local expert) rows
+    N rows sent (one per token and other destination rank)   R rows received (or of a local region)
+    M (token, local expert) rows
 """
 
 from __future__ import annotations
@@ -31,8 +35,8 @@ from collections.abc import Callable
 
 import torch
 
-from mok_megatron.functional.pipeline_plan import PipelinePlan, SendPlan
-from mok_megatron.functional.transport import COMBINE, DISPATCH, exchange
+from mok_megatron.functional.pipeline_plan import ExpertPart, PipelinePlan, SendPlan
+from mok_megatron.functional.transport import COMBINE, DISPATCH
 from mok_megatron.ops.permute import combine_tokens, permute_tokens
 from mok_megatron.ops.routing import SlotMap, slot_map
 
@@ -100,17 +104,25 @@ def _pack(x_c, meta_cPW, mb: SendPlan, ep: int):
     return x_NH, meta_NW
 
 
-def _experts(x_RH, meta_RW, mb: SendPlan, L: int, topk: int, expert_fn: ExpertFn, deterministic: bool):
+def _experts(
+    x_RH, meta_RW, part: ExpertPart, L: int, topk: int, expert_fn: ExpertFn, deterministic: bool, local=False
+):
+    """Expand rows to (row, local expert), run the experts, sum each row's experts. A local region
+    that routes nothing here skips the call; the received part always calls the experts (even with
+    no rows: the weights then get zero gradients, as in Megatron, and the exchanges that delivered
+    the rows stay in the backward graph, so every rank runs the same collectives)."""
     R = x_RH.shape[0]
+    if local and (part.rows_M == 0 or R == 0):
+        return x_RH.new_zeros((R, x_RH.shape[-1])) + 0 * meta_RW.sum()
     probs_RL, mask_RL = meta_RW[:, :L], meta_RW[:, L:] > 0.5
     flat_mask = mask_RL.t().reshape(-1)
-    rows = min(mb.rows_M, flat_mask.numel())
+    rows = min(part.rows_M, flat_mask.numel())
     flat = flat_mask.argsort(descending=True, stable=True)[:rows]  # grouped by local expert
     row_M, l_M = flat % max(R, 1), flat // max(R, 1)
-    valid_M = flat_mask[flat] if mb.capacity is not None else None
+    valid_M = flat_mask[flat] if part.padded else None
     kk = min(topk, L)
     if valid_M is None and rows == R * kk:
-        slots = slot_map(row_M, None, R, kk)  # every received token uses every slot: no masking
+        slots = slot_map(row_M, None, R, kk)  # every row's token uses every slot: no masking
     else:
         live = valid_M if valid_M is not None else torch.ones_like(row_M, dtype=torch.bool)
         slots = slot_map(row_M, live, R, kk)
@@ -120,9 +132,42 @@ def _experts(x_RH, meta_RW, mb: SendPlan, L: int, topk: int, expert_fn: ExpertFn
         probs_M = torch.where(valid_M, probs_M, 0)
         tpe_L = mask_RL.sum(0, dtype=torch.int64)  # what actually arrived
     else:
-        tpe_L = mb.tokens_per_expert_L
-    y_MH = expert_fn(x_MH, tpe_L, mb.tokens_per_expert_host, probs_M)
+        tpe_L = part.tokens_per_expert_L
+    y_MH = expert_fn(x_MH, tpe_L, part.tokens_per_expert_host, probs_M)
     return _sum_rows(y_MH, row_M, slots, R, valid_M, deterministic)
+
+
+class _Arrived(torch.autograd.Function):
+    """Rows moved earlier outside autograd, tied to the rows they were moved from.
+
+    The move is launched as early as possible; this node is created where its *backward* should
+    start (see the module docstring). Its backward moves the gradient the opposite way."""
+
+    @staticmethod
+    def forward(ctx, x_src, moved, transport, mb, direction):
+        ctx.transport, ctx.mb, ctx.direction = transport, mb, direction
+        return moved
+
+    @staticmethod
+    def backward(ctx, g):
+        back = COMBINE if ctx.direction == DISPATCH else DISPATCH
+        return ctx.transport.move(g.contiguous(), ctx.mb, back), None, None, None, None
+
+
+class _ScaledLoopback:
+    """The loopback transport moving region R as if it were the minibatch's whole exchange
+    (an EP rank sends every token's remote rows; its local share stays): bytes scaled by Tc / r."""
+
+    def __init__(self, inner, scale: float):
+        self.inner, self.scale, self.name = inner, scale, inner.name
+
+    def move(self, x, mb, direction):
+        factor = self.inner.factor
+        self.inner.factor = factor * self.scale
+        try:
+            return self.inner.move(x, mb, direction)
+        finally:
+            self.inner.factor = factor
 
 
 def run_pipeline(
@@ -141,6 +186,7 @@ def run_pipeline(
     if T == 0:
         return x_TH.new_zeros((0, H)) + 0 * x_TH.sum()
     st = _Streams(x_TH.device)
+    me = 0 if ep == 1 else torch.distributed.get_rank(plan.ep_group)
     # Each (token, destination) row carries the destination's slice of probabilities and mask.
     meta_TPW = torch.cat([probs_TE.view(T, ep, L), routing_map_TE.view(T, ep, L).to(probs_TE.dtype)], -1)
     C = len(plan.minibatches)
@@ -148,37 +194,58 @@ def run_pipeline(
     sizes = [mb.num_tokens for mb in plan.minibatches]
     x_parts = x_TH.split(sizes) if C > 1 else (x_TH,)
     meta_parts = meta_TPW.split(sizes) if C > 1 else (meta_TPW,)
+    run = (L, topk, expert_fn, deterministic)
 
-    packed, ev_packed = [], []
+    # 1. Pack every minibatch's remote rows and launch its dispatch on the communication stream.
+    flights = []
     for c, mb in enumerate(plan.minibatches):
-        packed.append(_pack(x_parts[c], meta_parts[c], mb, ep))
-        ev_packed.append(st.event("main"))
-
-    received, ev_recv = [], []
-    with st.on("comm"):
-        for c, mb in enumerate(plan.minibatches):
-            st.wait("comm", ev_packed[c])
-            st.hand_over("comm", *packed[c])
-            x_RH = exchange(packed[c][0], transport, mb, DISPATCH)
-            meta_RW = exchange(packed[c][1], transport, mb, DISPATCH)
-            received.append((x_RH, meta_RW))
-            ev_recv.append(st.event("comm"))
-
-    back, ev_back = [], []
-    for c, mb in enumerate(plan.minibatches):
-        st.wait("main", ev_recv[c])
-        st.hand_over("main", *received[c])
-        z_RH = _experts(*received[c], mb, L, topk, expert_fn, deterministic)
+        tr = transport
+        r = mb.local.regions[0]
+        if plan.emulated_ep > 1 and r:
+            tr = _ScaledLoopback(transport, mb.num_tokens / r)
+        x_NH, meta_NW = _pack(x_parts[c], meta_parts[c], mb, ep)
         ev = st.event("main")
-        with st.on("comm"):
+        with torch.no_grad(), st.on("comm"):
+            st.wait("comm", ev)
+            st.hand_over("comm", x_NH, meta_NW)
+            moved = (tr.move(x_NH.detach(), mb, DISPATCH), tr.move(meta_NW.detach(), mb, DISPATCH))
+            flights.append((tr, x_NH, meta_NW, moved, st.event("comm")))
+
+    # 2. Per minibatch: region A's experts (the dispatch flies), the received rows' experts and
+    #    their combine, region B's experts (the combine flies).
+    pending = []
+    for c, mb in enumerate(plan.minibatches):
+        lp = mb.local
+        tr, x_NH, meta_NW, (x_raw, meta_raw), ev_recv = flights[c]
+        x_loc = x_parts[c].split(list(lp.regions))
+        meta_loc = meta_parts[c].select(1, me).split(list(lp.regions))
+        z_a = _experts(x_loc[1], meta_loc[1], lp.part_a, *run, local=True)
+        with st.on("comm"):  # created after A: A's backward hides the dispatch-backward
+            x_RH = _Arrived.apply(x_NH, x_raw, tr, mb, DISPATCH)
+            meta_RW = _Arrived.apply(meta_NW, meta_raw, tr, mb, DISPATCH)
+        st.wait("main", ev_recv)
+        st.hand_over("main", x_RH, meta_RW)
+        z_RH = _experts(x_RH, meta_RW, lp.remote, *run)
+        ev = st.event("main")
+        with torch.no_grad(), st.on("comm"):
             st.wait("comm", ev)
             st.hand_over("comm", z_RH)
-            back.append(exchange(z_RH, transport, mb, COMBINE))
-            ev_back.append(st.event("comm"))
+            back_raw = tr.move(z_RH.detach(), mb, COMBINE)
+            ev_back = st.event("comm")
+        z_b = _experts(x_loc[2], meta_loc[2], lp.part_b, *run, local=True)
+        with st.on("comm"):  # created after B: the combine-backward runs first, B's backward hides it
+            back_NH = _Arrived.apply(z_RH, back_raw, tr, mb, COMBINE)
+        pending.append((back_NH, z_a, z_b, ev_back))
 
+    # 3. Each token's sum: its remote ranks' partial rows, then its local rows, in a fixed order.
     outs = []
     for c, mb in enumerate(plan.minibatches):
-        st.wait("main", ev_back[c])
-        st.hand_over("main", back[c])
-        outs.append(_sum_rows(back[c], mb.token_idx_N, mb.slots, mb.num_tokens, mb.valid_N, deterministic))
+        lp = mb.local
+        back_NH, z_a, z_b, ev_back = pending[c]
+        st.wait("main", ev_back)
+        st.hand_over("main", back_NH)
+        rows = torch.cat([back_NH, z_a, z_b])
+        outs.append(
+            _sum_rows(rows, lp.sum_index_N, lp.sum_slots, mb.num_tokens, lp.sum_valid_N, deterministic)
+        )
     return outs[0] if C == 1 else torch.cat(outs, 0)

@@ -140,6 +140,7 @@ class MoKTokenDispatcher(MoETokenDispatcher):
             mbs,
             sync_free=o.sync_free if sync_free is None else sync_free,
             capacity_multiplier=o.capacity_multiplier,
+            emulated_ep=max(o.loopback_ep, 1) if loopback and cfg.ep_size == 1 else 1,
         )
 
     def run_pipeline(self, hidden_states: torch.Tensor, probs: torch.Tensor, expert_fn) -> torch.Tensor:

@@ -1,0 +1,198 @@
+"""Worker-side cases for tests/test_pipeline_schedule.py: the overlap engine driven directly (no
+Megatron layer), with a transport that records every move and experts that record their backward.
+
+Legend: T tokens, H hidden, E experts, L local experts, M (token, local expert) rows.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import mok_megatron.functional.pipeline_plan as plan_module
+from mok_megatron.functional.pipeline import run_pipeline
+from mok_megatron.functional.pipeline_plan import build_pipeline_plan
+from mok_megatron.functional.transport import CollectiveTransport, LoopbackTransport
+
+H, L, TOPK = 16, 4, 4
+
+
+class Recording:
+    """Wraps a transport; logs ("move", direction, rows) in call order into a shared log."""
+
+    def __init__(self, inner, log: list):
+        self.inner, self.log, self.name = inner, log, inner.name
+
+    @property
+    def factor(self):
+        return self.inner.factor
+
+    @factor.setter
+    def factor(self, v):
+        self.inner.factor = v
+
+    def move(self, x, mb, direction):
+        self.log.append(("move", direction, x.shape[0]))
+        return self.inner.move(x, mb, direction)
+
+
+class GroupedExperts(torch.nn.Module):
+    """``y = probs * (x @ w[l])`` per local expert ``l`` (rows grouped by expert, exact-mode counts,
+    checked against the device counts); logs each call's forward and the start of its backward."""
+
+    def __init__(self, log: list):
+        super().__init__()
+        self.w_LHH = torch.nn.Parameter(torch.randn(L, H, H, generator=torch.Generator().manual_seed(7)) / H)
+        self.log = log
+        self.calls = 0
+
+    def forward(self, x_MH, tpe_L, tpe_host, probs_M):
+        if tpe_host is not None:  # exact mode: host and device counts agree and cover every row
+            assert sum(tpe_host) == x_MH.shape[0] and tpe_L.tolist() == list(tpe_host), (tpe_L, tpe_host)
+        # Sync-free: rows past the counts are padding (probability 0); they map to the last expert.
+        row_M = torch.arange(x_MH.shape[0])
+        l_M = torch.searchsorted(tpe_L.cumsum(0), row_M, right=True).clamp(max=L - 1)
+        y_MH = torch.bmm(x_MH.unsqueeze(1), self.w_LHH[l_M]).squeeze(1) * probs_M.unsqueeze(-1)
+        k = self.calls
+        self.calls += 1
+        self.log.append(("fwd", k))
+        y_MH.register_hook(lambda g: self.log.append(("bwd", k)))
+        return y_MH
+
+
+def _inputs(rank, T, E, only_rank=None):
+    g = torch.Generator().manual_seed(100 + rank)
+    x = torch.randn(T, H, generator=g, requires_grad=True)
+    logits = torch.randn(T, E, generator=g)
+    if only_rank is not None:  # every token picks experts of one EP rank only
+        logits[:, only_rank * L : (only_rank + 1) * L] += 100.0
+    top = logits.topk(TOPK, dim=-1).indices
+    routing = torch.zeros(T, E, dtype=torch.bool).scatter_(1, top, True)
+    probs = (logits.softmax(-1) * routing).requires_grad_(True)
+    return x, probs, routing
+
+
+# Ops that only make a view or metadata: no kernel on a GPU, negligible host time.
+_VIEWS = {
+    "view",
+    "_unsafe_view",
+    "select",
+    "slice",
+    "unsqueeze",
+    "squeeze",
+    "t",
+    "transpose",
+    "expand",
+    "split",
+    "split_with_sizes",
+    "detach",
+    "alias",
+    "lift_fresh",
+    "as_strided",
+    "permute",
+    "reshape",
+}
+
+
+class _Count(TorchDispatchMode):
+    """Counts the aten ops that do work (a kernel launch or more on a GPU), views excluded."""
+
+    def __init__(self):
+        super().__init__()
+        self.n = 0
+        self.by_op: dict[str, int] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.__name__.split(".")[0]
+        if name not in _VIEWS:
+            self.n += 1
+            self.by_op[name] = self.by_op.get(name, 0) + 1
+        return func(*args, **(kwargs or {}))
+
+
+def _remote_pairs(routing_TE, ep, me):
+    to_rank = routing_TE.view(routing_TE.shape[0], ep, L).any(-1)
+    return to_rank.sum() - to_rank[:, me].sum()
+
+
+class _MinLocalHalf:
+    """Sets ``pipeline_plan.MIN_LOCAL_HALF`` for one case (test shapes are far below the default)."""
+
+    def __init__(self, value):
+        self.value = value
+
+    def __enter__(self):
+        self.old = plan_module.MIN_LOCAL_HALF
+        plan_module.MIN_LOCAL_HALF = self.value
+
+    def __exit__(self, *exc):
+        plan_module.MIN_LOCAL_HALF = self.old
+
+
+def megatron_case(rank, world, *, min_local_half=4, **kw):
+    """``tests.cases.pipeline_case`` (MoK layer vs Megatron's MoELayer) with regions A/B split."""
+    from tests.cases import pipeline_case
+
+    with _MinLocalHalf(min_local_half):
+        return pipeline_case(rank, world, **kw)
+
+
+def schedule_case(rank, world, *, min_local_half=4, **kw):
+    with _MinLocalHalf(min_local_half):
+        return _schedule_case(rank, world, **kw)
+
+
+def _schedule_case(
+    rank, world, *, chunks=1, emulated_ep=1, tokens=64, sync_free=False, capacity=1.0, to=None
+):
+    """One pipeline call forward+backward; returns the event log and aten op counts.
+
+    ``emulated_ep`` > 1: one process per "group" (each rank alone, EP=1) with a loopback transport."""
+    log: list = []
+    if emulated_ep > 1:
+        group, ep = None, 1
+        transport = Recording(LoopbackTransport(emulated_ep, L, TOPK, 0.0), log)
+    else:
+        group, ep = dist.group.WORLD, world
+        transport = Recording(CollectiveTransport(group), log)
+    experts = GroupedExperts(log)
+    only = {None: None, "own": rank, "rank0": 0}[to]
+    x, probs, routing = _inputs(rank, tokens, ep * L, only)
+    size = -(-tokens // chunks)
+    # Steady state: a first call fills the per-shape caches (as every training step after the first).
+    kw = dict(emulated_ep=emulated_ep, sync_free=sync_free, capacity_multiplier=capacity)
+    build_pipeline_plan(x.shape, routing, L, TOPK, group, size, **kw)
+    fwd, bwd, plan_ops = _Count(), _Count(), _Count()
+    with plan_ops:
+        plan = build_pipeline_plan(x.shape, routing, L, TOPK, group, size, **kw)
+    with fwd:
+        out = run_pipeline(x, probs, routing, plan, experts, transport, TOPK, deterministic=True)
+    log.append(("forward_done",))
+    with bwd:
+        out.backward(torch.ones_like(out))
+    # Reference: every token's experts computed here from the gathered weights (EP=1 math).
+    with torch.no_grad():
+        ws = [torch.empty_like(experts.w_LHH) for _ in range(ep)] if ep > 1 else [experts.w_LHH]
+        if ep > 1:
+            dist.all_gather(ws, experts.w_LHH.detach().contiguous())
+        w_EHH = torch.cat(ws)
+        ref = torch.einsum("th,teho,te->to", x, w_EHH[None].expand(tokens, -1, -1, -1), probs)
+    return {
+        "log": log,
+        "plan_ops": plan_ops.n,
+        "fwd_ops": fwd.n,
+        "ops_by_name": {"plan": plan_ops.by_op, "fwd": fwd.by_op, "bwd": bwd.by_op},
+        "bwd_ops": bwd.n,
+        "max_err": float((out.detach() - ref).abs().max()),
+        "x_grad": x.grad is not None and bool(torch.isfinite(x.grad).all()),
+        "w_grad": experts.w_LHH.grad is not None,
+        "minibatches": len(plan.minibatches),
+        "overflow": None if plan.overflow is None else bool(plan.overflow),
+        "remote_rows": [mb.token_idx_N.shape[0] for mb in plan.minibatches],
+        "local_here": [int(mb.local.here_T.sum()) for mb in plan.minibatches],
+        # (token, other rank) pairs: what must travel when local rows never do
+        "remote_pairs": int(_remote_pairs(routing, ep, rank if ep > 1 else 0)),
+        "bytes_moved": getattr(transport.inner, "bytes_moved", None),
+        "factor": getattr(transport.inner, "factor", None),
+    }

@@ -1,0 +1,115 @@
+"""The overlap engine's schedule, checked on CPU through the order of events and the op counts.
+
+Local rows never travel; the dispatch is launched before region A's experts and the combine before
+region B's; in backward, the combine-backward exchange starts before region B's backward and the
+dispatch-backward before region A's (the late ``_Arrived`` nodes). gloo, 4 processes (EP=4), and
+one process with the loopback transport standing in for EP=4. A pinned bound on the aten ops per
+pipeline call (views excluded: those launch no kernel) keeps the host enqueue from growing unseen.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests import pipeline_cases as pc
+
+DISPATCH, COMBINE = 0, 1
+# Measured (EP=4, 64 tokens, one minibatch, steady state, test experts included): plan 49 + forward
+# 128 and backward 85 work ops; ~20 % headroom. Raise only with a reason: each op is a GPU launch.
+MAX_FWD_OPS, MAX_BWD_OPS = 210, 105
+
+
+def _expected_log(chunks: int) -> list:
+    """Per minibatch forward: dispatch x + meta, A, remote, combine, B; backward in reverse."""
+    fwd = [("move", DISPATCH)] * 2 * chunks
+    bwd = []
+    for c in range(chunks):
+        a, remote, b = 3 * c, 3 * c + 1, 3 * c + 2
+        fwd += [("fwd", a), ("fwd", remote), ("move", COMBINE), ("fwd", b)]
+        bwd = [
+            ("move", DISPATCH),
+            ("bwd", b),
+            ("bwd", remote),
+            ("move", COMBINE),
+            ("move", COMBINE),
+            ("bwd", a),
+        ] + bwd
+    return fwd + [("forward_done",)] + bwd
+
+
+def _events(log):
+    return [e[:2] for e in log]
+
+
+@pytest.mark.parametrize("chunks", [1, 2])
+def test_schedule_order_and_locality_ep4(pool, chunks):
+    for rank, r in enumerate(pool.run("tests.pipeline_cases:schedule_case", chunks=chunks)):
+        assert r["max_err"] < 1e-5, (rank, r["max_err"])
+        assert r["x_grad"] and r["w_grad"]
+        assert r["minibatches"] == chunks
+        assert _events(r["log"]) == _expected_log(chunks), (rank, r["log"])
+        # Only (token, other rank) rows travel; every sent row counted once.
+        assert sum(r["remote_rows"]) == r["remote_pairs"]
+        moved = [e[2] for e in r["log"] if e[0] == "move" and e[1] == DISPATCH][: 2 * chunks : 2]
+        assert sum(moved) == r["remote_pairs"]
+
+
+def test_host_ops_per_call_are_bounded(pool):
+    one, two = (pool.run("tests.pipeline_cases:schedule_case", chunks=c) for c in (1, 2))
+    for r1, r2 in zip(one, two, strict=True):
+        assert r1["plan_ops"] + r1["fwd_ops"] <= MAX_FWD_OPS, r1["ops_by_name"]
+        assert r1["bwd_ops"] <= MAX_BWD_OPS, r1["ops_by_name"]["bwd"]
+        # A second minibatch adds at most one minibatch's worth of ops (no per-call blow-up).
+        total = [r["plan_ops"] + r["fwd_ops"] + r["bwd_ops"] for r in (r1, r2)]
+        assert total[1] <= 2 * total[0], total
+
+
+def test_loopback_moves_the_emulated_share_with_full_bytes():
+    # One process standing in for EP=4: region R (3/4 of the tokens) travels, 1/4 stays; the
+    # link is charged the bytes of every token's remote rows, as before the local/remote split.
+    tokens = 64
+    r = pc.schedule_case(0, 1, emulated_ep=4, tokens=tokens)
+    assert r["max_err"] < 1e-5
+    assert r["remote_rows"] == [tokens - tokens // 4]
+    assert r["local_here"] == [tokens // 4]
+    assert _events(r["log"]) == _expected_log(1)
+    row_bytes = pc.H * 4  # fp32 rows
+    x_bytes = tokens * row_bytes * r["factor"]  # one dispatch of x, as if every token moved
+    meta_bytes = tokens * 2 * pc.L * 4 * r["factor"]
+    # forward: dispatch x + meta, combine; backward: the three reversed.
+    assert r["bytes_moved"] == pytest.approx(2 * (2 * x_bytes + meta_bytes))
+
+
+@pytest.mark.parametrize("emulated_ep", [1, 3, 32])
+def test_region_labels_follow_the_host_rule(emulated_ep):
+    # The device labels (counts, capturable) and the host rule (sizes) must agree on every token.
+    import mok_megatron.functional.pipeline_plan as P
+
+    for min_half in (1, 4, 256):
+        with pc._MinLocalHalf(min_half):
+            for T, size in ((1, 1), (7, 3), (64, 64), (100, 16), (1000, 333)):
+                bounds = P.minibatch_bounds(T, size)
+                expect = []
+                for c in range(len(bounds) - 1):
+                    r, a, b = P.regions(bounds[c + 1] - bounds[c], emulated_ep)
+                    expect += [3 * c] * r + [3 * c + 1] * a + [3 * c + 2] * b
+                got = P._labels(T, bounds[1] - bounds[0], emulated_ep, "cpu")
+                assert got.tolist() == expect, (T, size, min_half)
+
+
+def test_sync_free_local_rows_need_no_capacity(pool):
+    # Every token routes to its own rank's experts: nothing travels, so even a tiny capacity
+    # cannot overflow (local rows are never padded into the exchange buffers).
+    for r in pool.run("tests.pipeline_cases:schedule_case", sync_free=True, capacity=0.05, to="own"):
+        assert r["overflow"] is False
+        assert r["max_err"] < 1e-5 and r["x_grad"] and r["w_grad"]
+
+
+def test_sync_free_overflow_counts_remote_rows(pool):
+    # Every token routes to rank 0: ranks 1..3 send all 64 tokens there, over a capacity of ~3.
+    for r in pool.run("tests.pipeline_cases:schedule_case", sync_free=True, capacity=0.05, to="rank0"):
+        assert r["overflow"] is True
+    # With room for every token the same routing fits, and the result is exact.
+    for r in pool.run("tests.pipeline_cases:schedule_case", sync_free=True, capacity=1.0, to="rank0"):
+        assert r["overflow"] is False
+        assert r["max_err"] < 1e-5
