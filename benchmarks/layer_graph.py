@@ -1,0 +1,40 @@
+"""MoK layer (EP=1, dropless, bf16) forward+backward: eager vs the same step captured in one CUDA graph.
+
+At EP=1 the dropless layer never reads the device from the host, so the whole step can be captured;
+the graph removes the host's kernel-launch time, which is what separates wall time from GPU-busy time
+in ``benchmarks/profile_layer.py``. Median of 20 CUDA-event-timed steps after 3 warm-up steps.
+
+    python benchmarks/layer_graph.py [shape ...]        (shapes from mok_megatron.bench.SHAPES)
+"""
+
+import statistics
+import sys
+import warnings
+
+import torch
+
+warnings.filterwarnings("ignore")
+from mok_megatron.bench import SHAPES, _config, _init_single_process, build, time_steps  # noqa: E402
+from mok_megatron.bench_overlap import _graphed, _inputs  # noqa: E402
+
+_init_single_process()
+for name in sys.argv[1:] or ["qwen3-30b-a3b", "deepseek-v3-ep32"]:
+    s = SHAPES[name]
+    torch.manual_seed(0)
+    layer = build("mok", _config(s, torch.bfloat16)).cuda()
+    x, dout = _inputs(s["tokens"], s["hidden"], torch.bfloat16, torch.device("cuda"))
+
+    def eager(layer=layer, x=x, dout=dout):
+        out, _ = layer(x.detach().requires_grad_(True))
+        out.backward(dout)
+
+    flops = 3 * 2 * s["tokens"] * s["topk"] * 3 * s["hidden"] * s["ffn"]
+    ms = {}
+    for label, step in (("eager", eager), ("cuda graph", _graphed(layer, x, dout))):
+        ms[label] = 1e3 * statistics.median(time_steps(step, 20, 3))
+    print(
+        f"{name}: eager {ms['eager']:.2f} ms ({flops / ms['eager'] / 1e9:.0f} TFLOP/s) | "
+        f"CUDA graph {ms['cuda graph']:.2f} ms ({flops / ms['cuda graph'] / 1e9:.0f} TFLOP/s)"
+    )
+    del layer
+    torch.cuda.empty_cache()
