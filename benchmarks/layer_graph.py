@@ -25,6 +25,7 @@ for name in sys.argv[1:] or ["qwen3-30b-a3b", "deepseek-v3-ep32"]:
     x, dout = _inputs(s["tokens"], s["hidden"], torch.bfloat16, torch.device("cuda"))
 
     def eager(layer=layer, x=x, dout=dout):
+        layer.zero_grad(set_to_none=True)  # as mok bench layer: no gradient accumulation in the step
         out, _ = layer(x.detach().requires_grad_(True))
         out.backward(dout)
 

@@ -72,6 +72,8 @@ def _graphed(layer, x, dout):
         for _ in range(3):
             fwd_bwd()
     torch.cuda.current_stream().wait_stream(side)
+    layer.zero_grad(set_to_none=True)  # captured backward writes fresh gradients, as an eager step after
+    xs.grad = None  # zero_grad does: no accumulation kernels in the graph
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         fwd_bwd()
