@@ -67,14 +67,50 @@ def link_efficiency() -> float:
 
 
 GENERATIONS = [g["name"] for g in DATA["engine_generations"]]
+ENGINE_IMPLS = {"mok"}  # implementations whose own code changes between engine generations
 
 
-def engine_of(source: str) -> str:
-    """The MoK engine generation a results directory timed; unlisted (newer) directories: the last."""
+def engine_of(source: str) -> str | None:
+    """The MoK engine generation a results directory timed (calibration.json); None when it is not
+    declared there (its MoK rows are then left out of every fit: see declared_only)."""
     for g in DATA["engine_generations"]:
         if source in g["runs"]:
             return g["name"]
-    return GENERATIONS[-1]
+    return None
+
+
+def undeclared(m: Measurements) -> tuple[str, ...]:
+    """Sources with MoK rows but no engine generation in calibration.json."""
+    mok = [p.source for p in m.layer1 if p.impl in ENGINE_IMPLS]
+    mok += [p.source for p in m.ep if p.impl in ENGINE_IMPLS] + [r.source for r in m.loop]
+    return tuple(s for s in dict.fromkeys(mok) if engine_of(s) is None)
+
+
+def declared_only(m: Measurements) -> Measurements:
+    """``m`` without the MoK rows (EP=1, EP>1, loopback) of undeclared sources: they timed an engine
+    of unknown generation, so fitting them to any generation would be a guess. Other implementations'
+    rows stay (their code does not change with the MoK engine)."""
+    bad = set(undeclared(m))
+    if not bad:
+        return m
+    return replace(
+        m,
+        layer1=tuple(p for p in m.layer1 if not (p.source in bad and p.impl in ENGINE_IMPLS)),
+        ep=tuple(p for p in m.ep if not (p.source in bad and p.impl in ENGINE_IMPLS)),
+        loop=tuple(r for r in m.loop if r.source not in bad),
+    )
+
+
+def undeclared_report(m: Measurements) -> str:
+    """One line naming the undeclared sources and the fix; empty when every source is declared."""
+    bad = undeclared(m)
+    if not bad:
+        return ""
+    return (
+        f"Results directories without an engine generation: {', '.join(bad)}. Their MoK rows are not used "
+        "by any fit (Megatron/TE/torchtitan rows are). Fix: list each in engine_generations of "
+        "mok_megatron/planner/calibration.json (docs/planner.md, 'Declaring a new results directory')."
+    )
 
 
 # ---- EP=1 work ------------------------------------------------------------------------------------
@@ -394,9 +430,6 @@ def fit_overlap(m: Measurements) -> OverlapFit:
     return OverlapFit(over, expo, engines, by_gen)
 
 
-ENGINE_IMPLS = {"mok"}  # implementations whose own code changes between engine generations
-
-
 @dataclass(frozen=True)
 class Calibration:
     compute: dict  # impl -> ComputeFit over every run
@@ -449,6 +482,8 @@ def _enough(pts: list[Layer1]) -> bool:
 
 
 def calibrate(m: Measurements) -> Calibration:
+    """Fits from ``m``; MoK rows of sources without a declared engine generation are left out."""
+    m = declared_only(m)
     impls = sorted({p.impl for p in m.layer1})
     compute = {i: fit_host_link(fit_compute(list(m.layer1), i), m) for i in impls}
     by_gen = {}

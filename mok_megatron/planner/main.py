@@ -41,7 +41,8 @@ def _setup(ns):
 
 
 def plan(ns) -> str:
-    cal = calibrate.calibrate(measurements.load())
+    m = measurements.load()
+    cal = calibrate.calibrate(m)
     model, layout, cl = _setup(ns)
     a = predict.Assumptions(ns.overhead_scaling, ns.host)
     opts = predict.layer_options(cal, model, layout, cl, a)
@@ -88,8 +89,9 @@ def plan(ns) -> str:
             else []
         ),
         "",
+        *([calibrate.undeclared_report(m), ""] if calibrate.undeclared_report(m) else []),
         "Assumptions:",
-        *[f"- {t}" for t in a.text()],
+        *[f"- {t}" for t in a.text(cal)],
     ]
     if ns.timeline:
         path = __import__("mok_megatron.planner.timeline", fromlist=["write"]).write(
@@ -199,6 +201,8 @@ def main(argv: list[str] | None = None) -> int:
             rows = validate.checks(m)
             print(validate.table(rows))
             print("\n" + validate.summary(rows))
+            if calibrate.undeclared_report(m):
+                print("\n" + calibrate.undeclared_report(m))
             print("\nRun-to-run spread of the EP=1 points measured in several sources:\n")
             print(validate.spread_table(validate.spreads(m)))
             print("\nProfiles (under the profiler, which inflates host time):\n")

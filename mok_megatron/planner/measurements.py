@@ -178,9 +178,22 @@ def overlap_results(run: Path) -> tuple[list[Layer1], list[LoopRow]]:
     return ones, loops
 
 
+def impl_variant(impl: str, note: str) -> str:
+    """The implementation name a layer row is fitted under: a row timed eagerly and one timed under
+    torch.compile are different programs (torchtitan: 15.99 vs 10.34 ms in s3b), so the bench's note
+    ("torch.compile", "eager (...)") becomes a suffix; rows without such a note keep their name."""
+    if note == "torch.compile":
+        return f"{impl}-compiled"
+    if note.startswith("eager"):
+        return f"{impl}-eager"
+    return impl
+
+
 def layer_results(run: Path) -> list[Layer1]:
-    """``mok bench layer`` JSON: the fwd+bwd time of each implementation, uniform routing only (the
-    planner models uniform routing); skipped implementations have no row."""
+    """``mok bench layer`` JSON: the fwd+bwd time of each implementation (eager and compiled apart,
+    impl_variant), uniform routing and bf16 only (the planner models uniform routing; FP8 layer timings,
+    e.g. fp8_h200.json, are not read: FP8 is modelled by the measured FP8 grouped-GEMM rate);
+    skipped implementations have no row."""
     out = []
     for f in sorted(run.rglob("layer-*.json")):
         for case in json.loads(f.read_text()).get("cases", []):
@@ -190,7 +203,8 @@ def layer_results(run: Path) -> list[Layer1]:
             for r in case["rows"]:
                 ms = r.get("fwd_bwd_ms", r.get("ms"))
                 if ms:
-                    out.append(Layer1(run.name, r["impl"], case["shape"], moe, case["tokens"], ms))
+                    impl = impl_variant(r["impl"], r.get("note", ""))
+                    out.append(Layer1(run.name, impl, case["shape"], moe, case["tokens"], ms))
     return out
 
 

@@ -28,8 +28,9 @@ ASSUMPTIONS = (
     "fixed and host terms do not scale",
     "all-to-all at {link:.0%} of link peak (NCCL on 2 x H200); NVLink and NIC shares run concurrently; EP groups "
     "on consecutive GPUs; uniform routing; bf16 tokens on the wire for both layers",
-    "MoK engine overhead = loopback overhead fraction x kappa (real EP / loopback, from the 2 x H200 runs of "
-    "the newest engine generation, {engine}), times the layer's compute ({scaling}); exposed link fraction "
+    "MoK EP=1 work from the newest engine generation with EP=1 points ({ep1}); engine overhead = loopback "
+    "overhead fraction x kappa (real EP / loopback, from the 2 x H200 runs of the newest engine generation "
+    "measured on real EP, {engine}), times the layer's compute ({scaling}); exposed link fraction "
     "from the loopback sweep; transport factors (copy_engine / collective) from the same runs",
     "host-bound launch floor of Megatron / Megatron+TE (h0 + h x local experts) {host} on the target "
     "(measured = as on the H200 test host; hidden = CUDA graphs or a faster host remove it); run-to-run "
@@ -58,14 +59,19 @@ class Assumptions:
                 f"host={self.host!r}: must be measured (H200 host floor kept) or hidden (CUDA graphs / fast host)"
             )
 
-    def text(self) -> list[str]:
+    def text(self, cal: Calibration | None = None) -> list[str]:
+        ep1 = engine = GENERATIONS[-1]
+        if cal is not None:
+            engine = cal.overlap.engine()[0].name
+            ep1 = next((g for g in reversed(GENERATIONS) if ("mok", g) in cal.compute_by_gen), "every run")
         return [
             a.format(
                 bf16=gemm_efficiency("bf16"),
                 fp8=gemm_efficiency("fp8"),
                 link=link_efficiency(),
                 scaling=self.overhead_scaling,
-                engine=GENERATIONS[-1],
+                engine=engine,
+                ep1=ep1,
                 host=self.host,
             )
             for a in ASSUMPTIONS

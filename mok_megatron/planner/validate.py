@@ -10,9 +10,11 @@ from dataclasses import dataclass
 import statistics
 
 from mok_megatron.planner.calibrate import (
+    ENGINE_IMPLS,
     GENERATIONS,
     Calibration,
     calibrate,
+    declared_only,
     engine_of,
     family,
     local_shape,
@@ -34,6 +36,7 @@ class Check:
     anchored_ms: float | None = None  # EP>1: held-out model with t1 = the run's own EP=1 time
     note: str = ""  # why a held-out prediction is missing or uses another engine generation
     cross: bool = False  # the held-out prediction had to use another engine generation's fit
+    run_outlier: float | None = None  # EP=1: measured / median of the same point's runs - 1, when > TOLERANCE
 
     @property
     def in_sample_err(self) -> float:
@@ -93,7 +96,11 @@ def _safe(fn, cal, p):
 
 
 def checks(m: Measurements) -> list[Check]:
+    """Every point of a declared source (MoK rows of undeclared sources are not predicted: see
+    calibrate.undeclared_report)."""
+    m = declared_only(m)
     full = calibrate(m)
+    outliers = run_outliers(m)
     held = {}
     out = []
     for p in m.layer1:
@@ -109,7 +116,14 @@ def checks(m: Measurements) -> list[Check]:
         if cross:
             note = f"other engine: {engine_of(p.source)} has too few EP=1 points without this run; fit over every run"
         what = f"EP=1 {p.impl} {p.shape} (E_local {p.moe.experts}, {p.tokens} tok)"
-        out.append(Check(p.source, what, p.ms, predict_layer1(full, p), ho, note=note, cross=cross))
+        dev = outliers.get(p)
+        if dev is not None:
+            note = f"run outlier: {100 * dev:+.0f}% vs the median of this point's runs" + (
+                f"; {note}" if note else ""
+            )
+        out.append(
+            Check(p.source, what, p.ms, predict_layer1(full, p), ho, note=note, cross=cross, run_outlier=dev)
+        )
     ones = {(p.source, p.impl, p.shape): p.ms for p in m.layer1}
     for p in m.ep:
         if p.source not in held:
@@ -163,12 +177,14 @@ def _stats(errs: list[float]) -> str:
 
 def summary(rows: list[Check]) -> str:
     ins = [abs(r.in_sample_err) for r in rows]
+    typical = [abs(r.in_sample_err) for r in rows if r.run_outlier is None]
     ho = [abs(r.held_out_err) for r in rows if r.held_out_err is not None]
     same = [abs(r.held_out_err) for r in rows if r.held_out_err is not None and not r.cross]
     newest = [abs(r.in_sample_err) for r in rows if r.source in _newest_sources(rows)]
     anch = [abs(r.anchored_err) for r in rows if r.anchored_err is not None and not r.cross]
     return (
-        f"{len(rows)} measured points.\n- In-sample: {_stats(ins)}.\n- Held-out (leave-one-run-out): {_stats(ho)}."
+        f"{len(rows)} measured points.\n- In-sample: {_stats(ins)}.\n- In-sample, without the run outliers "
+        f"(> {100 * TOLERANCE:.0f}% from the median of the same point's runs): {_stats(typical)}.\n- Held-out (leave-one-run-out): {_stats(ho)}."
         f"\n- Held-out, same engine generation: {_stats(same)}.\n- In-sample, newest engine's runs only: "
         f"{_stats(newest)}.\n- EP>1 held-out, anchored on the run's own EP=1 time, same engine generation: "
         f"{_stats(anch)}."
@@ -176,7 +192,7 @@ def summary(rows: list[Check]) -> str:
 
 
 def _newest_sources(rows: list[Check]) -> set[str]:
-    gens = {r.source: engine_of(r.source) for r in rows}
+    gens = {r.source: engine_of(r.source) for r in rows if engine_of(r.source) is not None}
     last = max(gens.values(), key=GENERATIONS.index)
     return {s for s, g in gens.items() if g == last}
 
@@ -195,16 +211,36 @@ class Spread:
         return (max(self.ms) - min(self.ms)) / statistics.median(self.ms)
 
 
-def spreads(m: Measurements) -> list[Spread]:
-    """EP=1 points (same implementation, per-rank shape, tokens) measured in more than one source."""
+def _repeats(m: Measurements) -> dict[tuple, list[Layer1]]:
+    """EP=1 points grouped by (implementation, per-rank shape, tokens, MoK engine generation): a MoK
+    point only repeats within its generation (a faster engine is not run-to-run spread)."""
     by: dict[tuple, list] = {}
     for p in m.layer1:
-        key = (p.impl, p.moe.hidden, p.moe.ffn, p.moe.experts, p.moe.topk, p.tokens)
+        gen = engine_of(p.source) if p.impl in ENGINE_IMPLS else ""
+        key = (p.impl, p.moe.hidden, p.moe.ffn, p.moe.experts, p.moe.topk, p.tokens, gen)
         by.setdefault(key, []).append(p)
+    return by
+
+
+def run_outliers(m: Measurements) -> dict[Layer1, float]:
+    """EP=1 points measured in at least 3 sources whose time is more than TOLERANCE from the median of
+    the same point's runs (a slow or fast machine start; the model predicts the typical machine):
+    point -> measured / median - 1."""
+    out = {}
+    for pts in _repeats(m).values():
+        if len({p.source for p in pts}) >= 3:
+            med = statistics.median(p.ms for p in pts)
+            out.update({p: p.ms / med - 1 for p in pts if abs(p.ms / med - 1) > TOLERANCE})
+    return out
+
+
+def spreads(m: Measurements) -> list[Spread]:
+    """EP=1 points (same implementation, per-rank shape, tokens; MoK: same engine generation)
+    measured in more than one source."""
     out = []
-    for (impl, h, _f, e, _k, t), pts in by.items():
+    for (impl, h, _f, e, _k, t, gen), pts in _repeats(m).items():
         if len({p.source for p in pts}) > 1:
-            what = f"EP=1 {impl} H{h} E_local {e} {t} tok"
+            what = f"EP=1 {impl}{f' ({gen})' if gen else ''} H{h} E_local {e} {t} tok"
             out.append(Spread(what, tuple(p.source for p in pts), tuple(p.ms for p in pts)))
     return sorted(out, key=lambda s: -s.spread)
 
