@@ -303,10 +303,19 @@ def _reinit(ep: int):
 
 
 def bench_ep(
-    shapes, transports, chunks_list, iters, warmup, modes=("exact",), profile=False, no_b=False
+    shapes,
+    transports,
+    chunks_list,
+    iters,
+    warmup,
+    modes=("exact",),
+    profile=False,
+    no_b=False,
+    kernels=False,
 ) -> list[dict]:
     """``profile``: also one profiled step (streams busy and concurrent, GPU ops, host enqueue) of
-    Megatron's layer and of every one-minibatch exact-mode MoK variant at EP=N. ``no_b``: also each
+    Megatron's layer and of every one-minibatch exact-mode MoK variant at EP=N (``kernels``: also its
+    top kernels and host ops, ``kernel_profile.kernel_summary``). ``no_b``: also each
     transport with all local rows in region A (``pipeline_plan.MIN_LOCAL_HALF`` set huge)."""
     import torch
     import torch.distributed as dist
@@ -359,6 +368,8 @@ def bench_ep(
             rows.append(dict(shape=name, ep=ep, impl=meg, transport="nccl a2a", chunks=1, ms=1e3 * t))
             if profile and cuda and ep > 1:
                 rows[-1]["profile"] = _profiled(name, meg, _stepper(ref, x, dout), device, rank)
+                if kernels:
+                    _kernels(f"{name} EP={ep} {meg}", _stepper(ref, x, dout), 1e3 * t, rank)
             del ref
             mok_sd = convert_state_dict(sd, "mok")
             variants = [("plain", None, 1, "exact")]
@@ -392,6 +403,8 @@ def bench_ep(
                 prof = None
                 if profile and cuda and ep > 1 and chunks == 1 and not graph:
                     prof = _profiled(name, f"mok {label_mode}", step, device, rank)
+                    if kernels:
+                        _kernels(f"{name} EP={ep} mok {label_mode}", step, 1e3 * t, rank)
                 rows.append(
                     dict(
                         shape=name,
@@ -414,6 +427,15 @@ def bench_ep(
                 meg_row = next(r for r in rows if r["shape"] == name and r["ep"] == ep and r["impl"] == meg)
                 print(f"{name} EP={ep} {meg}: {meg_row['ms']:.2f} ms", flush=True)
     return rows
+
+
+def _kernels(label, step, wall_ms, rank) -> None:
+    """Top kernels and host ops of one step on every rank (collectives need all); rank 0 prints."""
+    from mok_megatron.kernel_profile import kernel_summary
+
+    text = kernel_summary(step, label, wall_ms, top=18, width=110, host_ops=12)
+    if rank == 0:
+        print(text, flush=True)
 
 
 def _profiled(shape, label, step, device, rank) -> dict:
@@ -478,6 +500,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", default=None, help="write the rows as JSON to this file")
     p.add_argument("--profile", action="store_true", help="ep: also profile one step per 1-minibatch variant")
     p.add_argument("--no-b", action="store_true", help="ep: also time each transport without local region B")
+    p.add_argument(
+        "--kernels", action="store_true", help="ep, with --profile: also print top kernels/host ops"
+    )
     ns = p.parse_args(argv)
     import warnings
 
@@ -506,6 +531,7 @@ def main(argv: list[str] | None = None) -> int:
             modes=ns.modes.split(","),
             profile=ns.profile,
             no_b=ns.no_b,
+            kernels=ns.kernels,
         )
         text = format_ep(rows)
         rank0 = int(os.environ.get("RANK", 0)) == 0
