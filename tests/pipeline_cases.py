@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import mok_megatron.functional.pipeline_plan as plan_module
@@ -111,6 +112,36 @@ class _Count(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+class _HostData(TorchFunctionMode):
+    """Records where the package's code moves host data into (or out of) device work: a host read
+    (``tolist``/``item``/``cpu``), a tensor built from Python values, or an index given as a Python
+    list. On a GPU each is a host sync or a pageable host-to-device copy, which CUDA graph capture
+    rejects ("Cannot copy between CPU and CUDA tensors during CUDA graph capture")."""
+
+    READS = {"tolist", "item", "cpu", "__bool__", "__int__", "__index__", "numpy"}
+    BUILDS = {"tensor", "as_tensor", "from_numpy"}
+    INDEX = {"__getitem__", "__setitem__", "index_put", "index_put_"}
+
+    def __init__(self):
+        super().__init__()
+        self.hits: list[str] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        name = getattr(func, "__name__", "")
+        bad = name in self.READS or name in self.BUILDS
+        if name in self.INDEX and len(args) > 1:
+            idx = args[1] if isinstance(args[1], tuple) else (args[1],)
+            bad = any(isinstance(i, list) for i in idx)
+        if bad:
+            import traceback
+
+            frames = [f for f in traceback.extract_stack()[:-1] if "/mok_megatron/" in f.filename]
+            if frames:
+                f = frames[-1]
+                self.hits.append(f"{name} at {f.filename.split('/mok_megatron/')[-1]}:{f.lineno}: {f.line}")
+        return func(*args, **(kwargs or {}))
+
+
 def _remote_pairs(routing_TE, ep, me):
     to_rank = routing_TE.view(routing_TE.shape[0], ep, L).any(-1)
     return to_rank.sum() - to_rank[:, me].sum()
@@ -163,14 +194,15 @@ def _schedule_case(
     # Steady state: a first call fills the per-shape caches (as every training step after the first).
     kw = dict(emulated_ep=emulated_ep, sync_free=sync_free, capacity_multiplier=capacity)
     build_pipeline_plan(x.shape, routing, L, TOPK, group, size, **kw)
-    fwd, bwd, plan_ops = _Count(), _Count(), _Count()
-    with plan_ops:
-        plan = build_pipeline_plan(x.shape, routing, L, TOPK, group, size, **kw)
-    with fwd:
-        out = run_pipeline(x, probs, routing, plan, experts, transport, TOPK, deterministic=True)
-    log.append(("forward_done",))
-    with bwd:
-        out.backward(torch.ones_like(out))
+    fwd, bwd, plan_ops, host = _Count(), _Count(), _Count(), _HostData()
+    with host:
+        with plan_ops:
+            plan = build_pipeline_plan(x.shape, routing, L, TOPK, group, size, **kw)
+        with fwd:
+            out = run_pipeline(x, probs, routing, plan, experts, transport, TOPK, deterministic=True)
+        log.append(("forward_done",))
+        with bwd:
+            out.backward(torch.ones_like(out))
     # Reference: every token's experts computed here from the gathered weights (EP=1 math).
     with torch.no_grad():
         ws = [torch.empty_like(experts.w_LHH) for _ in range(ep)] if ep > 1 else [experts.w_LHH]
@@ -185,6 +217,7 @@ def _schedule_case(
         "ops_by_name": {"plan": plan_ops.by_op, "fwd": fwd.by_op, "bwd": bwd.by_op},
         "bwd_ops": bwd.n,
         "max_err": float((out.detach() - ref).abs().max()),
+        "host_data": host.hits,
         "x_grad": x.grad is not None and bool(torch.isfinite(x.grad).all()),
         "w_grad": experts.w_LHH.grad is not None,
         "minibatches": len(plan.minibatches),

@@ -113,3 +113,13 @@ def test_sync_free_overflow_counts_remote_rows(pool):
     for r in pool.run("tests.pipeline_cases:schedule_case", sync_free=True, capacity=1.0, to="rank0"):
         assert r["overflow"] is False
         assert r["max_err"] < 1e-5
+
+
+def test_sync_free_pipeline_moves_no_host_data(pool):
+    # Sync-free mode must be capturable in a CUDA graph: no host read, no tensor built from Python
+    # values, no Python-list index anywhere in the plan, forward or backward (exact mode reads the
+    # counts once, by design).
+    for r in pool.run("tests.pipeline_cases:schedule_case", sync_free=True, chunks=2):
+        assert r["host_data"] == [] and r["max_err"] < 1e-5, r["host_data"]
+    exact = pool.run("tests.pipeline_cases:schedule_case", chunks=1)
+    assert all(any("tolist" in h or "cpu" in h for h in r["host_data"]) for r in exact)

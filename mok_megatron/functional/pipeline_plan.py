@@ -404,20 +404,20 @@ def _sync_free_minibatch(ctx: _Ctx, c: int, multiplier: float):
         rows_SD = ctx.all_SDGW[:, :, G, L].sum(-1)  # [EP, EP] token rows per (source, dest)
         off_diag = ~torch.eye(ep, dtype=torch.bool, device=dev)
         over = ((rows_SD > cap) & off_diag).any()
-        peers = [p for p in range(ep) if p != me]
-        to_peer = to_rank_TP[:, peers]  # [Tc, EP-1]
+        # Peers = every rank but me, indexed on the device: a host index list would be a pageable
+        # host-to-device copy, which CUDA graph capture rejects.
+        p_idx = torch.arange(ep - 1, device=dev)
+        peer_idx = p_idx + (p_idx >= me).to(p_idx.dtype)
+        to_peer = to_rank_TP.index_select(1, peer_idx)  # [Tc, EP-1]
         # For each peer, its tokens in order, then the rest: take `cap` slots per peer.
         order_PT = (~to_peer).t().to(torch.int8).argsort(dim=1, stable=True)  # [EP-1, Tc]
         if cap > tc:
-            order_PT = torch.cat([order_PT, order_PT[:, :1].expand(len(peers), cap - tc)], 1)
+            order_PT = torch.cat([order_PT, order_PT[:, :1].expand(ep - 1, cap - tc)], 1)
         tok_PC = order_PT[:, :cap]
         n_P = to_peer.sum(0)
         valid = (torch.arange(cap, device=dev).view(1, -1) < n_P.view(-1, 1)).reshape(-1)
         tok = tok_PC.reshape(-1)
-        dest = torch.tensor(peers, device=dev).repeat_interleave(cap) if dev.type == "cpu" else None
-        if dest is None:  # no host tensor on CUDA (graph capture): peers are all ranks but me
-            p_idx = torch.arange(ep - 1, device=dev)
-            dest = (p_idx + (p_idx >= me).to(p_idx.dtype)).repeat_interleave(cap)
+        dest = peer_idx.repeat_interleave(cap)
         split = tuple(tuple(0 if s == d else cap for d in range(ep)) for s in range(ep))
     send = split[me]
     recv = tuple(split[s][me] for s in range(len(split)))
