@@ -5,9 +5,9 @@
 set -u
 out=${OUT:-/tmp/mok-s4b}; mkdir -p "$out"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-timeout ${T_EP:-240} torchrun --nproc-per-node 2 -m mok_megatron.bench_overlap ep --shapes dsv3,qwen3 \
+timeout ${T_EP:-300} torchrun --nproc-per-node 2 -m mok_megatron.bench_overlap ep --shapes dsv3,qwen3 \
   --transports ${TRANSPORTS:-collective,copy_engine,nvlink} --chunks ${CHUNKS:-1} --modes exact,sync-free+graph \
-  --no-b --profile --iters 12 --warmup 3 --json "$out/ep.json" > "$out/ep.txt" 2>&1
+  --profile --iters 12 --warmup 3 --json "$out/ep.json" > "$out/ep.txt" 2>&1
 echo "== bench ep rc=$?"; grep -E "^\||^profile|EP=|fail|Error" "$out/ep.txt" | cut -c1-200
 timeout ${T_LB:-150} python -m mok_megatron.bench_overlap overlap --shapes dsv3-4k,qwen3-ep8 --gbps 0,450,50 \
   --chunks 1,2,4 --modes exact,sync-free+graph --iters 10 --warmup 3 --json "$out/overlap.json" > "$out/overlap.txt" 2>&1

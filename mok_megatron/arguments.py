@@ -28,6 +28,7 @@ group exists. argparse has no post-parse hook, so ``extra_args_provider`` wraps 
     --mok-transport T           transport             auto
     --mok-expert-backend B      expert_backend        torch (bf16; torch-fp8 | te for FP8)
     --mok-nvlink-programs N     nvlink_programs       64
+    --mok-local-rows R          local_rows            auto (fused in one NVLink domain, else overlap)
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from __future__ import annotations
 import argparse
 import warnings
 
-from mok_megatron.options import ENGINES, EXPERT_BACKENDS, TRANSPORTS, MoKOptions, MoKOptionsError
+from mok_megatron.options import ENGINES, EXPERT_BACKENDS, LOCAL_ROWS, TRANSPORTS, MoKOptions, MoKOptionsError
 
 DISPATCHER_FLAG = "--moe-token-dispatcher-type"
 MOK = "mok"
@@ -114,6 +115,14 @@ def add_mok_flags(parser) -> None:
         help="EP exchange: collective (NCCL/gloo all-to-all), copy_engine (symmetric-memory peer "
         "pulls inside one NVLink domain), loopback (benchmarks only), auto (default)"
         ", nvlink (Triton kernels read/write peer memory, one NVLink domain)",
+    )
+    g.add_argument(
+        "--mok-local-rows",
+        choices=LOCAL_ROWS,
+        default=d.local_rows,
+        help="pipeline: rows whose expert is local. overlap: two halves hidden behind dispatch and "
+        "combine; fused: one expert call with the received rows; auto (default): fused inside one "
+        "NVLink domain, overlap across nodes",
     )
     g.add_argument(
         "--mok-nvlink-programs",
@@ -198,6 +207,7 @@ def options_from_args(args) -> MoKOptions:
         transport=args.mok_transport,
         expert_backend=getattr(args, "mok_expert_backend", "torch"),
         nvlink_programs=getattr(args, "mok_nvlink_programs", MoKOptions().nvlink_programs),
+        local_rows=getattr(args, "mok_local_rows", MoKOptions().local_rows),
     )
 
 
@@ -215,6 +225,7 @@ def _given_mok_flags(args) -> list[str]:
             "transport",
             "expert_backend",
             "nvlink_programs",
+            "local_rows",
         )
         if getattr(given, f) != getattr(d, f)
     ]

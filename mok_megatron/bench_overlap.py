@@ -312,11 +312,13 @@ def bench_ep(
     profile=False,
     no_b=False,
     kernels=False,
+    local_rows=("overlap", "fused"),
 ) -> list[dict]:
     """``profile``: also one profiled step (streams busy and concurrent, GPU ops, host enqueue) of
     Megatron's layer and of every one-minibatch exact-mode MoK variant at EP=N (``kernels``: also its
     top kernels and host ops, ``kernel_profile.kernel_summary``). ``no_b``: also each
-    transport with all local rows in region A (``pipeline_plan.MIN_LOCAL_HALF`` set huge)."""
+    transport with all local rows in region A (``pipeline_plan.MIN_LOCAL_HALF`` set huge).
+    ``local_rows``: the ``--mok-local-rows`` settings to time per transport (overlap, fused)."""
     import torch
     import torch.distributed as dist
 
@@ -374,7 +376,13 @@ def bench_ep(
             mok_sd = convert_state_dict(sd, "mok")
             variants = [("plain", None, 1, "exact")]
             if ep > 1:
-                variants += [(tr, tr, c, m) for tr in transports for c in chunks_list for m in modes]
+                variants += [
+                    (f"{tr} {lr}", tr, c, m)
+                    for tr in transports
+                    for lr in local_rows
+                    for c in chunks_list
+                    for m in modes
+                ]
                 # Local rows in one region A (no B): one expert call and one weight-gradient add
                 # fewer, but the combine (forward) and combine-backward are not hidden.
                 variants += [(f"{tr} no-B", tr, 1, "exact") for tr in transports if no_b]
@@ -383,7 +391,10 @@ def bench_ep(
                 extra, graph = MODES[mode]
                 opts = MoKOptions(engine="plain")  # one dispatch, experts, combine (no pipeline)
                 if tr is not None:
-                    opts = MoKOptions(minibatch_size=math.ceil(s["tokens"] / chunks), transport=tr, **extra)
+                    lr = "fused" if label.endswith("fused") else "overlap"
+                    opts = MoKOptions(
+                        minibatch_size=math.ceil(s["tokens"] / chunks), transport=tr, local_rows=lr, **extra
+                    )
                 layer = build("mok", cfg, options=opts).to(device)
                 layer.load_state_dict(mok_sd)
                 out = layer(x)[0].detach().float()
@@ -500,6 +511,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", default=None, help="write the rows as JSON to this file")
     p.add_argument("--profile", action="store_true", help="ep: also profile one step per 1-minibatch variant")
     p.add_argument("--no-b", action="store_true", help="ep: also time each transport without local region B")
+    p.add_argument("--local-rows", default="overlap,fused", help="ep: --mok-local-rows settings to time")
     p.add_argument(
         "--kernels", action="store_true", help="ep, with --profile: also print top kernels/host ops"
     )
@@ -532,6 +544,7 @@ def main(argv: list[str] | None = None) -> int:
             profile=ns.profile,
             no_b=ns.no_b,
             kernels=ns.kernels,
+            local_rows=ns.local_rows.split(","),
         )
         text = format_ep(rows)
         rank0 = int(os.environ.get("RANK", 0)) == 0

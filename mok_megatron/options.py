@@ -29,6 +29,11 @@ the flags set (``set_default_options``). Frozen and validated at construction.
     transport 'nvlink'   device-initiated peer reads (dispatch) and writes (combine) by Triton kernels
                          over symmetric memory, one NVLink domain (``mok_megatron.nvlink``)
     nvlink_programs      nvlink transport: CTAs (SMs) that communicate
+    local_rows           pipeline: the rows whose expert is on this rank. 'overlap': computed in two
+                         halves while the dispatch and the combine fly (three expert calls); 'fused':
+                         in the received rows' expert call (one call, nothing local hidden); 'auto':
+                         fused inside one NVLink domain (EP exchange cheaper than splitting the
+                         GEMMs), overlap across nodes (``functional.pipeline_plan.fuse_local_rows``)
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ from dataclasses import dataclass
 
 TRANSPORTS = ("auto", "collective", "copy_engine", "loopback", "nvlink")
 ENGINES = ("auto", "pipeline", "plain")
+LOCAL_ROWS = ("auto", "overlap", "fused")
 EXPERT_BACKENDS = ("torch", "torch-fp8", "te")
 
 
@@ -56,6 +62,7 @@ class MoKOptions:
     loopback_ep: int = 2
     expert_backend: str = "torch"
     nvlink_programs: int = 64
+    local_rows: str = "auto"
 
     def __post_init__(self):
         if self.minibatch_size is not None and (
@@ -95,6 +102,11 @@ class MoKOptions:
             raise MoKOptionsError(
                 f"--mok-expert-backend={self.expert_backend!r}: choose one of {', '.join(EXPERT_BACKENDS)} "
                 "(torch: bf16 grouped GEMM; torch-fp8: native FP8 on Hopper+; te: Transformer Engine)."
+            )
+        if self.local_rows not in LOCAL_ROWS:
+            raise MoKOptionsError(
+                f"--mok-local-rows={self.local_rows!r}: choose one of {', '.join(LOCAL_ROWS)} (overlap: "
+                "hide local rows' GEMMs behind the exchanges; fused: one expert call after the dispatch)."
             )
         if self.nvlink_programs < 1:
             raise MoKOptionsError(

@@ -175,7 +175,7 @@ def schedule_case(rank, world, *, min_local_half=4, **kw):
 
 
 def _schedule_case(
-    rank, world, *, chunks=1, emulated_ep=1, tokens=64, sync_free=False, capacity=1.0, to=None
+    rank, world, *, chunks=1, emulated_ep=1, tokens=64, sync_free=False, capacity=1.0, to=None, fuse=False
 ):
     """One pipeline call forward+backward; returns the event log and aten op counts.
 
@@ -192,7 +192,7 @@ def _schedule_case(
     x, probs, routing = _inputs(rank, tokens, ep * L, only)
     size = -(-tokens // chunks)
     # Steady state: a first call fills the per-shape caches (as every training step after the first).
-    kw = dict(emulated_ep=emulated_ep, sync_free=sync_free, capacity_multiplier=capacity)
+    kw = dict(emulated_ep=emulated_ep, sync_free=sync_free, capacity_multiplier=capacity, fuse_local=fuse)
     build_pipeline_plan(x.shape, routing, L, TOPK, group, size, **kw)
     fwd, bwd, plan_ops, host = _Count(), _Count(), _Count(), _HostData()
     with host:

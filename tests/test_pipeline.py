@@ -32,10 +32,12 @@ def _mbs(chunks: int) -> int:
 @pytest.mark.parametrize("topk", [2, 8])
 @pytest.mark.parametrize("deterministic", [True, False])
 def test_pipeline_matches_megatron(pool, ep, chunks, topk, deterministic):
-    opts = dict(minibatch_size=_mbs(chunks), deterministic=deterministic)
+    # Local rows split in halves A/B (test shapes are below the default threshold) or fused with
+    # the received rows into one expert call (--mok-local-rows fused).
+    local_rows = "overlap" if deterministic else "fused"
+    opts = dict(minibatch_size=_mbs(chunks), deterministic=deterministic, local_rows=local_rows)
     shared = dict(shared=True, shared_overlap=True) if chunks == 3 else {}
-    # Local rows split in halves A/B (test shapes are below the default threshold) half the time.
-    split = dict(min_local_half=2 if deterministic else 10**6)
+    split = dict(min_local_half=2)
     for r in pool.run("tests.pipeline_cases:megatron_case", ep=ep, topk=topk, opts=opts, **shared, **split):
         check(r, f"ep{ep} chunks{chunks} k{topk}")
         assert r["pipeline_calls"] == 1
@@ -45,7 +47,8 @@ def test_pipeline_matches_megatron(pool, ep, chunks, topk, deterministic):
 @pytest.mark.parametrize("ep", [2, 4])
 @pytest.mark.parametrize("chunks", [1, 3])
 def test_sync_free_matches_megatron(pool, ep, chunks):
-    opts = dict(minibatch_size=_mbs(chunks), sync_free=True, capacity_multiplier=1.0)
+    local_rows = "fused" if chunks == 1 else "overlap"
+    opts = dict(minibatch_size=_mbs(chunks), sync_free=True, capacity_multiplier=1.0, local_rows=local_rows)
     for r in pool.run("tests.pipeline_cases:megatron_case", ep=ep, topk=4, score="sigmoid", opts=opts):
         check(r, f"sync-free ep{ep}")
         assert r["overflow_redos"] == 0

@@ -123,3 +123,23 @@ def test_sync_free_pipeline_moves_no_host_data(pool):
         assert r["host_data"] == [] and r["max_err"] < 1e-5, r["host_data"]
     exact = pool.run("tests.pipeline_cases:schedule_case", chunks=1)
     assert all(any("tolist" in h or "cpu" in h for h in r["host_data"]) for r in exact)
+
+
+@pytest.mark.parametrize("sync_free", [False, True])
+def test_fused_local_rows_one_expert_call_per_minibatch(pool, sync_free):
+    # --mok-local-rows fused: no region B, the local rows run in the received rows' expert call
+    # (one call per minibatch, after the dispatch lands); results as exact as the split schedule.
+    split = pool.run("tests.pipeline_cases:schedule_case", chunks=2, sync_free=sync_free)
+    fused = pool.run("tests.pipeline_cases:schedule_case", chunks=2, sync_free=sync_free, fuse=True)
+    for s, f in zip(split, fused, strict=True):
+        assert f["max_err"] < 1e-5 and f["x_grad"] and f["w_grad"]
+        calls = [e for e in f["log"] if e[0] == "fwd"]
+        assert len(calls) == f["minibatches"] == 2
+        # Each call comes after its minibatch's dispatch and before its combine.
+        moves = [i for i, e in enumerate(f["log"]) if e[0] in ("move", "fwd")]
+        kinds = [f["log"][i][0] if f["log"][i][0] == "fwd" else f["log"][i][1] for i in moves]
+        assert kinds[:4] == [DISPATCH, DISPATCH, DISPATCH, DISPATCH] and kinds[4:6] == ["fwd", COMBINE]
+        assert len([e for e in s["log"] if e[0] == "fwd"]) > 2  # the split schedule calls more
+        assert f["fwd_ops"] < s["fwd_ops"] and f["bwd_ops"] < s["bwd_ops"]
+        if sync_free:
+            assert f["host_data"] == []

@@ -137,6 +137,21 @@ def _experts(
     return _sum_rows(y_MH, row_M, slots, R, valid_M, deterministic)
 
 
+def _merged(remote: ExpertPart, local: ExpertPart) -> ExpertPart:
+    """One expert call over ``cat(received rows, region A rows)``: their per-expert counts add."""
+    host = None
+    if remote.tokens_per_expert_host is not None and local.tokens_per_expert_host is not None:
+        host = tuple(
+            a + b for a, b in zip(remote.tokens_per_expert_host, local.tokens_per_expert_host, strict=True)
+        )
+    tpe = (
+        remote.tokens_per_expert_L
+        if remote.padded
+        else remote.tokens_per_expert_L + local.tokens_per_expert_L
+    )
+    return ExpertPart(remote.rows_M + local.rows_M, tpe, host, remote.padded or local.padded)
+
+
 class _Arrived(torch.autograd.Function):
     """Rows moved earlier outside autograd, tied to the rows they were moved from.
 
@@ -219,13 +234,20 @@ def run_pipeline(
         tr, x_NH, meta_NW, (x_raw, meta_raw), ev_recv = flights[c]
         x_loc = x_parts[c].split(list(lp.regions))
         meta_loc = meta_parts[c].select(1, me).split(list(lp.regions))
-        z_a = _experts(x_loc[1], meta_loc[1], lp.part_a, *run, local=True)
+        if not plan.fuse_local:
+            z_a = _experts(x_loc[1], meta_loc[1], lp.part_a, *run, local=True)
         with st.on("comm"):  # created after A: A's backward hides the dispatch-backward
             x_RH = _Arrived.apply(x_NH, x_raw, tr, mb, DISPATCH)
             meta_RW = _Arrived.apply(meta_NW, meta_raw, tr, mb, DISPATCH)
         st.wait("main", ev_recv)
         st.hand_over("main", x_RH, meta_RW)
-        z_RH = _experts(x_RH, meta_RW, lp.remote, *run)
+        if plan.fuse_local:  # local rows join the received rows: one expert call
+            R = x_RH.shape[0]
+            both = _merged(lp.remote, lp.part_a)
+            z_all = _experts(torch.cat([x_RH, x_loc[1]]), torch.cat([meta_RW, meta_loc[1]]), both, *run)
+            z_RH, z_a = z_all[:R], z_all[R:]
+        else:
+            z_RH = _experts(x_RH, meta_RW, lp.remote, *run)
         ev = st.event("main")
         with torch.no_grad(), st.on("comm"):
             st.wait("comm", ev)

@@ -12,7 +12,9 @@ token sends to *other* ranks (and, under the loopback stand-in for larger EP, th
 the emulated peers' share) form the remote exchange; the rows a token keeps on this rank are
 computed in place, region A while the dispatch flies and region B while the combine returns. The
 local regions are dense (every token of the region, masked by whether it routes here): they need no
-sort, no gather and no communication.
+sort, no gather and no communication. With ``fuse_local`` (fast links: what is left to hide is
+smaller than what splitting costs) there is no region B and region A's rows join the received rows
+in one expert call after the dispatch lands (one grouped GEMM per weight, no weight-gradient sum).
 
 Legend:
     T  local tokens             C  minibatches           EP expert-parallel ranks
@@ -64,6 +66,17 @@ def auto_minibatch_size(
     rows_per_expert = num_tokens * topk / num_local_experts
     chunks = max(1, min(_AUTO_MAX_MINIBATCHES, int(rows_per_expert // _MIN_ROWS_PER_EXPERT)))
     return math.ceil(num_tokens / chunks)
+
+
+def fuse_local_rows(local_rows: str, slow_link: bool) -> bool:
+    """``--mok-local-rows`` -> whether a rank's local rows join the received rows' expert call.
+
+    'auto': fused over fast links (every EP rank in one NVLink domain), where the exchanges are short
+    and splitting the local rows into two more expert calls costs more (smaller GEMMs, a weight-
+    gradient sum per call, launches) than it hides; overlapped over slow links."""
+    if local_rows == "auto":
+        return not slow_link
+    return local_rows == "fused"
 
 
 def minibatch_bounds(num_tokens: int, minibatch_size: int) -> tuple[int, ...]:
@@ -131,42 +144,44 @@ class PipelinePlan:
     sync_free: bool
     overflow: torch.Tensor | None  # sync-free: bool scalar on device, identical on every rank
     emulated_ep: int = 1  # loopback: region R holds the emulated peers' share of the tokens
+    fuse_local: bool = False  # region A's rows join the received rows' expert call (no region B)
 
     @property
     def ep_size(self) -> int:
         return group_size(self.ep_group)
 
 
-def regions(num_tokens: int, emulated_ep: int) -> tuple[int, int, int]:
+def regions(num_tokens: int, emulated_ep: int, split_local: bool = True) -> tuple[int, int, int]:
     """``(r, a, b)`` of a minibatch of ``num_tokens``: R is the emulated peers' share (``1 - 1/EP``)
     of the tokens (0 without emulation; all of them when the emulated local share is under
     ``MIN_LOCAL_HALF`` tokens: too small to hide anything, it would only add an expert call); the
     local rest is halved into A and B when it holds at least ``2 * MIN_LOCAL_HALF`` tokens, else it
-    is all A (halves that small would only add launches and a weight-gradient sum)."""
+    is all A (halves that small would only add launches and a weight-gradient sum; ``split_local``
+    False: always all A)."""
     r = num_tokens - (num_tokens + emulated_ep - 1) // emulated_ep
     if emulated_ep > 1 and num_tokens - r < MIN_LOCAL_HALF:
         r = num_tokens  # emulated local share too small to hide anything: it travels too
     rest = num_tokens - r
-    a = (rest + 1) // 2 if rest >= 2 * MIN_LOCAL_HALF else rest
+    a = (rest + 1) // 2 if split_local and rest >= 2 * MIN_LOCAL_HALF else rest
     return r, a, rest - a
 
 
 _LABELS: dict = {}  # (T, size, emulated_ep, device) -> labels: read-only, reused by every call
 
 
-def _region_labels(T: int, size: int, emulated_ep: int, device) -> torch.Tensor:
+def _region_labels(T: int, size: int, emulated_ep: int, device, split_local: bool = True) -> torch.Tensor:
     """``[T]`` region id ``3c + {0: R, 1: A, 2: B}`` of every token, by device arithmetic (the same
     rule as ``regions``; no host tensors, so a CUDA graph can capture it). Cached per shape: later
     calls launch nothing (a graph captured after the first call reads the cached tensor)."""
-    key = (T, size, emulated_ep, MIN_LOCAL_HALF, str(device))
+    key = (T, size, emulated_ep, MIN_LOCAL_HALF, split_local, str(device))
     if key not in _LABELS:
         if len(_LABELS) > 64:
             _LABELS.clear()
-        _LABELS[key] = _labels(T, size, emulated_ep, device)
+        _LABELS[key] = _labels(T, size, emulated_ep, device, split_local)
     return _LABELS[key]
 
 
-def _labels(T: int, size: int, emulated_ep: int, device) -> torch.Tensor:
+def _labels(T: int, size: int, emulated_ep: int, device, split_local: bool = True) -> torch.Tensor:
     t = torch.arange(T, device=device)
     c = t // size
     o = t - c * size
@@ -175,16 +190,17 @@ def _labels(T: int, size: int, emulated_ep: int, device) -> torch.Tensor:
     if emulated_ep > 1:
         r = torch.where(tc - r < MIN_LOCAL_HALF, tc, r)
     rest = tc - r
-    a = torch.where(rest >= 2 * MIN_LOCAL_HALF, (rest + 1) // 2, rest)
+    half = 2 * MIN_LOCAL_HALF if split_local else T + 1
+    a = torch.where(rest >= half, (rest + 1) // 2, rest)
     return 3 * c + (o >= r).to(torch.int64) + (o >= r + a).to(torch.int64)
 
 
-def _counts(routing_map_TE, bounds, ep, L, emulated_ep):
+def _counts(routing_map_TE, bounds, ep, L, emulated_ep, split_local=True):
     """``[3C, EP, L+1]``: rows per (region, destination local expert) and token rows per destination."""
     T = routing_map_TE.shape[0]
     C = len(bounds) - 1
     size = bounds[1] - bounds[0] if C else 1  # equal minibatches but the last
-    label_T = _region_labels(T, max(size, 1), emulated_ep, routing_map_TE.device)
+    label_T = _region_labels(T, max(size, 1), emulated_ep, routing_map_TE.device, split_local)
     rm = routing_map_TE.view(T, ep, L)
     per = torch.cat([rm, rm.any(-1, keepdim=True)], -1).to(torch.int64).view(T, -1)  # [T, EP*(L+1)]
     out = torch.zeros((3 * C, ep * (L + 1)), dtype=torch.int64, device=routing_map_TE.device)
@@ -202,11 +218,14 @@ def build_pipeline_plan(
     sync_free: bool = False,
     capacity_multiplier: float = 1.0,
     emulated_ep: int = 1,
+    fuse_local: bool = False,
 ) -> PipelinePlan:
     """Route this rank's tokens into minibatches: one all-gather of counts, at most one host read.
 
     ``emulated_ep`` > 1 (loopback benchmarks, EP=1 only): region R of each minibatch, the share of
-    rows an EP rank would receive from its peers, goes through the transport as if remote."""
+    rows an EP rank would receive from its peers, goes through the transport as if remote.
+    ``fuse_local``: no region B; the local rows run in the received rows' expert call (see the
+    module docstring)."""
     T, E = routing_map_TE.shape
     ep = group_size(ep_group)
     L = num_local_experts
@@ -220,7 +239,7 @@ def build_pipeline_plan(
     device = routing_map_TE.device
     bounds = minibatch_bounds(T, minibatch_size)
     C = len(bounds) - 1
-    counts_GPW = _counts(routing_map_TE, bounds, ep, L, emulated_ep)  # [3C, EP(dest), L+1]
+    counts_GPW = _counts(routing_map_TE, bounds, ep, L, emulated_ep, not fuse_local)  # [3C, EP(dest), L+1]
     # Every rank learns every count: [EP(src), EP(dest), 3C, L+1] (padded to 3*MAX_MINIBATCHES so
     # the collective has the same size on every rank; T rides along to check that the ranks agree).
     payload = torch.zeros((ep, 3 * MAX_MINIBATCHES, L + 1), dtype=torch.int64, device=device)
@@ -234,7 +253,7 @@ def build_pipeline_plan(
         gathered = payload.view(1, -1)
     me = 0 if ep == 1 else dist.get_rank(ep_group)
     all_SDGW = gathered[:, :-1].view(ep, ep, 3 * MAX_MINIBATCHES, L + 1)
-    ctx = _Ctx(routing_map_TE, bounds, me, ep, L, topk, emulated_ep, all_SDGW)
+    ctx = _Ctx(routing_map_TE, bounds, me, ep, L, topk, emulated_ep, all_SDGW, not fuse_local)
     if sync_free:
         tokens_S = gathered[:, -1]
         overflow = (tokens_S != T).any()  # ranks disagree on T: flagged like an overflow, never silent
@@ -243,7 +262,7 @@ def build_pipeline_plan(
             mb, over = _sync_free_minibatch(ctx, c, capacity_multiplier)
             overflow = overflow | over
             mbs.append(mb)
-        return PipelinePlan(hidden_shape, T, tuple(mbs), L, ep_group, True, overflow, emulated_ep)
+        return PipelinePlan(hidden_shape, T, tuple(mbs), L, ep_group, True, overflow, emulated_ep, fuse_local)
 
     host = gathered.cpu()  # the one host read of this call
     tokens_host = host[:, -1].tolist()
@@ -255,7 +274,7 @@ def build_pipeline_plan(
     host_SDGW = host[:, :-1].view(ep, ep, 3 * MAX_MINIBATCHES, L + 1).tolist()
     tpe = ctx.device_tpe(C)
     mbs = tuple(_exact_minibatch(ctx, c, host_SDGW, [t[c] for t in tpe]) for c in range(C))
-    return PipelinePlan(hidden_shape, T, mbs, L, ep_group, False, None, emulated_ep)
+    return PipelinePlan(hidden_shape, T, mbs, L, ep_group, False, None, emulated_ep, fuse_local)
 
 
 @dataclass(frozen=True)
@@ -268,12 +287,13 @@ class _Ctx:
     topk: int
     emulated_ep: int
     all_SDGW: torch.Tensor  # device counts [EP(src), EP(dest), 3*MAX, L+1]
+    split_local: bool = True  # local rows in halves A/B (False: all A, fused with the received rows)
 
     def minibatch(self, c):
         start, stop = self.bounds[c], self.bounds[c + 1]
         tc = stop - start
         to_rank_TP = self.routing_map_TE[start:stop].view(tc, self.ep, self.L).any(-1)  # [Tc, EP]
-        return start, tc, to_rank_TP, regions(tc, self.emulated_ep)
+        return start, tc, to_rank_TP, regions(tc, self.emulated_ep, self.split_local)
 
     def device_tpe(self, C):
         """``[C, 3, L]`` rows per local expert arriving here per minibatch: (remote, A, B), device.

@@ -27,7 +27,12 @@ from mok_megatron.config import MoKConfig
 from mok_megatron.functional import dispatch as F
 from mok_megatron.functional.comm import all_to_all_v
 from mok_megatron.functional.pipeline import run_pipeline as _run_pipeline
-from mok_megatron.functional.pipeline_plan import PipelinePlan, auto_minibatch_size, build_pipeline_plan
+from mok_megatron.functional.pipeline_plan import (
+    PipelinePlan,
+    auto_minibatch_size,
+    build_pipeline_plan,
+    fuse_local_rows,
+)
 from mok_megatron.functional.plan import DispatchPlan, EPGroups, build_plan
 from mok_megatron.options import MoKOptions
 
@@ -124,12 +129,13 @@ class MoKTokenDispatcher(MoETokenDispatcher):
         o, cfg = self.options, self.mok_config
         T = routing_map.shape[0]
         loopback = self.transport.name == "loopback"
+        slow_link = bool(o.loopback_gbps and o.loopback_gbps < 200) if loopback else not self._ep_in_one_node
         mbs = o.minibatch_size or auto_minibatch_size(
             T,
             cfg.topk,
             cfg.num_local_experts,
             max(cfg.ep_size, o.loopback_ep if loopback else 1),
-            slow_link=(o.loopback_gbps and o.loopback_gbps < 200) if loopback else not self._ep_in_one_node,
+            slow_link=slow_link,
         )
         return build_pipeline_plan(
             hidden_shape,
@@ -141,6 +147,7 @@ class MoKTokenDispatcher(MoETokenDispatcher):
             sync_free=o.sync_free if sync_free is None else sync_free,
             capacity_multiplier=o.capacity_multiplier,
             emulated_ep=max(o.loopback_ep, 1) if loopback and cfg.ep_size == 1 else 1,
+            fuse_local=fuse_local_rows(o.local_rows, slow_link),
         )
 
     def run_pipeline(self, hidden_states: torch.Tensor, probs: torch.Tensor, expert_fn) -> torch.Tensor:

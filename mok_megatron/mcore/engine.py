@@ -45,6 +45,7 @@ def _explicit(options: MoKOptions) -> list[str]:
             ("--mok-minibatch-size", options.minibatch_size is not None),
             ("--mok-sync-free", options.sync_free),
             (f"--mok-transport {options.transport}", options.transport != "auto"),
+            (f"--mok-local-rows {options.local_rows}", options.local_rows != "auto"),
         )
         if on
     ]
