@@ -207,6 +207,13 @@ def main(argv: list[str] | None = None) -> int:
             print(validate.spread_table(validate.spreads(m)))
             print("\nProfiles (under the profiler, which inflates host time):\n")
             print(validate.profile_table(m.profiles))
+            for f in calibrate.calibrate(m).host_floors.values():
+                counts = ", ".join(f"{t} {n:.0f}" for t, n in f.launches.items())
+                print(
+                    f"\nMoK host floor ({f.gen}): launches per layer fwd+bwd at one minibatch: {counts}; "
+                    f"{f.us_per_launch:.1f} us per launch (lowest profiled host time per launch x unprofiled / "
+                    f"profiled time); +{f.per_minibatch:.2f} x the one-minibatch launches per extra minibatch."
+                )
             return 0
         print(compare() if ns.compare else plan(ns))
     except (shapes.LayoutError, hardware.HardwareError, LinkError) as e:

@@ -270,12 +270,13 @@ def spread_table(rows: list[Spread]) -> str:
 def profile_table(profiles) -> str:
     """The profiled configurations: launches and host enqueue time (what makes a layer host-bound)."""
     lines = [
-        "| source | configuration | wall ms | kernel launches | host enqueue ms | us per launch |",
-        "|---|---|---:|---:|---:|---:|",
+        "| source | configuration | wall ms | kernel launches | host enqueue ms | us per launch | unprofiled ms |",
+        "|---|---|---:|---:|---:|---:|---:|",
     ]
     for p in profiles:
+        un = "-" if p.unprofiled_ms is None else f"{p.unprofiled_ms:.2f}"
         lines.append(
             f"| {p.source} | {p.what} | {p.wall_ms:.2f} | {p.launches} | {p.host_ms:.2f} | "
-            f"{p.host_us_per_launch:.0f} |"
+            f"{p.host_us_per_launch:.0f} | {un} |"
         )
     return "\n".join(lines)
