@@ -545,7 +545,10 @@ class Calibration:
         big_o, e = self.overlap.oe((shape, chunks, mode), gen)
         o = big_o * self.overlap.k(mode, gen) * t1
         gpu = (t1 + o + e * link_ms) * self.overlap.factor(transport, gen)
-        floor = self.host_floor(gen).ms(transport, chunks) if gen in self.host_floors else None
+        graphed = "graph" in mode  # one CUDA graph replay per layer: no per-kernel enqueue
+        floor = (
+            self.host_floor(gen).ms(transport, chunks) if gen in self.host_floors and not graphed else None
+        )
         return max(gpu, floor or 0.0)
 
 
