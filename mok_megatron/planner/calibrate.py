@@ -30,6 +30,7 @@ from __future__ import annotations
 import itertools
 import json
 import math
+import re
 import statistics
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -77,6 +78,16 @@ def engine_of(source: str) -> str | None:
         if source in g["runs"]:
             return g["name"]
     return None
+
+
+def kernels_of(gen: str | None) -> str | None:
+    """The generation whose EP=1 layer kernels ``gen`` runs: its ``kernels`` entry in calibration.json
+    when only the real-EP engine changed (no commit to mok_megatron/ops or mok_megatron/kernels), else
+    itself. MoK's EP=1 fit pools every generation that shares the kernels."""
+    for g in DATA["engine_generations"]:
+        if g["name"] == gen:
+            return g.get("kernels", gen)
+    return gen
 
 
 def undeclared(m: Measurements) -> tuple[str, ...]:
@@ -430,12 +441,84 @@ def fit_overlap(m: Measurements) -> OverlapFit:
     return OverlapFit(over, expo, engines, by_gen)
 
 
+_LOOP_CHUNKS = re.compile(r"^(?P<key>.*) pipe C=(?P<c>\d+)(?P<rest>.*)$")  # profile_layer.py loopback rows
+_EP_CHUNKS = re.compile(r"^(?P<key>.*) x(?P<c>\d+)$")  # ep.json profiled rows (measurements.ep_profiles)
+
+
+@dataclass(frozen=True)
+class HostFloor:
+    """MoK's host enqueue floor on real EP for one engine generation (exact mode reads counts on the
+    host, so the layer cannot run ahead of its own enqueue):
+    t_host = launches(transport) x (1 + r x (minibatches - 1)) x per-launch host cost."""
+
+    gen: str
+    launches: dict  # transport -> GPU ops per layer fwd+bwd at one minibatch (median over profiled shapes)
+    us_per_launch: float  # host cost per launch without the profiler (lowest measured, see fit_host_floors)
+    per_minibatch: float  # r: extra launches per extra minibatch, as a fraction of the one-minibatch count
+
+    def ms(self, transport: str, chunks: int) -> float | None:
+        n = self.launches.get(transport)
+        if n is None:
+            return None
+        return n * (1 + self.per_minibatch * (chunks - 1)) * self.us_per_launch / 1e3
+
+
+def minibatch_launch_growth(profiles) -> float | None:
+    """r from profiles of the same configuration at 1 and C minibatches (median of
+    (launches_C / launches_1 - 1) / (C - 1)); None when no such pair was profiled."""
+    by: dict[tuple, dict[int, int]] = {}
+    for p in profiles:
+        m = _LOOP_CHUNKS.match(p.what) or _EP_CHUNKS.match(p.what)
+        if m:
+            key = (p.source, m["key"], m.groupdict().get("rest") or "")
+            by.setdefault(key, {})[int(m["c"])] = p.launches
+    rs = [(n / c1[1] - 1) / (c - 1) for c1 in by.values() if 1 in c1 for c, n in c1.items() if c > 1]
+    return statistics.median(rs) if rs else None
+
+
+def fit_host_floors(m: Measurements) -> dict:
+    """generation -> HostFloor, for the generations with profiled MoK EP>1 rows (ep.json ``profile``).
+    Launches: the profiled GPU-op count per transport at one minibatch (median over shapes). Per-launch
+    cost: the profiled host time per launch times the row's unprofiled / profiled time (the profiler's
+    own slowdown), lowest over the generation's rows: the host time includes any waits for the GPU
+    (syncs), so the smallest value is the closest to the pure enqueue cost. r: minibatch_launch_growth
+    over every profile."""
+    r = minibatch_launch_growth(m.profiles)
+    out = {}
+    for gen in GENERATIONS:
+        rows = [
+            p
+            for p in m.profiles
+            if engine_of(p.source) == gen
+            and " mok " in f" {p.what} "
+            and p.unprofiled_ms
+            and " EP=1 " not in p.what
+        ]
+        if not rows or r is None:
+            continue
+        counts: dict[str, list[int]] = {}
+        for p in rows:
+            tr = p.what.split(" mok ", 1)[1].split()[0]
+            if p.what.endswith(" x1"):
+                counts.setdefault(tr, []).append(p.launches)
+        cost = min(1e3 * p.host_ms / p.launches * p.unprofiled_ms / p.wall_ms for p in rows)
+        out[gen] = HostFloor(gen, {t: statistics.median(v) for t, v in counts.items()}, cost, r)
+    return out
+
+
 @dataclass(frozen=True)
 class Calibration:
     compute: dict  # impl -> ComputeFit over every run
     overlap: OverlapFit
     sources: tuple  # measurement sources used
     compute_by_gen: dict = field(default_factory=dict)  # (impl, generation) -> ComputeFit (ENGINE_IMPLS)
+    host_floors: dict = field(default_factory=dict)  # generation -> HostFloor (profiled generations only)
+
+    def host_floor(self, gen: str | None = None) -> HostFloor | None:
+        """``gen``'s MoK host floor; gen None: the newest generation that has one."""
+        if gen is not None:
+            return self.host_floors.get(gen)
+        return next((self.host_floors[g] for g in reversed(GENERATIONS) if g in self.host_floors), None)
 
     def fit(self, impl: str, gen: str | None = None) -> tuple[ComputeFit, bool]:
         """The EP=1 fit of ``impl`` for engine generation ``gen`` (default: the newest fitted); False
@@ -461,7 +544,12 @@ class Calibration:
     ) -> float:
         big_o, e = self.overlap.oe((shape, chunks, mode), gen)
         o = big_o * self.overlap.k(mode, gen) * t1
-        return (t1 + o + e * link_ms) * self.overlap.factor(transport, gen)
+        gpu = (t1 + o + e * link_ms) * self.overlap.factor(transport, gen)
+        graphed = "graph" in mode  # one CUDA graph replay per layer: no per-kernel enqueue
+        floor = (
+            self.host_floor(gen).ms(transport, chunks) if gen in self.host_floors and not graphed else None
+        )
+        return max(gpu, floor or 0.0)
 
 
 def fit_host_link(fit: ComputeFit, m: Measurements) -> ComputeFit:
@@ -489,7 +577,9 @@ def calibrate(m: Measurements) -> Calibration:
     by_gen = {}
     for impl in sorted(ENGINE_IMPLS & set(impls)):
         for gen in GENERATIONS:
-            pts = [p for p in m.layer1 if p.impl == impl and engine_of(p.source) == gen]
+            pts = [
+                p for p in m.layer1 if p.impl == impl and kernels_of(engine_of(p.source)) == kernels_of(gen)
+            ]
             if _enough(pts):
                 by_gen[(impl, gen)] = fit_compute(pts, impl)
-    return Calibration(compute, fit_overlap(m), m.sources, by_gen)
+    return Calibration(compute, fit_overlap(m), m.sources, by_gen, fit_host_floors(m))

@@ -81,9 +81,9 @@ def plan(ns) -> str:
         f"(other work {meg.other_ms_per_mb:.1f} ms per micro-batch is the same for both).",
         *(
             [
-                "With --host measured only Megatron gets a host floor: MoK's own floor was never measured "
-                "without the profiler (profiles: ~1.2x Megatron+TE's enqueue time at one minibatch), so the "
-                "ratio above favours MoK."
+                "With --host measured both layers keep the H200 test host's floor: Megatron+TE h0 + h x local "
+                "experts, MoK launches per layer x per-launch host cost (profiled engine generation; "
+                "docs/planner.md)."
             ]
             if a.host == "measured"
             else []
@@ -108,7 +108,7 @@ def compare() -> str:
     pub_meg = PUBLISHED["megatron_dsv3_gb300_tflops"]
     base, moktok = PUBLISHED["mok_tokens_per_s_gpu"]
     lines = [
-        "| MoK overhead scaling, Megatron host floor | Megatron TFLOP/s/GPU (published 1233) | error | Megatron 1F1B bound | MoK best | "
+        "| MoK overhead scaling, host floor (both layers) | Megatron TFLOP/s/GPU (published 1233) | error | Megatron 1F1B bound | MoK best | "
         "MoK / Megatron (published +40.6%) | MoK / Megatron 1F1B bound |",
         "|---|---:|---:|---:|---:|---:|---:|",
     ]
@@ -120,7 +120,7 @@ def compare() -> str:
         best = predict.best(opts, "mok")
         mok = predict.step(model, layout, cl, best)
         first = first or (meg, best, opts)
-        if host == "measured":  # MoK's own host floor was never measured without the profiler
+        if host == "measured" and cal.host_floor() is None:  # no profiled MoK generation
             lines.append(
                 f"| -, {host} | {meg.tflops_per_gpu:.0f} | {meg.tflops_per_gpu / pub_meg - 1:+.1%} | "
                 f"{bound.tflops_per_gpu:.0f} | not predicted | not predicted | not predicted |"
@@ -207,6 +207,13 @@ def main(argv: list[str] | None = None) -> int:
             print(validate.spread_table(validate.spreads(m)))
             print("\nProfiles (under the profiler, which inflates host time):\n")
             print(validate.profile_table(m.profiles))
+            for f in calibrate.calibrate(m).host_floors.values():
+                counts = ", ".join(f"{t} {n:.0f}" for t, n in f.launches.items())
+                print(
+                    f"\nMoK host floor ({f.gen}): launches per layer fwd+bwd at one minibatch: {counts}; "
+                    f"{f.us_per_launch:.1f} us per launch (lowest profiled host time per launch x unprofiled / "
+                    f"profiled time); +{f.per_minibatch:.2f} x the one-minibatch launches per extra minibatch."
+                )
             return 0
         print(compare() if ns.compare else plan(ns))
     except (shapes.LayoutError, hardware.HardwareError, LinkError) as e:

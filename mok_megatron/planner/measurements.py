@@ -217,6 +217,7 @@ class Profile:
     wall_ms: float
     launches: int
     host_ms: float
+    unprofiled_ms: float | None = None  # the same configuration timed without the profiler (ep.json rows)
 
     @property
     def host_us_per_launch(self) -> float:
@@ -262,6 +263,24 @@ class Measurements:
         return tuple(seen)
 
 
+def ep_profiles(run: Path) -> list[Profile]:
+    """ep.json rows that carry one profiled step (``mok bench ep --profile``): GPU span (wall of the
+    profiled step), GPU ops (kernels, copies, memsets), host time of the step call (enqueue and any host
+    waits), next to the row's own unprofiled time."""
+    f = _one(run, "ep.json")
+    if f is None:
+        return []
+    out = []
+    for r in json.loads(f.read_text()):
+        prof = r.get("profile")
+        if prof and prof.get("gpu_ops") and "ms" in r:
+            what = f"{r['shape']} EP={r['ep']} {r['impl']} {r['transport']} x{r.get('chunks', 1)}"
+            out.append(
+                Profile(run.name, what, prof["gpu_span_ms"], prof["gpu_ops"], prof["host_ms"], r["ms"])
+            )
+    return out
+
+
 def load(docs: Path | None = None) -> Measurements:
     docs = docs or DOCS
     layer1, ep, loop, prof = list(benchmarks_md(docs / "benchmarks.md")), [], [], []
@@ -271,7 +290,7 @@ def load(docs: Path | None = None) -> Measurements:
         layer1 += a + c + layer_results(run)
         ep += b
         loop += d
-        prof += profile_results(run)
+        prof += profile_results(run) + ep_profiles(run)
     if not ep or not loop:
         raise ValueError(f"{docs}/results: no ep.json / overlap.json rows found; the planner needs both")
     return Measurements(tuple(layer1), tuple(ep), tuple(loop), tuple(prof))

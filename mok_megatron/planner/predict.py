@@ -32,7 +32,8 @@ ASSUMPTIONS = (
     "overhead fraction x kappa (real EP / loopback, from the 2 x H200 runs of the newest engine generation "
     "measured on real EP, {engine}), times the layer's compute ({scaling}); exposed link fraction "
     "from the loopback sweep; transport factors (copy_engine / collective) from the same runs",
-    "host-bound launch floor of Megatron / Megatron+TE (h0 + h x local experts) {host} on the target "
+    "host-bound launch floor of Megatron / Megatron+TE (h0 + h x local experts) and of MoK (launches per "
+    "layer x per-launch host cost, from the newest profiled engine generation) {host} on the target "
     "(measured = as on the H200 test host; hidden = CUDA graphs or a faster host remove it); run-to-run "
     "spread (~10 % between machine starts) not modelled: the typical machine is predicted",
     "Megatron alltoall: all-to-all fully exposed (as measured at EP=2); 'megatron 1F1B' is a bound: the "
@@ -122,6 +123,7 @@ def layer_options(
     nbytes = flops.mok_bytes(tokens, moe, ep)
     fam = family(local, tokens)
     ov = cal.overlap
+    floor = cal.host_floor()
     for transport in ("collective", "copy_engine"):
         try:
             lk = link.seconds(nbytes, cluster, ep, transport) * 1e3
@@ -134,6 +136,8 @@ def layer_options(
             o = big_o * ov.k(mode) * base
             ex = e * lk
             tot = (t1 + o + ex) * ov.factor(transport)
+            if floor is not None and a.host == "measured" and "graph" not in mode:  # H200 host enqueue floor
+                tot = max(tot, floor.ms(transport, chunks) or 0.0)
             out.append(LayerPrediction("mok", transport, chunks, mode, t1, o, lk, ex, tot))
     return out
 

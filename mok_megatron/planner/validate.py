@@ -37,6 +37,7 @@ class Check:
     note: str = ""  # why a held-out prediction is missing or uses another engine generation
     cross: bool = False  # the held-out prediction had to use another engine generation's fit
     run_outlier: float | None = None  # EP=1: measured / median of the same point's runs - 1, when > TOLERANCE
+    host_bound: bool = False  # the in-sample fit puts the point on its host floor (Megatron / Megatron+TE)
 
     @property
     def in_sample_err(self) -> float:
@@ -121,8 +122,19 @@ def checks(m: Measurements) -> list[Check]:
             note = f"run outlier: {100 * dev:+.0f}% vs the median of this point's runs" + (
                 f"; {note}" if note else ""
             )
+        hb = full.fit(p.impl, engine_of(p.source))[0].host_bound(p.tokens, p.moe)
         out.append(
-            Check(p.source, what, p.ms, predict_layer1(full, p), ho, note=note, cross=cross, run_outlier=dev)
+            Check(
+                p.source,
+                what,
+                p.ms,
+                predict_layer1(full, p),
+                ho,
+                note=note,
+                cross=cross,
+                run_outlier=dev,
+                host_bound=hb,
+            )
         )
     ones = {(p.source, p.impl, p.shape): p.ms for p in m.layer1}
     for p in m.ep:
@@ -144,7 +156,8 @@ def checks(m: Measurements) -> list[Check]:
         )
         if cross and "other engine" not in note:
             note = f"other engine: {engine_of(p.source)} EP=1 fit lacks points without this run"
-        out.append(Check(p.source, what, p.ms, predict_ep(full, p), ho, an, note, cross))
+        hb = p.impl != "mok" and full.fit(p.impl)[0].host_bound(p.tokens, local_shape(p))
+        out.append(Check(p.source, what, p.ms, predict_ep(full, p), ho, an, note, cross, host_bound=hb))
     return out
 
 
@@ -257,12 +270,13 @@ def spread_table(rows: list[Spread]) -> str:
 def profile_table(profiles) -> str:
     """The profiled configurations: launches and host enqueue time (what makes a layer host-bound)."""
     lines = [
-        "| source | configuration | wall ms | kernel launches | host enqueue ms | us per launch |",
-        "|---|---|---:|---:|---:|---:|",
+        "| source | configuration | wall ms | kernel launches | host enqueue ms | us per launch | unprofiled ms |",
+        "|---|---|---:|---:|---:|---:|---:|",
     ]
     for p in profiles:
+        un = "-" if p.unprofiled_ms is None else f"{p.unprofiled_ms:.2f}"
         lines.append(
             f"| {p.source} | {p.what} | {p.wall_ms:.2f} | {p.launches} | {p.host_ms:.2f} | "
-            f"{p.host_us_per_launch:.0f} |"
+            f"{p.host_us_per_launch:.0f} | {un} |"
         )
     return "\n".join(lines)
