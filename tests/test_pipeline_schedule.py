@@ -20,21 +20,16 @@ MAX_FWD_OPS, MAX_BWD_OPS = 210, 105
 
 
 def _expected_log(chunks: int) -> list:
-    """Per minibatch forward: dispatch x + meta, A, remote, combine, B; backward in reverse."""
+    """Per minibatch forward: dispatch x + meta, A, remote, combine, B. Backward: every minibatch's
+    combine-backward exchange first (last minibatch first), then per minibatch in reverse: B,
+    remote, its dispatch-backward (x + meta), A."""
     fwd = [("move", DISPATCH)] * 2 * chunks
     bwd = []
     for c in range(chunks):
         a, remote, b = 3 * c, 3 * c + 1, 3 * c + 2
         fwd += [("fwd", a), ("fwd", remote), ("move", COMBINE), ("fwd", b)]
-        bwd = [
-            ("move", DISPATCH),
-            ("bwd", b),
-            ("bwd", remote),
-            ("move", COMBINE),
-            ("move", COMBINE),
-            ("bwd", a),
-        ] + bwd
-    return fwd + [("forward_done",)] + bwd
+        bwd = [("bwd", b), ("bwd", remote), ("move", COMBINE), ("move", COMBINE), ("bwd", a)] + bwd
+    return fwd + [("forward_done",)] + [("move", DISPATCH)] * chunks + bwd
 
 
 def _events(log):

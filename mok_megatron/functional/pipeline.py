@@ -10,10 +10,12 @@ neither exchange waits on an idle GPU and no GEMM is cut finer than in halves:
 
 Backward mirrors it. Autograd runs a node's backward on the stream its forward ran on and, among
 ready nodes, the most recently created first; so every exchange is *launched* early (outside
-autograd, on the communication stream) but its autograd node (``_Arrived``) is created late, after
-the local region that should hide its backward: the combine-backward exchange is created after
-region B's experts and runs first in backward, while B's dgrad/wgrad run; the dispatch-backward
-exchange is created after region A's experts, so A's backward hides it. Events order the streams;
+autograd, on the communication stream) but its autograd node (``_Arrived``) is created late: the
+combine nodes after every minibatch's experts, so backward starts by launching every
+combine-backward exchange (last minibatch first, the order the expert backwards consume them) and
+region B's dgrad/wgrad hide the first; the dispatch-backward node after region A's experts, so
+A's backward hides it. (Combine nodes created per minibatch would serialise the link with the
+compute: minibatch c-1's combine-backward would launch only after minibatch c's whole backward.) Events order the streams;
 no host synchronisation happens inside (the plan read the counts once, or not at all in sync-free
 mode).
 
@@ -255,15 +257,22 @@ def run_pipeline(
             back_raw = tr.move(z_RH.detach(), mb, COMBINE)
             ev_back = st.event("comm")
         z_b = _experts(x_loc[2], meta_loc[2], lp.part_b, *run, local=True)
-        with st.on("comm"):  # created after B: the combine-backward runs first, B's backward hides it
-            back_NH = _Arrived.apply(z_RH, back_raw, tr, mb, COMBINE)
-        pending.append((back_NH, z_a, z_b, ev_back))
+        pending.append((z_RH, back_raw, tr, z_a, z_b, ev_back))
 
-    # 3. Each token's sum: its remote ranks' partial rows, then its local rows, in a fixed order.
+    # 3. The combines' autograd nodes, created after every expert call: backward then launches every
+    #    combine-backward exchange before any expert backward, the last minibatch's first (the order
+    #    the expert backwards need them), so the link never waits for a minibatch's compute.
+    arrived = []
+    for c, mb in enumerate(plan.minibatches):
+        z_RH, back_raw, tr, z_a, z_b, ev_back = pending[c]
+        with st.on("comm"):
+            arrived.append((_Arrived.apply(z_RH, back_raw, tr, mb, COMBINE), z_a, z_b, ev_back))
+
+    # 4. Each token's sum: its remote ranks' partial rows, then its local rows, in a fixed order.
     outs = []
     for c, mb in enumerate(plan.minibatches):
         lp = mb.local
-        back_NH, z_a, z_b, ev_back = pending[c]
+        back_NH, z_a, z_b, ev_back = arrived[c]
         st.wait("main", ev_back)
         st.hand_over("main", back_NH)
         rows = torch.cat([back_NH, z_a, z_b])
