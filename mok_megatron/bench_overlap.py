@@ -151,7 +151,7 @@ def stream_overlap(step, device) -> dict:
 
 
 def bench_overlap(
-    shapes, gbps_list, chunks_list, iters, warmup, profile_one=True, modes=("exact",)
+    shapes, gbps_list, chunks_list, iters, warmup, profile_one=True, modes=("exact",), local_rows=("auto",)
 ) -> list[dict]:
     import torch
 
@@ -176,7 +176,7 @@ def bench_overlap(
         print(f"{name}: no communication, no pipelining: {1e3 * t0:.2f} ms", flush=True)
         for gbps in gbps_list:
             for chunks in chunks_list:
-                for mode in modes:
+                for mode, lr in [(m, lr) for m in modes for lr in local_rows]:
                     extra, graph = MODES[mode]
                     if graph and device.type != "cuda":
                         continue
@@ -185,8 +185,10 @@ def bench_overlap(
                         transport="loopback",
                         loopback_ep=s["ep"],
                         loopback_gbps=gbps,
+                        local_rows=lr,
                         **extra,
                     )
+                    mode = mode if lr == "auto" else f"{mode} {lr}"
                     layer = build("mok", cfg, options=opts).to(device)
                     layer.load_state_dict(sd)
                     out = layer(x)[0].detach().float()
@@ -511,7 +513,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", default=None, help="write the rows as JSON to this file")
     p.add_argument("--profile", action="store_true", help="ep: also profile one step per 1-minibatch variant")
     p.add_argument("--no-b", action="store_true", help="ep: also time each transport without local region B")
-    p.add_argument("--local-rows", default="overlap,fused", help="ep: --mok-local-rows settings to time")
+    p.add_argument(
+        "--local-rows",
+        default=None,
+        help="comma list of --mok-local-rows settings to time (ep default: overlap,fused; overlap default: auto)",
+    )
     p.add_argument(
         "--kernels", action="store_true", help="ep, with --profile: also print top kernels/host ops"
     )
@@ -529,6 +535,7 @@ def main(argv: list[str] | None = None) -> int:
             ns.iters,
             ns.warmup,
             modes=ns.modes.split(","),
+            local_rows=(ns.local_rows or "auto").split(","),
         )
         text = format_overlap(rows)
         rank0 = True
@@ -544,7 +551,7 @@ def main(argv: list[str] | None = None) -> int:
             profile=ns.profile,
             no_b=ns.no_b,
             kernels=ns.kernels,
-            local_rows=ns.local_rows.split(","),
+            local_rows=(ns.local_rows or "overlap,fused").split(","),
         )
         text = format_ep(rows)
         rank0 = int(os.environ.get("RANK", 0)) == 0
