@@ -16,15 +16,37 @@ operands, fp32 scales, bf16 output):
 
 All scales are computed on the device (no host sync). Activations and gradients are e4m3 with
 per-row amax scaling (no e5m2: current scaling per row leaves no overflow risk, which is what e5m2's
-range buys delayed scaling). Accumulation is fp32 in the kernel (``use_fast_accum=False``).
+range buys delayed scaling).
+
+Accumulation: the forward GEMM runs with ``use_fast_accum=True`` (Hopper's FP8 tensor cores accumulate in
+reduced precision, promoted to fp32 only between k-tiles; TE and DeepSeek-V3 do this for fprop, where the
+error it adds is small next to e4m3's 2^-4 rounding), dgrad and wgrad with ``use_fast_accum=False``
+(full fp32 accumulation: gradients sum many small terms, wgrad over all of an expert's tokens).
+
+Quantization kernels (``kernels.fp8_quant``): on CUDA one-pass Triton kernels (rowwise for x, dy and the
+forward weight; per-(expert, column) with a transposing write for the wgrad operands and the dgrad weight),
+bitwise equal to the ``fp8.quantize`` references, which run everywhere else (CPU tests).
+
+Quantized weights are cached per weight version (``quantized_weight``): both orientations, (q, scale),
+keyed on ``(data_ptr, _version, shape, stride, dtype)`` plus an optimizer-step epoch, held in a weak
+dictionary owned by the weight tensor (an entry dies with its weight). So a forward and every later
+forward/dgrad with the same weights (gradient-accumulation micro-batches, activation recompute) quantize
+each weight once. Invalidated by (a) any in-place change through the weight or a view of it (``_version``:
+torch optimizers, ``copy_`` in ``load_state_dict``), (b) any ``torch.optim.Optimizer.step`` (a global
+post-step hook, registered on first use, bumps the epoch: Megatron's optimizers write the model weights
+through ``param.data`` or the DDP param buffer, which ``_version`` does not see), (c) ``invalidate_weight_cache()``
+for anything else that rewrites weights behind autograd's back. While a CUDA graph is being captured the
+cache is bypassed (the graph must quantize on every replay). Memory: 1 byte per weight element per
+orientation, i.e. about one bf16 copy of the experts' weights.
 """
 
 from __future__ import annotations
 
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
 from mok_megatron.config import MoKConfigError
-from mok_megatron.fp8.quantize import quantize_rowwise, quantize_segments
+from mok_megatron.kernels.fp8_quant import quantize_rowwise, quantize_segments_t, quantize_weight_t
 
 # Every expert's row count must be a multiple of this (16-byte aligned fp8 rows for the wgrad's
 # contraction over tokens); pad with ``fp8.align.pad_plan(counts, ALIGNMENT, ...)``.
@@ -77,30 +99,82 @@ def _check_shapes(x_MK: torch.Tensor, w_GNK: torch.Tensor, offs_G: torch.Tensor)
         )
 
 
-def fwd_operands(x_MK, w_GNK):
-    """(A, B, scale_a, scale_b) of the forward GEMM, in the layouts ``torch._scaled_grouped_mm`` takes."""
+# ---- quantized weights, cached per weight version ---------------------------------------------------------
+
+_WEIGHTS = WeakIdKeyDictionary()  # weight tensor -> (key, {orientation: (q, scale)}); dies with the weight
+_epoch = 0  # bumped by every optimizer step (hook below) and by invalidate_weight_cache()
+_hook = None
+
+
+def invalidate_weight_cache() -> None:
+    """Drop every cached quantized weight (call after rewriting weights outside autograd and optimizers)."""
+    global _epoch
+    _epoch += 1
+
+
+def _register_optimizer_hook() -> None:
+    global _hook
+    if _hook is None:
+        _hook = torch.optim.optimizer.register_optimizer_step_post_hook(lambda *_: invalidate_weight_cache())
+
+
+def _weight_key(w: torch.Tensor) -> tuple:
+    return (w.data_ptr(), w._version, tuple(w.shape), w.stride(), w.dtype, w.device, _epoch)
+
+
+def _quantize_weight(w_GNK: torch.Tensor, orientation: str) -> tuple[torch.Tensor, torch.Tensor]:
+    if orientation == "fwd":  # q [G, N, K], one scale per (g, n) over K
+        return quantize_rowwise(w_GNK)
+    if orientation == "dgrad":  # q [G, K, N], one scale per (g, k) over N
+        return quantize_weight_t(w_GNK)
+    raise ValueError(f"quantized_weight: orientation={orientation!r}, expected 'fwd' or 'dgrad'")
+
+
+def quantized_weight(w_GNK: torch.Tensor, orientation: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q, scale) of ``w_GNK`` for the forward (``"fwd"``: q [G, N, K], scale [G, N]) or the dgrad
+    (``"dgrad"``: q [G, K, N], scale [G, K]), row-major; cached per weight version (module docstring)."""
+    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        return _quantize_weight(w_GNK, orientation)
+    _register_optimizer_hook()
+    key = _weight_key(w_GNK)
+    cached = _WEIGHTS.get(w_GNK)
+    if cached is None or cached[0] != key:
+        cached = (key, {})
+        _WEIGHTS[w_GNK] = cached
+    by_orientation = cached[1]
+    if orientation not in by_orientation:
+        by_orientation[orientation] = _quantize_weight(w_GNK, orientation)
+    return by_orientation[orientation]
+
+
+# ---- GEMM operands -------------------------------------------------------------------------------------------
+
+
+def fwd_operands(x_MK, w_GNK, weight=None):
+    """(A, B, scale_a, scale_b) of the forward GEMM, in the layouts ``torch._scaled_grouped_mm`` takes.
+    ``weight``: ``quantized_weight(w_GNK, "fwd")`` when the caller has it (else quantized here)."""
     xq_MK, xs_M = quantize_rowwise(x_MK)
-    wq_GNK, ws_GN = quantize_rowwise(w_GNK)  # one scale per output column n, over K
+    wq_GNK, ws_GN = weight if weight is not None else quantize_rowwise(w_GNK)  # one scale per n, over K
     # B [G, K, N] column-major: the transpose of the row-major [G, N, K] (a view)
-    return xq_MK.contiguous(), wq_GNK.contiguous().transpose(-2, -1), xs_M, ws_GN
+    return xq_MK, wq_GNK.transpose(-2, -1), xs_M, ws_GN
 
 
-def dgrad_operands(dy_MN, w_GNK):
+def dgrad_operands(dy_MN, w_GNK, weight=None):
     dyq_MN, dys_M = quantize_rowwise(dy_MN)
-    wq_GKN, ws_GK = quantize_rowwise(w_GNK.transpose(-2, -1))  # one scale per k, over N
+    wq_GKN, ws_GK = weight if weight is not None else quantize_weight_t(w_GNK)  # one scale per k, over N
     # B [G, N, K] column-major: the transpose of the row-major [G, K, N]
-    return dyq_MN.contiguous(), wq_GKN.contiguous().transpose(-2, -1), dys_M, ws_GK
+    return dyq_MN, wq_GKN.transpose(-2, -1), dys_M, ws_GK
 
 
 def wgrad_operands(dy_MN, x_MK, offs_G):
-    dyq_NM, dys_GN = quantize_segments(dy_MN.t(), offs_G)  # A [N, M] row-major
-    xq_KM, xs_GK = quantize_segments(x_MK.t(), offs_G)
-    return dyq_NM.contiguous(), xq_KM.contiguous().t(), dys_GN.reshape(-1), xs_GK.reshape(-1)
+    dyq_NM, dys_GN = quantize_segments_t(dy_MN, offs_G)  # A [N, M] row-major
+    xq_KM, xs_GK = quantize_segments_t(x_MK, offs_G)  # B [M, K] column-major = x^T [K, M] row-major
+    return dyq_NM, xq_KM.t(), dys_GN.reshape(-1), xs_GK.reshape(-1)
 
 
-def _gemm(a, b, scale_a, scale_b, offs_G):
+def _gemm(a, b, scale_a, scale_b, offs_G, fast_accum: bool):
     return torch._scaled_grouped_mm(
-        a, b, scale_a, scale_b, offs=offs_G, out_dtype=OUT_DTYPE, use_fast_accum=False
+        a, b, scale_a, scale_b, offs=offs_G, out_dtype=OUT_DTYPE, use_fast_accum=fast_accum
     )
 
 
@@ -108,7 +182,8 @@ class _FP8GroupedLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_MK, w_GNK, offs_G):
         ctx.save_for_backward(x_MK, w_GNK, offs_G)
-        return _gemm(*fwd_operands(x_MK, w_GNK), offs_G).to(x_MK.dtype)
+        operands = fwd_operands(x_MK, w_GNK, quantized_weight(w_GNK, "fwd"))
+        return _gemm(*operands, offs_G, fast_accum=True).to(x_MK.dtype)
 
     @staticmethod
     def backward(ctx, dy_MN):
@@ -116,9 +191,10 @@ class _FP8GroupedLinear(torch.autograd.Function):
         dy_MN = dy_MN.contiguous()
         dx_MK = dw_GNK = None
         if ctx.needs_input_grad[0]:
-            dx_MK = _gemm(*dgrad_operands(dy_MN, w_GNK), offs_G).to(x_MK.dtype)
+            operands = dgrad_operands(dy_MN, w_GNK, quantized_weight(w_GNK, "dgrad"))
+            dx_MK = _gemm(*operands, offs_G, fast_accum=False).to(x_MK.dtype)
         if ctx.needs_input_grad[1]:
-            dw_GNK = _gemm(*wgrad_operands(dy_MN, x_MK, offs_G), offs_G).to(w_GNK.dtype)
+            dw_GNK = _gemm(*wgrad_operands(dy_MN, x_MK, offs_G), offs_G, fast_accum=False).to(w_GNK.dtype)
         return dx_MK, dw_GNK, None
 
 
