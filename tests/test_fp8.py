@@ -611,3 +611,118 @@ def test_bench_layer_fp8_rows_skip_with_reasons_here(tmp_path):
     reasons = {s["impl"]: s["reason"] for s in case["skipped"]}
     assert "torch-fp8" in reasons["mok-torch-fp8"] and "this device is cpu" in reasons["mok-torch-fp8"]
     assert "blockwise" in reasons["mok-te-blockwise"]
+
+
+# ---- native FP8: quantized-weight cache, accumulation modes ---------------------------------------------------
+
+
+def _fake_scaled_grouped_mm(calls):
+    """fp32 emulation of ``torch._scaled_grouped_mm`` (CPU has none) that records ``use_fast_accum``."""
+
+    def gemm(a, b, sa, sb, offs_G, fast_accum):
+        calls.append(fast_accum)
+        ends = offs_G.tolist()
+        starts = [0, *ends[:-1]]
+        if b.dim() == 3:  # forward / dgrad: groups split A's rows
+            out = torch.zeros(a.shape[0], b.shape[2])
+            for g, (s, e) in enumerate(zip(starts, ends, strict=True)):
+                out[s:e] = (a[s:e].float() * sa[s:e, None]) @ (b[g].float() * sb[g][None, :])
+            return out.to(native.OUT_DTYPE)
+        n, k = a.shape[0], b.shape[1]  # wgrad: groups split the contraction
+        return torch.stack(
+            [
+                (a[:, s:e].float() * sa[g * n : (g + 1) * n, None])
+                @ (b[s:e].float() * sb[g * k : (g + 1) * k][None, :])
+                for g, (s, e) in enumerate(zip(starts, ends, strict=True))
+            ]
+        ).to(native.OUT_DTYPE)
+
+    return gemm
+
+
+def _count_weight_quantization(monkeypatch):
+    counts = {"fwd": 0, "dgrad": 0}
+    real = native._quantize_weight
+
+    def counting(w, orientation):
+        counts[orientation] = counts.get(orientation, 0) + 1
+        return real(w, orientation)
+
+    monkeypatch.setattr(native, "_quantize_weight", counting)
+    return counts
+
+
+def test_weight_cache_hits_until_the_weight_changes(monkeypatch):
+    counts = _count_weight_quantization(monkeypatch)
+    w = torch.nn.Parameter((torch.randn(3, 32, 48) / 8).to(torch.bfloat16))
+    first = native.quantized_weight(w, "fwd")
+    assert native.quantized_weight(w, "fwd") is first and counts == {"fwd": 1, "dgrad": 0}
+    q, s = native.quantized_weight(w, "dgrad")
+    assert q.shape == (3, 48, 32) and s.shape == (3, 48) and counts["dgrad"] == 1
+    with torch.no_grad():
+        w.mul_(2)  # in place through the parameter: _version moves
+    q2, s2 = native.quantized_weight(w, "fwd")
+    assert counts["fwd"] == 2 and torch.equal(s2, first[1] * 2)
+    assert torch.equal(q2.view(torch.uint8), quantize.quantize_rowwise(w.detach())[0].view(torch.uint8))
+    native.quantized_weight(w[1:], "fwd")  # a view is its own entry, not the parent's
+    assert counts["fwd"] == 3
+    with pytest.raises(ValueError, match="orientation='bwd'"):
+        native.quantized_weight(w, "bwd")
+
+
+def test_weight_cache_invalidated_by_optimizer_step_and_explicitly(monkeypatch):
+    """Megatron writes weights through ``param.data`` / the DDP buffer, which ``_version`` does not see:
+    every optimizer step (and ``invalidate_weight_cache``) drops the cache."""
+    counts = _count_weight_quantization(monkeypatch)
+    w = torch.nn.Parameter(torch.randn(2, 16, 32))
+    native.quantized_weight(w, "fwd")
+    version = w._version
+    w.data.copy_(torch.randn(2, 16, 32))  # invisible to _version
+    assert w._version == version
+    opt = torch.optim.SGD([w], lr=0.0)  # a step that changes nothing still invalidates
+    w.grad = torch.zeros_like(w)
+    opt.step()
+    q, _ = native.quantized_weight(w, "fwd")
+    assert counts["fwd"] == 2
+    assert torch.equal(q.view(torch.uint8), quantize.quantize_rowwise(w.detach())[0].view(torch.uint8))
+    native.invalidate_weight_cache()
+    native.quantized_weight(w, "fwd")
+    assert counts["fwd"] == 3
+
+
+def test_weight_cache_entry_dies_with_its_weight():
+    import gc
+
+    gc.collect()
+    n = len(native._WEIGHTS)
+    w = torch.randn(2, 16, 16)
+    native.quantized_weight(w, "fwd")
+    assert len(native._WEIGHTS) == n + 1
+    del w
+    gc.collect()
+    assert len(native._WEIGHTS) == n
+
+
+def test_fp8_linear_reuses_quantized_weights_across_microbatches(monkeypatch):
+    """Two micro-batches with the same weights: each orientation quantized once; forward GEMMs use fast
+    accumulation, dgrad and wgrad do not; gradients within the e4m3 bound of the bf16 math."""
+    calls = []
+    monkeypatch.setattr(native, "_gemm", _fake_scaled_grouped_mm(calls))
+    counts = _count_weight_quantization(monkeypatch)
+    _, x, w, dy, offs = _operands(2)
+    w = torch.nn.Parameter(w)
+    grads = []
+    for _ in range(2):
+        xi = x.clone().requires_grad_(True)
+        native._FP8GroupedLinear.apply(xi, w, offs).backward(dy)
+        grads.append(xi.grad)
+    assert counts == {"fwd": 1, "dgrad": 1}
+    assert calls == [True, False, False] * 2
+    assert torch.equal(grads[0], grads[1])
+    ref = torch.cat(
+        [
+            dy[s:e].float() @ w[g].detach().float()
+            for g, (s, e) in enumerate(((0, 16), (16, 16), (16, 64), (64, 96)))
+        ]
+    )
+    assert float((grads[0].float() - ref).norm() / ref.norm()) < 0.05

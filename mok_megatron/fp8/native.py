@@ -43,6 +43,7 @@ orientation, i.e. about one bf16 copy of the experts' weights.
 from __future__ import annotations
 
 import torch
+from torch.optim.optimizer import register_optimizer_step_post_hook
 from torch.utils.weak import WeakIdKeyDictionary
 
 from mok_megatron.config import MoKConfigError
@@ -115,7 +116,7 @@ def invalidate_weight_cache() -> None:
 def _register_optimizer_hook() -> None:
     global _hook
     if _hook is None:
-        _hook = torch.optim.optimizer.register_optimizer_step_post_hook(lambda *_: invalidate_weight_cache())
+        _hook = register_optimizer_step_post_hook(lambda *_: invalidate_weight_cache())
 
 
 def _weight_key(w: torch.Tensor) -> tuple:
