@@ -679,9 +679,10 @@ def test_weight_cache_invalidated_by_optimizer_step_and_explicitly(monkeypatch):
     version = w._version
     w.data.copy_(torch.randn(2, 16, 32))  # invisible to _version
     assert w._version == version
-    opt = torch.optim.SGD([w], lr=0.0)  # a step that changes nothing still invalidates
-    w.grad = torch.zeros_like(w)
-    opt.step()
+    other = torch.nn.Parameter(torch.zeros(1))  # any optimizer's step invalidates every weight
+    other.grad = torch.zeros(1)
+    torch.optim.SGD([other], lr=0.1).step()
+    assert w._version == version
     q, _ = native.quantized_weight(w, "fwd")
     assert counts["fwd"] == 2
     assert torch.equal(q.view(torch.uint8), quantize.quantize_rowwise(w.detach())[0].view(torch.uint8))
