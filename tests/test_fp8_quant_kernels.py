@@ -11,6 +11,7 @@ Legend: M rows, K columns, G segments (experts), N rows of one expert's weight, 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import subprocess
@@ -87,6 +88,30 @@ def weight_case(groups, n, k, dtype, *, zero_expert=None, device="cpu"):
     assert torch.equal(got[1], s_ref)
 
 
+def scatter_case(counts, width, dtype, *, spare=0, zero_expert=None, device="cpu"):
+    """Quantize straight into the native path's padded layout (16 rows per expert, static P, the last
+    expert owning the spare rows): bitwise the unfused pad-then-quantize, both kernels. ``spare`` rows of x
+    past the last offset are dropped by the segment kernel (the rowwise one gets them no destination)."""
+    from mok_megatron.fp8 import align
+    from mok_megatron.mcore.padded_experts import native_num_rows, native_offsets
+
+    real = sum(counts)
+    x = _x(real + spare, width, DTYPES[dtype], real + width)
+    counts_E = torch.tensor(counts)
+    if zero_expert is not None:
+        end = int(counts_E[: zero_expert + 1].sum())
+        x[end - counts[zero_expert] : end] = 0
+    plan = align.pad_plan(counts_E, 16, real, native_num_rows(real, len(counts), 16))
+    x, offs, dst, dest = (t.to(device) for t in (x, plan.offsets_E, native_offsets(plan), plan.dest_R))
+    x_PH = align.pad_rows(x[:real], dataclasses.replace(plan, dest_R=dest))
+    got = Q.quantize_rowwise_scatter(x[:real], dest, plan.num_rows, Impl.TRITON)
+    _bitwise("rowwise_scatter", got, Q.quantize_rowwise_scatter(x[:real], dest, plan.num_rows, Impl.TORCH))
+    _bitwise("rowwise_scatter vs pad+quantize", got, Q.quantize_rowwise(x_PH, Impl.TORCH))
+    got = Q.quantize_segments_t_scatter(x, offs, dst, plan.num_rows, Impl.TRITON)
+    _bitwise("segments_scatter", got, Q.quantize_segments_t_scatter(x, offs, dst, plan.num_rows, Impl.TORCH))
+    _bitwise("segments_scatter vs pad+quantize", got, Q.quantize_segments_t(x_PH, dst, Impl.TORCH))
+
+
 # Small shapes: the CPU interpreter runs all of them in a few seconds.
 CASES = {
     "rowwise_bf16_narrow": lambda **kw: rowwise_case(37, 100, "bf16", zero_rows=(3,), **kw),
@@ -102,6 +127,11 @@ CASES = {
     "segments_none": lambda **kw: segments_case([], 16, "bf16", spare=11, **kw),
     "weight_t_bf16": lambda **kw: weight_case(3, 48, 80, "bf16", zero_expert=1, **kw),
     "weight_t_fp32": lambda **kw: weight_case(2, 16, 32, "fp32", **kw),
+    "scatter_uneven_empty_zero": lambda **kw: scatter_case(
+        [5, 0, 17, 16, 33], 40, "bf16", zero_expert=3, **kw
+    ),
+    "scatter_spare_rows_fp32": lambda **kw: scatter_case([3, 20], 24, "fp32", spare=7, **kw),
+    "scatter_one_row": lambda **kw: scatter_case([0, 1, 0], 16, "bf16", **kw),
 }
 
 # Real sizes on the GPU: DeepSeek-V3 slice (H 7168, F 2048, 8 experts) and Qwen3-30B-A3B (H 2048, F 768).
@@ -116,6 +146,10 @@ GPU_CASES = {
     ),
     "weight_t_dsv3_w1": lambda **kw: weight_case(8, 4096, 7168, "bf16", **kw),
     "weight_t_qwen_w2": lambda **kw: weight_case(128, 2048, 768, "bf16", zero_expert=7, **kw),
+    "scatter_dsv3_x": lambda **kw: scatter_case(
+        [4093, 0, 4111, 4096, 3970, 4224, 4101, 3573], 7168, "bf16", **kw
+    ),
+    "scatter_qwen_x": lambda **kw: scatter_case([97, 130, 0, 3] * 32, 2048, "bf16", zero_expert=5, **kw),
 }
 
 
@@ -192,14 +226,22 @@ def test_triton_on_cpu_without_interpreter_says_how():
 
 
 def _sm90_kernels():
-    row = dict(x_ptr="*bf16", q_ptr="*fp8e4nv", s_ptr="*fp32")
-    seg = dict(x_ptr="*bf16", offs_ptr="*i32", s_ptr="*fp32", q_ptr="*fp8e4nv")
+    row = dict(x_ptr="*bf16", q_ptr="*fp8e4nv", s_ptr="*fp32", dest_ptr="*i64")
+    seg = dict(x_ptr="*bf16", offs_ptr="*i32", s_ptr="*fp32", q_ptr="*fp8e4nv", dst_offs_ptr="*i32")
     blocks = dict(BLOCK_M=Q.SEG_BLOCK_M, BLOCK_K=Q.SEG_BLOCK_K)
+    one, two = dict(BLOCK_R=1, BLOCK_H=8192, ONE_PASS=True), dict(BLOCK_R=1, BLOCK_H=4096, ONE_PASS=False)
     return {
-        "rowwise_one_pass": (Q._rowwise_kernel, row, dict(BLOCK_R=1, BLOCK_H=8192, ONE_PASS=True), True),
-        "rowwise_two_pass": (Q._rowwise_kernel, row, dict(BLOCK_R=1, BLOCK_H=4096, ONE_PASS=False), True),
+        "rowwise_one_pass": (Q._rowwise_kernel, row, one | dict(HAS_DEST=False), True),
+        "rowwise_two_pass": (Q._rowwise_kernel, row, two | dict(HAS_DEST=False), True),
+        "rowwise_scatter": (
+            Q._rowwise_kernel,
+            row,
+            dict(BLOCK_R=4, BLOCK_H=1024, ONE_PASS=True, HAS_DEST=True),
+            True,
+        ),
         "segment_amax": (Q._segment_amax_kernel, seg, blocks, False),
-        "segment_cast": (Q._segment_cast_kernel, seg, blocks, True),
+        "segment_cast": (Q._segment_cast_kernel, seg, blocks | dict(SHIFT=False), True),
+        "segment_cast_scatter": (Q._segment_cast_kernel, seg, blocks | dict(SHIFT=True), True),
     }
 
 

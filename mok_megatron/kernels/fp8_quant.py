@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import torch
 
+from mok_megatron.fp8 import quantize
 from mok_megatron.fp8.quantize import E4M3, _check_input, quantize_segments
 from mok_megatron.fp8.quantize import quantize_rowwise as quantize_rowwise_reference
 from mok_megatron.kernels import INTERPRETED, Impl, jit, next_pow2, tl, use_triton
@@ -46,11 +47,25 @@ SEG_BLOCK_M, SEG_BLOCK_K = 64, 64  # segment tiles: 128 B bf16 row pieces read, 
 
 @jit
 def _rowwise_kernel(
-    x_ptr, q_ptr, s_ptr, num_rows, width, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr, ONE_PASS: tl.constexpr
+    x_ptr,  # [R, H] row-major
+    q_ptr,  # e4m3 [R, H], or [P, H] with HAS_DEST
+    s_ptr,  # fp32 [R], or [P] with HAS_DEST
+    dest_ptr,  # int64 [R] output row of each input row (HAS_DEST)
+    num_rows,
+    width,
+    BLOCK_R: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    ONE_PASS: tl.constexpr,
+    HAS_DEST: tl.constexpr,
 ):
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     row_ok = rows < num_rows
     base = rows.to(tl.int64)[:, None] * width
+    if HAS_DEST:
+        out_rows = tl.load(dest_ptr + rows, mask=row_ok, other=0).to(tl.int64)
+    else:
+        out_rows = rows.to(tl.int64)
+    out_base = out_rows[:, None] * width
     if ONE_PASS:
         cols = tl.arange(0, BLOCK_H)
         mask = row_ok[:, None] & (cols < width)[None, :]
@@ -59,7 +74,7 @@ def _rowwise_kernel(
         scale = tl.where(amax > 0, tl.math.fdiv(amax, 448.0, ieee_rounding=True), 1.0)
         y = tl.math.fdiv(x, scale[:, None], ieee_rounding=True)
         y = tl.minimum(tl.maximum(y, -448.0), 448.0)
-        tl.store(q_ptr + base + cols[None, :], y.to(q_ptr.dtype.element_ty), mask=mask)
+        tl.store(q_ptr + out_base + cols[None, :], y.to(q_ptr.dtype.element_ty), mask=mask)
     else:
         amax = tl.zeros([BLOCK_R], dtype=tl.float32)
         for h0 in range(0, width, BLOCK_H):
@@ -74,8 +89,8 @@ def _rowwise_kernel(
             x = tl.load(x_ptr + base + cols[None, :], mask=mask, other=0).to(tl.float32)
             y = tl.math.fdiv(x, scale[:, None], ieee_rounding=True)
             y = tl.minimum(tl.maximum(y, -448.0), 448.0)
-            tl.store(q_ptr + base + cols[None, :], y.to(q_ptr.dtype.element_ty), mask=mask)
-    tl.store(s_ptr + rows, scale, mask=row_ok)
+            tl.store(q_ptr + out_base + cols[None, :], y.to(q_ptr.dtype.element_ty), mask=mask)
+    tl.store(s_ptr + out_rows, scale, mask=row_ok)
 
 
 @jit
@@ -118,21 +133,29 @@ def _segment_cast_kernel(
     x_ptr,  # [M, K] row-major
     offs_ptr,  # [G] int32 inclusive segment ends
     s_ptr,  # [G + 1, K] fp32 scales from pass 1
-    q_ptr,  # e4m3 out: element (m, k) of segment g at start_g * seg_mul + k * stride_k + (m - start_g)
+    q_ptr,  # e4m3 out: element (m, k) of segment g at dst_g * seg_mul + k * stride_k + (m - start_g)
+    dst_offs_ptr,  # [G] int32 inclusive segment ends in the output (SHIFT); dst_g = start of segment g there
     num_rows,
+    num_out_rows,  # SHIFT: rows of the output layout (P)
     width,
     num_segments,
     seg_mul,  # 1 for q_KM (stride_k = M); K for per-expert blocks q_GKN (stride_k = N)
     stride_k,
     BLOCK_M: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    SHIFT: tl.constexpr,  # segments start at other rows in the output (padding); rows past the last end dropped
 ):
     g = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
     col_ok = cols < width
     start, end = _segment_bounds(offs_ptr, g, num_rows, num_segments)
+    if SHIFT:
+        dst, _ = _segment_bounds(dst_offs_ptr, g, num_out_rows, num_segments)
+        end = tl.where(g < num_segments, end, start)
+    else:
+        dst = start
     scale = tl.load(s_ptr + g * width + cols, mask=col_ok, other=1.0)
-    out_base = q_ptr + start.to(tl.int64) * seg_mul - start + cols.to(tl.int64)[None, :] * stride_k
+    out_base = q_ptr + dst.to(tl.int64) * seg_mul - start + cols.to(tl.int64)[None, :] * stride_k
     for m0 in range(start, end, BLOCK_M):
         rows = m0 + tl.arange(0, BLOCK_M)
         mask = (rows < end)[:, None] & col_ok[None, :]
@@ -145,14 +168,17 @@ def _segment_cast_kernel(
 # ---- wrappers -------------------------------------------------------------------------------------------------
 
 
-def _q_buffer(shape, device) -> torch.Tensor:
+def _q_buffer(shape, device, zero: bool = False) -> torch.Tensor:
     """The kernels' q output. Interpreted on CPU, an fp32 buffer cast to e4m3 by torch afterwards
     (``_finish``): Triton's interpreter rounds fp32 -> e4m3 wrongly when the mantissa carries into the
     exponent (127.8 -> 64, not 128; triton 3.8 ``interpreter._convert_float``). Everything else (amax,
     scales, division, clamp, the layout) is the kernel's own; on the GPU the cast is the hardware's
     ``cvt.rn.satfinite`` and the q buffer is e4m3."""
-    emulate = INTERPRETED and torch.device(device).type == "cpu"
-    return torch.empty(shape, dtype=torch.float32 if emulate else E4M3, device=device)
+    if INTERPRETED and torch.device(device).type == "cpu":
+        return (torch.zeros if zero else torch.empty)(shape, dtype=torch.float32, device=device)
+    if zero:  # e4m3 0 is the zero byte
+        return torch.zeros(shape, dtype=torch.uint8, device=device).view(E4M3)
+    return torch.empty(shape, dtype=E4M3, device=device)
 
 
 def _finish(q: torch.Tensor) -> torch.Tensor:
@@ -182,32 +208,37 @@ def quantize_rowwise(x: torch.Tensor, impl: Impl = Impl.AUTO) -> tuple[torch.Ten
     if num_rows:
         block_r, block_h, one_pass, warps = _rowwise_blocks(width)
         _rowwise_kernel[(-(-num_rows // block_r),)](
-            x_RH, q_RH, s_R, num_rows, width, block_r, block_h, one_pass, num_warps=warps
+            x_RH, q_RH, s_R, s_R, num_rows, width, block_r, block_h, one_pass, False, num_warps=warps
         )
     return _finish(q_RH).view(x.shape), s_R.view(x.shape[:-1])
 
 
-def _segments(x_MK, offs_G, q, seg_mul: int, stride_k: int) -> torch.Tensor:
-    """Both passes into ``q``; returns the [G, K] scales."""
+def _segments(x_MK, offs_G, q, seg_mul: int, stride_k: int, dst_offs_G=None, num_out_rows: int = 0):
+    """Both passes into ``q``; returns the [G, K] scales. ``dst_offs_G``: segment ends in q (padding)."""
     num_rows, width = x_MK.shape
     groups = offs_G.shape[0]
     s_G1K = torch.empty(groups + 1, width, dtype=torch.float32, device=x_MK.device)
     if width:
         grid = (groups + 1, -(-width // SEG_BLOCK_K))
         offs = offs_G if groups else torch.zeros(1, dtype=torch.int32, device=x_MK.device)
+        shift = dst_offs_G is not None
+        dst = dst_offs_G if shift and groups else offs
         _segment_amax_kernel[grid](x_MK, offs, s_G1K, num_rows, width, groups, SEG_BLOCK_M, SEG_BLOCK_K)
         _segment_cast_kernel[grid](
             x_MK,
             offs,
             s_G1K,
             q,
+            dst,
             num_rows,
+            num_out_rows,
             width,
             groups,
             seg_mul,
             stride_k,
             SEG_BLOCK_M,
             SEG_BLOCK_K,
+            shift,
             num_warps=4,
         )
     return s_G1K[:groups]
@@ -262,3 +293,78 @@ def quantize_weight_t(w_GNK: torch.Tensor, impl: Impl = Impl.AUTO) -> tuple[torc
 def quantize_weight_t_reference(w_GNK: torch.Tensor):
     q_GKN, scale_GK = quantize_rowwise_reference(w_GNK.transpose(-2, -1))
     return q_GKN.contiguous(), scale_GK.contiguous()
+
+
+# ---- quantize straight into a per-expert padded layout (fc1's input on the native FP8 path) ------------------
+
+
+def quantize_rowwise_scatter(
+    x_RH: torch.Tensor, dest_R: torch.Tensor, num_rows: int, impl: Impl = Impl.AUTO
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``quantize_rowwise`` of the padded buffer ``fp8.align.pad_rows(x_RH, plan)`` without building it.
+
+    Inputs: x fp32/bf16/fp16 [R, H]; dest int64 [R] (``PadPlan.dest_R``: distinct rows < ``num_rows``).
+    Outputs: q e4m3 [P, H], scale fp32 [P]; rows no input lands on are 0 with scale 1 (what quantizing a
+    zero row gives), so this is bitwise the unfused pad-then-quantize."""
+    _check_input(x_RH, "quantize_rowwise_scatter")
+    if x_RH.dim() != 2 or dest_R.shape != (x_RH.shape[0],) or dest_R.dtype != torch.int64:
+        raise ValueError(
+            f"quantize_rowwise_scatter: x {tuple(x_RH.shape)}, dest {tuple(dest_R.shape)} {dest_R.dtype}; "
+            "expected x [R, H] and dest [R] int64 (fp8.align.PadPlan.dest_R)"
+        )
+    if not use_triton(impl, x_RH, "quantize_rowwise_scatter"):
+        return quantize_rowwise_scatter_reference(x_RH, dest_R, num_rows)
+    rows, width = x_RH.shape
+    x_RH = x_RH.contiguous()
+    q_PH = _q_buffer((num_rows, width), x_RH.device, zero=True)
+    s_P = torch.ones(num_rows, dtype=torch.float32, device=x_RH.device)
+    if rows and width:
+        block_r, block_h, one_pass, warps = _rowwise_blocks(width)
+        _rowwise_kernel[(-(-rows // block_r),)](
+            x_RH, q_PH, s_P, dest_R, rows, width, block_r, block_h, one_pass, True, num_warps=warps
+        )
+    return _finish(q_PH), s_P
+
+
+def quantize_rowwise_scatter_reference(x_RH, dest_R, num_rows):
+    x_PH = x_RH.new_zeros(num_rows, x_RH.shape[1]).index_copy_(0, dest_R, x_RH)
+    return quantize_rowwise(x_PH, Impl.TORCH)
+
+
+def quantize_segments_t_scatter(
+    x_RK: torch.Tensor, offs_G: torch.Tensor, dst_offs_G: torch.Tensor, num_rows: int, impl: Impl = Impl.AUTO
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``quantize_segments_t`` of the padded buffer without building it: segment g's rows (ends
+    ``offs_G``, over x's R rows) start at row ``dst_offs_G[g - 1]`` (0 for g = 0) of the P = ``num_rows``
+    padded rows; every other padded row is zero. Rows past ``offs_G[-1]`` are dropped.
+
+    Inputs: x [R, K]; offs, dst_offs int32 [G] (``PadPlan.offsets_E`` and the GEMM's padded ``offs``).
+    Outputs: q e4m3 [K, P] row-major, scale fp32 [G, K] -- bitwise ``quantize_segments_t(pad(x), dst_offs)``
+    (zero rows change no amax; an empty or all-zero segment gets scale 1 either way)."""
+    _check_input(x_RK, "quantize_segments_t_scatter")
+    if x_RK.dim() != 2:
+        raise ValueError(f"quantize_segments_t_scatter: x has shape {tuple(x_RK.shape)}, expected [R, K]")
+    _check_offsets(offs_G, x_RK, "quantize_segments_t_scatter")
+    _check_offsets(dst_offs_G, x_RK, "quantize_segments_t_scatter")
+    if dst_offs_G.shape != offs_G.shape:
+        raise ValueError(
+            f"quantize_segments_t_scatter: {offs_G.shape[0]} segment ends but {dst_offs_G.shape[0]} padded "
+            "ends; expected one padded end per segment"
+        )
+    if not use_triton(impl, x_RK, "quantize_segments_t_scatter"):
+        return quantize_segments_t_scatter_reference(x_RK, offs_G, dst_offs_G, num_rows)
+    x_RK = x_RK.contiguous()
+    q_KP = _q_buffer((x_RK.shape[1], num_rows), x_RK.device, zero=True)
+    scale_GK = _segments(x_RK, offs_G, q_KP, 1, num_rows, dst_offs_G, num_rows)
+    return _finish(q_KP), scale_GK
+
+
+def quantize_segments_t_scatter_reference(x_RK, offs_G, dst_offs_G, num_rows):
+    rows = x_RK.shape[0]
+    seg_R = quantize.segment_ids(offs_G, rows)
+    live = seg_R < offs_G.shape[0]
+    starts = torch.cat([offs_G.new_zeros(1), offs_G[:-1]]).long()
+    dst_starts = torch.cat([dst_offs_G.new_zeros(1), dst_offs_G[:-1]]).long()
+    dest = torch.arange(rows, device=x_RK.device)[live] + (dst_starts - starts)[seg_R[live]]
+    x_PK = x_RK.new_zeros(num_rows, x_RK.shape[1]).index_copy_(0, dest, x_RK[live])
+    return quantize_segments_t_reference(x_PK, dst_offs_G)
