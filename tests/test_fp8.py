@@ -758,3 +758,43 @@ def test_fp8_h200_tiny_loss_criterion_is_the_mean_of_the_last_50_steps(tmp_path)
     assert res["bf16"]["steps"] == 100 and abs(res["bf16"]["mean_last"] - 4.255) < 1e-6
     assert res["noisy-end"]["ok"] and 0.005 < res["noisy-end"]["rel_to_bf16"] < 0.007
     assert not res["off"]["ok"] and abs(res["off"]["rel_to_bf16"] - 0.03) < 1e-6
+
+
+@pytest.mark.parametrize("counts", [[5, 0, 17, 1, 0, 40], [0, 3, 0, 0]])
+def test_native_mlp_fc1_quantized_into_padding_equals_pad_then_quantize(monkeypatch, counts):
+    """``native_expert_mlp`` (fc1 quantizes the real rows straight into the padded FP8 layout) gives the
+    old path's (bf16 rows padded by ``pad_rows``, then ``fp8_grouped_linear``) output and gradients
+    bitwise, with torch's FP8 GEMM emulated in fp32 (CPU has none)."""
+    from mok_megatron.mcore import padded_experts as pe
+    from mok_megatron.ops.activation import Activation, ActivationSpec
+
+    monkeypatch.setattr(native, "_gemm", _fake_scaled_grouped_mm([]))
+    monkeypatch.setattr(native, "check_native_fp8", lambda device: None)
+    counts = torch.tensor(counts)
+    g = torch.Generator().manual_seed(9)
+    R, H, F, L = int(counts.sum()), 32, 16, len(counts)
+    x0 = torch.randn(R, H, generator=g).to(torch.bfloat16)
+    p0 = torch.rand(R, generator=g)
+    w10 = (torch.randn(L, 2 * F, H, generator=g) / 4).to(torch.bfloat16)
+    w20 = (torch.randn(L, H, F, generator=g) / 4).to(torch.bfloat16)
+    dy = torch.randn(R, H, generator=g).to(torch.bfloat16)
+    act = ActivationSpec(kind=Activation.SILU, gated=True)
+
+    def run(fn):
+        leaves = [t.clone().requires_grad_() for t in (x0, p0, w10, w20)]
+        y = fn(*leaves)
+        y.backward(dy)
+        return [y.detach()] + [t.grad for t in leaves]
+
+    def old(x, p, w1, w2):
+        def fc(w):
+            return lambda x_PK, plan: native._FP8GroupedLinear.apply(x_PK, w, pe.native_offsets(plan))
+
+        P = pe.native_num_rows(R, L, native.ALIGNMENT)
+        return pe.padded_expert_mlp(x, p, counts, fc(w1), fc(w2), act, native.ALIGNMENT, num_rows=P)
+
+    want = run(old)
+    got = run(lambda x, p, w1, w2: pe.native_expert_mlp(x, p, counts, w1, w2, act))
+    for name, a, b in zip(("y", "dx", "dprobs", "dw1", "dw2"), got, want, strict=True):
+        assert a.dtype == b.dtype and torch.equal(a, b), name
+    assert torch.count_nonzero(got[3]) > 0 and torch.count_nonzero(got[1]) > 0  # the GEMMs ran

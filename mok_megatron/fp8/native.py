@@ -47,7 +47,13 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 from torch.utils.weak import WeakIdKeyDictionary
 
 from mok_megatron.config import MoKConfigError
-from mok_megatron.kernels.fp8_quant import quantize_rowwise, quantize_segments_t, quantize_weight_t
+from mok_megatron.kernels.fp8_quant import (
+    quantize_rowwise,
+    quantize_rowwise_scatter,
+    quantize_segments_t,
+    quantize_segments_t_scatter,
+    quantize_weight_t,
+)
 
 # Every expert's row count must be a multiple of this (16-byte aligned fp8 rows for the wgrad's
 # contraction over tokens); pad with ``fp8.align.pad_plan(counts, ALIGNMENT, ...)``.
@@ -167,10 +173,12 @@ def dgrad_operands(dy_MN, w_GNK, weight=None):
     return dyq_MN, wq_GKN.transpose(-2, -1), dys_M, ws_GK
 
 
-def wgrad_operands(dy_MN, x_MK, offs_G):
+def wgrad_operands(dy_MN, x_MK, offs_G, x_quantized=None):
+    """``x_quantized``: (xq_KM, xs_GK) as ``quantize_segments_t(x_MK, offs_G)`` gives, when the caller
+    built them another way (the padded fc1: ``quantize_segments_t_scatter``)."""
     dyq_NM, dys_GN = quantize_segments_t(dy_MN, offs_G)  # A [N, M] row-major
-    xq_KM, xs_GK = quantize_segments_t(x_MK, offs_G)  # B [M, K] column-major = x^T [K, M] row-major
-    return dyq_NM, xq_KM.t(), dys_GN.reshape(-1), xs_GK.reshape(-1)
+    xq_KM, xs_GK = x_quantized if x_quantized is not None else quantize_segments_t(x_MK, offs_G)
+    return dyq_NM, xq_KM.t(), dys_GN.reshape(-1), xs_GK.reshape(-1)  # B [M, K] column-major = x^T row-major
 
 
 def _gemm(a, b, scale_a, scale_b, offs_G, fast_accum: bool):
@@ -197,6 +205,58 @@ class _FP8GroupedLinear(torch.autograd.Function):
         if ctx.needs_input_grad[1]:
             dw_GNK = _gemm(*wgrad_operands(dy_MN, x_MK, offs_G), offs_G, fast_accum=False).to(w_GNK.dtype)
         return dx_MK, dw_GNK, None
+
+
+class _FP8GroupedLinearPadded(torch.autograd.Function):
+    """The same GEMMs with A = the per-expert padded layout of ``x_RK``'s R real rows, quantized straight
+    into it (``kernels.fp8_quant.*_scatter``): no bf16 padded buffer, no pad/unpad copies of x or dx
+    beyond the one gather of dx's real rows. Bitwise the unpadded-input path after ``fp8.align.pad_rows``."""
+
+    @staticmethod
+    def forward(ctx, x_RK, w_GNK, dest_R, offs_real_G, offs_G, num_rows: int):
+        ctx.save_for_backward(x_RK, w_GNK, dest_R, offs_real_G, offs_G)
+        ctx.num_rows = num_rows
+        xq_PK, xs_P = quantize_rowwise_scatter(x_RK, dest_R, num_rows)
+        wq_GNK, ws_GN = quantized_weight(w_GNK, "fwd")
+        y_PN = _gemm(xq_PK, wq_GNK.transpose(-2, -1), xs_P, ws_GN, offs_G, fast_accum=True)
+        return y_PN.to(x_RK.dtype)
+
+    @staticmethod
+    def backward(ctx, dy_PN):
+        x_RK, w_GNK, dest_R, offs_real_G, offs_G = ctx.saved_tensors
+        dy_PN = dy_PN.contiguous()
+        dx_RK = dw_GNK = None
+        if ctx.needs_input_grad[0]:
+            operands = dgrad_operands(dy_PN, w_GNK, quantized_weight(w_GNK, "dgrad"))
+            dx_RK = _gemm(*operands, offs_G, fast_accum=False).index_select(0, dest_R).to(x_RK.dtype)
+        if ctx.needs_input_grad[1]:
+            x_quantized = quantize_segments_t_scatter(x_RK, offs_real_G, offs_G, ctx.num_rows)
+            operands = wgrad_operands(dy_PN, None, offs_G, x_quantized)
+            dw_GNK = _gemm(*operands, offs_G, fast_accum=False).to(w_GNK.dtype)
+        return dx_RK, dw_GNK, None, None, None, None
+
+
+def fp8_grouped_linear_padded(
+    x_RK: torch.Tensor,
+    w_GNK: torch.Tensor,
+    dest_R: torch.Tensor,
+    offs_real_G: torch.Tensor,
+    offs_G: torch.Tensor,
+    num_rows: int,
+) -> torch.Tensor:
+    """``fp8_grouped_linear(fp8.align.pad_rows(x_RK, plan), w_GNK, offs_G)`` without the padded bf16 copy.
+
+    Inputs: x [R, K] expert-major real rows; dest int64 [R] (``PadPlan.dest_R``); offs_real int32 [G]
+    (``PadPlan.offsets_E``); offs int32 [G] the GEMM's padded ends (``native_offsets(plan)``), num_rows P.
+    Output: y [P, N] on the padded layout (padding rows: zero inputs). Gradient for x [R, K] and w."""
+    check_native_fp8(x_RK.device)
+    _check_shapes(x_RK, w_GNK, offs_G)
+    if dest_R.shape != (x_RK.shape[0],) or offs_real_G.shape != offs_G.shape:
+        raise ValueError(
+            f"fp8_grouped_linear_padded: dest {tuple(dest_R.shape)} and offs_real {tuple(offs_real_G.shape)} "
+            f"do not fit x {tuple(x_RK.shape)} and offs {tuple(offs_G.shape)}; pass a PadPlan's dest_R, offsets_E"
+        )
+    return _FP8GroupedLinearPadded.apply(x_RK.contiguous(), w_GNK, dest_R, offs_real_G, offs_G, num_rows)
 
 
 def fp8_grouped_linear(x_MK: torch.Tensor, w_GNK: torch.Tensor, offs_G: torch.Tensor) -> torch.Tensor:
