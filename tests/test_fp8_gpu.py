@@ -172,6 +172,9 @@ def test_fp8_quant_kernel_bitwise_on_gpu(case):
     _quant_cases()[case](device="cuda")
 
 
+SAME = 1e-3
+
+
 def _native_or_skip():
     from mok_megatron.fp8.native import unavailable_reason
 
@@ -201,20 +204,21 @@ def _fwd_bwd(x, w, dy, offs):
 
 def test_native_fp8_weight_cache_follows_weight_updates():
     """Cached quantized weights give the uncached results, and an in-place update (optimizer-style) or a
-    .data write followed by an optimizer step is seen by the next call."""
+    .data write followed by an optimizer step is seen by the next call. (Same results: relative difference
+    < ``SAME`` -- exact unless the GEMM is run-to-run nondeterministic; a stale weight is off by O(1).)"""
     from mok_megatron.fp8 import native
 
     _native_or_skip()
     x, w, dy, offs = _linear_inputs()
     first = _fwd_bwd(x, w, dy, offs)
     again = _fwd_bwd(x, w, dy, offs)  # cache hit
-    assert all(torch.equal(a, b) for a, b in zip(first, again, strict=True))
+    assert all(_rel(a.float(), b.float()) < SAME for a, b in zip(first, again, strict=True))
     with torch.no_grad():
         w.mul_(-0.5)
     updated = _fwd_bwd(x, w, dy, offs)
     native.invalidate_weight_cache()
     fresh = _fwd_bwd(x, w, dy, offs)
-    assert all(torch.equal(a, b) for a, b in zip(updated, fresh, strict=True))
+    assert all(_rel(a.float(), b.float()) < SAME for a, b in zip(updated, fresh, strict=True))
     assert not torch.equal(updated[0], first[0])
     version = w._version
     w.data.copy_(w.detach() * 3)  # invisible to _version ...
@@ -224,7 +228,9 @@ def test_native_fp8_weight_cache_follows_weight_updates():
     assert w._version == version
     stepped = _fwd_bwd(x, w, dy, offs)
     native.invalidate_weight_cache()
-    assert all(torch.equal(a, b) for a, b in zip(stepped, _fwd_bwd(x, w, dy, offs), strict=True))
+    assert all(
+        _rel(a.float(), b.float()) < SAME for a, b in zip(stepped, _fwd_bwd(x, w, dy, offs), strict=True)
+    )
     # FP8 close to bf16 (bound as the layer test)
     ref = torch.cat(
         [
