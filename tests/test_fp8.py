@@ -762,9 +762,10 @@ def test_fp8_h200_tiny_loss_criterion_is_the_mean_of_the_last_50_steps(tmp_path)
 
 @pytest.mark.parametrize("counts", [[5, 0, 17, 1, 0, 40], [0, 3, 0, 0]])
 def test_native_mlp_fc1_quantized_into_padding_equals_pad_then_quantize(monkeypatch, counts):
-    """``native_expert_mlp`` (fc1 quantizes the real rows straight into the padded FP8 layout) gives the
-    old path's (bf16 rows padded by ``pad_rows``, then ``fp8_grouped_linear``) output and gradients
-    bitwise, with torch's FP8 GEMM emulated in fp32 (CPU has none)."""
+    """``native_expert_mlp`` (fc1 quantizes the real rows straight into the padded FP8 layout; fc2 returns
+    the real rows and quantizes their gradient straight into it) gives the old path's (bf16 rows padded by
+    ``pad_rows``, ``fp8_grouped_linear`` twice, ``unpad_rows``) output and gradients bitwise, with torch's
+    FP8 GEMM emulated in fp32 (CPU has none)."""
     from mok_megatron.mcore import padded_experts as pe
     from mok_megatron.ops.activation import Activation, ActivationSpec
 

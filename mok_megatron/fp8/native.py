@@ -236,6 +236,56 @@ class _FP8GroupedLinearPadded(torch.autograd.Function):
         return dx_RK, dw_GNK, None, None, None, None
 
 
+class _FP8GroupedLinearGather(torch.autograd.Function):
+    """The same GEMMs on the padded layout, returning only the R real rows (``y_PN[dest_R]``); the
+    backward quantizes the real rows' gradient straight into the padded layout (no bf16 zero-filled
+    padded gradient). Bitwise the padded-output path followed by ``fp8.align.unpad_rows``."""
+
+    @staticmethod
+    def forward(ctx, x_PK, w_GNK, dest_R, offs_real_G, offs_G):
+        ctx.save_for_backward(x_PK, w_GNK, dest_R, offs_real_G, offs_G)
+        operands = fwd_operands(x_PK, w_GNK, quantized_weight(w_GNK, "fwd"))
+        return _gemm(*operands, offs_G, fast_accum=True).index_select(0, dest_R).to(x_PK.dtype)
+
+    @staticmethod
+    def backward(ctx, dy_RN):
+        x_PK, w_GNK, dest_R, offs_real_G, offs_G = ctx.saved_tensors
+        dy_RN = dy_RN.contiguous()
+        num_rows = x_PK.shape[0]
+        dx_PK = dw_GNK = None
+        if ctx.needs_input_grad[0]:
+            dyq_PN, dys_P = quantize_rowwise_scatter(dy_RN, dest_R, num_rows)
+            wq_GKN, ws_GK = quantized_weight(w_GNK, "dgrad")
+            dx_PK = _gemm(dyq_PN, wq_GKN.transpose(-2, -1), dys_P, ws_GK, offs_G, fast_accum=False)
+            dx_PK = dx_PK.to(x_PK.dtype)
+        if ctx.needs_input_grad[1]:
+            dyq_NP, dys_GN = quantize_segments_t_scatter(dy_RN, offs_real_G, offs_G, num_rows)
+            xq_KP, xs_GK = quantize_segments_t(x_PK, offs_G)
+            operands = (dyq_NP, xq_KP.t(), dys_GN.reshape(-1), xs_GK.reshape(-1))
+            dw_GNK = _gemm(*operands, offs_G, fast_accum=False).to(w_GNK.dtype)
+        return dx_PK, dw_GNK, None, None, None
+
+
+def fp8_grouped_linear_gather(
+    x_PK: torch.Tensor,
+    w_GNK: torch.Tensor,
+    dest_R: torch.Tensor,
+    offs_real_G: torch.Tensor,
+    offs_G: torch.Tensor,
+) -> torch.Tensor:
+    """``fp8.align.unpad_rows(fp8_grouped_linear(x_PK, w_GNK, offs_G), plan)`` whose backward builds no
+    bf16 padded gradient. Inputs as ``fp8_grouped_linear_padded`` with x [P, K] on the padded layout;
+    output y [R, N], the real rows."""
+    check_native_fp8(x_PK.device)
+    _check_shapes(x_PK, w_GNK, offs_G)
+    if dest_R.dim() != 1 or offs_real_G.shape != offs_G.shape:
+        raise ValueError(
+            f"fp8_grouped_linear_gather: dest {tuple(dest_R.shape)} and offs_real {tuple(offs_real_G.shape)} "
+            f"do not fit offs {tuple(offs_G.shape)}; pass a PadPlan's dest_R, offsets_E"
+        )
+    return _FP8GroupedLinearGather.apply(x_PK.contiguous(), w_GNK, dest_R, offs_real_G, offs_G)
+
+
 def fp8_grouped_linear_padded(
     x_RK: torch.Tensor,
     w_GNK: torch.Tensor,
