@@ -27,6 +27,12 @@ Quantization kernels (``kernels.fp8_quant``): on CUDA one-pass Triton kernels (r
 forward weight; per-(expert, column) with a transposing write for the wgrad operands and the dgrad weight),
 bitwise equal to the ``fp8.quantize`` references, which run everywhere else (CPU tests).
 
+Padding: the experts' MLP (``mcore.padded_experts.native_expert_mlp``) calls ``fp8_grouped_linear_padded``
+for fc1 (the R real rows quantized straight into the padded FP8 layout) and ``fp8_grouped_linear_gather``
+for fc2 (returns the real rows; its backward quantizes their gradient straight into the padded layout), so
+neither x nor the output gradient is copied into a zero-filled bf16 padded buffer. Both are bitwise the
+pad / ``fp8_grouped_linear`` / unpad composition.
+
 Quantized weights are cached per weight version (``quantized_weight``): both orientations, (q, scale),
 keyed on ``(data_ptr, _version, shape, stride, dtype)`` plus an optimizer-step epoch, held in a weak
 dictionary owned by the weight tensor (an entry dies with its weight). So a forward and every later

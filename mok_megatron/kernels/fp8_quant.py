@@ -11,6 +11,10 @@ Legend: R rows, H row width (the scaled dimension), M rows split into G segments
     quantize_weight_t     w_GNK       -> q_GKN e4m3 (the per-expert transpose, row-major), scale_GK fp32
                           one scale per (expert, column k) over N: the dgrad's B operand; the same kernel as
                           ``quantize_segments_t`` with G segments of N rows and a per-expert output block
+    quantize_rowwise_scatter      x_RH -> the rowwise q/scale of its per-expert padded layout [P, H]
+    quantize_segments_t_scatter   x_RK -> the segment q^T/scale of its per-expert padded layout [K, P]
+                          bitwise ``fp8.align.pad_rows`` followed by the unpadded op, without the bf16 padded
+                          copy (rows map by ``PadPlan.dest_R`` / shifted segment starts; padding stays 0)
 
 Numerics are the references' (``fp8.quantize``): ``scale = amax / 448`` (all-zero group: 1), ``q =
 e4m3(clamp(x / scale, +-448))``, both divisions IEEE round-to-nearest (``tl.math.fdiv(..., ieee_rounding=True)``;
@@ -23,9 +27,13 @@ Kernels:
                           cast from registers), wider rows in two sweeps (the second mostly from L2)
     _segment_amax_kernel  pass 1: one program per (segment, BLOCK_K columns), looping over the segment's
                           rows: per-column amax -> scale. No atomics: each program owns its scales
-    _segment_cast_kernel  pass 2: the same ownership; scale, cast, write transposed
+    _segment_cast_kernel  pass 2: the same ownership; scale, cast, write transposed (SHIFT: segment g's
+                          rows start at row ``dst_offs[g - 1]`` of the output, the padded layout)
 Rows past the last offset form one extra segment (scale computed and dropped, like the reference), so every
 q element is written. Segment programs loop over device-side bounds: no host read of ``offs``.
+
+Not measured here (no GPU on the authoring machine): tile sizes are first choices; the segment kernels give
+one program per (segment, 64 columns), so a segment holding most rows runs on few SMs.
 
 How it plugs in: ``fp8.native`` calls these on CUDA tensors (``Impl.AUTO``), the references elsewhere.
 """
