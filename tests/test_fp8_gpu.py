@@ -155,3 +155,145 @@ def test_te_backend_keys_and_dist_checkpoint_match_te_grouped_mlp(tmp_path):
         want, got = experts(a), experts(b)
         for k in ("experts.fc1_weight", "experts.fc2_weight"):
             assert torch.equal(want[k], got[k]), (src, dst, k)
+
+
+# ---- native FP8: quantization kernels and the weight cache (issue 5) -------------------------------------------
+
+
+def _quant_cases():
+    from tests.test_fp8_quant_kernels import CASES, GPU_CASES
+
+    return CASES | GPU_CASES
+
+
+@pytest.mark.parametrize("case", list(_quant_cases()))
+def test_fp8_quant_kernel_bitwise_on_gpu(case):
+    """kernels.fp8_quant on CUDA (IEEE division, hardware e4m3 cast) bitwise equal to the torch references."""
+    _quant_cases()[case](device="cuda")
+
+
+SAME = 1e-3
+
+
+def _native_or_skip():
+    from mok_megatron.fp8.native import unavailable_reason
+
+    why = unavailable_reason("cuda")
+    if why:
+        pytest.skip(why)
+
+
+def _linear_inputs(counts=(48, 0, 112, 96), k=256, n=384):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(sum(counts), k, generator=g).to("cuda", torch.bfloat16)
+    w = torch.nn.Parameter((torch.randn(len(counts), n, k, generator=g) / 16).to("cuda", torch.bfloat16))
+    dy = torch.randn(sum(counts), n, generator=g).to("cuda", torch.bfloat16)
+    offs = torch.tensor(counts).cumsum(0).to("cuda", torch.int32)
+    return x, w, dy, offs
+
+
+def _fwd_bwd(x, w, dy, offs):
+    from mok_megatron.fp8.native import fp8_grouped_linear
+
+    w.grad = None
+    xi = x.detach().requires_grad_(True)
+    y = fp8_grouped_linear(xi, w, offs)
+    y.backward(dy)
+    return y.detach(), xi.grad, w.grad
+
+
+def test_native_fp8_weight_cache_follows_weight_updates():
+    """Cached quantized weights give the uncached results, and an in-place update (optimizer-style) or a
+    .data write followed by an optimizer step is seen by the next call. (Same results: relative difference
+    < ``SAME`` -- exact unless the GEMM is run-to-run nondeterministic; a stale weight is off by O(1).)"""
+    from mok_megatron.fp8 import native
+
+    _native_or_skip()
+    x, w, dy, offs = _linear_inputs()
+    first = _fwd_bwd(x, w, dy, offs)
+    again = _fwd_bwd(x, w, dy, offs)  # cache hit
+    assert all(_rel(a.float(), b.float()) < SAME for a, b in zip(first, again, strict=True))
+    with torch.no_grad():
+        w.mul_(-0.5)
+    updated = _fwd_bwd(x, w, dy, offs)
+    native.invalidate_weight_cache()
+    fresh = _fwd_bwd(x, w, dy, offs)
+    assert all(_rel(a.float(), b.float()) < SAME for a, b in zip(updated, fresh, strict=True))
+    assert not torch.equal(updated[0], first[0])
+    version = w._version
+    w.data.copy_(w.detach() * 3)  # invisible to _version ...
+    other = torch.nn.Parameter(torch.zeros(1, device="cuda"))
+    other.grad = torch.zeros_like(other)
+    torch.optim.SGD([other], lr=0.1).step()  # ... but every optimizer step drops the cache
+    assert w._version == version
+    stepped = _fwd_bwd(x, w, dy, offs)
+    native.invalidate_weight_cache()
+    assert all(
+        _rel(a.float(), b.float()) < SAME for a, b in zip(stepped, _fwd_bwd(x, w, dy, offs), strict=True)
+    )
+    # FP8 close to bf16 (bound as the layer test)
+    ref = torch.cat(
+        [
+            x[s:e].float() @ w[i].detach().float().t()
+            for i, (s, e) in enumerate(((0, 48), (48, 48), (48, 160), (160, 256)))
+        ]
+    )
+    assert _rel(stepped[0].float(), ref) < FP8_REL
+
+
+def test_native_fp8_linear_needs_no_host_sync():
+    _native_or_skip()
+    x, w, dy, offs = _linear_inputs()
+    _fwd_bwd(x, w, dy, offs)  # compile the kernels first
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        _fwd_bwd(x, w, dy, offs)
+        from mok_megatron.fp8 import native
+
+        native.invalidate_weight_cache()
+        _fwd_bwd(x, w, dy, offs)  # with weight quantization
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
+def test_native_mlp_quantized_into_padding_matches_pad_path_on_gpu():
+    """The native MLP (fc1 input and fc2 output gradient quantized straight into the padded layout) gives
+    the pad -> fp8_grouped_linear x2 -> unpad composition's output and gradients (same FP8 operands)."""
+    from mok_megatron.fp8 import native
+    from mok_megatron.mcore import padded_experts as pe
+    from mok_megatron.ops.activation import Activation, ActivationSpec
+
+    _native_or_skip()
+    counts = torch.tensor([37, 0, 130, 5, 64, 1], device="cuda")
+    g = torch.Generator().manual_seed(4)
+    R, H, F, L = int(counts.sum()), 256, 128, counts.numel()
+    leaves0 = [
+        torch.randn(R, H, generator=g).to("cuda", torch.bfloat16),
+        torch.rand(R, generator=g).to("cuda"),
+        (torch.randn(L, 2 * F, H, generator=g) / 16).to("cuda", torch.bfloat16),
+        (torch.randn(L, H, F, generator=g) / 16).to("cuda", torch.bfloat16),
+    ]
+    dy = torch.randn(R, H, generator=g).to("cuda", torch.bfloat16)
+    act = ActivationSpec(kind=Activation.SILU, gated=True)
+
+    def run(fn):
+        leaves = [t.clone().requires_grad_() for t in leaves0]
+        y = fn(*leaves)
+        y.backward(dy)
+        return [y.detach()] + [t.grad for t in leaves]
+
+    def old(x, p, w1, w2):
+        def fc(w):
+            return lambda x_PK, plan: native.fp8_grouped_linear(x_PK, w, pe.native_offsets(plan))
+
+        P = pe.native_num_rows(R, L, native.ALIGNMENT)
+        return pe.padded_expert_mlp(x, p, counts, fc(w1), fc(w2), act, native.ALIGNMENT, num_rows=P)
+
+    want = run(old)
+    got = run(lambda x, p, w1, w2: pe.native_expert_mlp(x, p, counts, w1, w2, act))
+    errs = {
+        n: _rel(a.float(), b.float())
+        for n, a, b in zip(("y", "dx", "dp", "dw1", "dw2"), got, want, strict=True)
+    }
+    assert max(errs.values()) < SAME, errs

@@ -16,15 +16,50 @@ operands, fp32 scales, bf16 output):
 
 All scales are computed on the device (no host sync). Activations and gradients are e4m3 with
 per-row amax scaling (no e5m2: current scaling per row leaves no overflow risk, which is what e5m2's
-range buys delayed scaling). Accumulation is fp32 in the kernel (``use_fast_accum=False``).
+range buys delayed scaling).
+
+Accumulation: the forward GEMM runs with ``use_fast_accum=True`` (Hopper's FP8 tensor cores accumulate in
+reduced precision, promoted to fp32 only between k-tiles; TE and DeepSeek-V3 do this for fprop, where the
+error it adds is small next to e4m3's 2^-4 rounding), dgrad and wgrad with ``use_fast_accum=False``
+(full fp32 accumulation: gradients sum many small terms, wgrad over all of an expert's tokens).
+
+Quantization kernels (``kernels.fp8_quant``): on CUDA one-pass Triton kernels (rowwise for x, dy and the
+forward weight; per-(expert, column) with a transposing write for the wgrad operands and the dgrad weight),
+bitwise equal to the ``fp8.quantize`` references, which run everywhere else (CPU tests).
+
+Padding: the experts' MLP (``mcore.padded_experts.native_expert_mlp``) calls ``fp8_grouped_linear_padded``
+for fc1 (the R real rows quantized straight into the padded FP8 layout) and ``fp8_grouped_linear_gather``
+for fc2 (returns the real rows; its backward quantizes their gradient straight into the padded layout), so
+neither x nor the output gradient is copied into a zero-filled bf16 padded buffer. Both are bitwise the
+pad / ``fp8_grouped_linear`` / unpad composition.
+
+Quantized weights are cached per weight version (``quantized_weight``): both orientations, (q, scale),
+keyed on ``(data_ptr, _version, shape, stride, dtype)`` plus an optimizer-step epoch, held in a weak
+dictionary owned by the weight tensor (an entry dies with its weight). So a forward and every later
+forward/dgrad with the same weights (gradient-accumulation micro-batches, activation recompute) quantize
+each weight once. Invalidated by (a) any in-place change through the weight or a view of it (``_version``:
+torch optimizers, ``copy_`` in ``load_state_dict``), (b) any ``torch.optim.Optimizer.step`` (a global
+post-step hook, registered on first use, bumps the epoch: Megatron's optimizers write the model weights
+through ``param.data`` or the DDP param buffer, which ``_version`` does not see), (c) ``invalidate_weight_cache()``
+for anything else that rewrites weights behind autograd's back. While a CUDA graph is being captured the
+cache is bypassed (the graph must quantize on every replay). Memory: 1 byte per weight element per
+orientation, i.e. about one bf16 copy of the experts' weights.
 """
 
 from __future__ import annotations
 
 import torch
+from torch.optim.optimizer import register_optimizer_step_post_hook
+from torch.utils.weak import WeakIdKeyDictionary
 
 from mok_megatron.config import MoKConfigError
-from mok_megatron.fp8.quantize import quantize_rowwise, quantize_segments
+from mok_megatron.kernels.fp8_quant import (
+    quantize_rowwise,
+    quantize_rowwise_scatter,
+    quantize_segments_t,
+    quantize_segments_t_scatter,
+    quantize_weight_t,
+)
 
 # Every expert's row count must be a multiple of this (16-byte aligned fp8 rows for the wgrad's
 # contraction over tokens); pad with ``fp8.align.pad_plan(counts, ALIGNMENT, ...)``.
@@ -77,30 +112,84 @@ def _check_shapes(x_MK: torch.Tensor, w_GNK: torch.Tensor, offs_G: torch.Tensor)
         )
 
 
-def fwd_operands(x_MK, w_GNK):
-    """(A, B, scale_a, scale_b) of the forward GEMM, in the layouts ``torch._scaled_grouped_mm`` takes."""
+# ---- quantized weights, cached per weight version ---------------------------------------------------------
+
+_WEIGHTS = WeakIdKeyDictionary()  # weight tensor -> (key, {orientation: (q, scale)}); dies with the weight
+_epoch = 0  # bumped by every optimizer step (hook below) and by invalidate_weight_cache()
+_hook = None
+
+
+def invalidate_weight_cache() -> None:
+    """Drop every cached quantized weight (call after rewriting weights outside autograd and optimizers)."""
+    global _epoch
+    _epoch += 1
+
+
+def _register_optimizer_hook() -> None:
+    global _hook
+    if _hook is None:
+        _hook = register_optimizer_step_post_hook(lambda *_: invalidate_weight_cache())
+
+
+def _weight_key(w: torch.Tensor) -> tuple:
+    return (w.data_ptr(), w._version, tuple(w.shape), w.stride(), w.dtype, w.device, _epoch)
+
+
+def _quantize_weight(w_GNK: torch.Tensor, orientation: str) -> tuple[torch.Tensor, torch.Tensor]:
+    if orientation == "fwd":  # q [G, N, K], one scale per (g, n) over K
+        return quantize_rowwise(w_GNK)
+    if orientation == "dgrad":  # q [G, K, N], one scale per (g, k) over N
+        return quantize_weight_t(w_GNK)
+    raise ValueError(f"quantized_weight: orientation={orientation!r}, expected 'fwd' or 'dgrad'")
+
+
+def quantized_weight(w_GNK: torch.Tensor, orientation: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q, scale) of ``w_GNK`` for the forward (``"fwd"``: q [G, N, K], scale [G, N]) or the dgrad
+    (``"dgrad"``: q [G, K, N], scale [G, K]), row-major; cached per weight version (module docstring)."""
+    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        return _quantize_weight(w_GNK, orientation)
+    _register_optimizer_hook()
+    key = _weight_key(w_GNK)
+    cached = _WEIGHTS.get(w_GNK)
+    if cached is None or cached[0] != key:
+        cached = (key, {})
+        _WEIGHTS[w_GNK] = cached
+    by_orientation = cached[1]
+    if orientation not in by_orientation:
+        by_orientation[orientation] = _quantize_weight(w_GNK, orientation)
+    return by_orientation[orientation]
+
+
+# ---- GEMM operands -------------------------------------------------------------------------------------------
+
+
+def fwd_operands(x_MK, w_GNK, weight=None):
+    """(A, B, scale_a, scale_b) of the forward GEMM, in the layouts ``torch._scaled_grouped_mm`` takes.
+    ``weight``: ``quantized_weight(w_GNK, "fwd")`` when the caller has it (else quantized here)."""
     xq_MK, xs_M = quantize_rowwise(x_MK)
-    wq_GNK, ws_GN = quantize_rowwise(w_GNK)  # one scale per output column n, over K
+    wq_GNK, ws_GN = weight if weight is not None else quantize_rowwise(w_GNK)  # one scale per n, over K
     # B [G, K, N] column-major: the transpose of the row-major [G, N, K] (a view)
-    return xq_MK.contiguous(), wq_GNK.contiguous().transpose(-2, -1), xs_M, ws_GN
+    return xq_MK, wq_GNK.transpose(-2, -1), xs_M, ws_GN
 
 
-def dgrad_operands(dy_MN, w_GNK):
+def dgrad_operands(dy_MN, w_GNK, weight=None):
     dyq_MN, dys_M = quantize_rowwise(dy_MN)
-    wq_GKN, ws_GK = quantize_rowwise(w_GNK.transpose(-2, -1))  # one scale per k, over N
+    wq_GKN, ws_GK = weight if weight is not None else quantize_weight_t(w_GNK)  # one scale per k, over N
     # B [G, N, K] column-major: the transpose of the row-major [G, K, N]
-    return dyq_MN.contiguous(), wq_GKN.contiguous().transpose(-2, -1), dys_M, ws_GK
+    return dyq_MN, wq_GKN.transpose(-2, -1), dys_M, ws_GK
 
 
-def wgrad_operands(dy_MN, x_MK, offs_G):
-    dyq_NM, dys_GN = quantize_segments(dy_MN.t(), offs_G)  # A [N, M] row-major
-    xq_KM, xs_GK = quantize_segments(x_MK.t(), offs_G)
-    return dyq_NM.contiguous(), xq_KM.contiguous().t(), dys_GN.reshape(-1), xs_GK.reshape(-1)
+def wgrad_operands(dy_MN, x_MK, offs_G, x_quantized=None):
+    """``x_quantized``: (xq_KM, xs_GK) as ``quantize_segments_t(x_MK, offs_G)`` gives, when the caller
+    built them another way (the padded fc1: ``quantize_segments_t_scatter``)."""
+    dyq_NM, dys_GN = quantize_segments_t(dy_MN, offs_G)  # A [N, M] row-major
+    xq_KM, xs_GK = x_quantized if x_quantized is not None else quantize_segments_t(x_MK, offs_G)
+    return dyq_NM, xq_KM.t(), dys_GN.reshape(-1), xs_GK.reshape(-1)  # B [M, K] column-major = x^T row-major
 
 
-def _gemm(a, b, scale_a, scale_b, offs_G):
+def _gemm(a, b, scale_a, scale_b, offs_G, fast_accum: bool):
     return torch._scaled_grouped_mm(
-        a, b, scale_a, scale_b, offs=offs_G, out_dtype=OUT_DTYPE, use_fast_accum=False
+        a, b, scale_a, scale_b, offs=offs_G, out_dtype=OUT_DTYPE, use_fast_accum=fast_accum
     )
 
 
@@ -108,7 +197,8 @@ class _FP8GroupedLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_MK, w_GNK, offs_G):
         ctx.save_for_backward(x_MK, w_GNK, offs_G)
-        return _gemm(*fwd_operands(x_MK, w_GNK), offs_G).to(x_MK.dtype)
+        operands = fwd_operands(x_MK, w_GNK, quantized_weight(w_GNK, "fwd"))
+        return _gemm(*operands, offs_G, fast_accum=True).to(x_MK.dtype)
 
     @staticmethod
     def backward(ctx, dy_MN):
@@ -116,10 +206,113 @@ class _FP8GroupedLinear(torch.autograd.Function):
         dy_MN = dy_MN.contiguous()
         dx_MK = dw_GNK = None
         if ctx.needs_input_grad[0]:
-            dx_MK = _gemm(*dgrad_operands(dy_MN, w_GNK), offs_G).to(x_MK.dtype)
+            operands = dgrad_operands(dy_MN, w_GNK, quantized_weight(w_GNK, "dgrad"))
+            dx_MK = _gemm(*operands, offs_G, fast_accum=False).to(x_MK.dtype)
         if ctx.needs_input_grad[1]:
-            dw_GNK = _gemm(*wgrad_operands(dy_MN, x_MK, offs_G), offs_G).to(w_GNK.dtype)
+            dw_GNK = _gemm(*wgrad_operands(dy_MN, x_MK, offs_G), offs_G, fast_accum=False).to(w_GNK.dtype)
         return dx_MK, dw_GNK, None
+
+
+class _FP8GroupedLinearPadded(torch.autograd.Function):
+    """The same GEMMs with A = the per-expert padded layout of ``x_RK``'s R real rows, quantized straight
+    into it (``kernels.fp8_quant.*_scatter``): no bf16 padded buffer, no pad/unpad copies of x or dx
+    beyond the one gather of dx's real rows. Bitwise the unpadded-input path after ``fp8.align.pad_rows``."""
+
+    @staticmethod
+    def forward(ctx, x_RK, w_GNK, dest_R, offs_real_G, offs_G, num_rows: int):
+        ctx.save_for_backward(x_RK, w_GNK, dest_R, offs_real_G, offs_G)
+        ctx.num_rows = num_rows
+        xq_PK, xs_P = quantize_rowwise_scatter(x_RK, dest_R, num_rows)
+        wq_GNK, ws_GN = quantized_weight(w_GNK, "fwd")
+        y_PN = _gemm(xq_PK, wq_GNK.transpose(-2, -1), xs_P, ws_GN, offs_G, fast_accum=True)
+        return y_PN.to(x_RK.dtype)
+
+    @staticmethod
+    def backward(ctx, dy_PN):
+        x_RK, w_GNK, dest_R, offs_real_G, offs_G = ctx.saved_tensors
+        dy_PN = dy_PN.contiguous()
+        dx_RK = dw_GNK = None
+        if ctx.needs_input_grad[0]:
+            operands = dgrad_operands(dy_PN, w_GNK, quantized_weight(w_GNK, "dgrad"))
+            dx_RK = _gemm(*operands, offs_G, fast_accum=False).index_select(0, dest_R).to(x_RK.dtype)
+        if ctx.needs_input_grad[1]:
+            x_quantized = quantize_segments_t_scatter(x_RK, offs_real_G, offs_G, ctx.num_rows)
+            operands = wgrad_operands(dy_PN, None, offs_G, x_quantized)
+            dw_GNK = _gemm(*operands, offs_G, fast_accum=False).to(w_GNK.dtype)
+        return dx_RK, dw_GNK, None, None, None, None
+
+
+class _FP8GroupedLinearGather(torch.autograd.Function):
+    """The same GEMMs on the padded layout, returning only the R real rows (``y_PN[dest_R]``); the
+    backward quantizes the real rows' gradient straight into the padded layout (no bf16 zero-filled
+    padded gradient). Bitwise the padded-output path followed by ``fp8.align.unpad_rows``."""
+
+    @staticmethod
+    def forward(ctx, x_PK, w_GNK, dest_R, offs_real_G, offs_G):
+        ctx.save_for_backward(x_PK, w_GNK, dest_R, offs_real_G, offs_G)
+        operands = fwd_operands(x_PK, w_GNK, quantized_weight(w_GNK, "fwd"))
+        return _gemm(*operands, offs_G, fast_accum=True).index_select(0, dest_R).to(x_PK.dtype)
+
+    @staticmethod
+    def backward(ctx, dy_RN):
+        x_PK, w_GNK, dest_R, offs_real_G, offs_G = ctx.saved_tensors
+        dy_RN = dy_RN.contiguous()
+        num_rows = x_PK.shape[0]
+        dx_PK = dw_GNK = None
+        if ctx.needs_input_grad[0]:
+            dyq_PN, dys_P = quantize_rowwise_scatter(dy_RN, dest_R, num_rows)
+            wq_GKN, ws_GK = quantized_weight(w_GNK, "dgrad")
+            dx_PK = _gemm(dyq_PN, wq_GKN.transpose(-2, -1), dys_P, ws_GK, offs_G, fast_accum=False)
+            dx_PK = dx_PK.to(x_PK.dtype)
+        if ctx.needs_input_grad[1]:
+            dyq_NP, dys_GN = quantize_segments_t_scatter(dy_RN, offs_real_G, offs_G, num_rows)
+            xq_KP, xs_GK = quantize_segments_t(x_PK, offs_G)
+            operands = (dyq_NP, xq_KP.t(), dys_GN.reshape(-1), xs_GK.reshape(-1))
+            dw_GNK = _gemm(*operands, offs_G, fast_accum=False).to(w_GNK.dtype)
+        return dx_PK, dw_GNK, None, None, None
+
+
+def fp8_grouped_linear_gather(
+    x_PK: torch.Tensor,
+    w_GNK: torch.Tensor,
+    dest_R: torch.Tensor,
+    offs_real_G: torch.Tensor,
+    offs_G: torch.Tensor,
+) -> torch.Tensor:
+    """``fp8.align.unpad_rows(fp8_grouped_linear(x_PK, w_GNK, offs_G), plan)`` whose backward builds no
+    bf16 padded gradient. Inputs as ``fp8_grouped_linear_padded`` with x [P, K] on the padded layout;
+    output y [R, N], the real rows."""
+    check_native_fp8(x_PK.device)
+    _check_shapes(x_PK, w_GNK, offs_G)
+    if dest_R.dim() != 1 or offs_real_G.shape != offs_G.shape:
+        raise ValueError(
+            f"fp8_grouped_linear_gather: dest {tuple(dest_R.shape)} and offs_real {tuple(offs_real_G.shape)} "
+            f"do not fit offs {tuple(offs_G.shape)}; pass a PadPlan's dest_R, offsets_E"
+        )
+    return _FP8GroupedLinearGather.apply(x_PK.contiguous(), w_GNK, dest_R, offs_real_G, offs_G)
+
+
+def fp8_grouped_linear_padded(
+    x_RK: torch.Tensor,
+    w_GNK: torch.Tensor,
+    dest_R: torch.Tensor,
+    offs_real_G: torch.Tensor,
+    offs_G: torch.Tensor,
+    num_rows: int,
+) -> torch.Tensor:
+    """``fp8_grouped_linear(fp8.align.pad_rows(x_RK, plan), w_GNK, offs_G)`` without the padded bf16 copy.
+
+    Inputs: x [R, K] expert-major real rows; dest int64 [R] (``PadPlan.dest_R``); offs_real int32 [G]
+    (``PadPlan.offsets_E``); offs int32 [G] the GEMM's padded ends (``native_offsets(plan)``), num_rows P.
+    Output: y [P, N] on the padded layout (padding rows: zero inputs). Gradient for x [R, K] and w."""
+    check_native_fp8(x_RK.device)
+    _check_shapes(x_RK, w_GNK, offs_G)
+    if dest_R.shape != (x_RK.shape[0],) or offs_real_G.shape != offs_G.shape:
+        raise ValueError(
+            f"fp8_grouped_linear_padded: dest {tuple(dest_R.shape)} and offs_real {tuple(offs_real_G.shape)} "
+            f"do not fit x {tuple(x_RK.shape)} and offs {tuple(offs_G.shape)}; pass a PadPlan's dest_R, offsets_E"
+        )
+    return _FP8GroupedLinearPadded.apply(x_RK.contiguous(), w_GNK, dest_R, offs_real_G, offs_G, num_rows)
 
 
 def fp8_grouped_linear(x_MK: torch.Tensor, w_GNK: torch.Tensor, offs_G: torch.Tensor) -> torch.Tensor:

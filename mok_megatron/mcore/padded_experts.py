@@ -5,6 +5,9 @@ hidden, F1 fc1 rows (2F with a GLU), F FFN width, L local experts, A alignment.
 
 FP8 grouped GEMMs need every expert's row count to be a multiple of A (``fp8.backend.expert_alignment``).
 The rows are scattered once into a zeroed ``[P, H]`` buffer by the device-side plan of ``fp8.align``
+(the native path skips that buffer and the padded output gradient: its fc1 quantizes the real rows, and
+its fc2's backward the real output gradient, straight into the padded FP8 layout,
+``fp8.native.fp8_grouped_linear_padded / _gather``)
 (no host read for the native path: ``P`` is the static bound ``num_rows_bound`` rounded up to A, the last
 expert owning the spare rows, ``native_offsets``), the probabilities the
 same way (padding rows get probability 0, so their activation output is 0 and they add nothing to any
@@ -45,11 +48,17 @@ def padded_expert_mlp(
     *,
     apply_probs_on_input: bool = False,
     num_rows: int | None = None,
+    fc1_pads: bool = False,
+    fc2_unpads: bool = False,
 ) -> torch.Tensor:
     """``fc2(act(fc1(x)) * probs)`` per expert with every expert's rows padded to ``alignment``.
 
     ``counts_L``: rows per local expert (device or host tensor; summing to R, not read back).
-    ``num_rows``: P (default: the static bound; TE passes the exact padded total it needs)."""
+    ``num_rows``: P (default: the static bound; TE passes the exact padded total it needs).
+    ``fc1_pads``: fc1 takes the R real rows and writes the padded layout itself (``fc1(x_RH, plan) ->
+    h_PF1``; the native path quantizes straight into it), so no bf16 padded copy of x is built.
+    ``fc2_unpads``: fc2 returns the R real rows itself (``fc2(a_PF, plan) -> y_RH``; the native path's
+    backward quantizes their gradient straight into the padded layout)."""
     if x_RH.shape[0] != probs_R.shape[0]:
         raise ValueError(f"padded_expert_mlp: {x_RH.shape[0]} rows but {probs_R.shape[0]} probabilities")
     counts_L = counts_L.to(device=x_RH.device)
@@ -58,12 +67,10 @@ def padded_expert_mlp(
         x_RH = (probs_R.unsqueeze(-1) * x_RH).to(dtype)
         probs_R = torch.ones_like(probs_R)
     plan = pad_plan(counts_L, alignment, x_RH.shape[0], num_rows)
-    x_PH = pad_rows(x_RH.contiguous(), plan)
     probs_P = pad_probs(probs_R, plan)
-    h_PF1 = fc1(x_PH, plan)
+    h_PF1 = fc1(x_RH.contiguous(), plan) if fc1_pads else fc1(pad_rows(x_RH.contiguous(), plan), plan)
     a_PF = apply_activation(h_PF1, act, probs_P)
-    y_PH = fc2(a_PF, plan)
-    return unpad_rows(y_PH, plan)
+    return fc2(a_PF, plan) if fc2_unpads else unpad_rows(fc2(a_PF, plan), plan)
 
 
 def native_num_rows(real_rows: int, num_experts: int, alignment: int) -> int:
@@ -85,14 +92,18 @@ def native_offsets(plan: PadPlan) -> torch.Tensor:
 
 
 def native_expert_mlp(x_RH, probs_R, counts_L, w1_LFH, w2_LHF, act, *, apply_probs_on_input=False):
-    """The MLP with both GEMMs in native rowwise FP8 (``torch._scaled_grouped_mm``); device-only."""
-    from mok_megatron.fp8.native import ALIGNMENT, fp8_grouped_linear
+    """The MLP with both GEMMs in native rowwise FP8 (``torch._scaled_grouped_mm``); device-only. fc1
+    quantizes the real rows straight into the padded layout (``fp8_grouped_linear_padded``); fc2 returns
+    the real rows and quantizes their gradient straight into the padded layout
+    (``fp8_grouped_linear_gather``): no bf16 padded copy of x or of the output gradient."""
+    from mok_megatron.fp8.native import ALIGNMENT, fp8_grouped_linear_gather, fp8_grouped_linear_padded
 
-    def fc1(x_PH, plan):
-        return fp8_grouped_linear(x_PH, w1_LFH, native_offsets(plan))
+    def fc1(x_RH, plan):
+        offs = native_offsets(plan)
+        return fp8_grouped_linear_padded(x_RH, w1_LFH, plan.dest_R, plan.offsets_E, offs, plan.num_rows)
 
     def fc2(a_PF, plan):
-        return fp8_grouped_linear(a_PF, w2_LHF, native_offsets(plan))
+        return fp8_grouped_linear_gather(a_PF, w2_LHF, plan.dest_R, plan.offsets_E, native_offsets(plan))
 
     num_rows = native_num_rows(x_RH.shape[0], w1_LFH.shape[0], ALIGNMENT)
     return padded_expert_mlp(
@@ -105,6 +116,8 @@ def native_expert_mlp(x_RH, probs_R, counts_L, w1_LFH, w2_LHF, act, *, apply_pro
         ALIGNMENT,
         apply_probs_on_input=apply_probs_on_input,
         num_rows=num_rows,
+        fc1_pads=True,
+        fc2_unpads=True,
     )
 
 

@@ -1,0 +1,378 @@
+"""E4M3 quantization kernels for the native FP8 expert GEMMs (``fp8.native``), each beside its torch reference.
+
+Legend: R rows, H row width (the scaled dimension), M rows split into G segments (inclusive int32 ends
+``offs_G``, a device tensor), K columns, N rows of one expert's weight.
+
+    quantize_rowwise      x [..., H]  -> q [..., H] e4m3, scale [...] fp32         one scale per row
+    quantize_segments_t   x_MK        -> q_KM e4m3 (the TRANSPOSE, row-major), scale_GK fp32
+                          one scale per (segment, column): the wgrad operands, whose contraction runs
+                          over each expert's rows (``torch._scaled_grouped_mm`` takes A = dy^T [N, M] and
+                          B = x [M, K] column-major, i.e. x^T [K, M] row-major)
+    quantize_weight_t     w_GNK       -> q_GKN e4m3 (the per-expert transpose, row-major), scale_GK fp32
+                          one scale per (expert, column k) over N: the dgrad's B operand; the same kernel as
+                          ``quantize_segments_t`` with G segments of N rows and a per-expert output block
+    quantize_rowwise_scatter      x_RH -> the rowwise q/scale of its per-expert padded layout [P, H]
+    quantize_segments_t_scatter   x_RK -> the segment q^T/scale of its per-expert padded layout [K, P]
+                          bitwise ``fp8.align.pad_rows`` followed by the unpadded op, without the bf16 padded
+                          copy (rows map by ``PadPlan.dest_R`` / shifted segment starts; padding stays 0)
+
+Numerics are the references' (``fp8.quantize``): ``scale = amax / 448`` (all-zero group: 1), ``q =
+e4m3(clamp(x / scale, +-448))``, both divisions IEEE round-to-nearest (``tl.math.fdiv(..., ieee_rounding=True)``;
+Triton's plain ``/`` is approximate on NVIDIA GPUs), the cast round-to-nearest-even. So the kernels are
+bitwise equal to the references (tests/test_fp8_quant_kernels.py holds them to that, on CPU interpreted and
+on the GPU).
+
+Kernels:
+    _rowwise_kernel       BLOCK_R rows per program; a row up to ONE_PASS_MAX wide is read once (amax, scale,
+                          cast from registers), wider rows in two sweeps (the second mostly from L2)
+    _segment_amax_kernel  pass 1: one program per (segment, BLOCK_K columns), looping over the segment's
+                          rows: per-column amax -> scale. No atomics: each program owns its scales
+    _segment_cast_kernel  pass 2: the same ownership; scale, cast, write transposed (SHIFT: segment g's
+                          rows start at row ``dst_offs[g - 1]`` of the output, the padded layout)
+Rows past the last offset form one extra segment (scale computed and dropped, like the reference), so every
+q element is written. Segment programs loop over device-side bounds: no host read of ``offs``.
+
+Not measured here (no GPU on the authoring machine): tile sizes are first choices; the segment kernels give
+one program per (segment, 64 columns), so a segment holding most rows runs on few SMs.
+
+How it plugs in: ``fp8.native`` calls these on CUDA tensors (``Impl.AUTO``), the references elsewhere.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mok_megatron.fp8 import quantize
+from mok_megatron.fp8.quantize import E4M3, _check_input, quantize_segments
+from mok_megatron.fp8.quantize import quantize_rowwise as quantize_rowwise_reference
+from mok_megatron.kernels import INTERPRETED, Impl, jit, next_pow2, tl, use_triton
+
+ONE_PASS_MAX = 8192  # widest row read once into registers (DeepSeek-V3 H = 7168 fits)
+TWO_PASS_BLOCK = 4096
+ROWWISE_TILE = 4096  # elements per program of the rowwise kernel (BLOCK_R * BLOCK_H for narrow rows)
+SEG_BLOCK_M, SEG_BLOCK_K = 64, 64  # segment tiles: 128 B bf16 row pieces read, 64 B fp8 column pieces written
+
+
+@jit
+def _rowwise_kernel(
+    x_ptr,  # [R, H] row-major
+    q_ptr,  # e4m3 [R, H], or [P, H] with HAS_DEST
+    s_ptr,  # fp32 [R], or [P] with HAS_DEST
+    dest_ptr,  # int64 [R] output row of each input row (HAS_DEST)
+    num_rows,
+    width,
+    BLOCK_R: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    ONE_PASS: tl.constexpr,
+    HAS_DEST: tl.constexpr,
+):
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    row_ok = rows < num_rows
+    base = rows.to(tl.int64)[:, None] * width
+    if HAS_DEST:
+        out_rows = tl.load(dest_ptr + rows, mask=row_ok, other=0).to(tl.int64)
+    else:
+        out_rows = rows.to(tl.int64)
+    out_base = out_rows[:, None] * width
+    if ONE_PASS:
+        cols = tl.arange(0, BLOCK_H)
+        mask = row_ok[:, None] & (cols < width)[None, :]
+        x = tl.load(x_ptr + base + cols[None, :], mask=mask, other=0).to(tl.float32)
+        amax = tl.max(tl.abs(x), axis=1)
+        scale = tl.where(amax > 0, tl.math.fdiv(amax, 448.0, ieee_rounding=True), 1.0)
+        y = tl.math.fdiv(x, scale[:, None], ieee_rounding=True)
+        y = tl.minimum(tl.maximum(y, -448.0), 448.0)
+        tl.store(q_ptr + out_base + cols[None, :], y.to(q_ptr.dtype.element_ty), mask=mask)
+    else:
+        amax = tl.zeros([BLOCK_R], dtype=tl.float32)
+        for h0 in range(0, width, BLOCK_H):
+            cols = h0 + tl.arange(0, BLOCK_H)
+            mask = row_ok[:, None] & (cols < width)[None, :]
+            x = tl.load(x_ptr + base + cols[None, :], mask=mask, other=0).to(tl.float32)
+            amax = tl.maximum(amax, tl.max(tl.abs(x), axis=1))
+        scale = tl.where(amax > 0, tl.math.fdiv(amax, 448.0, ieee_rounding=True), 1.0)
+        for h0 in range(0, width, BLOCK_H):
+            cols = h0 + tl.arange(0, BLOCK_H)
+            mask = row_ok[:, None] & (cols < width)[None, :]
+            x = tl.load(x_ptr + base + cols[None, :], mask=mask, other=0).to(tl.float32)
+            y = tl.math.fdiv(x, scale[:, None], ieee_rounding=True)
+            y = tl.minimum(tl.maximum(y, -448.0), 448.0)
+            tl.store(q_ptr + out_base + cols[None, :], y.to(q_ptr.dtype.element_ty), mask=mask)
+    tl.store(s_ptr + out_rows, scale, mask=row_ok)
+
+
+@jit
+def _segment_bounds(offs_ptr, g, num_rows, num_segments):
+    """Rows [start, end) of segment g; g == num_segments is the spare tail past the last offset."""
+    prev = tl.load(offs_ptr + tl.maximum(tl.minimum(g, num_segments) - 1, 0))
+    cur = tl.load(offs_ptr + tl.maximum(tl.minimum(g, num_segments - 1), 0))
+    start = tl.minimum(tl.where(g > 0, prev, 0), num_rows)
+    end = tl.where(g < num_segments, tl.minimum(cur, num_rows), num_rows)
+    return start, tl.maximum(end, start)
+
+
+@jit
+def _segment_amax_kernel(
+    x_ptr,  # [M, K] row-major
+    offs_ptr,  # [G] int32 inclusive segment ends
+    s_ptr,  # [G + 1, K] fp32 scales (row G: the spare tail)
+    num_rows,
+    width,
+    num_segments,
+    BLOCK_M: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    g = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+    col_ok = cols < width
+    start, end = _segment_bounds(offs_ptr, g, num_rows, num_segments)
+    amax = tl.zeros([BLOCK_K], dtype=tl.float32)
+    for m0 in range(start, end, BLOCK_M):
+        rows = m0 + tl.arange(0, BLOCK_M)
+        mask = (rows < end)[:, None] & col_ok[None, :]
+        x = tl.load(x_ptr + rows.to(tl.int64)[:, None] * width + cols[None, :], mask=mask, other=0)
+        amax = tl.maximum(amax, tl.max(tl.abs(x.to(tl.float32)), axis=0))
+    scale = tl.where(amax > 0, tl.math.fdiv(amax, 448.0, ieee_rounding=True), 1.0)
+    tl.store(s_ptr + g * width + cols, scale, mask=col_ok)
+
+
+@jit
+def _segment_cast_kernel(
+    x_ptr,  # [M, K] row-major
+    offs_ptr,  # [G] int32 inclusive segment ends
+    s_ptr,  # [G + 1, K] fp32 scales from pass 1
+    q_ptr,  # e4m3 out: element (m, k) of segment g at dst_g * seg_mul + k * stride_k + (m - start_g)
+    dst_offs_ptr,  # [G] int32 inclusive segment ends in the output (SHIFT); dst_g = start of segment g there
+    num_rows,
+    num_out_rows,  # SHIFT: rows of the output layout (P)
+    width,
+    num_segments,
+    seg_mul,  # 1 for q_KM (stride_k = M); K for per-expert blocks q_GKN (stride_k = N)
+    stride_k,
+    BLOCK_M: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    SHIFT: tl.constexpr,  # segments start at other rows in the output (padding); rows past the last end dropped
+):
+    g = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+    col_ok = cols < width
+    start, end = _segment_bounds(offs_ptr, g, num_rows, num_segments)
+    if SHIFT:
+        dst, _ = _segment_bounds(dst_offs_ptr, g, num_out_rows, num_segments)
+        end = tl.where(g < num_segments, end, start)
+    else:
+        dst = start
+    scale = tl.load(s_ptr + g * width + cols, mask=col_ok, other=1.0)
+    out_base = q_ptr + dst.to(tl.int64) * seg_mul - start + cols.to(tl.int64)[None, :] * stride_k
+    for m0 in range(start, end, BLOCK_M):
+        rows = m0 + tl.arange(0, BLOCK_M)
+        mask = (rows < end)[:, None] & col_ok[None, :]
+        x = tl.load(x_ptr + rows.to(tl.int64)[:, None] * width + cols[None, :], mask=mask, other=0)
+        y = tl.math.fdiv(x.to(tl.float32), scale[None, :], ieee_rounding=True)
+        y = tl.minimum(tl.maximum(y, -448.0), 448.0)
+        tl.store(out_base + rows[:, None], y.to(q_ptr.dtype.element_ty), mask=mask)
+
+
+# ---- wrappers -------------------------------------------------------------------------------------------------
+
+
+def _q_buffer(shape, device, zero: bool = False) -> torch.Tensor:
+    """The kernels' q output. Interpreted on CPU, an fp32 buffer cast to e4m3 by torch afterwards
+    (``_finish``): Triton's interpreter rounds fp32 -> e4m3 wrongly when the mantissa carries into the
+    exponent (127.8 -> 64, not 128; triton 3.8 ``interpreter._convert_float``). Everything else (amax,
+    scales, division, clamp, the layout) is the kernel's own; on the GPU the cast is the hardware's
+    ``cvt.rn.satfinite`` and the q buffer is e4m3."""
+    if INTERPRETED and torch.device(device).type == "cpu":
+        return (torch.zeros if zero else torch.empty)(shape, dtype=torch.float32, device=device)
+    if zero:  # e4m3 0 is the zero byte
+        return torch.zeros(shape, dtype=torch.uint8, device=device).view(E4M3)
+    return torch.empty(shape, dtype=E4M3, device=device)
+
+
+def _finish(q: torch.Tensor) -> torch.Tensor:
+    return q if q.dtype == E4M3 else q.to(E4M3)
+
+
+def _rowwise_blocks(width: int) -> tuple[int, int, bool, int]:
+    """(BLOCK_R, BLOCK_H, ONE_PASS, num_warps)."""
+    if width <= ONE_PASS_MAX:
+        block_h = next_pow2(width)
+        block_r = max(1, ROWWISE_TILE // block_h)
+        return block_r, block_h, True, 8 if block_r * block_h > 4096 else 4
+    return 1, TWO_PASS_BLOCK, False, 8
+
+
+def quantize_rowwise(x: torch.Tensor, impl: Impl = Impl.AUTO) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inputs: x fp32/bf16/fp16 [..., H]. Outputs: q e4m3 [..., H] (contiguous), scale fp32 [...]."""
+    _check_input(x, "quantize_rowwise")
+    if not use_triton(impl, x, "quantize_rowwise"):
+        q, scale = quantize_rowwise_reference(x)
+        return q.contiguous(), scale
+    width = x.shape[-1]
+    x_RH = x.contiguous().view(-1, width)
+    num_rows = x_RH.shape[0]
+    q_RH = _q_buffer((num_rows, width), x.device)
+    s_R = torch.empty(num_rows, dtype=torch.float32, device=x.device)
+    if num_rows:
+        block_r, block_h, one_pass, warps = _rowwise_blocks(width)
+        _rowwise_kernel[(-(-num_rows // block_r),)](
+            x_RH, q_RH, s_R, s_R, num_rows, width, block_r, block_h, one_pass, False, num_warps=warps
+        )
+    return _finish(q_RH).view(x.shape), s_R.view(x.shape[:-1])
+
+
+def _segments(x_MK, offs_G, q, seg_mul: int, stride_k: int, dst_offs_G=None, num_out_rows: int = 0):
+    """Both passes into ``q``; returns the [G, K] scales. ``dst_offs_G``: segment ends in q (padding)."""
+    num_rows, width = x_MK.shape
+    groups = offs_G.shape[0]
+    s_G1K = torch.empty(groups + 1, width, dtype=torch.float32, device=x_MK.device)
+    if width:
+        grid = (groups + 1, -(-width // SEG_BLOCK_K))
+        offs = offs_G if groups else torch.zeros(1, dtype=torch.int32, device=x_MK.device)
+        shift = dst_offs_G is not None
+        dst = dst_offs_G if shift and groups else offs
+        _segment_amax_kernel[grid](x_MK, offs, s_G1K, num_rows, width, groups, SEG_BLOCK_M, SEG_BLOCK_K)
+        _segment_cast_kernel[grid](
+            x_MK,
+            offs,
+            s_G1K,
+            q,
+            dst,
+            num_rows,
+            num_out_rows,
+            width,
+            groups,
+            seg_mul,
+            stride_k,
+            SEG_BLOCK_M,
+            SEG_BLOCK_K,
+            shift,
+            num_warps=4,
+        )
+    return s_G1K[:groups]
+
+
+def _check_offsets(offs_G: torch.Tensor, x: torch.Tensor, what: str) -> None:
+    if offs_G.dim() != 1 or offs_G.dtype != torch.int32 or offs_G.device != x.device:
+        raise ValueError(
+            f"{what}: offsets {tuple(offs_G.shape)} {offs_G.dtype} on {offs_G.device}; expected [G] int32 "
+            f"inclusive segment ends on {x.device}"
+        )
+
+
+def quantize_segments_t(
+    x_MK: torch.Tensor, offs_G: torch.Tensor, impl: Impl = Impl.AUTO
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inputs: x fp32/bf16/fp16 [M, K]; offs int32 [G] inclusive row ends (device, not read on the host).
+    Outputs: q e4m3 [K, M] row-major (x's transpose), scale fp32 [G, K] (one per segment and column)."""
+    _check_input(x_MK, "quantize_segments_t")
+    if x_MK.dim() != 2:
+        raise ValueError(f"quantize_segments_t: x has shape {tuple(x_MK.shape)}, expected [M, K]")
+    _check_offsets(offs_G, x_MK, "quantize_segments_t")
+    if not use_triton(impl, x_MK, "quantize_segments_t"):
+        return quantize_segments_t_reference(x_MK, offs_G)
+    x_MK = x_MK.contiguous()
+    q_KM = _q_buffer((x_MK.shape[1], x_MK.shape[0]), x_MK.device)
+    scale_GK = _segments(x_MK, offs_G, q_KM, 1, x_MK.shape[0])
+    return _finish(q_KM), scale_GK
+
+
+def quantize_segments_t_reference(x_MK: torch.Tensor, offs_G: torch.Tensor):
+    q_KM, scale_GK = quantize_segments(x_MK.t(), offs_G)
+    return q_KM.contiguous(), scale_GK
+
+
+def quantize_weight_t(w_GNK: torch.Tensor, impl: Impl = Impl.AUTO) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inputs: w fp32/bf16/fp16 [G, N, K]. Outputs: q e4m3 [G, K, N] row-major (each expert's transpose),
+    scale fp32 [G, K] (one per expert and k, over N) -- ``quantize_rowwise(w.transpose(-2, -1))``."""
+    _check_input(w_GNK, "quantize_weight_t")
+    if w_GNK.dim() != 3:
+        raise ValueError(f"quantize_weight_t: w has shape {tuple(w_GNK.shape)}, expected [G, N, K]")
+    if not use_triton(impl, w_GNK, "quantize_weight_t"):
+        return quantize_weight_t_reference(w_GNK)
+    groups, n, k = w_GNK.shape
+    x_MK = w_GNK.contiguous().view(groups * n, k)
+    offs_G = torch.arange(1, groups + 1, device=w_GNK.device, dtype=torch.int32) * n
+    q_GKN = _q_buffer((groups, k, n), w_GNK.device)
+    scale_GK = _segments(x_MK, offs_G, q_GKN, k, n)
+    return _finish(q_GKN), scale_GK
+
+
+def quantize_weight_t_reference(w_GNK: torch.Tensor):
+    q_GKN, scale_GK = quantize_rowwise_reference(w_GNK.transpose(-2, -1))
+    return q_GKN.contiguous(), scale_GK.contiguous()
+
+
+# ---- quantize straight into a per-expert padded layout (fc1's input on the native FP8 path) ------------------
+
+
+def quantize_rowwise_scatter(
+    x_RH: torch.Tensor, dest_R: torch.Tensor, num_rows: int, impl: Impl = Impl.AUTO
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``quantize_rowwise`` of the padded buffer ``fp8.align.pad_rows(x_RH, plan)`` without building it.
+
+    Inputs: x fp32/bf16/fp16 [R, H]; dest int64 [R] (``PadPlan.dest_R``: distinct rows < ``num_rows``).
+    Outputs: q e4m3 [P, H], scale fp32 [P]; rows no input lands on are 0 with scale 1 (what quantizing a
+    zero row gives), so this is bitwise the unfused pad-then-quantize."""
+    _check_input(x_RH, "quantize_rowwise_scatter")
+    if x_RH.dim() != 2 or dest_R.shape != (x_RH.shape[0],) or dest_R.dtype != torch.int64:
+        raise ValueError(
+            f"quantize_rowwise_scatter: x {tuple(x_RH.shape)}, dest {tuple(dest_R.shape)} {dest_R.dtype}; "
+            "expected x [R, H] and dest [R] int64 (fp8.align.PadPlan.dest_R)"
+        )
+    if not use_triton(impl, x_RH, "quantize_rowwise_scatter"):
+        return quantize_rowwise_scatter_reference(x_RH, dest_R, num_rows)
+    rows, width = x_RH.shape
+    x_RH = x_RH.contiguous()
+    q_PH = _q_buffer((num_rows, width), x_RH.device, zero=True)
+    s_P = torch.ones(num_rows, dtype=torch.float32, device=x_RH.device)
+    if rows and width:
+        block_r, block_h, one_pass, warps = _rowwise_blocks(width)
+        _rowwise_kernel[(-(-rows // block_r),)](
+            x_RH, q_PH, s_P, dest_R, rows, width, block_r, block_h, one_pass, True, num_warps=warps
+        )
+    return _finish(q_PH), s_P
+
+
+def quantize_rowwise_scatter_reference(x_RH, dest_R, num_rows):
+    x_PH = x_RH.new_zeros(num_rows, x_RH.shape[1]).index_copy_(0, dest_R, x_RH)
+    return quantize_rowwise(x_PH, Impl.TORCH)
+
+
+def quantize_segments_t_scatter(
+    x_RK: torch.Tensor, offs_G: torch.Tensor, dst_offs_G: torch.Tensor, num_rows: int, impl: Impl = Impl.AUTO
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``quantize_segments_t`` of the padded buffer without building it: segment g's rows (ends
+    ``offs_G``, over x's R rows) start at row ``dst_offs_G[g - 1]`` (0 for g = 0) of the P = ``num_rows``
+    padded rows; every other padded row is zero. Rows past ``offs_G[-1]`` are dropped.
+
+    Inputs: x [R, K]; offs, dst_offs int32 [G] (``PadPlan.offsets_E`` and the GEMM's padded ``offs``).
+    Outputs: q e4m3 [K, P] row-major, scale fp32 [G, K] -- bitwise ``quantize_segments_t(pad(x), dst_offs)``
+    (zero rows change no amax; an empty or all-zero segment gets scale 1 either way)."""
+    _check_input(x_RK, "quantize_segments_t_scatter")
+    if x_RK.dim() != 2:
+        raise ValueError(f"quantize_segments_t_scatter: x has shape {tuple(x_RK.shape)}, expected [R, K]")
+    _check_offsets(offs_G, x_RK, "quantize_segments_t_scatter")
+    _check_offsets(dst_offs_G, x_RK, "quantize_segments_t_scatter")
+    if dst_offs_G.shape != offs_G.shape:
+        raise ValueError(
+            f"quantize_segments_t_scatter: {offs_G.shape[0]} segment ends but {dst_offs_G.shape[0]} padded "
+            "ends; expected one padded end per segment"
+        )
+    if not use_triton(impl, x_RK, "quantize_segments_t_scatter"):
+        return quantize_segments_t_scatter_reference(x_RK, offs_G, dst_offs_G, num_rows)
+    x_RK = x_RK.contiguous()
+    q_KP = _q_buffer((x_RK.shape[1], num_rows), x_RK.device, zero=True)
+    scale_GK = _segments(x_RK, offs_G, q_KP, 1, num_rows, dst_offs_G, num_rows)
+    return _finish(q_KP), scale_GK
+
+
+def quantize_segments_t_scatter_reference(x_RK, offs_G, dst_offs_G, num_rows):
+    rows = x_RK.shape[0]
+    seg_R = quantize.segment_ids(offs_G, rows)
+    live = seg_R < offs_G.shape[0]
+    starts = torch.cat([offs_G.new_zeros(1), offs_G[:-1]]).long()
+    dst_starts = torch.cat([dst_offs_G.new_zeros(1), dst_offs_G[:-1]]).long()
+    dest = torch.arange(rows, device=x_RK.device)[live] + (dst_starts - starts)[seg_R[live]]
+    x_PK = x_RK.new_zeros(num_rows, x_RK.shape[1]).index_copy_(0, dest, x_RK[live])
+    return quantize_segments_t_reference(x_PK, dst_offs_G)

@@ -1,0 +1,279 @@
+"""kernels.fp8_quant: the Triton e4m3 quantization kernels against their torch references, bitwise.
+
+CPU: the kernels under Triton's interpreter (one subprocess with TRITON_INTERPRET=1, running this module's
+``__main__`` over ``CASES``), each kernel compiled for sm_90 (IEEE division and the saturating
+round-to-nearest e4m3 cast in the PTX), the references' layouts and errors. GPU (``tests/test_fp8_gpu.py``)
+runs ``CASES`` plus real sizes on CUDA.
+
+Legend: M rows, K columns, G segments (experts), N rows of one expert's weight, H row width.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import traceback
+from pathlib import Path
+
+import pytest
+import torch
+
+from mok_megatron.compat import have_triton
+from mok_megatron.fp8 import quantize
+from mok_megatron.kernels import INTERPRETED, Impl
+from mok_megatron.kernels import fp8_quant as Q
+
+REPO = Path(__file__).resolve().parent.parent
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
+
+
+def _x(rows: int, cols: int, dtype, seed: int) -> torch.Tensor:
+    """Rows spanning 9 decades (subnormal e4m3 values in every row), values near +-448 after scaling."""
+    g = torch.Generator().manual_seed(seed)
+    mag = torch.logspace(-5, 4 if dtype != torch.float16 else 3, rows)[torch.randperm(rows, generator=g)]
+    return (torch.randn(rows, cols, generator=g) * mag[:, None]).to(dtype)
+
+
+def _bitwise(name: str, got, want) -> None:
+    (q, s), (q_ref, s_ref) = got, want
+    assert q.dtype == quantize.E4M3 and q.shape == q_ref.shape and q.is_contiguous(), (
+        name,
+        q.shape,
+        q.stride(),
+    )
+    assert s.dtype == torch.float32 and s.shape == s_ref.shape, (name, s.shape, s_ref.shape)
+    assert torch.equal(s, s_ref), f"{name}: scales differ at {(s != s_ref).nonzero()[:4].tolist()}"
+    diff = (q.view(torch.uint8) != q_ref.view(torch.uint8)).nonzero()
+    assert diff.numel() == 0, f"{name}: {diff.shape[0]} q bytes differ, first at {diff[:4].tolist()}"
+
+
+def rowwise_case(rows, width, dtype, *, zero_rows=(), batch=None, device="cpu"):
+    x = _x(rows, width, DTYPES[dtype], rows + width)
+    x[list(zero_rows)] = 0
+    if batch:
+        x = x.view(batch, rows // batch, width)
+    x = x.to(device)
+    _bitwise("rowwise", Q.quantize_rowwise(x, Impl.TRITON), Q.quantize_rowwise(x, Impl.TORCH))
+
+
+def segments_case(counts, width, dtype, *, spare=0, zero_segment=None, device="cpu"):
+    """Segments of ``counts`` rows (0 = empty), ``spare`` rows past the last offset."""
+    rows = sum(counts) + spare
+    x = _x(rows, width, DTYPES[dtype], rows * 7 + width)
+    offs = torch.tensor(counts, dtype=torch.int64).cumsum(0).to(torch.int32)
+    if zero_segment is not None:
+        end = int(offs[zero_segment])
+        x[end - counts[zero_segment] : end] = 0
+    x, offs = x.to(device), offs.to(device)
+    got = Q.quantize_segments_t(x, offs, Impl.TRITON)
+    _bitwise("segments", got, Q.quantize_segments_t(x, offs, Impl.TORCH))
+    # the reference it stands for: fp8.quantize.quantize_segments on x^T
+    q_ref, s_ref = quantize.quantize_segments(x.t(), offs)
+    assert torch.equal(got[0].view(torch.uint8), q_ref.view(torch.uint8)) and torch.equal(got[1], s_ref)
+
+
+def weight_case(groups, n, k, dtype, *, zero_expert=None, device="cpu"):
+    w = _x(groups * n, k, DTYPES[dtype], groups * n + k).view(groups, n, k)
+    if zero_expert is not None:
+        w[zero_expert] = 0
+    w = w.to(device)
+    got = Q.quantize_weight_t(w, Impl.TRITON)
+    _bitwise("weight_t", got, Q.quantize_weight_t(w, Impl.TORCH))
+    q_ref, s_ref = quantize.quantize_rowwise(w.transpose(-2, -1))
+    assert torch.equal(got[0].view(torch.uint8), q_ref.contiguous().view(torch.uint8))
+    assert torch.equal(got[1], s_ref)
+
+
+def scatter_case(counts, width, dtype, *, spare=0, zero_expert=None, device="cpu"):
+    """Quantize straight into the native path's padded layout (16 rows per expert, static P, the last
+    expert owning the spare rows): bitwise the unfused pad-then-quantize, both kernels. ``spare`` rows of x
+    past the last offset are dropped by the segment kernel (the rowwise one gets them no destination)."""
+    from mok_megatron.fp8 import align
+    from mok_megatron.mcore.padded_experts import native_num_rows, native_offsets
+
+    real = sum(counts)
+    x = _x(real + spare, width, DTYPES[dtype], real + width)
+    counts_E = torch.tensor(counts)
+    if zero_expert is not None:
+        end = int(counts_E[: zero_expert + 1].sum())
+        x[end - counts[zero_expert] : end] = 0
+    plan = align.pad_plan(counts_E, 16, real, native_num_rows(real, len(counts), 16))
+    x, offs, dst, dest = (t.to(device) for t in (x, plan.offsets_E, native_offsets(plan), plan.dest_R))
+    x_PH = align.pad_rows(x[:real], dataclasses.replace(plan, dest_R=dest))
+    got = Q.quantize_rowwise_scatter(x[:real], dest, plan.num_rows, Impl.TRITON)
+    _bitwise("rowwise_scatter", got, Q.quantize_rowwise_scatter(x[:real], dest, plan.num_rows, Impl.TORCH))
+    _bitwise("rowwise_scatter vs pad+quantize", got, Q.quantize_rowwise(x_PH, Impl.TORCH))
+    got = Q.quantize_segments_t_scatter(x, offs, dst, plan.num_rows, Impl.TRITON)
+    _bitwise("segments_scatter", got, Q.quantize_segments_t_scatter(x, offs, dst, plan.num_rows, Impl.TORCH))
+    _bitwise("segments_scatter vs pad+quantize", got, Q.quantize_segments_t(x_PH, dst, Impl.TORCH))
+
+
+# Small shapes: the CPU interpreter runs all of them in a few seconds.
+CASES = {
+    "rowwise_bf16_narrow": lambda **kw: rowwise_case(37, 100, "bf16", zero_rows=(3,), **kw),
+    "rowwise_fp32_pow2": lambda **kw: rowwise_case(16, 64, "fp32", **kw),
+    "rowwise_fp16_3d": lambda **kw: rowwise_case(24, 48, "fp16", batch=3, zero_rows=(0, 23), **kw),
+    "rowwise_bf16_two_pass": lambda **kw: rowwise_case(3, Q.ONE_PASS_MAX + 48, "bf16", zero_rows=(1,), **kw),
+    "segments_uneven_empty_zero_spare": lambda **kw: segments_case(
+        [16, 0, 48, 32, 80], 72, "bf16", spare=21, zero_segment=3, **kw
+    ),
+    "segments_fp32_one": lambda **kw: segments_case([64], 64, "fp32", **kw),
+    "segments_unaligned_rows": lambda **kw: segments_case([5, 70, 1], 24, "bf16", spare=3, **kw),
+    "segments_all_empty": lambda **kw: segments_case([0, 0], 32, "bf16", spare=9, **kw),
+    "segments_none": lambda **kw: segments_case([], 16, "bf16", spare=11, **kw),
+    "weight_t_bf16": lambda **kw: weight_case(3, 48, 80, "bf16", zero_expert=1, **kw),
+    "weight_t_fp32": lambda **kw: weight_case(2, 16, 32, "fp32", **kw),
+    "scatter_uneven_empty_zero": lambda **kw: scatter_case(
+        [5, 0, 17, 16, 33], 40, "bf16", zero_expert=3, **kw
+    ),
+    "scatter_spare_rows_fp32": lambda **kw: scatter_case([3, 20], 24, "fp32", spare=7, **kw),
+    "scatter_one_row": lambda **kw: scatter_case([0, 1, 0], 16, "bf16", **kw),
+}
+
+# Real sizes on the GPU: DeepSeek-V3 slice (H 7168, F 2048, 8 experts) and Qwen3-30B-A3B (H 2048, F 768).
+GPU_CASES = {
+    "rowwise_dsv3_x": lambda **kw: rowwise_case(4096, 7168, "bf16", zero_rows=(5,), **kw),
+    "rowwise_qwen_wide": lambda **kw: rowwise_case(512, 16384, "bf16", **kw),
+    "segments_dsv3_dy": lambda **kw: segments_case(
+        [4000, 0, 4112, 4096, 3968, 4224, 4096, 3584], 4096, "bf16", **kw
+    ),
+    "segments_qwen_a": lambda **kw: segments_case(
+        [96, 128, 0, 16] * 32, 768, "bf16", spare=64, zero_segment=1, **kw
+    ),
+    "weight_t_dsv3_w1": lambda **kw: weight_case(2, 4096, 7168, "bf16", **kw),
+    "weight_t_qwen_w2": lambda **kw: weight_case(128, 2048, 768, "bf16", zero_expert=7, **kw),
+    "scatter_dsv3_x": lambda **kw: scatter_case([4093, 0, 4111, 3573], 7168, "bf16", **kw),
+    "scatter_qwen_x": lambda **kw: scatter_case([97, 130, 0, 3] * 32, 2048, "bf16", zero_expert=5, **kw),
+}
+
+
+def run_cases(cases: dict, device: str) -> dict:
+    out = {}
+    for name, case in cases.items():
+        try:
+            case(device=device)
+            out[name] = "ok"
+        except Exception:
+            out[name] = traceback.format_exc()[-2000:]
+    return out
+
+
+# ---- CPU: the kernels interpreted -----------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def interpreted_results():
+    if not have_triton():
+        pytest.skip("Triton is not installed")
+    out = Path(os.environ.get("TMPDIR", "/tmp")) / f"mok_fp8_quant_cases_{os.getpid()}.json"
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
+    cmd = [sys.executable, "-m", "tests.test_fp8_quant_kernels", "--json", str(out)]
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    if proc.returncode != 0 or not out.exists():
+        pytest.fail(f"interpreter run failed (rc {proc.returncode}):\n{proc.stderr[-4000:]}")
+    results = json.loads(out.read_text())
+    out.unlink()
+    return results
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_interpreted_kernel_bitwise_equals_reference(case, interpreted_results):
+    assert interpreted_results[case] == "ok", interpreted_results[case]
+
+
+# ---- CPU: references, layouts, errors --------------------------------------------------------------------------
+
+
+def test_reference_layouts_are_what_scaled_grouped_mm_takes():
+    x = _x(48, 32, torch.bfloat16, 1)
+    offs = torch.tensor([16, 16, 48], dtype=torch.int32)
+    q_KM, s_GK = Q.quantize_segments_t(x, offs, Impl.TORCH)
+    assert q_KM.shape == (32, 48) and q_KM.is_contiguous() and s_GK.shape == (3, 32)
+    assert torch.all(s_GK[1] == 1)  # the empty expert
+    # dequantized per (segment, column) within the e4m3 bound of fp8.quantize (1/16 of the group amax)
+    seg = quantize.segment_ids(offs, 48)
+    deq = q_KM.float() * s_GK[seg].t()
+    amax = torch.stack([x[a:b].float().abs().amax(0) for a, b in ((0, 16), (16, 48))])
+    assert bool(((deq - x.float().t()).abs() <= amax[(seg > 0).long()].t() / 16 + 1e-30).all())
+    w = _x(2 * 16, 48, torch.bfloat16, 2).view(2, 16, 48)
+    q_GKN, s_GK = Q.quantize_weight_t(w, Impl.TORCH)
+    assert q_GKN.shape == (2, 48, 16) and q_GKN.is_contiguous() and s_GK.shape == (2, 48)
+
+
+def test_errors_name_the_bad_value():
+    x = torch.randn(8, 16)
+    with pytest.raises(ValueError, match=r"offsets \(2,\) torch.int64.*expected \[G\] int32"):
+        Q.quantize_segments_t(x, torch.tensor([4, 8]))
+    with pytest.raises(ValueError, match=r"x has shape \(8, 16, 1\), expected \[M, K\]"):
+        Q.quantize_segments_t(x[..., None], torch.tensor([8], dtype=torch.int32))
+    with pytest.raises(ValueError, match=r"w has shape \(8, 16\), expected \[G, N, K\]"):
+        Q.quantize_weight_t(x)
+    with pytest.raises(TypeError, match="float8_e4m3fn is not supported"):
+        Q.quantize_rowwise(x.to(quantize.E4M3))
+
+
+@pytest.mark.skipif(not have_triton() or INTERPRETED, reason="needs Triton, not in interpreter mode")
+def test_triton_on_cpu_without_interpreter_says_how():
+    with pytest.raises(ValueError, match="TRITON_INTERPRET=1"):
+        Q.quantize_rowwise(torch.randn(3, 16), Impl.TRITON)
+
+
+def _sm90_kernels():
+    row = dict(x_ptr="*bf16", q_ptr="*fp8e4nv", s_ptr="*fp32", dest_ptr="*i64")
+    seg = dict(x_ptr="*bf16", offs_ptr="*i32", s_ptr="*fp32", q_ptr="*fp8e4nv", dst_offs_ptr="*i32")
+    blocks = dict(BLOCK_M=Q.SEG_BLOCK_M, BLOCK_K=Q.SEG_BLOCK_K)
+    one, two = dict(BLOCK_R=1, BLOCK_H=8192, ONE_PASS=True), dict(BLOCK_R=1, BLOCK_H=4096, ONE_PASS=False)
+    return {
+        "rowwise_one_pass": (Q._rowwise_kernel, row, one | dict(HAS_DEST=False), True),
+        "rowwise_two_pass": (Q._rowwise_kernel, row, two | dict(HAS_DEST=False), True),
+        "rowwise_scatter": (
+            Q._rowwise_kernel,
+            row,
+            dict(BLOCK_R=4, BLOCK_H=1024, ONE_PASS=True, HAS_DEST=True),
+            True,
+        ),
+        "segment_amax": (Q._segment_amax_kernel, seg, blocks, False),
+        "segment_cast": (Q._segment_cast_kernel, seg, blocks | dict(SHIFT=False), True),
+        "segment_cast_scatter": (Q._segment_cast_kernel, seg, blocks | dict(SHIFT=True), True),
+    }
+
+
+@pytest.mark.skipif(not have_triton() or INTERPRETED, reason="needs Triton, not in interpreter mode")
+@pytest.mark.parametrize("kernel", list(_sm90_kernels()))
+def test_kernel_compiles_for_sm90_with_exact_numerics(kernel):
+    """What bitwise equality on the GPU rests on: IEEE round-to-nearest division (not div.full's
+    approximation) and the round-to-nearest saturating e4m3 conversion."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    if not (Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas").exists():
+        pytest.skip("this Triton has no bundled ptxas")
+    fn, pointers, constexprs, casts = _sm90_kernels()[kernel]
+    signature = {n: "constexpr" if n in constexprs else pointers.get(n, "i32") for n in fn.arg_names}
+    compiled = triton.compile(
+        ASTSource(fn=fn, signature=signature, constexprs=constexprs), target=GPUTarget("cuda", 90, 32)
+    )
+    ptx = compiled.asm["ptx"]
+    assert "div.rn.f32" in ptx and "div.full" not in ptx and "div.approx" not in ptx
+    assert ("cvt.rn.satfinite.e4m3x2.f32" in ptx) == casts
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description="run the fp8 quantization kernel cases")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--gpu-cases", action="store_true")
+    p.add_argument("--json", required=True)
+    a = p.parse_args(argv)
+    res = run_cases(CASES | (GPU_CASES if a.gpu_cases else {}), a.device)
+    Path(a.json).write_text(json.dumps(res))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
