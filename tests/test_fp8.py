@@ -704,22 +704,34 @@ def test_weight_cache_entry_dies_with_its_weight():
     assert len(native._WEIGHTS) == n
 
 
-def test_fp8_linear_reuses_quantized_weights_across_microbatches(monkeypatch):
+@pytest.mark.parametrize("policy", ["measured", "exact"])
+def test_fp8_linear_reuses_quantized_weights_across_microbatches(monkeypatch, policy):
     """Two micro-batches with the same weights: each orientation quantized once; forward GEMMs use fast
-    accumulation, dgrad and wgrad do not; gradients within the e4m3 bound of the bf16 math."""
+    accumulation; dgrad too for short contractions (measured policy: N <= DGRAD_FAST_ACCUM_MAX_N), and
+    the weight gradient runs in bf16 below WGRAD_FP8_MIN_ROWS rows per expert (no FP8 GEMM call);
+    "exact": thresholds moved so dgrad accumulates exactly and wgrad runs in FP8. Gradients within the
+    e4m3 bound of the bf16 math either way."""
+    if policy == "exact":
+        monkeypatch.setattr(native, "DGRAD_FAST_ACCUM_MAX_N", 0)
+        monkeypatch.setattr(native, "WGRAD_FP8_MIN_ROWS", 1)
     calls = []
     monkeypatch.setattr(native, "_gemm", _fake_scaled_grouped_mm(calls))
     counts = _count_weight_quantization(monkeypatch)
     _, x, w, dy, offs = _operands(2)
     w = torch.nn.Parameter(w)
-    grads = []
+    grads, wgrads = [], []
     for _ in range(2):
         xi = x.clone().requires_grad_(True)
+        w.grad = None
         native._FP8GroupedLinear.apply(xi, w, offs).backward(dy)
         grads.append(xi.grad)
+        wgrads.append(w.grad)
     assert counts == {"fwd": 1, "dgrad": 1}
-    assert calls == [True, False, False] * 2
+    assert calls == ([True, True] if policy == "measured" else [True, False, False]) * 2
     assert torch.equal(grads[0], grads[1])
+    spans = ((0, 16), (16, 16), (16, 64), (64, 96))
+    wref = torch.stack([dy[s:e].float().t() @ x[s:e].float() for s, e in spans])
+    assert float((wgrads[0].float() - wref).norm() / wref.norm()) < 0.05
     ref = torch.cat(
         [
             dy[s:e].float() @ w[g].detach().float()

@@ -96,8 +96,7 @@ def weight_case(groups, n, k, dtype, *, zero_expert=None, device="cpu"):
     got = Q.quantize_weight_t(w, Impl.TRITON)
     _bitwise("weight_t", got, Q.quantize_weight_t(w, Impl.TORCH))
     q_ref, s_ref = quantize.quantize_rowwise(w.transpose(-2, -1))
-    assert torch.equal(got[0].view(torch.uint8), q_ref.contiguous().view(torch.uint8))
-    assert torch.equal(got[1], s_ref)
+    _bitwise("weight_t vs rowwise", got, (q_ref.contiguous(), s_ref))
 
 
 def scatter_case(counts, width, dtype, *, spare=0, zero_expert=None, device="cpu"):

@@ -20,8 +20,18 @@ range buys delayed scaling).
 
 Accumulation: the forward GEMM runs with ``use_fast_accum=True`` (Hopper's FP8 tensor cores accumulate in
 reduced precision, promoted to fp32 only between k-tiles; TE and DeepSeek-V3 do this for fprop, where the
-error it adds is small next to e4m3's 2^-4 rounding), dgrad and wgrad with ``use_fast_accum=False``
-(full fp32 accumulation: gradients sum many small terms, wgrad over all of an expert's tokens).
+error it adds is small next to e4m3's 2^-4 rounding); dgrad too when its contraction (the weight's N) is at
+most ``DGRAD_FAST_ACCUM_MAX_N`` (the error grows with the contraction length), else ``use_fast_accum=False``
+(full fp32 accumulation), as wgrad always. Why not exact everywhere: on the H200 (torch 2.11, measured with
+``benchmarks/fp8_gemm_probe.py``) exact accumulation runs the Qwen3-30B-A3B expert GEMMs (128 experts x ~1024
+rows, contraction 768-2048) at 286-370 TFLOP/s against 711-1179 with fast accumulation and 560-718 in bf16,
+while on the DeepSeek-V3 slice (8 x 4096 rows, contraction 2048-7168) it costs only 16-19 %.
+
+Weight gradient: FP8 (per-expert column scales) when the experts average at least ``WGRAD_FP8_MIN_ROWS``
+rows (static: padded rows / experts), else bf16 ``torch._grouped_mm`` on the unquantized operands: the FP8
+2d x 2d kernel ran the Qwen3 shapes (~1024 rows per expert) at 245-338 TFLOP/s against 649-668 in bf16,
+and the DeepSeek slice (4096 rows) at 1004-1019 against 693-701. The bf16 path also skips the two
+per-(expert, column) quantization passes.
 
 Quantization kernels (``kernels.fp8_quant``): on CUDA one-pass Triton kernels (rowwise for x, dy and the
 forward weight; per-(expert, column) with a transposing write for the wgrad operands and the dgrad weight),
@@ -53,6 +63,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 from torch.utils.weak import WeakIdKeyDictionary
 
 from mok_megatron.config import MoKConfigError
+from mok_megatron.ops.grouped_gemm import _wgrad as _bf16_wgrad
 from mok_megatron.kernels.fp8_quant import (
     quantize_rowwise,
     quantize_rowwise_scatter,
@@ -66,6 +77,21 @@ from mok_megatron.kernels.fp8_quant import (
 ALIGNMENT = 16
 MIN_CAPABILITY = (9, 0)
 OUT_DTYPE = torch.bfloat16
+DGRAD_FAST_ACCUM_MAX_N = 2048  # dgrad contraction length up to which fast accumulation is used
+WGRAD_FP8_MIN_ROWS = 2048  # average rows per expert from which the weight gradient runs in FP8
+
+
+def _dgrad_fast(w_GNK: torch.Tensor) -> bool:
+    return w_GNK.shape[1] <= DGRAD_FAST_ACCUM_MAX_N
+
+
+def _wgrad_fp8(num_rows: int, w_GNK: torch.Tensor) -> bool:
+    return num_rows >= WGRAD_FP8_MIN_ROWS * w_GNK.shape[0]
+
+
+def _wgrad_bf16(dy_MN: torch.Tensor, x_MK: torch.Tensor, offs_G: torch.Tensor, w_GNK: torch.Tensor):
+    """bf16 weight gradient ``dw[g] = dy_g^T x_g`` (rows grouped by ``offs_G``, unquantized operands)."""
+    return _bf16_wgrad(dy_MN.to(w_GNK.dtype), x_MK.to(w_GNK.dtype), offs_G)
 
 
 def unavailable_reason(device: torch.device | str) -> str | None:
@@ -207,9 +233,13 @@ class _FP8GroupedLinear(torch.autograd.Function):
         dx_MK = dw_GNK = None
         if ctx.needs_input_grad[0]:
             operands = dgrad_operands(dy_MN, w_GNK, quantized_weight(w_GNK, "dgrad"))
-            dx_MK = _gemm(*operands, offs_G, fast_accum=False).to(x_MK.dtype)
+            dx_MK = _gemm(*operands, offs_G, fast_accum=_dgrad_fast(w_GNK)).to(x_MK.dtype)
         if ctx.needs_input_grad[1]:
-            dw_GNK = _gemm(*wgrad_operands(dy_MN, x_MK, offs_G), offs_G, fast_accum=False).to(w_GNK.dtype)
+            if _wgrad_fp8(x_MK.shape[0], w_GNK):
+                operands = wgrad_operands(dy_MN, x_MK, offs_G)
+                dw_GNK = _gemm(*operands, offs_G, fast_accum=False).to(w_GNK.dtype)
+            else:
+                dw_GNK = _wgrad_bf16(dy_MN, x_MK, offs_G, w_GNK)
         return dx_MK, dw_GNK, None
 
 
@@ -234,11 +264,15 @@ class _FP8GroupedLinearPadded(torch.autograd.Function):
         dx_RK = dw_GNK = None
         if ctx.needs_input_grad[0]:
             operands = dgrad_operands(dy_PN, w_GNK, quantized_weight(w_GNK, "dgrad"))
-            dx_RK = _gemm(*operands, offs_G, fast_accum=False).index_select(0, dest_R).to(x_RK.dtype)
+            dx_PK = _gemm(*operands, offs_G, fast_accum=_dgrad_fast(w_GNK))
+            dx_RK = dx_PK.index_select(0, dest_R).to(x_RK.dtype)
         if ctx.needs_input_grad[1]:
-            x_quantized = quantize_segments_t_scatter(x_RK, offs_real_G, offs_G, ctx.num_rows)
-            operands = wgrad_operands(dy_PN, None, offs_G, x_quantized)
-            dw_GNK = _gemm(*operands, offs_G, fast_accum=False).to(w_GNK.dtype)
+            if _wgrad_fp8(ctx.num_rows, w_GNK):
+                x_quantized = quantize_segments_t_scatter(x_RK, offs_real_G, offs_G, ctx.num_rows)
+                operands = wgrad_operands(dy_PN, None, offs_G, x_quantized)
+                dw_GNK = _gemm(*operands, offs_G, fast_accum=False).to(w_GNK.dtype)
+            else:  # the real rows of dy against x's real rows
+                dw_GNK = _wgrad_bf16(dy_PN.index_select(0, dest_R), x_RK, offs_real_G, w_GNK)
         return dx_RK, dw_GNK, None, None, None, None
 
 
@@ -262,13 +296,17 @@ class _FP8GroupedLinearGather(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             dyq_PN, dys_P = quantize_rowwise_scatter(dy_RN, dest_R, num_rows)
             wq_GKN, ws_GK = quantized_weight(w_GNK, "dgrad")
-            dx_PK = _gemm(dyq_PN, wq_GKN.transpose(-2, -1), dys_P, ws_GK, offs_G, fast_accum=False)
+            fast = _dgrad_fast(w_GNK)
+            dx_PK = _gemm(dyq_PN, wq_GKN.transpose(-2, -1), dys_P, ws_GK, offs_G, fast_accum=fast)
             dx_PK = dx_PK.to(x_PK.dtype)
         if ctx.needs_input_grad[1]:
-            dyq_NP, dys_GN = quantize_segments_t_scatter(dy_RN, offs_real_G, offs_G, num_rows)
-            xq_KP, xs_GK = quantize_segments_t(x_PK, offs_G)
-            operands = (dyq_NP, xq_KP.t(), dys_GN.reshape(-1), xs_GK.reshape(-1))
-            dw_GNK = _gemm(*operands, offs_G, fast_accum=False).to(w_GNK.dtype)
+            if _wgrad_fp8(num_rows, w_GNK):
+                dyq_NP, dys_GN = quantize_segments_t_scatter(dy_RN, offs_real_G, offs_G, num_rows)
+                xq_KP, xs_GK = quantize_segments_t(x_PK, offs_G)
+                operands = (dyq_NP, xq_KP.t(), dys_GN.reshape(-1), xs_GK.reshape(-1))
+                dw_GNK = _gemm(*operands, offs_G, fast_accum=False).to(w_GNK.dtype)
+            else:  # x's real rows against the real rows of dy
+                dw_GNK = _wgrad_bf16(dy_RN, x_PK.index_select(0, dest_R), offs_real_G, w_GNK)
         return dx_PK, dw_GNK, None, None, None
 
 
