@@ -35,7 +35,7 @@ def main() -> None:
             cfg = layer_config(shape, None)
             layer = build_layer(backend, cfg, None)
 
-            def step(layer=layer, cfg=cfg):
+            def step(layer=layer, cfg=cfg, x=x, dout=dout):
                 layer.zero_grad(set_to_none=True)
                 return fwd_bwd(layer, cfg, x, dout)
 
