@@ -133,6 +133,12 @@ def test_bench_ep_under_torchrun_compares_with_megatron(tmp_path):
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     rows = json.loads(out.read_text())
     mok2 = [row for row in rows if row["impl"] == "mok" and row["ep"] == 2]
-    assert {row["transport"] for row in mok2} == {"plain", "collective exact"}
+    # one row per transport x --mok-local-rows setting (default: both) x minibatch count
+    assert {row["transport"] for row in mok2} == {
+        "plain",
+        "collective overlap exact",
+        "collective fused exact",
+    }
+    assert sorted(row["chunks"] for row in mok2 if row["transport"] != "plain") == [1, 1, 2, 2]
     assert all(row["rel_err"] < 1e-4 for row in rows if "rel_err" in row)
     assert "hidden vs Megatron's comm" in r.stdout
