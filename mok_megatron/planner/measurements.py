@@ -132,7 +132,7 @@ def ep_results(run: Path) -> tuple[list[Layer1], list[EPPoint]]:
             continue
         words = r["transport"].split()
         transport = words[0] if r["impl"] == "mok" else "nccl a2a"
-        mode = (words[1] if len(words) > 1 else "exact") if r["impl"] == "mok" else ""
+        mode = (" ".join(words[1:]) or "exact") if r["impl"] == "mok" else ""  # "exact", "exact fused"
         twos.append(
             EPPoint(
                 run.name, r["impl"], transport, mode, r["chunks"], r["shape"], moe, tokens, r["ep"], r["ms"]

@@ -15,6 +15,7 @@ from mok_megatron.planner.calibrate import (
     family,
     gemm_efficiency,
     link_efficiency,
+    split_mode,
 )
 from mok_megatron.planner.hardware import Cluster
 from mok_megatron.planner.links import LinkError, LinkModel
@@ -130,7 +131,7 @@ def layer_options(
         except LinkError:
             continue
         for chunks, mode in ov.options(fam):
-            if not any(mode in e.kappa for e in ov.engines.values()):
+            if not any(split_mode(mode)[0] in e.kappa or mode in e.kappa for e in ov.engines.values()):
                 continue  # never measured on real EP: its real-EP overhead (kappa) is unknown
             big_o, e = ov.oe((fam, chunks, mode))
             o = big_o * ov.k(mode) * base

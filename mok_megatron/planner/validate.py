@@ -137,6 +137,7 @@ def checks(m: Measurements) -> list[Check]:
             )
         )
     ones = {(p.source, p.impl, p.shape): p.ms for p in m.layer1}
+    start = {(p.source, p.impl, p.shape): d for p, d in outliers.items()}  # EP=1 run outliers by run
     for p in m.ep:
         if p.source not in held:
             held[p.source] = calibrate(m.without(p.source))
@@ -157,7 +158,13 @@ def checks(m: Measurements) -> list[Check]:
         if cross and "other engine" not in note:
             note = f"other engine: {engine_of(p.source)} EP=1 fit lacks points without this run"
         hb = p.impl != "mok" and full.fit(p.impl)[0].host_bound(p.tokens, local_shape(p))
-        out.append(Check(p.source, what, p.ms, predict_ep(full, p), ho, an, note, cross, host_bound=hb))
+        dev = start.get((p.source, p.impl, p.shape))  # the same start's EP=1 same-work point is one
+        if dev is not None:
+            note = (
+                f"run outlier: its run's EP=1 same-work point is {100 * dev:+.0f}% vs that point's median"
+                + (f"; {note}" if note else "")
+            )
+        out.append(Check(p.source, what, p.ms, predict_ep(full, p), ho, an, note, cross, dev, host_bound=hb))
     return out
 
 
