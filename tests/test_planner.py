@@ -512,3 +512,37 @@ def test_host_floor_is_a_lower_bound_of_its_generation_and_binds_only_with_host_
             f = 0.0 if "graph" in m.mode else floor.ms(m.transport, m.chunks)
             assert m.total_ms == pytest.approx(max(h.total_ms, f))
     assert any(m.total_ms > h.total_ms for h, m in zip(hid, mea, strict=True) if m.impl == "mok")
+
+
+def test_local_rows_labels_from_the_auto_rule(meas):
+    """s4c rows carry no local-rows label: calibration.json's auto rule labels them per link speed;
+    s4d's labelled rows keep theirs; older runs stay unlabelled."""
+    assert calibrate.split_mode("sync-free+graph fused") == ("sync-free+graph", "fused")
+    assert calibrate.split_mode("exact") == ("exact", "")
+    loop = calibrate.declared_only(meas).loop
+    s4c = {(r.gbps, r.mode) for r in loop if r.source == "s4c" and r.mode.startswith("exact")}
+    assert s4c == {(0.0, "exact fused"), (450.0, "exact fused"), (50.0, "exact overlap")}
+    assert {r.mode for r in loop if r.source == "s4d"} >= {"exact overlap", "sync-free+graph fused"}
+    assert {r.mode for r in loop if r.source == "run17"} == {"exact", "sync-free+graph"}
+
+
+def test_pinned_and_joint_exposure_hand_computed():
+    def row(gbps, ms, link):
+        return measurements.LoopRow("x", "s", "m", gbps, 1, ms, 10.0, link, 0.0)
+
+    # ms - t0 = O t0 + e link with O = 0.1, e = 0.5: 10 + 1 + 0.5 link
+    fin = [row(450, 11 + 0.5 * 4, 4.0), row(50, 11 + 0.5 * 36, 36.0)]
+    assert calibrate._pinned_e(fin, 0.1) == pytest.approx(0.5)
+    o, e = calibrate._joint_oe(fin)
+    assert (o, e) == (pytest.approx(0.1), pytest.approx(0.5))
+    assert calibrate._joint_oe(fin[:1]) is None  # one link speed cannot separate O from e
+
+
+def test_recommendation_picks_the_local_rows_for_the_link():
+    def lp(mode, ms):
+        return predict.LayerPrediction("mok", "collective", 2, mode, 5.0, 1.0, 2.0, 1.0, ms)
+
+    opts = [lp("exact fused", 10.0), lp("exact overlap", 10.1), lp("sync-free+graph fused", 9.0)]
+    assert predict.recommended(opts[:2], fast_link=True).mode == "exact fused"
+    assert predict.recommended(opts[:2], fast_link=False).mode == "exact overlap"
+    assert predict.recommended(opts).mode == "sync-free+graph fused"  # exact is > 3 % slower

@@ -330,32 +330,49 @@ def _joint_oe(fin: list) -> tuple[float, float] | None:
     return o, min(e, 1.5)
 
 
-def _loop_tables(m: Measurements):
+def _loop_tables(m: Measurements, prior: dict | None = None):
+    """Per (shape, minibatches, mode): O from each run's infinite-link row, e by least squares over
+    its finite rows with O pinned. A run without an infinite-link row (s4d) takes O measured by the
+    other runs of this table, else from ``prior`` (an older generation's O: the change it timed,
+    e.g. engine-6's backward reorder, is about the link), else fits O and e jointly (_joint_oe)."""
     over, expo = {}, {}
     by = {}
     for r in m.loop:
         by.setdefault((r.source, r.shape, r.chunks, r.mode), []).append(r)
-    o_runs, e_runs = {}, {}
+    o_runs, e_runs, later = {}, {}, []
     for (_src, shape, chunks, mode), rows in by.items():
         inf = [r for r in rows if r.gbps == 0]
         fin = [r for r in rows if r.gbps > 0]
         if not inf:
+            later.append(((shape, chunks, mode), fin))
+            continue
+        o_runs.setdefault((shape, chunks, mode), []).append((inf[0].ms - inf[0].t0_ms) / inf[0].t0_ms)
+        if fin:
+            e_runs.setdefault((shape, chunks, mode), []).append(
+                _pinned_e(fin, o_runs[(shape, chunks, mode)][-1])
+            )
+    measured = {k: statistics.median(v) for k, v in o_runs.items()}
+    for key, fin in later:
+        o = measured.get(key, (prior or {}).get(key))
+        if o is None:
             both = _joint_oe(fin)
             if both:
-                o_runs.setdefault((shape, chunks, mode), []).append(both[0])
-                e_runs.setdefault((shape, chunks, mode), []).append(both[1])
-            continue
-        o_abs = inf[0].ms - inf[0].t0_ms
-        o_runs.setdefault((shape, chunks, mode), []).append(o_abs / inf[0].t0_ms)
-        if fin:
-            num = sum((r.ms - r.t0_ms - o_abs) * r.link_ms for r in fin)
-            den = sum(r.link_ms**2 for r in fin)
-            e_runs.setdefault((shape, chunks, mode), []).append(min(max(num / den, 0.0), 1.5))
+                o_runs.setdefault(key, []).append(both[0])
+                e_runs.setdefault(key, []).append(both[1])
+        elif fin:
+            e_runs.setdefault(key, []).append(_pinned_e(fin, o))
+            o_runs.setdefault(key, []).append(o)
     for k, v in o_runs.items():
         over[k] = statistics.median(v)
     for k, v in e_runs.items():
         expo[k] = statistics.median(v)
     return over, expo
+
+
+def _pinned_e(fin: list, o: float) -> float:
+    """e with O fixed: least squares of ms - t0 - O * t0 = e * link_ms, within [0, 1.5]."""
+    num = sum((r.ms - r.t0_ms - o * r.t0_ms) * r.link_ms for r in fin)
+    return min(max(num / sum(r.link_ms**2 for r in fin), 0.0), 1.5)
 
 
 def mok_link_ms(p: EPPoint, eff: float | None = None) -> float:
@@ -391,6 +408,7 @@ class OverlapFit:
     exposed: dict  # (shape, chunks, mode) -> e, medians over every run
     engines: dict = field(default_factory=dict)  # generation -> EngineFit
     by_gen: dict = field(default_factory=dict)  # generation -> (overhead, exposed) of its own loopback runs
+    o_measured: frozenset = frozenset()  # keys with an infinite-link row in some run (O measured, not fitted)
 
     def oe(self, key: tuple, gen: str | None = None) -> tuple[float, float]:
         """O and e of a loopback (shape, minibatches, mode) for engine generation ``gen`` (default: the
@@ -405,9 +423,13 @@ class OverlapFit:
         return self.overhead[key], self.exposed[key]
 
     def options(self, shape: str) -> list[tuple[int, str]]:
-        """(minibatches, mode) measured for ``shape``; once modes carry local rows (engine-5 on), only
-        the labelled ones: they are today's engine, the unlabelled ones an older one."""
+        """(minibatches, mode) measured for ``shape`` with O from an infinite-link row; once modes carry
+        local rows (engine-5 on), only the labelled ones: they are today's engine, the unlabelled ones
+        an older one. Today that leaves the fused modes (s4c: auto chose fused at infinite link; no
+        run measured the overlap modes at infinite link)."""
         got = sorted({(c, m) for (s, c, m) in self.overhead if s == shape and (s, c, m) in self.exposed})
+        if self.o_measured:  # a jointly fitted O (no infinite-link row anywhere) is not offered
+            got = [(c, m) for c, m in got if (shape, c, m) in self.o_measured]
         new = [(c, m) for c, m in got if split_mode(m)[1]]
         return new or got
 
@@ -484,7 +506,7 @@ def fit_overlap(m: Measurements) -> OverlapFit:
     for gen in GENERATIONS:
         rows = tuple(r for r in m.loop if engine_of(r.source) == gen)
         if rows:
-            by_gen[gen] = _loop_tables(Measurements((), (), rows))
+            by_gen[gen] = _loop_tables(Measurements((), (), rows), prior=over)
     ones = {(p.source, p.shape): p.ms for p in m.layer1 if p.impl == "mok"}
     engines = {}
     for gen in GENERATIONS:
@@ -499,7 +521,8 @@ def fit_overlap(m: Measurements) -> OverlapFit:
             engines[gen] = fit
     if not engines:
         raise ValueError("no MoK EP>1 measurement matches a loopback row: cannot calibrate kappa")
-    return OverlapFit(over, expo, engines, by_gen)
+    measured = frozenset((r.shape, r.chunks, r.mode) for r in m.loop if r.gbps == 0)
+    return OverlapFit(over, expo, engines, by_gen, measured)
 
 
 _LOOP_CHUNKS = re.compile(r"^(?P<key>.*) pipe C=(?P<c>\d+)(?P<rest>.*)$")  # profile_layer.py loopback rows
