@@ -546,3 +546,50 @@ def test_recommendation_picks_the_local_rows_for_the_link():
     assert predict.recommended(opts[:2], fast_link=True).mode == "exact fused"
     assert predict.recommended(opts[:2], fast_link=False).mode == "exact overlap"
     assert predict.recommended(opts).mode == "sync-free+graph fused"  # exact is > 3 % slower
+
+
+def test_ep_labels_with_local_rows_read_as_the_loopback_spelling(tmp_path):
+    rows = [
+        {"shape": "qwen3", "ep": 2, "impl": "mok", "transport": t, "chunks": 1, "ms": 16.0}
+        for t in ("collective exact", "copy_engine fused sync-free+graph", "collective overlap exact",
+                  "collective no-B exact", "plain")
+    ]  # fmt: skip
+    (tmp_path / "ep.json").write_text(json.dumps(rows))
+    got = [(p.transport, p.mode) for p in measurements.ep_results(tmp_path)[1]]
+    assert got == [
+        ("collective", "exact"),
+        ("copy_engine", "sync-free+graph fused"),
+        ("collective", "exact overlap"),
+        ("plain", "exact"),
+    ]  # no-B (local rows in region A only) is not a modelled mode
+
+
+def test_a_labelled_engine6_ep_run_gets_its_own_kappa(tmp_path, monkeypatch):
+    """What s4b (EP=2, --local-rows, engine-6) will look like: declared by data, its labelled modes get
+    engine-6 kappas from engine-6's loopback rows, and every point is predicted."""
+    shutil.copy(measurements.DOCS / "benchmarks.md", tmp_path / "benchmarks.md")
+    shutil.copytree(measurements.DOCS / "results", tmp_path / "results")
+    src = json.loads((tmp_path / "results/2026-12-01/s4a/ep.json").read_text())
+    out = []
+    for r in src:
+        if r["impl"] == "mok" and r["transport"] != "plain":
+            tr, mode = r["transport"].split()
+            for lr in ("overlap", "fused"):
+                out.append(
+                    dict(r, transport=f"{tr} {lr} {'exact' if mode == 'exact' else 'sync-free+graph'}")
+                )
+        else:
+            out.append(r)
+    (tmp_path / "results/2026-12-01/s4b").mkdir()
+    (tmp_path / "results/2026-12-01/s4b/ep.json").write_text(json.dumps(out))
+    gens = [
+        dict(g, runs=[*g["runs"], "s4b"]) if g["name"] == "engine-6" else g
+        for g in calibrate.DATA["engine_generations"]
+    ]
+    monkeypatch.setitem(calibrate.DATA, "engine_generations", gens)
+    m = measurements.load(tmp_path)
+    assert not calibrate.undeclared(m)
+    cal = calibrate.calibrate(m)
+    assert "exact fused" in cal.overlap.engines["engine-6"].kappa
+    rows = [r for r in validate.checks(m) if r.source == "s4b"]
+    assert any("sync-free+graph fused" in r.what for r in rows) and all(r.in_sample_ms > 0 for r in rows)
