@@ -16,6 +16,7 @@ from mok_megatron.planner.calibrate import (
     calibrate,
     declared_only,
     engine_of,
+    kernels_of,
     family,
     local_shape,
     megatron_link_ms,
@@ -232,11 +233,12 @@ class Spread:
 
 
 def _repeats(m: Measurements) -> dict[tuple, list[Layer1]]:
-    """EP=1 points grouped by (implementation, per-rank shape, tokens, MoK engine generation): a MoK
-    point only repeats within its generation (a faster engine is not run-to-run spread)."""
+    """EP=1 points grouped by (implementation, per-rank shape, tokens, MoK layer kernels): a MoK
+    point only repeats within the generations that share its kernels (calibration.json 'kernels'; an
+    EP=1 layer runs no pipeline, so faster kernels are not run-to-run spread, a new engine is)."""
     by: dict[tuple, list] = {}
     for p in m.layer1:
-        gen = engine_of(p.source) if p.impl in ENGINE_IMPLS else ""
+        gen = kernels_of(engine_of(p.source)) if p.impl in ENGINE_IMPLS else ""
         key = (p.impl, p.moe.hidden, p.moe.ffn, p.moe.experts, p.moe.topk, p.tokens, gen)
         by.setdefault(key, []).append(p)
     return by
@@ -260,7 +262,7 @@ def spreads(m: Measurements) -> list[Spread]:
     out = []
     for (impl, h, _f, e, _k, t, gen), pts in _repeats(m).items():
         if len({p.source for p in pts}) > 1:
-            what = f"EP=1 {impl}{f' ({gen})' if gen else ''} H{h} E_local {e} {t} tok"
+            what = f"EP=1 {impl}{f' ({gen} kernels)' if gen else ''} H{h} E_local {e} {t} tok"
             out.append(Spread(what, tuple(p.source for p in pts), tuple(p.ms for p in pts)))
     return sorted(out, key=lambda s: -s.spread)
 
