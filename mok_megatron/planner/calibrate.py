@@ -97,11 +97,49 @@ def undeclared(m: Measurements) -> tuple[str, ...]:
     return tuple(s for s in dict.fromkeys(mok) if engine_of(s) is None)
 
 
+LOCAL_ROWS = ("overlap", "fused")  # --mok-local-rows choices a mode label may end with
+
+
+def split_mode(label: str) -> tuple[str, str]:
+    """("sync-free+graph fused") -> ("sync-free+graph", "fused"); a label without local rows (engines
+    before engine-5, or auto) -> (label, "")."""
+    words = label.split()
+    if len(words) > 1 and words[-1] in LOCAL_ROWS:
+        return " ".join(words[:-1]), words[-1]
+    return label, ""
+
+
+def auto_local_rows(source: str, gbps: float) -> str:
+    """The local rows ``--mok-local-rows auto`` chose for an unlabelled loopback row of ``source``
+    (calibration.json: local_rows_auto of its generation, per emulated link GB/s); "" when the
+    generation declares no auto rule (engines without the option) or not for this link speed."""
+    for g in DATA["engine_generations"]:
+        rule = g.get("local_rows_auto")
+        if source in g["runs"] and rule:
+            for choice in LOCAL_ROWS:
+                if gbps in rule.get(f"{choice}_gbps", []):
+                    return choice
+    return ""
+
+
+def labelled(m: Measurements) -> Measurements:
+    """Loopback rows of a generation with an auto local-rows rule get the explicit label
+    ("exact" -> "exact fused"), so they are tabled with the labelled rows of later engines."""
+    loop = []
+    for r in m.loop:
+        base, rows = split_mode(r.mode)
+        auto = "" if rows else auto_local_rows(r.source, r.gbps)
+        loop.append(replace(r, mode=f"{base} {auto}") if auto else r)
+    return replace(m, loop=tuple(loop))
+
+
 def declared_only(m: Measurements) -> Measurements:
     """``m`` without the MoK rows (EP=1, EP>1, loopback) of undeclared sources: they timed an engine
     of unknown generation, so fitting them to any generation would be a guess. Other implementations'
-    rows stay (their code does not change with the MoK engine)."""
+    rows stay (their code does not change with the MoK engine). Loopback rows are labelled with their
+    local rows (labelled)."""
     bad = set(undeclared(m))
+    m = labelled(m)
     if not bad:
         return m
     return replace(
@@ -282,28 +320,59 @@ def family(moe: MoEShape, tokens: int) -> str:
     return min(cands, key=dist)
 
 
-def _loop_tables(m: Measurements):
+def _joint_oe(fin: list) -> tuple[float, float] | None:
+    """O and e of one run's rows without an infinite-link row (s4d): ms - t0 = O * t0 + e * link_ms,
+    least squares over >= 2 distinct link speeds, O >= 0 and e in [0, 1.5] as for the pinned fit."""
+    if len({r.gbps for r in fin}) < 2:
+        return None
+    t0 = fin[0].t0_ms
+    o, e = _nnls([[t0] * len(fin), [r.link_ms for r in fin]], [r.ms - r.t0_ms for r in fin], [1.0] * len(fin))
+    return o, min(e, 1.5)
+
+
+def _loop_tables(m: Measurements, prior: dict | None = None):
+    """Per (shape, minibatches, mode): O from each run's infinite-link row, e by least squares over
+    its finite rows with O pinned. A run without an infinite-link row (s4d) takes O measured by the
+    other runs of this table, else from ``prior`` (an older generation's O: the change it timed,
+    e.g. engine-6's backward reorder, is about the link), else fits O and e jointly (_joint_oe)."""
     over, expo = {}, {}
     by = {}
     for r in m.loop:
         by.setdefault((r.source, r.shape, r.chunks, r.mode), []).append(r)
-    o_runs, e_runs = {}, {}
+    o_runs, e_runs, later = {}, {}, []
     for (_src, shape, chunks, mode), rows in by.items():
         inf = [r for r in rows if r.gbps == 0]
-        if not inf:
-            continue
-        o_abs = inf[0].ms - inf[0].t0_ms
-        o_runs.setdefault((shape, chunks, mode), []).append(o_abs / inf[0].t0_ms)
         fin = [r for r in rows if r.gbps > 0]
+        if not inf:
+            later.append(((shape, chunks, mode), fin))
+            continue
+        o_runs.setdefault((shape, chunks, mode), []).append((inf[0].ms - inf[0].t0_ms) / inf[0].t0_ms)
         if fin:
-            num = sum((r.ms - r.t0_ms - o_abs) * r.link_ms for r in fin)
-            den = sum(r.link_ms**2 for r in fin)
-            e_runs.setdefault((shape, chunks, mode), []).append(min(max(num / den, 0.0), 1.5))
+            e_runs.setdefault((shape, chunks, mode), []).append(
+                _pinned_e(fin, o_runs[(shape, chunks, mode)][-1])
+            )
+    measured = {k: statistics.median(v) for k, v in o_runs.items()}
+    for key, fin in later:
+        o = measured.get(key, (prior or {}).get(key))
+        if o is None:
+            both = _joint_oe(fin)
+            if both:
+                o_runs.setdefault(key, []).append(both[0])
+                e_runs.setdefault(key, []).append(both[1])
+        elif fin:
+            e_runs.setdefault(key, []).append(_pinned_e(fin, o))
+            o_runs.setdefault(key, []).append(o)
     for k, v in o_runs.items():
         over[k] = statistics.median(v)
     for k, v in e_runs.items():
         expo[k] = statistics.median(v)
     return over, expo
+
+
+def _pinned_e(fin: list, o: float) -> float:
+    """e with O fixed: least squares of ms - t0 - O * t0 = e * link_ms, within [0, 1.5]."""
+    num = sum((r.ms - r.t0_ms - o * r.t0_ms) * r.link_ms for r in fin)
+    return min(max(num / sum(r.link_ms**2 for r in fin), 0.0), 1.5)
 
 
 def mok_link_ms(p: EPPoint, eff: float | None = None) -> float:
@@ -339,19 +408,30 @@ class OverlapFit:
     exposed: dict  # (shape, chunks, mode) -> e, medians over every run
     engines: dict = field(default_factory=dict)  # generation -> EngineFit
     by_gen: dict = field(default_factory=dict)  # generation -> (overhead, exposed) of its own loopback runs
+    o_measured: frozenset = frozenset()  # keys with an infinite-link row in some run (O measured, not fitted)
 
     def oe(self, key: tuple, gen: str | None = None) -> tuple[float, float]:
         """O and e of a loopback (shape, minibatches, mode) for engine generation ``gen`` (default: the
-        newest with an engine fit): the generation's own loopback rows when it has this key, else the
-        medians over every run. kappa is fitted against the same numbers, so the two stay consistent."""
-        gen = gen if gen is not None else self.engine()[0].name
+        newest generation whose own loopback rows have this key): the generation's own loopback rows
+        when it has this key, else the medians over every run. kappa is fitted against the same
+        numbers, so the two stay consistent."""
+        if gen is None:
+            gen = next((g for g in reversed(GENERATIONS) if key in self.by_gen.get(g, ({}, {}))[0]), None)
         over, expo = self.by_gen.get(gen, ({}, {}))
         if key in over and key in expo:
             return over[key], expo[key]
         return self.overhead[key], self.exposed[key]
 
     def options(self, shape: str) -> list[tuple[int, str]]:
-        return sorted({(c, m) for (s, c, m) in self.overhead if s == shape and (s, c, m) in self.exposed})
+        """(minibatches, mode) measured for ``shape`` with O from an infinite-link row; once modes carry
+        local rows (engine-5 on), only the labelled ones: they are today's engine, the unlabelled ones
+        an older one. Today that leaves the fused modes (s4c: auto chose fused at infinite link; no
+        run measured the overlap modes at infinite link)."""
+        got = sorted({(c, m) for (s, c, m) in self.overhead if s == shape and (s, c, m) in self.exposed})
+        if self.o_measured:  # a jointly fitted O (no infinite-link row anywhere) is not offered
+            got = [(c, m) for c, m in got if (shape, c, m) in self.o_measured]
+        new = [(c, m) for c, m in got if split_mode(m)[1]]
+        return new or got
 
     def engine(self, gen: str | None = None) -> tuple[EngineFit, bool]:
         """The fit of ``gen`` (default: the newest measured); False with the newest other generation
@@ -369,6 +449,9 @@ class OverlapFit:
         eng, _ = self.engine(gen)
         if mode in eng.kappa:
             return eng.kappa[mode]
+        base = split_mode(mode)[0]  # kappa does not depend on the local rows (assumption, unmeasured)
+        if base != mode:
+            return self.k(base, gen)
         for g in reversed(GENERATIONS):
             o = self.engines.get(g)
             if o and mode in o.kappa and "exact" in o.kappa and "exact" in eng.kappa:
@@ -423,7 +506,7 @@ def fit_overlap(m: Measurements) -> OverlapFit:
     for gen in GENERATIONS:
         rows = tuple(r for r in m.loop if engine_of(r.source) == gen)
         if rows:
-            by_gen[gen] = _loop_tables(Measurements((), (), rows))
+            by_gen[gen] = _loop_tables(Measurements((), (), rows), prior=over)
     ones = {(p.source, p.shape): p.ms for p in m.layer1 if p.impl == "mok"}
     engines = {}
     for gen in GENERATIONS:
@@ -438,7 +521,8 @@ def fit_overlap(m: Measurements) -> OverlapFit:
             engines[gen] = fit
     if not engines:
         raise ValueError("no MoK EP>1 measurement matches a loopback row: cannot calibrate kappa")
-    return OverlapFit(over, expo, engines, by_gen)
+    measured = frozenset((r.shape, r.chunks, r.mode) for r in m.loop if r.gbps == 0)
+    return OverlapFit(over, expo, engines, by_gen, measured)
 
 
 _LOOP_CHUNKS = re.compile(r"^(?P<key>.*) pipe C=(?P<c>\d+)(?P<rest>.*)$")  # profile_layer.py loopback rows

@@ -65,7 +65,7 @@ def plan(ns) -> str:
             f"| {name} | {o.t1_ms:.2f} | {o.overhead_ms:.2f} | {o.link_ms:.2f} | {o.exposed_ms:.2f} | "
             f"{o.total_ms:.2f} | {st.step_s:.2f} | {st.tokens_per_s_gpu:.0f} | {st.tflops_per_gpu:.0f} |"
         )
-    b = predict.recommended(opts)
+    b = predict.recommended(opts, fast_link=layout.ep <= cl.nvlink_domain)
     meg = predict.step(model, layout, cl, shown[0])
     mk = predict.step(model, layout, cl, b)
     mb = -(-layout.moe_tokens(model) // b.chunks)
@@ -76,6 +76,7 @@ def plan(ns) -> str:
         f"fastest, {b.total_ms:.2f} ms vs {mok[0].total_ms:.2f} ms): --mok-transport {b.transport} --mok-minibatch-size {mb}"
         + (" --mok-sync-free" if "sync-free" in b.mode else "")
         + (" (CUDA graph around the layer)" if "graph" in b.mode else "")
+        + (f" --mok-local-rows {calibrate.split_mode(b.mode)[1]}" if calibrate.split_mode(b.mode)[1] else "")
         + f" --mok-capacity-multiplier {cap}",
         f"Predicted MoK vs Megatron alltoall: {mk.tokens_per_s_gpu / meg.tokens_per_s_gpu - 1:+.1%} tokens/s/GPU "
         f"(other work {meg.other_ms_per_mb:.1f} ms per micro-batch is the same for both).",

@@ -118,6 +118,20 @@ def _ep_moe(name: str, ep: int) -> tuple[MoEShape, int]:
     return MoEShape(s["hidden"], s["ffn"], s["local"] * ep, s["topk"]), s["tokens"]
 
 
+def _mok_label(label: str) -> tuple[str, str | None]:
+    """ep.json MoK transport label -> (transport, mode): "collective exact" -> ("collective", "exact");
+    with --local-rows (engine-5 on) "collective fused sync-free+graph" -> ("collective",
+    "sync-free+graph fused"), the loopback sweep's spelling; "plain" -> ("plain", "exact"). The "no-B"
+    variant (local rows in region A only) is not a modelled mode: mode None, the row is skipped."""
+    words = label.split()
+    rest = words[1:]
+    if "no-B" in rest:
+        return words[0], None
+    local = rest.pop(0) if rest and rest[0] in ("overlap", "fused") else ""
+    mode = " ".join(rest) or "exact"
+    return words[0], f"{mode} {local}" if local else mode
+
+
 def ep_results(run: Path) -> tuple[list[Layer1], list[EPPoint]]:
     ones, twos = [], []
     f = _one(run, "ep.json")
@@ -130,9 +144,9 @@ def ep_results(run: Path) -> tuple[list[Layer1], list[EPPoint]]:
         if r["ep"] == 1:
             ones.append(Layer1(run.name, r["impl"], r["shape"], moe, tokens, r["ms"]))
             continue
-        words = r["transport"].split()
-        transport = words[0] if r["impl"] == "mok" else "nccl a2a"
-        mode = (words[1] if len(words) > 1 else "exact") if r["impl"] == "mok" else ""
+        transport, mode = _mok_label(r["transport"]) if r["impl"] == "mok" else ("nccl a2a", "")
+        if mode is None:
+            continue
         twos.append(
             EPPoint(
                 run.name, r["impl"], transport, mode, r["chunks"], r["shape"], moe, tokens, r["ep"], r["ms"]

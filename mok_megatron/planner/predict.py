@@ -15,6 +15,7 @@ from mok_megatron.planner.calibrate import (
     family,
     gemm_efficiency,
     link_efficiency,
+    split_mode,
 )
 from mok_megatron.planner.hardware import Cluster
 from mok_megatron.planner.links import LinkError, LinkModel
@@ -130,7 +131,7 @@ def layer_options(
         except LinkError:
             continue
         for chunks, mode in ov.options(fam):
-            if not any(mode in e.kappa for e in ov.engines.values()):
+            if not any(split_mode(mode)[0] in e.kappa or mode in e.kappa for e in ov.engines.values()):
                 continue  # never measured on real EP: its real-EP overhead (kappa) is unknown
             big_o, e = ov.oe((fam, chunks, mode))
             o = big_o * ov.k(mode) * base
@@ -146,13 +147,30 @@ def best(options: list[LayerPrediction], impl: str) -> LayerPrediction:
     return min((o for o in options if o.impl == impl), key=lambda o: o.total_ms)
 
 
-def recommended(options: list[LayerPrediction]) -> LayerPrediction:
-    """The simplest MoK configuration (collective, exact, fewest minibatches first) within the
-    recommendation margin (calibration.json) of the fastest one."""
+def local_rows_choice(fast_link: bool) -> str:
+    """--mok-local-rows preferred among options within the margin: fused over a fast link (inside one
+    NVLink domain), overlap over a slow one - what ``auto`` does, and what the loopback sweeps
+    measured (s4d: fused at least as fast at 450 GB/s with 2-4 minibatches, overlap at 50 GB/s)."""
+    return "fused" if fast_link else "overlap"
+
+
+def recommended(options: list[LayerPrediction], fast_link: bool = True) -> LayerPrediction:
+    """The simplest MoK configuration (collective, exact, the local rows for this link, fewest
+    minibatches first) within the recommendation margin (calibration.json) of the fastest one."""
     fastest = best(options, "mok").total_ms
     margin = DATA["recommendation_margin"]["value"]
     near = [o for o in options if o.impl == "mok" and o.total_ms <= fastest * (1 + margin)]
-    return min(near, key=lambda o: (o.transport != "collective", o.mode != "exact", o.chunks, o.total_ms))
+    pick = local_rows_choice(fast_link)
+    return min(
+        near,
+        key=lambda o: (
+            o.transport != "collective",
+            split_mode(o.mode)[0] != "exact",
+            split_mode(o.mode)[1] not in (pick, ""),
+            o.chunks,
+            o.total_ms,
+        ),
+    )
 
 
 def capacity_multiplier(model: Model, layout: Layout, sigmas: float = 4.0) -> float:

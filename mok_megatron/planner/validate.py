@@ -16,6 +16,7 @@ from mok_megatron.planner.calibrate import (
     calibrate,
     declared_only,
     engine_of,
+    kernels_of,
     family,
     local_shape,
     megatron_link_ms,
@@ -137,6 +138,7 @@ def checks(m: Measurements) -> list[Check]:
             )
         )
     ones = {(p.source, p.impl, p.shape): p.ms for p in m.layer1}
+    start = {(p.source, p.impl, p.shape): d for p, d in outliers.items()}  # EP=1 run outliers by run
     for p in m.ep:
         if p.source not in held:
             held[p.source] = calibrate(m.without(p.source))
@@ -157,7 +159,13 @@ def checks(m: Measurements) -> list[Check]:
         if cross and "other engine" not in note:
             note = f"other engine: {engine_of(p.source)} EP=1 fit lacks points without this run"
         hb = p.impl != "mok" and full.fit(p.impl)[0].host_bound(p.tokens, local_shape(p))
-        out.append(Check(p.source, what, p.ms, predict_ep(full, p), ho, an, note, cross, host_bound=hb))
+        dev = start.get((p.source, p.impl, p.shape))  # the same start's EP=1 same-work point is one
+        if dev is not None:
+            note = (
+                f"run outlier: its run's EP=1 same-work point is {100 * dev:+.0f}% vs that point's median"
+                + (f"; {note}" if note else "")
+            )
+        out.append(Check(p.source, what, p.ms, predict_ep(full, p), ho, an, note, cross, dev, host_bound=hb))
     return out
 
 
@@ -225,11 +233,12 @@ class Spread:
 
 
 def _repeats(m: Measurements) -> dict[tuple, list[Layer1]]:
-    """EP=1 points grouped by (implementation, per-rank shape, tokens, MoK engine generation): a MoK
-    point only repeats within its generation (a faster engine is not run-to-run spread)."""
+    """EP=1 points grouped by (implementation, per-rank shape, tokens, MoK layer kernels): a MoK
+    point only repeats within the generations that share its kernels (calibration.json 'kernels'; an
+    EP=1 layer runs no pipeline, so faster kernels are not run-to-run spread, a new engine is)."""
     by: dict[tuple, list] = {}
     for p in m.layer1:
-        gen = engine_of(p.source) if p.impl in ENGINE_IMPLS else ""
+        gen = kernels_of(engine_of(p.source)) if p.impl in ENGINE_IMPLS else ""
         key = (p.impl, p.moe.hidden, p.moe.ffn, p.moe.experts, p.moe.topk, p.tokens, gen)
         by.setdefault(key, []).append(p)
     return by
@@ -253,7 +262,7 @@ def spreads(m: Measurements) -> list[Spread]:
     out = []
     for (impl, h, _f, e, _k, t, gen), pts in _repeats(m).items():
         if len({p.source for p in pts}) > 1:
-            what = f"EP=1 {impl}{f' ({gen})' if gen else ''} H{h} E_local {e} {t} tok"
+            what = f"EP=1 {impl}{f' ({gen} kernels)' if gen else ''} H{h} E_local {e} {t} tok"
             out.append(Spread(what, tuple(p.source for p in pts), tuple(p.ms for p in pts)))
     return sorted(out, key=lambda s: -s.spread)
 
