@@ -29,6 +29,7 @@ group exists. argparse has no post-parse hook, so ``extra_args_provider`` wraps 
     --mok-expert-backend B      expert_backend        torch (bf16; torch-fp8 | te for FP8)
     --mok-nvlink-programs N     nvlink_programs       64
     --mok-local-rows R          local_rows            auto (fused in one NVLink domain, else overlap)
+    --mok-fp8-dispatch          fp8_dispatch          off (e4m3 dispatch rows, rowwise scales)
 """
 
 from __future__ import annotations
@@ -125,6 +126,12 @@ def add_mok_flags(parser) -> None:
         "NVLink domain, overlap across nodes",
     )
     g.add_argument(
+        "--mok-fp8-dispatch",
+        action="store_true",
+        help="pipeline: dispatch token rows in FP8 (e4m3, one fp32 scale per row; about half the "
+        "bytes); combine and gradients stay bf16",
+    )
+    g.add_argument(
         "--mok-nvlink-programs",
         type=int,
         default=d.nvlink_programs,
@@ -208,6 +215,7 @@ def options_from_args(args) -> MoKOptions:
         expert_backend=getattr(args, "mok_expert_backend", "torch"),
         nvlink_programs=getattr(args, "mok_nvlink_programs", MoKOptions().nvlink_programs),
         local_rows=getattr(args, "mok_local_rows", MoKOptions().local_rows),
+        fp8_dispatch=getattr(args, "mok_fp8_dispatch", False),
     )
 
 
@@ -226,6 +234,7 @@ def _given_mok_flags(args) -> list[str]:
             "expert_backend",
             "nvlink_programs",
             "local_rows",
+            "fp8_dispatch",
         )
         if getattr(given, f) != getattr(d, f)
     ]

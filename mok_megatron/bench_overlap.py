@@ -84,6 +84,8 @@ MODES = {  # label: (MoKOptions overrides, capture in a CUDA graph)
     "exact": ({}, False),
     "sync-free": (dict(sync_free=True), False),
     "sync-free+graph": (dict(sync_free=True), True),
+    "exact+fp8": (dict(fp8_dispatch=True), False),  # --mok-fp8-dispatch
+    "sync-free+graph+fp8": (dict(sync_free=True, fp8_dispatch=True), True),
 }
 
 

@@ -34,6 +34,8 @@ the flags set (``set_default_options``). Frozen and validated at construction.
                          in the received rows' expert call (one call, nothing local hidden); 'auto':
                          fused inside one NVLink domain (EP exchange cheaper than splitting the
                          GEMMs), overlap across nodes (``functional.pipeline_plan.fuse_local_rows``)
+    fp8_dispatch         pipeline: dispatched token rows travel as e4m3 + one fp32 scale per row (about
+                         half the bytes; ``fp8.dispatch_pack``); combine and gradients stay bf16
 """
 
 from __future__ import annotations
@@ -63,6 +65,7 @@ class MoKOptions:
     expert_backend: str = "torch"
     nvlink_programs: int = 64
     local_rows: str = "auto"
+    fp8_dispatch: bool = False
 
     def __post_init__(self):
         if self.minibatch_size is not None and (
@@ -85,10 +88,17 @@ class MoKOptions:
             )
         if self.engine not in ENGINES:
             raise MoKOptionsError(f"--mok-engine={self.engine!r}: choose one of {', '.join(ENGINES)}.")
-        if self.engine == "plain" and (self.minibatch_size is not None or self.sync_free):
+        if self.engine == "plain" and (
+            self.minibatch_size is not None or self.sync_free or self.fp8_dispatch
+        ):
             raise MoKOptionsError(
-                "--mok-engine plain runs no pipeline: drop --mok-minibatch-size / --mok-sync-free, or use "
-                "--mok-engine pipeline."
+                "--mok-engine plain runs no pipeline: drop --mok-minibatch-size / --mok-sync-free / "
+                "--mok-fp8-dispatch, or use --mok-engine pipeline."
+            )
+        if self.fp8_dispatch and self.transport == "nvlink":
+            raise MoKOptionsError(
+                "--mok-fp8-dispatch with --mok-transport nvlink: the NVLink kernels move bf16 rows only; use "
+                "--mok-transport collective or copy_engine with FP8 dispatch."
             )
         if self.transport not in TRANSPORTS:
             raise MoKOptionsError(

@@ -175,7 +175,17 @@ def schedule_case(rank, world, *, min_local_half=4, **kw):
 
 
 def _schedule_case(
-    rank, world, *, chunks=1, emulated_ep=1, tokens=64, sync_free=False, capacity=1.0, to=None, fuse=False
+    rank,
+    world,
+    *,
+    chunks=1,
+    emulated_ep=1,
+    tokens=64,
+    sync_free=False,
+    capacity=1.0,
+    to=None,
+    fuse=False,
+    fp8=False,
 ):
     """One pipeline call forward+backward; returns the event log and aten op counts.
 
@@ -199,7 +209,9 @@ def _schedule_case(
         with plan_ops:
             plan = build_pipeline_plan(x.shape, routing, L, TOPK, group, size, **kw)
         with fwd:
-            out = run_pipeline(x, probs, routing, plan, experts, transport, TOPK, deterministic=True)
+            out = run_pipeline(
+                x, probs, routing, plan, experts, transport, TOPK, deterministic=True, fp8_dispatch=fp8
+            )
         log.append(("forward_done",))
         with bwd:
             out.backward(torch.ones_like(out))

@@ -118,12 +118,15 @@ def test_mok_config_validation(kwargs, pattern):
         (dict(capacity_multiplier=1.5), "--mok-capacity-multiplier=1.5"),
         (dict(transport="nvshmem"), "--mok-transport='nvshmem'"),
         (dict(loopback_ep=0), "loopback_ep=0"),
+        (dict(local_rows="split"), "--mok-local-rows='split'"),
+        (dict(engine="plain", fp8_dispatch=True), "--mok-fp8-dispatch"),
+        (dict(fp8_dispatch=True, transport="nvlink"), "--mok-fp8-dispatch with --mok-transport nvlink"),
     ],
 )
 def test_bad_options_name_the_flag(opts, needle):
     from mok_megatron.options import MoKOptions, MoKOptionsError
 
-    with pytest.raises(MoKOptionsError, match="must|choose|only waste") as e:
+    with pytest.raises(MoKOptionsError, match="must|choose|only waste|runs no pipeline|bf16 rows only") as e:
         MoKOptions(**opts)
     assert needle in str(e.value)
 

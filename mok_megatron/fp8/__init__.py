@@ -1,6 +1,6 @@
 """FP8 foundations (issue 5): recipes, alignment padding, scaling, FP8 dispatch packing, and the native
 ``torch._scaled_grouped_mm`` expert GEMMs. The experts use them through ``--mok-expert-backend`` (default
-bf16 ``torch``); FP8 token dispatch (``dispatch_pack``) is not wired into the pipeline yet.
+bf16 ``torch``); FP8 token dispatch (``dispatch_pack``) is the pipeline's ``--mok-fp8-dispatch``.
 
     recipes         the FP8/FP4 recipes Megatron exposes, their row alignment and what each needs
     align           per-expert offsets padded to a recipe's alignment; the padded permute plan

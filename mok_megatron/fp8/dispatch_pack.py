@@ -17,8 +17,11 @@ the experts' weight gradients see the dequantized activations they actually comp
 Error of the round trip: ``quantize`` module docstring -- per element at most 2^-4 |x| + 2^-10 amax/448
 of its scale group, i.e. <= amax/16.
 
-How it plugs in (not wired yet): the pipeline's dispatch ``exchange(x, transport, mb, DISPATCH)`` becomes
-``fp8_dispatch(x, transport, mb)`` when ``--mok-fp8-dispatch`` is on; the combine stays ``exchange``.
+How it plugs in: with ``--mok-fp8-dispatch`` the overlap pipeline (``functional.pipeline.run_pipeline``)
+packs each minibatch's dispatched rows (rowwise scales), moves the packed rows and dequantizes them on
+arrival; its late ``_Arrived`` node carries the bf16 gradient back (straight-through). ``fp8_dispatch``
+below is the same exchange as one autograd function (tests, and experts that take the FP8 rows as
+they are). The combine stays in the rows' precision.
 """
 
 from __future__ import annotations
@@ -33,9 +36,9 @@ from mok_megatron.fp8.quantize import (
     dequantize_blockwise,
     dequantize_rowwise,
     quantize_blockwise,
-    quantize_rowwise,
 )
 from mok_megatron.functional.transport import DISPATCH, COMBINE
+from mok_megatron.kernels.fp8_quant import quantize_rowwise as quantize_rowwise_fast
 
 ROW_ALIGN_BYTES = 16
 
@@ -69,7 +72,7 @@ class PackLayout:
 def _quantize(x_NH: torch.Tensor, layout: PackLayout):
     if layout.block:
         return quantize_blockwise(x_NH, layout.block)
-    q, s = quantize_rowwise(x_NH)
+    q, s = quantize_rowwise_fast(x_NH)  # the one-pass Triton kernel on CUDA (bitwise the reference)
     return q, s.unsqueeze(-1)
 
 

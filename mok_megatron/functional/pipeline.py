@@ -37,6 +37,7 @@ from collections.abc import Callable
 
 import torch
 
+from mok_megatron.fp8.dispatch_pack import PackLayout, dequantize, pack, unpack
 from mok_megatron.functional.pipeline_plan import ExpertPart, PipelinePlan, SendPlan
 from mok_megatron.functional.transport import COMBINE, DISPATCH
 from mok_megatron.ops.permute import combine_tokens, permute_tokens
@@ -196,8 +197,13 @@ def run_pipeline(
     transport,
     topk: int,
     deterministic: bool = False,
+    fp8_dispatch: bool = False,
 ) -> torch.Tensor:
-    """The routed experts' output ``[T, H]`` (probability-weighted sum over each token's experts)."""
+    """The routed experts' output ``[T, H]`` (probability-weighted sum over each token's experts).
+
+    ``fp8_dispatch``: the dispatched token rows travel as e4m3 with one fp32 scale per row, packed in
+    one uint8 row (``fp8.dispatch_pack``: about half the bytes); the receiver dequantizes them. The
+    combine and every backward exchange stay in the rows' own precision (straight-through gradient)."""
     T, H = x_TH.shape
     ep, L = plan.ep_size, plan.num_local_experts
     if T == 0:
@@ -214,6 +220,7 @@ def run_pipeline(
     run = (L, topk, expert_fn, deterministic)
 
     # 1. Pack every minibatch's remote rows and launch its dispatch on the communication stream.
+    layout = PackLayout(H) if fp8_dispatch else None
     flights = []
     for c, mb in enumerate(plan.minibatches):
         tr = transport
@@ -225,7 +232,13 @@ def run_pipeline(
         with torch.no_grad(), st.on("comm"):
             st.wait("comm", ev)
             st.hand_over("comm", x_NH, meta_NW)
-            moved = (tr.move(x_NH.detach(), mb, DISPATCH), tr.move(meta_NW.detach(), mb, DISPATCH))
+            if layout:  # FP8 on the wire, dequantized on arrival (the _Arrived node passes the
+                # gradient straight through to the rows they were quantized from)
+                x_RH = tr.move(pack(x_NH.detach(), layout), mb, DISPATCH)
+                x_RH = dequantize(*unpack(x_RH, layout), layout, x_NH.dtype)
+            else:
+                x_RH = tr.move(x_NH.detach(), mb, DISPATCH)
+            moved = (x_RH, tr.move(meta_NW.detach(), mb, DISPATCH))
             flights.append((tr, x_NH, meta_NW, moved, st.event("comm")))
 
     # 2. Per minibatch: region A's experts (the dispatch flies), the received rows' experts and

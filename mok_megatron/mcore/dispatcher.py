@@ -153,7 +153,7 @@ class MoKTokenDispatcher(MoETokenDispatcher):
     def run_pipeline(self, hidden_states: torch.Tensor, probs: torch.Tensor, expert_fn) -> torch.Tensor:
         """Pipelined dispatch -> experts -> combine of the call in flight: ``[T, H]``."""
         call = self.plan
-        args = (self.transport, self.mok_config.topk, self.options.deterministic)
+        args = (self.transport, self.mok_config.topk, self.options.deterministic, self.options.fp8_dispatch)
         with profiling.phase("pipeline", hidden_states.device):
             out = _run_pipeline(hidden_states, probs, call.routing_map_TE, call.plan, expert_fn, *args)
             PipelineStats.calls += 1

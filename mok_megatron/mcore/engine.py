@@ -46,6 +46,7 @@ def _explicit(options: MoKOptions) -> list[str]:
             ("--mok-sync-free", options.sync_free),
             (f"--mok-transport {options.transport}", options.transport != "auto"),
             (f"--mok-local-rows {options.local_rows}", options.local_rows != "auto"),
+            ("--mok-fp8-dispatch", options.fp8_dispatch),
         )
         if on
     ]
