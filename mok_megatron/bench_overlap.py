@@ -195,7 +195,7 @@ def bench_overlap(
                     layer.load_state_dict(sd)
                     out = layer(x)[0].detach().float()
                     err = ((out - ref).abs().max() / ref.abs().max().clamp_min(1e-12)).item()
-                    if err > 2e-2:
+                    if err > (0.1 if opts.fp8_dispatch else 2e-2):  # e4m3 rows: 2^-4 relative each
                         raise RuntimeError(
                             f"{name}: pipelined output differs from the plain layer ({err:.2e})"
                         )
