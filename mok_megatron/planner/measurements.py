@@ -122,10 +122,11 @@ def _mok_label(label: str) -> tuple[str, str | None]:
     """ep.json MoK transport label -> (transport, mode): "collective exact" -> ("collective", "exact");
     with --local-rows (engine-5 on) "collective fused sync-free+graph" -> ("collective",
     "sync-free+graph fused"), the loopback sweep's spelling; "plain" -> ("plain", "exact"). The "no-B"
-    variant (local rows in region A only) is not a modelled mode: mode None, the row is skipped."""
+    variant (local rows in region A only) and FP8-dispatch modes ("...+fp8": fewer bytes per row, not
+    modelled) are skipped: mode None."""
     words = label.split()
     rest = words[1:]
-    if "no-B" in rest:
+    if "no-B" in rest or any(w.endswith("+fp8") for w in rest):
         return words[0], None
     local = rest.pop(0) if rest and rest[0] in ("overlap", "fused") else ""
     mode = " ".join(rest) or "exact"
@@ -187,7 +188,7 @@ def overlap_results(run: Path) -> tuple[list[Layer1], list[LoopRow]]:
             r["bytes_per_step"],
         )
         for r in rows
-        if r["gbps"] is not None
+        if r["gbps"] is not None and not r.get("mode", "").endswith("+fp8")  # FP8 dispatch: not modelled
     ]
     return ones, loops
 
