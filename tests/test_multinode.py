@@ -126,7 +126,9 @@ def test_truncated_checkpoint_fails_clearly_and_writes_nothing(first, tmp_path):
     print(f"\ntruncated-checkpoint launch: {wall:.1f} s")
     assert all(a.returncode not in (0, None) for a in agents), output[-4000:]
     msg = rf"checkpoint {re.escape(str(bad))} is truncated: __1_0.distcp has {size // 2} bytes, its index needs \d+"
-    assert len(re.findall(msg, output)) == 4, output[-4000:]  # every rank says so
+    # Each rank checks before loading anything; torchrun's agents stop the others once one rank fails,
+    # so not every rank always gets to print (3 of 4 seen once on the 2-core CI box).
+    assert len(re.findall(msg, output)) >= 1, output[-4000:]
     assert _tree_hash(bad) == before, "the failed resume changed the checkpoint"
     assert not os.path.exists(new_dir), "a failed resume must not save anything"
 
