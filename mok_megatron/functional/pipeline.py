@@ -8,6 +8,12 @@ neither exchange waits on an idle GPU and no GEMM is cut finer than in halves:
     main stream   pack | A experts (c=0) | remote experts (c=0) | B experts (c=0) | A (c=1) ... | sums
     comm stream        | dispatch c=0, 1, ...  (launched at once) | combine c=0    | combine c=1 ...
 
+With ``plan.fuse_local`` (``--mok-local-rows fused``, the default inside one NVLink domain) there is
+no region B and region A's rows run in the same expert call as the received rows, after the dispatch
+lands: one grouped GEMM per weight per minibatch, no weight-gradient sums. With ``fp8_dispatch`` the
+dispatched rows travel packed as e4m3 + a rowwise scale (``fp8.dispatch_pack``) and are dequantized on
+the communication stream on arrival; the combine and every backward exchange keep the rows' dtype.
+
 Backward mirrors it. Autograd runs a node's backward on the stream its forward ran on and, among
 ready nodes, the most recently created first; so every exchange is *launched* early (outside
 autograd, on the communication stream) but its autograd node (``_Arrived``) is created late: the
