@@ -13,8 +13,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
-import subprocess
 import sys
 import traceback
 from pathlib import Path
@@ -26,6 +24,7 @@ from mok_megatron.compat import have_triton
 from mok_megatron.fp8 import quantize
 from mok_megatron.kernels import INTERPRETED, Impl
 from mok_megatron.kernels import fp8_quant as Q
+from tests.interpret import run_interpreted
 
 REPO = Path(__file__).resolve().parent.parent
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
@@ -180,16 +179,7 @@ def run_cases(cases: dict, device: str) -> dict:
 def interpreted_results():
     if not have_triton():
         pytest.skip("Triton is not installed")
-    out = Path(os.environ.get("TMPDIR", "/tmp")) / f"mok_fp8_quant_cases_{os.getpid()}.json"
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
-    cmd = [sys.executable, "-m", "tests.test_fp8_quant_kernels", "--json", str(out)]
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
-    if proc.returncode != 0 or not out.exists():
-        pytest.fail(f"interpreter run failed (rc {proc.returncode}):\n{proc.stderr[-4000:]}")
-    results = json.loads(out.read_text())
-    out.unlink()
-    return results
+    return run_interpreted("tests.test_fp8_quant_kernels")
 
 
 @pytest.mark.parametrize("case", list(CASES))

@@ -5,10 +5,6 @@ the same cases plus real sizes on CUDA (marked gpu)."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -23,6 +19,7 @@ from mok_megatron.kernels.swiglu import swiglu, swiglu_reference
 from mok_megatron.ops.activation import Activation, ActivationSpec, apply_activation
 from mok_megatron.ops.permute import combine_tokens_reference, permute_tokens_reference
 from mok_megatron.ops.routing import dropless_order, slot_map
+from tests.interpret import run_interpreted
 from tests.kernel_cases import CPU_CASES, GPU_CASES, TOL, topk_ids
 
 REPO = Path(__file__).resolve().parent.parent
@@ -180,16 +177,7 @@ def test_auto_on_cpu_is_the_reference():
 def interpreted_results():
     if not have_triton():
         pytest.skip("Triton is not installed")
-    out = Path(os.environ.get("TMPDIR", "/tmp")) / f"mok_kernel_cases_{os.getpid()}.json"
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
-    cmd = [sys.executable, "-m", "tests.kernel_cases", "--device", "cpu", "--json", str(out)]
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
-    if proc.returncode != 0 or not out.exists():
-        pytest.fail(f"interpreter run failed (rc {proc.returncode}):\n{proc.stderr[-4000:]}")
-    results = json.loads(out.read_text())
-    out.unlink()
-    return results
+    return run_interpreted("tests.kernel_cases", "--device", "cpu")
 
 
 @pytest.mark.parametrize("case", list(CPU_CASES))
