@@ -76,7 +76,9 @@ def benchmarks_md(path: Path | None = None) -> list[Layer1]:
     out = []
     for line in text.splitlines():
         for prefix, (shape, moe, tokens) in _BENCH_SHAPES.items():
-            if line.startswith(f"| {prefix}"):
+            # the session-1 layer table's rows only: "| Qwen3-30B-A3B (H 2048, ...) | ..." (other tables
+            # name the same shapes, e.g. "| Qwen3-30B-A3B, zipf | ...")
+            if line.startswith(f"| {prefix}") and "(H " in line.split("|")[1]:
                 cells = [c.strip() for c in line.strip("|").split("|")][1:]
                 for impl, cell in zip(_BENCH_IMPLS, cells, strict=True):
                     ms = float(re.search(r"([\d.]+) ms", cell).group(1))
