@@ -5,7 +5,11 @@ the graph removes the host's kernel-launch time, which is what separates wall ti
 in ``benchmarks/profile_layer.py``. Median of 20 CUDA-event-timed steps after 3 warm-up steps.
 
     python benchmarks/layer_graph.py [shape ...]        (shapes from mok_megatron.bench.SHAPES)
+    MOK_EXPERT_BACKEND=torch-fp8 python benchmarks/layer_graph.py ...   (the native FP8 experts; the
+                                                                       graph re-quantizes the weights)
 """
+
+import os
 
 import statistics
 import sys
@@ -21,7 +25,13 @@ _init_single_process()
 for name in sys.argv[1:] or ["qwen3-30b-a3b", "deepseek-v3-ep32"]:
     s = SHAPES[name]
     torch.manual_seed(0)
-    layer = build("mok", _config(s, torch.bfloat16)).cuda()
+    backend = os.environ.get("MOK_EXPERT_BACKEND", "torch")
+    if backend == "torch":
+        layer = build("mok", _config(s, torch.bfloat16)).cuda()
+    else:
+        from mok_megatron.fp8.layers import build_mok_layer
+
+        layer = build_mok_layer(backend, _config(s, torch.bfloat16)).cuda()
     x, dout = _inputs(s["tokens"], s["hidden"], torch.bfloat16, torch.device("cuda"))
 
     def eager(layer=layer, x=x, dout=dout):
@@ -34,7 +44,7 @@ for name in sys.argv[1:] or ["qwen3-30b-a3b", "deepseek-v3-ep32"]:
     for label, step in (("eager", eager), ("cuda graph", _graphed(layer, x, dout))):
         ms[label] = 1e3 * statistics.median(time_steps(step, 20, 3))
     print(
-        f"{name}: eager {ms['eager']:.2f} ms ({flops / ms['eager'] / 1e9:.0f} TFLOP/s) | "
+        f"{name} [{backend}]: eager {ms['eager']:.2f} ms ({flops / ms['eager'] / 1e9:.0f} TFLOP/s) | "
         f"CUDA graph {ms['cuda graph']:.2f} ms ({flops / ms['cuda graph'] / 1e9:.0f} TFLOP/s)"
     )
     del layer
