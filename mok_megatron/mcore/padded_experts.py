@@ -85,9 +85,10 @@ def native_offsets(plan: PadPlan) -> torch.Tensor:
     are zero inputs with probability 0: they add nothing to any output row that is read or to any
     gradient, every group stays a multiple of the alignment (P is), and no GEMM output row is left
     unwritten (torch's kernels leave rows past ``offs[-1]`` unspecified)."""
-    offs = plan.aligned_offsets_E.clone()
-    if offs.numel():
-        offs[-1] = plan.num_rows
+    offs = plan.aligned_offsets_E
+    if offs.numel():  # no ``offs[-1] = P``: a Python int written into a CUDA tensor is a pageable
+        # host-to-device copy, which synchronises the stream (and breaks CUDA graph capture)
+        offs = torch.cat([offs[:-1], offs.new_full((1,), plan.num_rows)])
     return offs
 
 
