@@ -132,6 +132,10 @@ class _HostData(TorchFunctionMode):
         if name in self.INDEX and len(args) > 1:
             idx = args[1] if isinstance(args[1], tuple) else (args[1],)
             bad = any(isinstance(i, list) for i in idx)
+            # t[int] = number: the element is a 0-dim view, so torch copies a CPU scalar tensor into it
+            # (a synchronising pageable copy on CUDA; t[slice] = number is a fill, no copy)
+            number = len(args) > 2 and isinstance(args[2], (bool, int, float))
+            bad = bad or (name == "__setitem__" and number and all(isinstance(i, int) for i in idx))
         if bad:
             import traceback
 

@@ -811,3 +811,44 @@ def test_native_mlp_fc1_quantized_into_padding_equals_pad_then_quantize(monkeypa
     for name, a, b in zip(("y", "dx", "dprobs", "dw1", "dw2"), got, want, strict=True):
         assert a.dtype == b.dtype and torch.equal(a, b), name
     assert torch.count_nonzero(got[3]) > 0 and torch.count_nonzero(got[1]) > 0  # the GEMMs ran
+
+
+def _device_only_fake_gemm(a, b, sa, sb, offs_G, fast_accum):
+    """fp32 emulation of ``torch._scaled_grouped_mm`` without any host read (unlike the fake above)."""
+    G = offs_G.shape[0]
+    rows = a.shape[0] if b.dim() == 3 else a.shape[1]
+    g_M = torch.searchsorted(offs_G.long(), torch.arange(rows), right=True).clamp(max=G - 1)
+    if b.dim() == 3:  # forward / dgrad: rows of A grouped
+        out = torch.einsum("mk,mkn->mn", a.float() * sa[:, None], b.float()[g_M] * sb[g_M][:, None, :])
+        return out.to(native.OUT_DTYPE)
+    n, k = a.shape[0], b.shape[1]  # wgrad: the contraction grouped
+    onehot_MG = (
+        torch.nn.functional.one_hot(g_M, G).float() * (torch.arange(rows) < offs_G[-1]).float()[:, None]
+    )
+    out = torch.einsum("nm,mg,mk->gnk", a.float(), onehot_MG, b.float())
+    return (out * sa.view(G, n, 1) * sb.view(G, 1, k)).to(native.OUT_DTYPE)
+
+
+def test_native_expert_mlp_moves_no_host_data(monkeypatch):
+    """No host read, tensor-from-Python, list index or ``t[int] = number`` in the native FP8 MLP: on a GPU
+    each is a synchronising host-to-device copy or read (``offs[-1] = P`` in ``native_offsets`` was one:
+    wall 15.3 vs GPU-busy 11.9 ms on the DeepSeek slice) and CUDA graph capture rejects it."""
+    from mok_megatron.mcore import padded_experts as pe
+    from mok_megatron.ops.activation import Activation, ActivationSpec
+    from tests.pipeline_cases import _HostData
+
+    monkeypatch.setattr(native, "_gemm", _device_only_fake_gemm)
+    monkeypatch.setattr(native, "check_native_fp8", lambda device: None)
+    g = torch.Generator().manual_seed(3)
+    counts = torch.tensor([5, 0, 17, 2])
+    R, H, F, L = int(counts.sum()), 32, 16, 4
+    x = torch.randn(R, H, generator=g).to(torch.bfloat16).requires_grad_()
+    p = torch.rand(R, generator=g).requires_grad_()
+    w1 = (torch.randn(L, 2 * F, H, generator=g) / 4).to(torch.bfloat16).requires_grad_()
+    w2 = (torch.randn(L, H, F, generator=g) / 4).to(torch.bfloat16).requires_grad_()
+    act = ActivationSpec(kind=Activation.SILU, gated=True)
+    with _HostData() as host:
+        y = pe.native_expert_mlp(x, p, counts, w1, w2, act)
+        y.float().sum().backward()
+    assert host.hits == [], host.hits
+    assert torch.count_nonzero(w1.grad) > 0 and torch.count_nonzero(x.grad) > 0
