@@ -741,8 +741,10 @@ def test_fp8_linear_reuses_quantized_weights_across_microbatches(monkeypatch, po
     assert float((grads[0].float() - ref).norm() / ref.norm()) < 0.05
 
 
-def test_fp8_h200_tiny_loss_criterion_is_the_mean_of_the_last_50_steps(tmp_path):
-    """benchmarks/fp8_h200.py: a noisy final step does not decide; the 50-step mean does (bound 2 %)."""
+def test_fp8_h200_tiny_loss_criterion_is_the_mean_over_all_steps(tmp_path):
+    """benchmarks/fp8_h200.py: the bound (2 %) applies to the mean loss over all steps; a run whose late
+    losses (near zero: the tiny recipe memorises its mock data) differ a lot passes, one off by 3 %
+    throughout fails."""
     import importlib.util
     from pathlib import Path
 
@@ -755,21 +757,21 @@ def test_fp8_h200_tiny_loss_criterion_is_the_mean_of_the_last_50_steps(tmp_path)
         def wait(self, timeout=None):
             return 0
 
-    bf16 = [5.0 - 0.01 * i for i in range(100)]  # last 50: mean 4.255
+    bf16 = [5.0 * 0.95**i for i in range(100)]  # 5.0 -> ~0.03, like the real runs
     runs = {
         "bf16": bf16,
-        "noisy-end": bf16[:90]
-        + [v * 1.03 for v in bf16[90:]],  # last 10 steps 3 % off: the 50-step mean ~0.6 %
-        "off": [v * 1.03 for v in bf16[:50]] + [v * 1.03 for v in bf16[50:]],  # 3 % off throughout
+        "noisy-end": bf16[:50] + [v * 1.15 for v in bf16[50:]],  # late losses 15 % off: the mean ~1 %
+        "off": [v * 1.03 for v in bf16],  # 3 % off throughout
     }
     procs = {}
     for name, losses in runs.items():
         (tmp_path / f"tiny_{name}.log").write_text("".join(f" lm loss: {v:.6E} |\n" for v in losses))
         procs[name] = (Done(), open(tmp_path / f"tiny_{name}.log", "a"), ["cmd"])
     res = bench.finish_tiny_runs(procs, str(tmp_path), timeout=5)
-    assert res["bf16"]["steps"] == 100 and abs(res["bf16"]["mean_last"] - 4.255) < 1e-6
-    assert res["noisy-end"]["ok"] and 0.005 < res["noisy-end"]["rel_to_bf16"] < 0.007
-    assert not res["off"]["ok"] and abs(res["off"]["rel_to_bf16"] - 0.03) < 1e-6
+    assert res["bf16"]["steps"] == 100 and abs(res["bf16"]["mean_all"] - sum(bf16) / 100) < 1e-5
+    assert res["noisy-end"]["ok"] and abs(res["noisy-end"]["rel_to_bf16"]) < bench.LOSS_BOUND
+    assert abs(res["noisy-end"]["rel_last_to_bf16"] - 0.15) < 1e-3
+    assert not res["off"]["ok"] and abs(res["off"]["rel_to_bf16"] - 0.03) < 1e-5
 
 
 @pytest.mark.parametrize("counts", [[5, 0, 17, 1, 0, 40], [0, 3, 0, 0]])
