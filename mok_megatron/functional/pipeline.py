@@ -21,9 +21,9 @@ combine nodes after every minibatch's experts, so backward starts by launching e
 combine-backward exchange (last minibatch first, the order the expert backwards consume them) and
 region B's dgrad/wgrad hide the first; the dispatch-backward node after region A's experts, so
 A's backward hides it. (Combine nodes created per minibatch would serialise the link with the
-compute: minibatch c-1's combine-backward would launch only after minibatch c's whole backward.) Events order the streams;
-no host synchronisation happens inside (the plan read the counts once, or not at all in sync-free
-mode).
+compute: minibatch c-1's combine-backward would launch only after minibatch c's whole backward.)
+Events order the streams; no host synchronisation happens inside (the plan read the counts once, or
+not at all in sync-free mode).
 
 Reductions: each expert row is scaled by its probability inside the experts; a rank sums its local
 experts' rows per received token, the source sums the ranks' partial rows per token (remote rows,
