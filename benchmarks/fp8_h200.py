@@ -86,6 +86,15 @@ def build_layer(backend: str, cfg, state: dict | None):
     return layer
 
 
+def build_layer_sharing_weights(backend: str, cfg, state: dict | None):
+    """``build_layer``; the first call's weights (a detached copy) become ``state`` for every later
+    call, so all backends compare on the same weights. Returns (layer, state)."""
+    layer = build_layer(backend, cfg, state)
+    if state is None:
+        state = {k: v.detach().clone() if torch.is_tensor(v) else v for k, v in layer.state_dict().items()}
+    return layer, state
+
+
 def fwd_bwd(layer, cfg, x, dout):
     from mok_megatron.compat import quantization_context
 
@@ -119,11 +128,7 @@ def accuracy(results: dict, shape: dict = ACC_SHAPE) -> None:
             continue
         try:
             cfg = layer_config(shape, recipe)
-            layer = build_layer(backend, cfg, state)
-            if state is None:
-                state = {
-                    k: v.detach().clone() if torch.is_tensor(v) else v for k, v in layer.state_dict().items()
-                }
+            layer, state = build_layer_sharing_weights(backend, cfg, state)
             for _ in range(3):  # 2 warm-up steps, then the measured one
                 layer.zero_grad(set_to_none=True)
                 out, dx = fwd_bwd(layer, cfg, x, dout)

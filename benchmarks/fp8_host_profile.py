@@ -41,7 +41,10 @@ def main() -> None:
                 return fwd_bwd(layer, cfg, x, dout)
 
             wall = 1e3 * statistics.median(time_steps(step, 10, 3))
-            print(kernel_summary(step, f"{shape_name} {backend}", wall, top=14, width=100, host_ops=12), flush=True)
+            print(
+                kernel_summary(step, f"{shape_name} {backend}", wall, top=14, width=100, host_ops=12),
+                flush=True,
+            )
             del layer
             torch.cuda.empty_cache()
 

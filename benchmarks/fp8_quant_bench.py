@@ -98,7 +98,7 @@ def bench_kernels(shape: dict, device) -> dict:
 
 
 def bench_layers(shape_name: str) -> dict:
-    from fp8_h200 import build_layer, fwd_bwd, layer_config
+    from fp8_h200 import build_layer_sharing_weights, fwd_bwd, layer_config
 
     from mok_megatron.bench import SHAPES
     from mok_megatron.fp8 import native
@@ -116,11 +116,7 @@ def bench_layers(shape_name: str) -> dict:
     ):
         try:
             cfg = layer_config(shape, None)
-            layer = build_layer(backend, cfg, state)
-            if state is None:
-                state = {
-                    k: v.detach().clone() if torch.is_tensor(v) else v for k, v in layer.state_dict().items()
-                }
+            layer, state = build_layer_sharing_weights(backend, cfg, state)
 
             def step(layer=layer, cfg=cfg, requant=requant):
                 if requant:
