@@ -17,7 +17,9 @@ Module-level specs for Megatron-LM's ``--spec mok_megatron.spec <name>`` (every 
     gpt_layer_te_mla                TE with multi-latent attention (DeepSeek-V3)
 
 ``mokify(spec)`` turns any Megatron layer or block spec into its MoK twin: each MoE ``mlp`` builder
-keeps its router and shared-expert builders and gets ``MoKMoELayer`` + ``MoKGroupedMLP``.
+keeps its shared-expert builder and gets ``MoKMoELayer`` + ``MoKGroupedMLP``; Megatron's stock
+``TopKRouter`` becomes ``MoKTopKRouter`` (same routing, fp32 gating GEMM on bf16 tensor cores), a custom
+router is kept.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import dataclasses
 from functools import partial
 
 from megatron.core.transformer.moe.moe_layer import MoELayer, MoESubmodules
+from megatron.core.transformer.moe.router import TopKRouter
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
@@ -34,6 +37,7 @@ from mok_megatron.compat import have_te
 from mok_megatron.config import MoKConfigError
 from mok_megatron.mcore.experts import MoKGroupedMLP
 from mok_megatron.mcore.layer import MoKMoELayer
+from mok_megatron.mcore.router import MoKTopKRouter
 
 
 def _require_te(what: str) -> None:
@@ -44,22 +48,24 @@ def _require_te(what: str) -> None:
         )
 
 
+def _mok_submodules(sub: MoESubmodules) -> MoESubmodules:
+    """MoK experts; Megatron's stock ``TopKRouter`` becomes ``MoKTopKRouter`` (a custom router stays)."""
+    router = MoKTopKRouter if sub.router is TopKRouter else sub.router
+    return dataclasses.replace(sub, experts=MoKGroupedMLP, router=router)
+
+
 def _mok_mlp(mlp):
     """The MoK version of a Megatron MoE ``mlp`` builder (a partial of MoELayer or a ModuleSpec)."""
     if isinstance(mlp, partial) and isinstance(mlp.func, type) and issubclass(mlp.func, MoELayer):
         sub = mlp.keywords.get("submodules")
-        new_sub = (
-            dataclasses.replace(sub, experts=MoKGroupedMLP)
-            if sub is not None
-            else MoESubmodules(experts=MoKGroupedMLP)
-        )
+        new_sub = _mok_submodules(sub if sub is not None else MoESubmodules(experts=MoKGroupedMLP))
         kwargs = dict(mlp.keywords, submodules=new_sub)
         return partial(MoKMoELayer, *mlp.args, **kwargs)
     if isinstance(mlp, ModuleSpec) and isinstance(mlp.module, type) and issubclass(mlp.module, MoELayer):
         new = copy.copy(mlp)
         new.module = MoKMoELayer
         if isinstance(mlp.submodules, MoESubmodules):
-            new.submodules = dataclasses.replace(mlp.submodules, experts=MoKGroupedMLP)
+            new.submodules = _mok_submodules(mlp.submodules)
         return new
     return mlp
 

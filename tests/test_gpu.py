@@ -434,3 +434,31 @@ def test_native_fp8_grouped_linear_on_gpu():
     for e, c in enumerate(counts):
         if c == 0:
             assert torch.count_nonzero(gw8[e]) == 0
+
+
+def test_router_gemm_on_gpu_matches_megatron_fp32():
+    from megatron.core.transformer.moe.moe_utils import router_gating_linear
+
+    from mok_megatron.ops.router_gemm import router_logits
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(4096, 2048, generator=g).to("cuda", torch.bfloat16).requires_grad_()
+    w = (torch.randn(128, 2048, generator=g) * 0.02).to("cuda", torch.bfloat16).requires_grad_()
+    dy = torch.randn(4096, 128, generator=g).cuda()
+    res = []
+    for fn in (
+        lambda a, b: router_logits(a, b, None, torch.float32),
+        lambda a, b: router_gating_linear(a, b, None, torch.float32),
+    ):
+        out = fn(x, w)
+        res.append((out, *torch.autograd.grad(out, [x, w], dy)))
+    (out, dx, dw), (ref, rdx, rdw) = res
+    assert out.dtype == torch.float32
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    for got, want, terms in (
+        (dx, rdx, dy.abs() @ w.float().abs()),
+        (dw, rdw, dy.abs().t() @ x.float().abs()),
+    ):
+        err = (got.float() - want.float()).abs()
+        # one bf16 rounding each, plus the documented split bound (and TF32-free fp32 on Megatron's side)
+        assert (err <= 2**-7 * want.float().abs() + 2**-15 * terms).all(), err.max()

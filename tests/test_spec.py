@@ -1,4 +1,4 @@
-"""Specs: mokify keeps Megatron's router and shared-expert builders and swaps layer + experts."""
+"""Specs: mokify keeps shared-expert builders and custom routers, swaps layer, experts, stock router."""
 
 from __future__ import annotations
 
@@ -6,10 +6,13 @@ from functools import partial
 
 import pytest
 
+from megatron.core.transformer.moe.router import TopKRouter
+
 import mok_megatron
 from mok_megatron import spec as mok_spec
 from mok_megatron.mcore.experts import MoKGroupedMLP
 from mok_megatron.mcore.layer import MoKMoELayer
+from mok_megatron.mcore.router import MoKTopKRouter
 
 
 def test_layer_spec_swaps_layer_and_experts_only():
@@ -20,7 +23,7 @@ def test_layer_spec_swaps_layer_and_experts_only():
     assert isinstance(mok.submodules.mlp, partial) and mok.submodules.mlp.func is MoKMoELayer
     sub, base_sub = mok.submodules.mlp.keywords["submodules"], base.submodules.mlp.keywords["submodules"]
     assert sub.experts is MoKGroupedMLP
-    assert sub.router is base_sub.router
+    assert base_sub.router is TopKRouter and sub.router is MoKTopKRouter
     assert sub.shared_experts.func is base_sub.shared_experts.func
     assert mok.submodules.self_attention == base.submodules.self_attention
     assert base.submodules.mlp.func is not MoKMoELayer, "mokify must not modify its input"
@@ -46,3 +49,13 @@ def test_module_level_specs_for_megatron_lm_spec_flag():
 def test_package_exports_load_lazily():
     assert mok_megatron.MoKMoELayer is MoKMoELayer
     assert mok_megatron.get_gpt_layer_with_mok_spec is mok_spec.get_gpt_layer_with_mok_spec
+
+
+def test_custom_router_is_kept():
+    from megatron.core.transformer.moe.moe_layer import MoELayer, MoESubmodules
+    from megatron.core.transformer.moe.router import InferenceTopKRouter
+
+    sub = MoESubmodules(experts=None, router=InferenceTopKRouter)
+    mlp = mok_spec._mok_mlp(partial(MoELayer, submodules=sub))
+    assert mlp.keywords["submodules"].router is InferenceTopKRouter
+    assert mlp.keywords["submodules"].experts is MoKGroupedMLP
