@@ -7,6 +7,7 @@ bf16 vs torch-fp8, one MoK layer fwd+bwd at EP=1 (``kernel_profile.kernel_summar
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import statistics
 import sys
@@ -24,6 +25,8 @@ def main() -> None:
 
     p = argparse.ArgumentParser()
     p.add_argument("--shapes", default="deepseek-v3-ep32,qwen3-30b-a3b")
+    p.add_argument("--backends", default="torch,torch-fp8")
+    p.add_argument("--router-fusion", action="store_true", help="moe_router_fusion (TE's fused top-k)")
     ns = p.parse_args()
     _init_single_process()
     dev = torch.device("cuda")
@@ -32,8 +35,8 @@ def main() -> None:
         g = torch.Generator().manual_seed(0)
         x = torch.randn(shape["tokens"], 1, shape["hidden"], generator=g).to(dev, torch.bfloat16)
         dout = (torch.randn(shape["tokens"], 1, shape["hidden"], generator=g) * 1e-2).to(dev, torch.bfloat16)
-        for backend in ("torch", "torch-fp8"):
-            cfg = layer_config(shape, None)
+        for backend in ns.backends.split(","):
+            cfg = dataclasses.replace(layer_config(shape, None), moe_router_fusion=ns.router_fusion)
             layer = build_layer(backend, cfg, None)
 
             def step(layer=layer, cfg=cfg, x=x, dout=dout):
@@ -42,7 +45,14 @@ def main() -> None:
 
             wall = 1e3 * statistics.median(time_steps(step, 10, 3))
             print(
-                kernel_summary(step, f"{shape_name} {backend}", wall, top=14, width=100, host_ops=12),
+                kernel_summary(
+                    step,
+                    f"{shape_name} {backend}{' fused-router' * ns.router_fusion}",
+                    wall,
+                    top=14,
+                    width=100,
+                    host_ops=12,
+                ),
                 flush=True,
             )
             del layer

@@ -4,13 +4,14 @@ At EP=1 the dropless layer never reads the device from the host, so the whole st
 the graph removes the host's kernel-launch time, which is what separates wall time from GPU-busy time
 in ``benchmarks/profile_layer.py``. Median of 20 CUDA-event-timed steps after 3 warm-up steps.
 
-    python benchmarks/layer_graph.py [shape ...]        (shapes from mok_megatron.bench.SHAPES)
+    python benchmarks/layer_graph.py [--router-fusion] [shape ...]   (shapes from mok_megatron.bench.SHAPES;
+                                                   --router-fusion: TE's fused top-k, moe_router_fusion)
     MOK_EXPERT_BACKEND=torch-fp8 python benchmarks/layer_graph.py ...   (the native FP8 experts; the
                                                                        graph re-quantizes the weights)
 """
 
+import dataclasses
 import os
-
 import statistics
 import sys
 import warnings
@@ -22,16 +23,20 @@ from mok_megatron.bench import SHAPES, _config, _init_single_process, build, tim
 from mok_megatron.bench_overlap import _graphed, _inputs  # noqa: E402
 
 _init_single_process()
-for name in sys.argv[1:] or ["qwen3-30b-a3b", "deepseek-v3-ep32"]:
+args = sys.argv[1:]
+fusion = "--router-fusion" in args
+names = [a for a in args if a != "--router-fusion"] or ["qwen3-30b-a3b", "deepseek-v3-ep32"]
+for name in names:
     s = SHAPES[name]
     torch.manual_seed(0)
     backend = os.environ.get("MOK_EXPERT_BACKEND", "torch")
+    cfg = dataclasses.replace(_config(s, torch.bfloat16), moe_router_fusion=fusion)
     if backend == "torch":
-        layer = build("mok", _config(s, torch.bfloat16)).cuda()
+        layer = build("mok", cfg).cuda()
     else:
         from mok_megatron.fp8.layers import build_mok_layer
 
-        layer = build_mok_layer(backend, _config(s, torch.bfloat16)).cuda()
+        layer = build_mok_layer(backend, cfg).cuda()
     x, dout = _inputs(s["tokens"], s["hidden"], torch.bfloat16, torch.device("cuda"))
 
     def eager(layer=layer, x=x, dout=dout):
@@ -44,7 +49,7 @@ for name in sys.argv[1:] or ["qwen3-30b-a3b", "deepseek-v3-ep32"]:
     for label, step in (("eager", eager), ("cuda graph", _graphed(layer, x, dout))):
         ms[label] = 1e3 * statistics.median(time_steps(step, 20, 3))
     print(
-        f"{name} [{backend}]: eager {ms['eager']:.2f} ms ({flops / ms['eager'] / 1e9:.0f} TFLOP/s) | "
+        f"{name} [{backend}{', router fusion' if fusion else ''}]: eager {ms['eager']:.2f} ms ({flops / ms['eager'] / 1e9:.0f} TFLOP/s) | "
         f"CUDA graph {ms['cuda graph']:.2f} ms ({flops / ms['cuda graph'] / 1e9:.0f} TFLOP/s)"
     )
     del layer

@@ -257,6 +257,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16")
     p.add_argument("--iters", type=int, default=20, help="timed iterations per phase (median reported)")
     p.add_argument("--warmup", type=int, default=3)
+    p.add_argument(
+        "--router-fusion",
+        action="store_true",
+        help="moe_router_fusion=True for every Megatron-based layer (TE's fused top-k; needs TE)",
+    )
     p.add_argument("--json", default=None, help="write every case (rows, skipped peers) to this JSON file")
     p.add_argument("--png", default=None, help="write a bar chart of fwd+bwd ms to this PNG (matplotlib)")
     ns = p.parse_args(argv)
@@ -268,6 +273,11 @@ def main(argv: list[str] | None = None) -> int:
     if ns.tokens is not None and ns.tokens < 1:
         p.error(f"--tokens {ns.tokens}: must be >= 1")
     shapes = {n: dict(SHAPES[n], **({"tokens": ns.tokens} if ns.tokens else {})) for n in names}
+    if ns.router_fusion:
+        from mok_megatron.compat import have_te
+
+        if not have_te():
+            p.error("--router-fusion uses Transformer Engine's fused router, which is not installed here")
     import warnings
 
     warnings.filterwarnings("ignore")
@@ -275,7 +285,9 @@ def main(argv: list[str] | None = None) -> int:
     from mok_megatron.bench_suite import bench_suite
 
     try:
-        cases = bench_suite(shapes, routings, ns.impl.split(","), ns.dtype, ns.iters, ns.warmup)
+        cases = bench_suite(
+            shapes, routings, ns.impl.split(","), ns.dtype, ns.iters, ns.warmup, ns.router_fusion
+        )
     except ValueError as e:
         p.error(str(e))
     print(bench_report.markdown(cases))

@@ -69,11 +69,14 @@ def _te_reason() -> str | None:
     return None
 
 
-def _bench_config(shape: dict, dtype, impl: str):
+def _bench_config(shape: dict, dtype, impl: str, router_fusion: bool = False):
     from mok_megatron.bench import _config
 
     cfg = dataclasses.replace(
-        _config(shape, dtype), moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0
+        _config(shape, dtype),
+        moe_router_load_balancing_type="none",
+        moe_aux_loss_coeff=0.0,
+        moe_router_fusion=router_fusion,
     )
     return dataclasses.replace(cfg, moe_permute_fusion=True) if impl == "megatron-te" else cfg
 
@@ -91,7 +94,7 @@ def _weights(sd: dict):
     return pick["router.weight"][0], pick["fc1_weight"][0], pick["fc2_weight"][0]
 
 
-def _build(impl: str, shape: dict, dtype, device, ref_sd: dict | None):
+def _build(impl: str, shape: dict, dtype, device, ref_sd: dict | None, router_fusion: bool = False):
     """(layer, note) or PeerUnavailable."""
     from mok_megatron.bench import build
     from mok_megatron.checkpoint import convert_state_dict
@@ -99,9 +102,9 @@ def _build(impl: str, shape: dict, dtype, device, ref_sd: dict | None):
     if impl == "megatron-te" and (reason := _te_reason()):
         raise PeerUnavailable(reason)
     if impl in FP8_IMPLS:
-        return _build_fp8(impl, shape, dtype, device, ref_sd), ""
+        return _build_fp8(impl, shape, dtype, device, ref_sd, router_fusion), ""
     if impl in MEGATRON_IMPLS:
-        layer = build(impl, _bench_config(shape, dtype, impl)).to(device)
+        layer = build(impl, _bench_config(shape, dtype, impl, router_fusion)).to(device)
         if ref_sd is None:
             router = [p for n, p in layer.named_parameters() if n.endswith("router.weight")]
             with __import__("torch").no_grad():
@@ -131,14 +134,14 @@ def _build(impl: str, shape: dict, dtype, device, ref_sd: dict | None):
     return layer, layer.compile_moe(x)  # "torch.compile", or eager with the reason
 
 
-def _build_fp8(impl: str, shape: dict, dtype, device, ref_sd: dict):
+def _build_fp8(impl: str, shape: dict, dtype, device, ref_sd: dict, router_fusion: bool = False):
     from mok_megatron.checkpoint import convert_state_dict
     from mok_megatron.fp8.layers import InQuantContext, build_mok_layer, fp8_config, unavailable
 
     backend, recipe = FP8_IMPLS[impl]
     if reason := unavailable(backend, recipe):
         raise PeerUnavailable(f"--mok-expert-backend {backend} {recipe or ''}: {reason}")
-    cfg = fp8_config(_bench_config(shape, dtype, "mok"), recipe)
+    cfg = fp8_config(_bench_config(shape, dtype, "mok", router_fusion), recipe)
     layer = build_mok_layer(backend, cfg).to(device)
     layer.load_state_dict(convert_state_dict(ref_sd, "mok"), strict=True)
     return InQuantContext(layer, cfg)
@@ -149,7 +152,14 @@ def _rel_err(a, ref) -> float:
 
 
 def bench_case(
-    shape_name: str, shape: dict, routing: str, impls: list[str], dtype_name: str, iters: int, warmup: int
+    shape_name: str,
+    shape: dict,
+    routing: str,
+    impls: list[str],
+    dtype_name: str,
+    iters: int,
+    warmup: int,
+    router_fusion: bool = False,
 ) -> dict:
     import torch
 
@@ -165,7 +175,7 @@ def bench_case(
     for impl in order:
         torch.manual_seed(0)
         try:
-            layer, note = _build(impl, shape, dtype, device, ref_sd)
+            layer, note = _build(impl, shape, dtype, device, ref_sd, router_fusion)
         except PeerUnavailable as err:
             skipped.append({"impl": impl, "reason": str(err)})
             continue
@@ -245,6 +255,7 @@ def bench_suite(
     dtype_name: str = "bf16",
     iters: int = 20,
     warmup: int = 3,
+    router_fusion: bool = False,
 ) -> list[dict]:
     """One case per (shape, routing), all in this process."""
     from mok_megatron.bench import _init_single_process
@@ -255,7 +266,7 @@ def bench_suite(
         raise ValueError(f"unknown routing(s) {bad}: choose from {', '.join(ROUTINGS)}")
     _init_single_process()
     return [
-        bench_case(name, s, r, impls, dtype_name, iters, warmup)
+        bench_case(name, s, r, impls, dtype_name, iters, warmup, router_fusion)
         for name, s in shapes.items()
         for r in routings
     ]
