@@ -232,6 +232,116 @@ def check_wired_swiglu(device, M, F, dtype, recompute=False):
         assert err <= tol, f"experts {name}: relative error {err:.3e} > {tol}"
 
 
+def check_topk(device, T, E, K, dtype, ties=False):
+    """The Triton top-k selection against the stable-sort reference (ties to the lower index, NaN lowest)."""
+    from mok_megatron.kernels.topk import topk_indices, topk_indices_reference
+
+    g = torch.Generator().manual_seed(T + E + K)
+    s = torch.randn(T, E, generator=g)
+    if ties:  # few distinct values, some NaN and -inf: order decided by the index
+        s = torch.randint(0, 3, (T, E), generator=g).float()
+        s[::3, ::4] = float("nan")
+        s[1::5, 1::3] = float("-inf")
+    s = s.to(device, dtype)
+    got = topk_indices(s, K, impl=Impl.TRITON)
+    want = topk_indices_reference(s, K)
+    assert got.dtype == torch.int64 and got.shape == (T, K)
+    assert torch.equal(got.cpu(), want.cpu()), (got[:4], want[:4])
+
+
+_PARALLEL = []
+
+
+def _single_rank(device):
+    """Megatron's parallel state in this one process (once): gloo on CPU, NCCL on a GPU."""
+    if _PARALLEL:
+        return
+    import os
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from tests.pool import free_port
+
+    if not dist.is_initialized():
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+        backend = "nccl" if device == "cuda" else "gloo"
+        dist.init_process_group(backend, rank=0, world_size=1, timeout=timedelta(seconds=60))
+    if device != "cuda":
+        import mok_megatron.cpu
+
+        mok_megatron.cpu.enable()
+    from tests.cases import setup_parallel
+
+    setup_parallel()
+    _PARALLEL.append(True)
+
+
+def check_router(
+    device, score="softmax", pre_softmax=False, bias=False, aux="aux_loss", padding=False, dtype=None
+):
+    """MoKTopKRouter (Triton top-k selection) against Megatron's TopKRouter: probabilities, routing map,
+    and the gradients of the input and weight (the aux losses reach them through the probabilities)."""
+    from megatron.core.transformer.moe.router import TopKRouter
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from mok_megatron.mcore.router import MoKTopKRouter
+
+    _single_rank(device)
+    dtype = dtype or torch.float32
+    E, K, H, S, B = 24, 4, 32, 9, 2
+    cfg = TransformerConfig(
+        num_layers=1,
+        hidden_size=H,
+        num_attention_heads=4,
+        num_moe_experts=E,
+        moe_router_topk=K,
+        moe_router_score_function=score,
+        moe_router_pre_softmax=pre_softmax,
+        moe_router_topk_scaling_factor=2.5 if score != "softmax" else None,
+        moe_router_enable_expert_bias=bias,
+        moe_router_load_balancing_type=aux,
+        moe_aux_loss_coeff=1e-2 if aux != "none" else 0.0,
+        moe_z_loss_coeff=1e-3,
+        moe_router_dtype="fp32",
+        params_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+        use_cpu_initialization=device != "cuda",
+    )
+    from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
+
+    pg = get_default_pg_collection()
+    ref, mok = TopKRouter(cfg, pg_collection=pg).to(device), MoKTopKRouter(cfg, pg_collection=pg).to(device)
+    mok.load_state_dict(ref.state_dict())
+    assert mok._fast_routing(x_probe := torch.zeros(1, E, device=device)), (
+        "the case must take the Triton top-k"
+    )
+    del x_probe
+    if bias:
+        b = torch.randn(E, generator=torch.Generator().manual_seed(5)).to(device) * 0.1
+        ref.expert_bias.copy_(b)
+        mok.expert_bias.copy_(b)
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(S, B, H, generator=g).to(device, dtype)
+    dp = torch.randn(S * B, E, generator=g).to(device)
+    mask = (torch.rand(S, B, generator=g) < 0.3).to(device) if padding else None
+    res = []
+    for r in (ref, mok):
+        r.train()
+        xi = x.clone().requires_grad_()
+        probs, rmap = r(xi, padding_mask=mask)
+        (probs.float() * dp).sum().backward()
+        res.append((probs.detach(), rmap, xi.grad, r.weight.grad))
+    (p1, m1, gx1, gw1), (p2, m2, gx2, gw2) = res
+    assert torch.equal(m1, m2), "routing maps differ"
+    torch.testing.assert_close(p2, p1, rtol=1e-6, atol=1e-7)
+    tol = dict(rtol=1e-5, atol=1e-6) if dtype == torch.float32 else dict(rtol=2e-2, atol=1e-4)
+    torch.testing.assert_close(gx2.float(), gx1.float(), **tol)
+    torch.testing.assert_close(gw2.float(), gw1.float(), **tol)
+    if bias:
+        torch.testing.assert_close(mok.local_tokens_per_expert, ref.local_tokens_per_expert)
+
+
 f32, bf16 = torch.float32, torch.bfloat16
 
 # Small enough for the interpreter (~seconds each): odd sizes, E=1, K=1 and K=8, dropped routes, tokens
@@ -267,6 +377,18 @@ CPU_CASES = {
     "swiglu/M7-F5-probs": partial(check_swiglu, M=7, F=5, dtype=f32),
     "swiglu/M33-F300-no-probs": partial(check_swiglu, M=33, F=300, dtype=f32, with_probs=False),
     "swiglu/M5-F1100-bf16-probs": partial(check_swiglu, M=5, F=1100, dtype=bf16),
+    "topk/T13-E5-K2": partial(check_topk, T=13, E=5, K=2, dtype=f32),
+    "topk/T40-E128-K8-bf16": partial(check_topk, T=40, E=128, K=8, dtype=bf16),
+    "topk/T30-E9-K9-ties-nan-inf": partial(check_topk, T=30, E=9, K=9, dtype=f32, ties=True),
+    "topk/T1-E1-K1": partial(check_topk, T=1, E=1, K=1, dtype=f32),
+    "router/softmax-aux": partial(check_router),
+    "router/softmax-pre-seq-aux-padding": partial(
+        check_router, pre_softmax=True, aux="seq_aux_loss", padding=True
+    ),
+    "router/sigmoid-bias-global-aux": partial(
+        check_router, score="sigmoid", bias=True, aux="global_aux_loss"
+    ),
+    "router/sqrtsoftplus-no-aux": partial(check_router, score="sqrtsoftplus", aux="none"),
     "bench/tiny-A16": partial(check_bench_cases, alignment=16),
     "wired/permute-combine-T13-K2-E5-H40": partial(
         check_wired_permute_combine, T=13, K=2, E=5, H=40, dtype=f32
@@ -300,6 +422,9 @@ GPU_CASES = {
         check_combine, T=513, K=8, E=8, A=1, H=7168, dtype=bf16, weighted=False, drop="tokens"
     ),
     "combine/T777-K1-E1-H2050-f32": partial(check_combine, T=777, K=1, E=1, A=1, H=2050, dtype=f32),
+    "topk/T16384-E128-K8": partial(check_topk, T=16384, E=128, K=8, dtype=f32),
+    "topk/T4097-E8-K8-ties": partial(check_topk, T=4097, E=8, K=8, dtype=f32, ties=True),
+    "router/softmax-aux-bf16": partial(check_router, dtype=bf16),
     "swiglu/M8193-F768-bf16-probs": partial(check_swiglu, M=8193, F=768, dtype=bf16),
     "swiglu/M1000-F2048-bf16-no-probs": partial(check_swiglu, M=1000, F=2048, dtype=bf16, with_probs=False),
     "swiglu/M999-F1537-f32-probs": partial(check_swiglu, M=999, F=1537, dtype=f32),

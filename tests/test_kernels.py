@@ -192,6 +192,7 @@ def _sm90_specializations():
     from mok_megatron.kernels import permute as P
     from mok_megatron.kernels import routing as R
     from mok_megatron.kernels import swiglu as S
+    from mok_megatron.kernels import topk as K
 
     i32, bf, fp = "*i32", "*bf16", "*fp32"
     return {
@@ -244,12 +245,13 @@ def _sm90_specializations():
             dict(h_ptr=bf, p_ptr=fp, da_ptr=bf, dh_ptr=bf, dp_ptr=fp),
             dict(BLOCK_M=2, BLOCK_F=1024, HAS_PROBS=True),
         ),
+        "topk": (K._topk_kernel, dict(s_ptr=fp, idx_ptr="*i64"), dict(K=8, BLOCK_T=64, BLOCK_E=128)),
     }
 
 
 @pytest.mark.skipif(not have_triton() or INTERPRETED, reason="needs Triton, not in interpreter mode")
 @pytest.mark.parametrize(
-    "kernel", ["rank_in_block", "scan", "place", "scatter", "gather_sum", "swiglu_fwd", "swiglu_bwd"]
+    "kernel", ["rank_in_block", "scan", "place", "scatter", "gather_sum", "swiglu_fwd", "swiglu_bwd", "topk"]
 )
 def test_kernel_compiles_for_sm90(kernel):
     import triton

@@ -10,6 +10,7 @@ Modules:
     permute  token rows (+ probabilities) -> expert-major rows; optional fused cast; zero padding rows
     combine  expert rows -> per-token (optionally probability-weighted) sum, deterministic, with backward
     swiglu   fused SwiGLU forward/backward on fc1's [gate | up] output, optionally times a per-row prob
+    topk     the router's top-k selection, one pass per row (ties to the lower index)
 
 Every public op takes ``impl``: ``Impl.AUTO`` runs Triton on CUDA tensors when Triton is installed and the
 torch reference otherwise; ``Impl.TRITON`` / ``Impl.TORCH`` force one (the tests hold them against each other).

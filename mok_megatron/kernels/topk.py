@@ -1,0 +1,70 @@
+"""Router top-k selection: the K largest scores of each token's row, in one pass over [T, E].
+
+``topk_indices(scores_TE, k)`` returns ``idx_TK`` (int64): each row's K largest entries, largest first,
+equal values in ascending expert order (what a stable descending sort gives). NaN counts as -inf. Only
+the selection: the probabilities are computed by Megatron's own ``topk_routing_with_score_function``
+at these indices (``precomputed_indices``), so the values and gradients are Megatron's.
+
+Why: ``torch.topk`` over [16384, 128] fp32 with K = 8 is ~0.1 ms on an H200 (``sbtopk::gatherTopK``),
+and Megatron's router calls it twice per step (routing and the aux-loss map). This kernel loads each
+row once and takes K arg-max passes in registers.
+
+    topk_indices_reference   stable descending sort, first K columns (pure torch)
+    topk_indices             the Triton kernel (``Impl.AUTO``: CUDA with Triton, else the reference)
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mok_megatron.kernels import Impl, jit, next_pow2, tl, triton, use_triton
+
+
+def topk_indices_reference(scores_TE: torch.Tensor, k: int) -> torch.Tensor:
+    s = scores_TE.float()
+    s = torch.where(s.isnan(), float("-inf"), s)
+    return torch.sort(s, dim=1, descending=True, stable=True).indices[:, :k].contiguous()
+
+
+@jit
+def _topk_kernel(
+    s_ptr, idx_ptr, T, E, stride_t, K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr
+):
+    pid = tl.program_id(0)
+    rows = pid * BLOCK_T + tl.arange(0, BLOCK_T)
+    cols = tl.arange(0, BLOCK_E)
+    row_ok = rows < T
+    col_ok = cols < E
+    mask = row_ok[:, None] & col_ok[None, :]
+    s = tl.load(s_ptr + rows[:, None].to(tl.int64) * stride_t + cols[None, :], mask=mask, other=0.0).to(
+        tl.float32
+    )
+    s = tl.where(s != s, float("-inf"), s)  # NaN -> -inf
+    # Columns past E (and already taken ones) can never win: they compare below every real entry.
+    live = mask
+    for j in tl.static_range(K):
+        cand = tl.where(live, s, float("-inf"))
+        best = tl.max(cand, axis=1)
+        hit = live & (cand == best[:, None])
+        pick = tl.min(tl.where(hit, cols[None, :], BLOCK_E), axis=1)
+        tl.store(idx_ptr + rows.to(tl.int64) * K + j, pick.to(tl.int64), mask=row_ok)
+        live = live & (cols[None, :] != pick[:, None])
+
+
+def topk_indices(scores_TE: torch.Tensor, k: int, impl: Impl = Impl.AUTO) -> torch.Tensor:
+    """``[T, K]`` int64 indices of each row's K largest scores (largest first, ties to the lower index)."""
+    if scores_TE.dim() != 2:
+        raise ValueError(f"topk_indices: scores must be [T, E], got shape {tuple(scores_TE.shape)}")
+    t, e = scores_TE.shape
+    if not 1 <= k <= e:
+        raise ValueError(f"topk_indices: k={k} must be in [1, E={e}]")
+    if not use_triton(impl, scores_TE, "topk_indices"):
+        return topk_indices_reference(scores_TE, k)
+    s = scores_TE if scores_TE.stride(1) == 1 else scores_TE.contiguous()
+    idx = torch.empty(t, k, dtype=torch.int64, device=s.device)
+    if t == 0:
+        return idx
+    block_e = next_pow2(e)
+    block_t = max(1, min(64, 8192 // block_e))
+    _topk_kernel[(triton.cdiv(t, block_t),)](s, idx, t, e, s.stride(0), K=k, BLOCK_T=block_t, BLOCK_E=block_e)
+    return idx
