@@ -270,7 +270,7 @@ def _single_rank(device):
     if device != "cuda":
         import mok_megatron.cpu
 
-        mok_megatron.cpu.enable()
+        mok_megatron.cpu.enable(force=True)  # CPU tensors even where a GPU exists (interpreted cases)
     from tests.cases import setup_parallel
 
     setup_parallel()
@@ -280,15 +280,15 @@ def _single_rank(device):
 def check_router(
     device, score="softmax", pre_softmax=False, bias=False, aux="aux_loss", padding=False, dtype=None
 ):
-    """MoKTopKRouter (Triton top-k selection) against Megatron's TopKRouter: probabilities, routing map,
-    and the gradients of the input and weight (the aux losses reach them through the probabilities)."""
+    """MoKTopKRouter.routing (Triton top-k selection) against Megatron's TopKRouter.routing on the same
+    logits: probabilities, routing map, expert-bias token counts, and the logits' gradient (the aux and
+    z losses reach it through the probabilities)."""
     from megatron.core.transformer.moe.router import TopKRouter
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     from mok_megatron.mcore.router import MoKTopKRouter
 
     _single_rank(device)
-    dtype = dtype or torch.float32
     E, K, H, S, B = 24, 4, 32, 9, 2
     cfg = TransformerConfig(
         num_layers=1,
@@ -304,8 +304,6 @@ def check_router(
         moe_aux_loss_coeff=1e-2 if aux != "none" else 0.0,
         moe_z_loss_coeff=1e-3,
         moe_router_dtype="fp32",
-        params_dtype=dtype,
-        bf16=dtype == torch.bfloat16,
         use_cpu_initialization=device != "cuda",
     )
     from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
@@ -322,22 +320,22 @@ def check_router(
         ref.expert_bias.copy_(b)
         mok.expert_bias.copy_(b)
     g = torch.Generator().manual_seed(7)
-    x = torch.randn(S, B, H, generator=g).to(device, dtype)
+    # Routing on the same logits (the gating GEMM differs by design: ops.router_gemm, tested on its own).
+    logits = (torch.randn(S, B, E, generator=g) * 2).to(device)
     dp = torch.randn(S * B, E, generator=g).to(device)
     mask = (torch.rand(S, B, generator=g) < 0.3).to(device) if padding else None
     res = []
     for r in (ref, mok):
         r.train()
-        xi = x.clone().requires_grad_()
-        probs, rmap = r(xi, padding_mask=mask)
+        li = logits.clone().requires_grad_()
+        probs, rmap = r.routing(li, padding_mask=mask)
         (probs.float() * dp).sum().backward()
-        res.append((probs.detach(), rmap, xi.grad, r.weight.grad))
-    (p1, m1, gx1, gw1), (p2, m2, gx2, gw2) = res
+        res.append((probs.detach(), rmap, li.grad))
+    (p1, m1, g1), (p2, m2, g2) = res
     assert torch.equal(m1, m2), "routing maps differ"
     torch.testing.assert_close(p2, p1, rtol=1e-6, atol=1e-7)
-    tol = dict(rtol=1e-5, atol=1e-6) if dtype == torch.float32 else dict(rtol=2e-2, atol=1e-4)
-    torch.testing.assert_close(gx2.float(), gx1.float(), **tol)
-    torch.testing.assert_close(gw2.float(), gw1.float(), **tol)
+    # the gradient reaching the logits: probabilities, aux / seq-aux / global-aux and z losses
+    torch.testing.assert_close(g2, g1, rtol=1e-5, atol=1e-7)
     if bias:
         torch.testing.assert_close(mok.local_tokens_per_expert, ref.local_tokens_per_expert)
 
@@ -424,7 +422,10 @@ GPU_CASES = {
     "combine/T777-K1-E1-H2050-f32": partial(check_combine, T=777, K=1, E=1, A=1, H=2050, dtype=f32),
     "topk/T16384-E128-K8": partial(check_topk, T=16384, E=128, K=8, dtype=f32),
     "topk/T4097-E8-K8-ties": partial(check_topk, T=4097, E=8, K=8, dtype=f32, ties=True),
-    "router/softmax-aux-bf16": partial(check_router, dtype=bf16),
+    # (expert bias + padding mask fails in Megatron 0.19.2's own _apply_expert_bias: [T, E] & [T])
+    "router/sigmoid-pre-bias-seq-aux": partial(
+        check_router, score="sigmoid", pre_softmax=True, bias=True, aux="seq_aux_loss"
+    ),
     "swiglu/M8193-F768-bf16-probs": partial(check_swiglu, M=8193, F=768, dtype=bf16),
     "swiglu/M1000-F2048-bf16-no-probs": partial(check_swiglu, M=1000, F=2048, dtype=bf16, with_probs=False),
     "swiglu/M999-F1537-f32-probs": partial(check_swiglu, M=999, F=1537, dtype=f32),

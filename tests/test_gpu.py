@@ -436,7 +436,10 @@ def test_native_fp8_grouped_linear_on_gpu():
             assert torch.count_nonzero(gw8[e]) == 0
 
 
-def test_router_gemm_on_gpu_matches_megatron_fp32():
+def test_router_gemm_on_gpu_matches_fp32_router():
+    """The tensor-core router GEMM against the fp64 truth, within the documented bound (one bf16
+    rounding plus 2**-16 of the terms); Megatron's own fp32 router (TE's GEMM where TE is installed)
+    is held to the same bound, so ours is no less accurate."""
     from megatron.core.transformer.moe.moe_utils import router_gating_linear
 
     from mok_megatron.ops.router_gemm import router_logits
@@ -445,20 +448,22 @@ def test_router_gemm_on_gpu_matches_megatron_fp32():
     x = torch.randn(4096, 2048, generator=g).to("cuda", torch.bfloat16).requires_grad_()
     w = (torch.randn(128, 2048, generator=g) * 0.02).to("cuda", torch.bfloat16).requires_grad_()
     dy = torch.randn(4096, 128, generator=g).cuda()
-    res = []
-    for fn in (
-        lambda a, b: router_logits(a, b, None, torch.float32),
-        lambda a, b: router_gating_linear(a, b, None, torch.float32),
-    ):
+    xd, wd, dyd = x.detach().double(), w.detach().double(), dy.double()
+    truth = (xd @ wd.t(), dyd @ wd, dyd.t() @ xd)
+    terms = (None, dyd.abs() @ wd.abs(), dyd.abs().t() @ xd.abs())
+
+    def fp32_router(a, b):
+        return router_logits(a, b, None, torch.float32)
+
+    def megatron(a, b):
+        return router_gating_linear(a, b, None, torch.float32)
+
+    for fn in (fp32_router, megatron):
         out = fn(x, w)
-        res.append((out, *torch.autograd.grad(out, [x, w], dy)))
-    (out, dx, dw), (ref, rdx, rdw) = res
-    assert out.dtype == torch.float32
-    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
-    for got, want, terms in (
-        (dx, rdx, dy.abs() @ w.float().abs()),
-        (dw, rdw, dy.abs().t() @ x.float().abs()),
-    ):
-        err = (got.float() - want.float()).abs()
-        # one bf16 rounding each, plus the documented split bound (and TF32-free fp32 on Megatron's side)
-        assert (err <= 2**-7 * want.float().abs() + 2**-15 * terms).all(), err.max()
+        assert out.dtype == torch.float32
+        got = (out, *torch.autograd.grad(out, [x, w], dy))
+        torch.testing.assert_close(got[0].double(), truth[0], rtol=1e-5, atol=1e-5)
+        for name, a, t, tm in zip(("dx", "dw"), got[1:], truth[1:], terms[1:], strict=True):
+            err = (a.double() - t).abs()
+            bound = 2**-7 * t.abs() + 2**-15 * tm
+            assert (err <= bound).all(), f"{fn.__name__} {name}: max error {err.max():.3e}"

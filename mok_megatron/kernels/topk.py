@@ -20,6 +20,10 @@ import torch
 from mok_megatron.kernels import Impl, jit, next_pow2, tl, triton, use_triton
 
 
+# Launch defaults (rows per program capped by elements per program); measured by benchmarks/topk_probe.py.
+_BLOCK_T, _BLOCK_ELEMS, _NUM_WARPS = 64, 8192, 4
+
+
 def topk_indices_reference(scores_TE: torch.Tensor, k: int) -> torch.Tensor:
     s = scores_TE.float()
     s = torch.where(s.isnan(), float("-inf"), s)
@@ -51,8 +55,16 @@ def _topk_kernel(
         live = live & (cols[None, :] != pick[:, None])
 
 
-def topk_indices(scores_TE: torch.Tensor, k: int, impl: Impl = Impl.AUTO) -> torch.Tensor:
-    """``[T, K]`` int64 indices of each row's K largest scores (largest first, ties to the lower index)."""
+def topk_indices(
+    scores_TE: torch.Tensor,
+    k: int,
+    impl: Impl = Impl.AUTO,
+    *,
+    block_t: int | None = None,
+    num_warps: int | None = None,
+) -> torch.Tensor:
+    """``[T, K]`` int64 indices of each row's K largest scores (largest first, ties to the lower index).
+    ``block_t`` (rows per program) and ``num_warps`` are tuning knobs (``benchmarks/topk_probe.py``)."""
     if scores_TE.dim() != 2:
         raise ValueError(f"topk_indices: scores must be [T, E], got shape {tuple(scores_TE.shape)}")
     t, e = scores_TE.shape
@@ -65,6 +77,8 @@ def topk_indices(scores_TE: torch.Tensor, k: int, impl: Impl = Impl.AUTO) -> tor
     if t == 0:
         return idx
     block_e = next_pow2(e)
-    block_t = max(1, min(64, 8192 // block_e))
-    _topk_kernel[(triton.cdiv(t, block_t),)](s, idx, t, e, s.stride(0), K=k, BLOCK_T=block_t, BLOCK_E=block_e)
+    block_t = block_t or max(1, min(_BLOCK_T, _BLOCK_ELEMS // block_e))
+    _topk_kernel[(triton.cdiv(t, block_t),)](
+        s, idx, t, e, s.stride(0), K=k, BLOCK_T=block_t, BLOCK_E=block_e, num_warps=num_warps or _NUM_WARPS
+    )
     return idx
