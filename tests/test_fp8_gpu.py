@@ -297,3 +297,26 @@ def test_native_mlp_quantized_into_padding_matches_pad_path_on_gpu():
         for n, a, b in zip(("y", "dx", "dp", "dw1", "dw2"), got, want, strict=True)
     }
     assert max(errs.values()) < SAME, errs
+
+
+@pytest.mark.usefixtures("single_rank")
+def test_torch_fp8_layer_runs_on_the_aligned_plan_and_matches_the_pad_path():
+    """At EP=1 the torch-fp8 layer's permute writes the padded layout (no pad/unpad copies); the
+    result equals the padding experts' path (the same rows quantized the same way) closely."""
+    from mok_megatron.checkpoint import convert_state_dict
+
+    _native_or_skip()
+    cfg = _config(None)
+    aligned = _build("torch-fp8", cfg)
+    assert aligned.token_dispatcher.row_alignment == 16 and aligned.experts.aligned_input == 16
+    padding = _build("torch-fp8", cfg)
+    padding.load_state_dict(convert_state_dict(aligned.state_dict(), "mok"), strict=True)
+    padding.token_dispatcher.row_alignment = 1
+    padding.experts.aligned_input = 1
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(SHAPE["tokens"], 1, SHAPE["hidden"], generator=g).to("cuda", torch.bfloat16)
+    dout = torch.randn(SHAPE["tokens"], 1, SHAPE["hidden"], generator=g).to("cuda", torch.bfloat16)
+    got, want = _run(aligned, cfg, x, dout, 2), _run(padding, cfg, x, dout, 2)
+    errs = {"out": _rel(got[0], want[0]), "dx": _rel(got[1], want[1])}
+    errs.update({k: _rel(got[2][k], want[2][k]) for k in want[2]})
+    assert max(errs.values()) < 1e-2, errs

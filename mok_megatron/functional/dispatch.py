@@ -3,7 +3,8 @@
 Legend:
     T  local tokens   H  hidden   N  rows sent   R  rows received by this rank's experts
 
-    dispatch_preprocess   x_TH, probs_TE -> x_NH, probs_N        permute into expert-major order
+    dispatch_preprocess   x_TH, probs_TE -> x_NH, probs_N        permute into expert-major order (aligned
+                                                                 plans: padded positions, padding zeroed)
     token_dispatch        x_NH, probs_N  -> x_(EP rows), probs    all-to-all over EP
     dispatch_postprocess  ...            -> x_RH, probs_R         all-gather over ETP, sort by local expert
     combine_preprocess    y_RH           -> y (EP rows)           unsort, reduce-scatter over ETP (fp32)
@@ -42,6 +43,10 @@ def permute_rows(x: torch.Tensor, idx: torch.Tensor, inv: torch.Tensor) -> torch
 
 
 def dispatch_preprocess(x_TH: torch.Tensor, probs_TE: torch.Tensor, plan: DispatchPlan):
+    if plan.meta is not None:  # aligned layout: rows land in their padded positions, padding zeroed
+        from mok_megatron.kernels.permute import permute
+
+        return permute(x_TH, plan.meta, probs_TE.gather(1, plan.ids_TK))
     return permute_tokens_with_probs(x_TH, probs_TE, plan.token_idx_N, plan.expert_idx_N, plan.slots)
 
 
@@ -79,6 +84,10 @@ def token_combine(y: torch.Tensor, plan: DispatchPlan):
 
 
 def combine_postprocess(y_NH: torch.Tensor, plan: DispatchPlan):
+    if plan.meta is not None:
+        from mok_megatron.kernels.combine import combine
+
+        return combine(y_NH, plan.meta).view(plan.hidden_shape)
     return combine_tokens(y_NH, plan.slots).view(plan.hidden_shape)
 
 

@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from mok_megatron.config import MoKConfig
 from mok_megatron.functional.comm import group_size
+from mok_megatron.kernels.routing import RoutingMeta
 from mok_megatron.ops.routing import SlotMap, capacity_order, dropless_order, expert_counts, slot_map
 
 
@@ -72,6 +73,10 @@ class DispatchPlan:
     tokens_per_expert_L: torch.Tensor  # [L] int64 on device
     capacity: int | None  # rows per expert in drop-and-pad mode
     groups: EPGroups
+    # Aligned layout (``build_aligned_plan``): every expert's rows padded to a multiple of the experts'
+    # alignment, padding rows zero; dispatch / combine run on this metadata instead of the slot map.
+    meta: RoutingMeta | None = None
+    ids_TK: torch.Tensor | None = None  # [T, K] each token's experts, ascending (aligned layout only)
 
     @property
     def num_sent(self) -> int:
@@ -191,4 +196,82 @@ def build_plan(
         tokens_per_expert_L=tokens_per_expert,
         capacity=capacity,
         groups=groups,
+    )
+
+
+def aligned_plan_applies(cfg: MoKConfig) -> bool:
+    """Whether ``build_aligned_plan`` can serve this layer: one rank owns every expert (EP = ETP = 1) and
+    routing is dropless without router padding (every token has exactly top-k rows)."""
+    return (
+        cfg.ep_size == 1
+        and cfg.etp_size == 1
+        and cfg.dropless
+        and not cfg.router_pad_multiple
+        and not cfg.pad_to_capacity
+    )
+
+
+def build_aligned_plan(
+    hidden_shape: torch.Size,
+    routing_map_TE: torch.Tensor,
+    probs_TE: torch.Tensor,
+    cfg: MoKConfig,
+    groups: EPGroups,
+    alignment: int,
+) -> DispatchPlan:
+    """The EP = 1 plan for experts that need every expert's rows padded to ``alignment`` (the native FP8
+    GEMMs: 16): the permute writes each row straight into its padded position and zeroes the padding
+    rows, so the experts run on the buffer as it is (no pad / unpad copies of their input, output or
+    gradients). Rows: the static bound ``num_rows_bound`` rounded up to ``alignment``; the last expert
+    owns the spare rows past the real padded total (zero rows, probability 0), so every group of
+    ``tokens_per_expert_L`` is a multiple of ``alignment`` and they sum to the buffer's rows. No host
+    read (the row count is static); routing metadata from ``kernels.routing`` (no sort)."""
+    import dataclasses
+
+    from mok_megatron.kernels.routing import num_rows_bound, routing_metadata
+    from mok_megatron.kernels.topk import topk_indices
+
+    if not aligned_plan_applies(cfg) or groups.ep_size * groups.tp_size != 1:
+        raise ValueError(
+            "build_aligned_plan: needs EP = ETP = 1 and dropless routing without router padding; "
+            f"got EP={cfg.ep_size}, ETP={cfg.etp_size}, dropless={cfg.dropless}, "
+            f"router_pad_multiple={cfg.router_pad_multiple}, pad_to_capacity={cfg.pad_to_capacity}"
+        )
+    if alignment < 1:
+        raise ValueError(f"build_aligned_plan: alignment={alignment}, expected >= 1")
+    num_tokens, num_experts = routing_map_TE.shape
+    if num_experts != cfg.num_experts:
+        raise ValueError(
+            f"routing map has {num_experts} experts, the MoK layer was built for {cfg.num_experts}"
+        )
+    if probs_TE.shape != routing_map_TE.shape:
+        raise ValueError(
+            f"probs {tuple(probs_TE.shape)} and routing_map {tuple(routing_map_TE.shape)} differ in shape"
+        )
+    k = cfg.topk
+    # Dropless: each row has exactly K experts; as scores 1/0 the top-k picks them in ascending order.
+    ids_TK = topk_indices(routing_map_TE.view(torch.uint8), k)
+    meta = routing_metadata(ids_TK, num_experts, alignment)
+    rows = -(-num_rows_bound(num_tokens * k, num_experts, alignment) // alignment) * alignment
+    meta = dataclasses.replace(meta, num_rows=rows)
+    aligned_L = torch.diff(meta.aligned_offsets_E.long(), prepend=meta.aligned_offsets_E.new_zeros(1).long())
+    tail = rows - meta.aligned_offsets_E[-1:].long()  # device tensor: no host read
+    tokens_per_expert = torch.cat([aligned_L[:-1], aligned_L[-1:] + tail])
+    empty = torch.empty(0, dtype=torch.int64, device=routing_map_TE.device)
+    return DispatchPlan(
+        hidden_shape=hidden_shape,
+        num_tokens=num_tokens,
+        token_idx_N=empty,
+        expert_idx_N=empty,
+        slots=SlotMap(row_TK=meta.row_TK.long()),
+        send_splits=(rows,),
+        recv_splits=(rows,),
+        tp_splits=(rows,),
+        sort_idx_R=None,
+        unsort_idx_R=None,
+        tokens_per_expert_L=tokens_per_expert,
+        capacity=None,
+        groups=groups,
+        meta=meta,
+        ids_TK=ids_TK,
     )

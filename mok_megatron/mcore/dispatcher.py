@@ -33,7 +33,7 @@ from mok_megatron.functional.pipeline_plan import (
     build_pipeline_plan,
     fuse_local_rows,
 )
-from mok_megatron.functional.plan import DispatchPlan, EPGroups, build_plan
+from mok_megatron.functional.plan import DispatchPlan, EPGroups, build_aligned_plan, build_plan
 from mok_megatron.options import MoKOptions
 
 
@@ -85,6 +85,9 @@ class MoKTokenDispatcher(MoETokenDispatcher):
         self.transport = transport  # set: the overlap engine runs (see pipeline_supported)
         self._plan: DispatchPlan | PipelineCall | None = None
         self._ep_in_one_node = _group_in_one_node(self.groups.ep)
+        # > 1: the experts want every expert's rows padded to this (set by MoKMoELayer where
+        # ``aligned_plan_applies``): the plan's permute writes the padded layout directly.
+        self.row_alignment = 1
 
     @property
     def pipelined(self) -> bool:
@@ -117,6 +120,10 @@ class MoKTokenDispatcher(MoETokenDispatcher):
             hidden_shape = hidden_states.shape
             if self.pipelined:
                 self._plan = PipelineCall(self._pipeline_plan(hidden_shape, routing_map), routing_map)
+            elif self.row_alignment > 1:
+                self._plan = build_aligned_plan(
+                    hidden_shape, routing_map, probs, self.mok_config, self.groups, self.row_alignment
+                )
             else:
                 self._plan = build_plan(hidden_shape, routing_map, probs, self.mok_config, self.groups)
             if self.shared_experts is not None:

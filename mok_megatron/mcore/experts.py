@@ -114,6 +114,8 @@ class MoKGroupedMLP(MegatronModule):
         # backward_dw() computes them, then fires the hooks DDP registered for these parameters
         # (DDP registers them here instead of on autograd when skip_backward_post_hook is set).
         self.wgrad_queue = WgradQueue() if cfg.delay_wgrad else None
+        # Set by MoKMoELayer when its dispatcher delivers every expert's rows padded to this multiple.
+        self.aligned_input = 1
         self._wgrad_hooks = []
         if cfg.delay_wgrad:
             for param in (self.fc1_weight, self.fc2_weight):
@@ -138,8 +140,29 @@ class MoKGroupedMLP(MegatronModule):
                 self.config.init_method(self.fc1_weight[e])
                 self.config.output_layer_init_method(self.fc2_weight[e])
 
+    def input_alignment(self) -> int:
+        """Rows per expert must be a multiple of this for the GEMMs to run unpadded (native FP8: 16)."""
+        if self.expert_backend == "torch-fp8":
+            from mok_megatron.fp8.native import ALIGNMENT
+
+            return ALIGNMENT
+        return 1
+
     def forward(self, permuted_local_hidden_states, tokens_per_expert, permuted_probs):
         cfg = self.mok_config
+        if self.expert_backend == "torch-fp8" and self.aligned_input > 1:
+            from mok_megatron.mcore.padded_experts import native_expert_mlp_aligned
+
+            out = native_expert_mlp_aligned(
+                permuted_local_hidden_states,
+                permuted_probs,
+                tokens_per_expert,
+                self.fc1_weight,
+                self.fc2_weight,
+                cfg.activation,
+                apply_probs_on_input=cfg.apply_probs_on_input,
+            )
+            return out, None
         if self.expert_backend == "torch-fp8":
             from mok_megatron.mcore.padded_experts import native_expert_mlp
 

@@ -23,6 +23,7 @@ from mok_megatron.config import MoKConfig, MoKConfigError
 from mok_megatron.mcore.cuda_graphs import check_cuda_graphs
 from mok_megatron.mcore.dispatcher import MoKTokenDispatcher
 from mok_megatron.mcore.experts import MoKGroupedMLP
+from mok_megatron.functional.plan import aligned_plan_applies
 from mok_megatron.mcore.engine import select_transport
 from mok_megatron.options import MoKOptions, default_options
 
@@ -77,6 +78,11 @@ class MoKMoELayer(MoELayer):
             options=self.mok_options,
             transport=select_transport(mok_config, self.mok_options, pg.ep),
         )
+        align = self.experts.input_alignment() if isinstance(self.experts, MoKGroupedMLP) else 1
+        if align > 1 and not self.token_dispatcher.pipelined and aligned_plan_applies(mok_config):
+            # The permute writes the experts' padded layout itself (no pad / unpad copies).
+            self.token_dispatcher.row_alignment = align
+            self.experts.aligned_input = align
         if self.mok_options.sync_free and self.token_dispatcher.pipelined:
             if not isinstance(self.experts, MoKGroupedMLP):
                 raise MoKConfigError(

@@ -122,6 +122,26 @@ def native_expert_mlp(x_RH, probs_R, counts_L, w1_LFH, w2_LHF, act, *, apply_pro
     )
 
 
+def native_expert_mlp_aligned(x_PH, probs_P, counts_L, w1_LFH, w2_LHF, act, *, apply_probs_on_input=False):
+    """The native FP8 MLP on rows the dispatcher already padded (``functional.plan.build_aligned_plan``):
+    every count a multiple of ``fp8.native.ALIGNMENT``, padding rows zero with probability 0. fc1 / fc2
+    run on the buffer as it is: no scatter into a padded buffer, no gather of real rows back."""
+    from mok_megatron.fp8.native import ALIGNMENT, fp8_grouped_linear
+    from mok_megatron.ops.grouped_gemm import offsets_from_counts
+
+    if x_PH.shape[0] % ALIGNMENT or x_PH.shape[0] != probs_P.shape[0]:
+        raise ValueError(
+            f"native_expert_mlp_aligned: {x_PH.shape[0]} rows and {probs_P.shape[0]} probabilities; "
+            f"expected equal counts, a multiple of {ALIGNMENT} (build the plan with build_aligned_plan)"
+        )
+    if apply_probs_on_input:  # as Megatron: scale the input, then probabilities 1
+        x_PH = (probs_P.unsqueeze(-1) * x_PH).to(x_PH.dtype)
+        probs_P = torch.ones_like(probs_P)
+    offs_L = offsets_from_counts(counts_L, x_PH.device)
+    h_PF1 = fp8_grouped_linear(x_PH.contiguous(), w1_LFH, offs_L)
+    return fp8_grouped_linear(apply_activation(h_PF1, act, probs_P), w2_LHF, offs_L)
+
+
 def padded_counts_host(counts_L: torch.Tensor, alignment: int) -> list[int]:
     """Per-expert padded row counts on the host (TE's ``m_splits``): one device-to-host read."""
     from mok_megatron.compat import te_m_splits

@@ -1,0 +1,88 @@
+"""The aligned EP=1 plan (``functional.plan.build_aligned_plan``): the permute writes every expert's rows
+padded to the experts' alignment (padding rows zero, probability 0), so the native FP8 experts run on the
+buffer as it is. On CPU the plan drives Megatron-style bf16/fp32 experts (which accept any layout), so
+the layer must equal Megatron's alltoall MoELayer exactly as the unaligned plan does."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.cases import build_layers, compare, make_config, run_layer
+
+pytestmark = pytest.mark.usefixtures("single_rank")
+
+
+def _inputs(cfg, seq=16, batch=2, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(seq, batch, cfg.hidden_size, generator=g)
+    return x, torch.randn(seq, batch, cfg.hidden_size, generator=g)
+
+
+@pytest.mark.parametrize("alignment", [4, 16])
+@pytest.mark.parametrize("topk,experts", [(2, 8), (1, 5), (4, 6)])
+def test_aligned_plan_layer_equals_megatron(alignment, topk, experts, monkeypatch):
+    import mok_megatron.mcore.dispatcher as D
+
+    built = []
+    real = D.build_aligned_plan
+    monkeypatch.setattr(D, "build_aligned_plan", lambda *a: built.append(a[-1]) or real(*a))
+    cfg = make_config(topk=topk, num_experts=experts)
+    ref, mok = build_layers(cfg)
+    mok.token_dispatcher.row_alignment = alignment
+    x, dout = _inputs(cfg)
+    d = compare(run_layer(ref, x, dout), run_layer(mok, x, dout))
+    assert built == [alignment], "the layer must have run on the aligned plan"
+    for key, val in d.items():
+        if key.endswith("_scale") or key == "aux_names":
+            continue
+        scale = d.get(f"{key}_scale", 1.0) or 1.0
+        assert val <= 1e-5 * max(scale, 1.0), (key, val, scale)
+
+
+def test_aligned_plan_layout():
+    from mok_megatron.functional.plan import EPGroups, build_aligned_plan
+    from mok_megatron.config import MoKConfig
+    from mok_megatron.functional import dispatch as F
+
+    cfg = make_config(topk=2, num_experts=5)
+    mc = MoKConfig.from_megatron(cfg, ep_size=1, etp_size=1)
+    g = torch.Generator().manual_seed(1)
+    logits = torch.randn(13, 5, generator=g)
+    top = logits.topk(2, dim=1).indices
+    rmap = torch.zeros(13, 5, dtype=torch.bool).scatter_(1, top, True)
+    probs = torch.where(rmap, torch.rand(13, 5, generator=g) + 0.1, 0.0)
+    plan = build_aligned_plan(torch.Size([13, 1, 8]), rmap, probs, mc, EPGroups(), alignment=4)
+    counts = rmap.sum(0)
+    rows = plan.meta.num_rows
+    assert rows % 4 == 0 and rows >= int(((counts + 3) // 4 * 4).sum())
+    tpe = plan.tokens_per_expert_L
+    assert int(tpe.sum()) == rows and bool((tpe % 4 == 0).all())
+    assert torch.equal(tpe[:-1], ((counts + 3) // 4 * 4)[:-1])
+    x = torch.randn(13, 8, generator=g)
+    x_PH, probs_P = F.dispatch_preprocess(x, probs, plan)
+    assert x_PH.shape == (rows, 8) and probs_P.shape == (rows,)
+    # Each expert's real rows first (its tokens in ascending order), then zero padding rows.
+    start = 0
+    for e in range(5):
+        toks = rmap[:, e].nonzero().flatten()
+        n = len(toks)
+        assert torch.equal(x_PH[start : start + n], x[toks])
+        assert torch.equal(probs_P[start : start + n], probs[toks, e])
+        end = start + int(tpe[e])
+        assert not x_PH[start + n : end].any() and not probs_P[start + n : end].any()
+        start = end
+    # combine undoes it: sum of each token's rows
+    out = F.combine_postprocess(x_PH, plan)
+    torch.testing.assert_close(out.view(13, 8), x * 2)
+
+
+def test_aligned_plan_refuses_ep_or_drops():
+    from mok_megatron.config import MoKConfig
+    from mok_megatron.functional.plan import EPGroups, aligned_plan_applies, build_aligned_plan
+
+    drop = MoKConfig.from_megatron(make_config(mode="drop_probs"), ep_size=1, etp_size=1)
+    assert not aligned_plan_applies(drop)
+    rmap = torch.ones(4, 8, dtype=torch.bool)
+    with pytest.raises(ValueError, match="dropless"):
+        build_aligned_plan(torch.Size([4, 1, 16]), rmap, rmap.float(), drop, EPGroups(), 16)
