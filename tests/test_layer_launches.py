@@ -24,7 +24,13 @@ REPO = Path(__file__).resolve().parents[1]
 # Measured 58 aten ops + 6 Triton launches (of which Megatron's router and aux loss: 25 forward + ~20 backward).
 MAX_OPS_PER_STEP = 70
 FUSED = Counter(
-    {"_scatter_kernel": 2, "_gather_sum_kernel": 2, "_swiglu_fwd_kernel": 1, "_swiglu_bwd_kernel": 1}
+    {
+        "_scatter_kernel": 2,
+        "_gather_sum_kernel": 2,
+        "_swiglu_fwd_kernel": 1,
+        "_swiglu_bwd_kernel": 1,
+        "_topk_kernel": 2,  # the router's top-k (routing and the aux-loss map): MoKTopKRouter
+    }
 )
 # What the fused kernels replaced: none of these may come back in MoK's part of the step.
 UNFUSED = {"silu", "silu_backward", "cat", "index_select", "index_put", "index_add", "mul", "add", "copy_"}
