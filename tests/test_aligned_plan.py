@@ -26,7 +26,7 @@ def test_aligned_plan_layer_equals_megatron(alignment, topk, experts, monkeypatc
 
     built = []
     real = D.build_aligned_plan
-    monkeypatch.setattr(D, "build_aligned_plan", lambda *a: built.append(a[-1]) or real(*a))
+    monkeypatch.setattr(D, "build_aligned_plan", lambda *a, **k: built.append(a[-1]) or real(*a, **k))
     cfg = make_config(topk=topk, num_experts=experts)
     ref, mok = build_layers(cfg)
     mok.token_dispatcher.row_alignment = alignment
@@ -75,6 +75,33 @@ def test_aligned_plan_layout():
     # combine undoes it: sum of each token's rows
     out = F.combine_postprocess(x_PH, plan)
     torch.testing.assert_close(out.view(13, 8), x * 2)
+
+
+def test_exact_rows_size_the_buffer_to_the_padded_total():
+    from mok_megatron.config import MoKConfig
+    from mok_megatron.functional.plan import EPGroups, build_aligned_plan
+
+    mc = MoKConfig.from_megatron(make_config(topk=2, num_experts=5), ep_size=1, etp_size=1)
+    g = torch.Generator().manual_seed(4)
+    top = torch.randn(21, 5, generator=g).topk(2, dim=1).indices
+    rmap = torch.zeros(21, 5, dtype=torch.bool).scatter_(1, top, True)
+    padded = (rmap.sum(0) + 7) // 8 * 8
+    plan = build_aligned_plan(torch.Size([21, 1, 4]), rmap, rmap.float(), mc, EPGroups(), 8, exact_rows=True)
+    assert plan.meta.num_rows == int(padded.sum())
+    assert torch.equal(plan.tokens_per_expert_L, padded)
+    static = build_aligned_plan(torch.Size([21, 1, 4]), rmap, rmap.float(), mc, EPGroups(), 8)
+    assert static.meta.num_rows >= plan.meta.num_rows and static.meta.num_rows % 8 == 0
+
+
+@pytest.mark.parametrize("exact", [False, True])
+def test_layer_with_exact_rows_equals_megatron(exact):
+    cfg = make_config(topk=2, num_experts=8)
+    ref, mok = build_layers(cfg)
+    mok.token_dispatcher.row_alignment = 16
+    mok.token_dispatcher.exact_aligned_rows = exact
+    x, dout = _inputs(cfg, seed=5)
+    d = compare(run_layer(ref, x, dout), run_layer(mok, x, dout))
+    assert d["out"] <= 1e-5 * max(d["out_scale"], 1.0) and d["dx"] <= 1e-5 * max(d["dx_scale"], 1.0)
 
 
 def test_aligned_plan_refuses_ep_or_drops():

@@ -107,6 +107,20 @@ def test_te_backend_layer_vs_bf16(recipe):
 
 
 @pytest.mark.usefixtures("single_rank")
+@pytest.mark.parametrize("recipe", ["tensorwise", "blockwise"])
+def test_te_backend_takes_the_aligned_plan_at_ep1(recipe):
+    """At EP=1 the dispatcher pads to the recipe's alignment in its permute (exact rows: TE reads the
+    counts on the host anyway) and TE's GEMMs run on that buffer; _compare checks the numbers."""
+    why = _recipe_skip(recipe)
+    if why:
+        pytest.skip(f"{recipe}: {why}")
+    layer = _build("te", _config(recipe))
+    align = layer.experts.expert_alignment
+    assert align > 1 and layer.token_dispatcher.row_alignment == align == layer.experts.aligned_input
+    assert layer.token_dispatcher.exact_aligned_rows
+
+
+@pytest.mark.usefixtures("single_rank")
 @pytest.mark.skipif(not have_te(), reason="needs Transformer Engine")
 def test_te_backend_keys_and_dist_checkpoint_match_te_grouped_mlp(tmp_path):
     """The TE backend's state_dict / sharded_state_dict keys are TEGroupedMLP's; dist checkpoints move

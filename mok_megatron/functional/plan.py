@@ -218,6 +218,8 @@ def build_aligned_plan(
     cfg: MoKConfig,
     groups: EPGroups,
     alignment: int,
+    *,
+    exact_rows: bool = False,
 ) -> DispatchPlan:
     """The EP = 1 plan for experts that need every expert's rows padded to ``alignment`` (the native FP8
     GEMMs: 16): the permute writes each row straight into its padded position and zeroes the padding
@@ -225,7 +227,10 @@ def build_aligned_plan(
     gradients). Rows: the static bound ``num_rows_bound`` rounded up to ``alignment``; the last expert
     owns the spare rows past the real padded total (zero rows, probability 0), so every group of
     ``tokens_per_expert_L`` is a multiple of ``alignment`` and they sum to the buffer's rows. No host
-    read (the row count is static); routing metadata from ``kernels.routing`` (no sort)."""
+    read (the row count is static); routing metadata from ``kernels.routing`` (no sort).
+    ``exact_rows``: for experts that read the counts on the host anyway (TE's m_splits): one host read
+    sizes the buffer to the real padded total (no spare rows; with alignment 128 the static bound
+    would add up to 127 zero rows per expert to the last expert's GEMM)."""
     import dataclasses
 
     from mok_megatron.kernels.routing import num_rows_bound, routing_metadata
@@ -252,7 +257,10 @@ def build_aligned_plan(
     # Dropless: each row has exactly K experts; as scores 1/0 the top-k picks them in ascending order.
     ids_TK = topk_indices(routing_map_TE.view(torch.uint8), k)
     meta = routing_metadata(ids_TK, num_experts, alignment)
-    rows = -(-num_rows_bound(num_tokens * k, num_experts, alignment) // alignment) * alignment
+    if exact_rows:
+        rows = int(meta.aligned_offsets_E[-1]) if num_experts else 0  # the one host read
+    else:
+        rows = -(-num_rows_bound(num_tokens * k, num_experts, alignment) // alignment) * alignment
     meta = dataclasses.replace(meta, num_rows=rows)
     aligned_L = torch.diff(meta.aligned_offsets_E.long(), prepend=meta.aligned_offsets_E.new_zeros(1).long())
     tail = rows - meta.aligned_offsets_E[-1:].long()  # device tensor: no host read

@@ -88,6 +88,7 @@ class MoKTokenDispatcher(MoETokenDispatcher):
         # > 1: the experts want every expert's rows padded to this (set by MoKMoELayer where
         # ``aligned_plan_applies``): the plan's permute writes the padded layout directly.
         self.row_alignment = 1
+        self.exact_aligned_rows = False  # True: size that buffer exactly (experts read counts anyway)
 
     @property
     def pipelined(self) -> bool:
@@ -122,7 +123,13 @@ class MoKTokenDispatcher(MoETokenDispatcher):
                 self._plan = PipelineCall(self._pipeline_plan(hidden_shape, routing_map), routing_map)
             elif self.row_alignment > 1:
                 self._plan = build_aligned_plan(
-                    hidden_shape, routing_map, probs, self.mok_config, self.groups, self.row_alignment
+                    hidden_shape,
+                    routing_map,
+                    probs,
+                    self.mok_config,
+                    self.groups,
+                    self.row_alignment,
+                    exact_rows=self.exact_aligned_rows,
                 )
             else:
                 self._plan = build_plan(hidden_shape, routing_map, probs, self.mok_config, self.groups)

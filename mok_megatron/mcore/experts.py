@@ -43,6 +43,10 @@ def _init_device(config) -> torch.device:
 class MoKGroupedMLP(MegatronModule):
     """Routed experts: ``forward(x, tokens_per_expert, permuted_probs) -> (out, None)``."""
 
+    # Set by MoKMoELayer when its dispatcher delivers every expert's rows padded to this multiple
+    # (``functional.plan.build_aligned_plan``); 1: the experts pad for themselves where they must.
+    aligned_input = 1
+
     def __new__(cls, *args, **kwargs):
         # The TE backend has other parameters (TE's GroupedLinear): its own class, chosen here so
         # that specs, MoKMoELayer and ``isinstance(experts, MoKGroupedMLP)`` stay as they are. Only on
@@ -114,8 +118,6 @@ class MoKGroupedMLP(MegatronModule):
         # backward_dw() computes them, then fires the hooks DDP registered for these parameters
         # (DDP registers them here instead of on autograd when skip_backward_post_hook is set).
         self.wgrad_queue = WgradQueue() if cfg.delay_wgrad else None
-        # Set by MoKMoELayer when its dispatcher delivers every expert's rows padded to this multiple.
-        self.aligned_input = 1
         self._wgrad_hooks = []
         if cfg.delay_wgrad:
             for param in (self.fc1_weight, self.fc2_weight):
@@ -147,6 +149,11 @@ class MoKGroupedMLP(MegatronModule):
 
             return ALIGNMENT
         return 1
+
+    def reads_counts_on_host(self) -> bool:
+        """Whether forward reads the row counts on the host anyway (then the aligned plan may size its
+        buffer exactly: one host read instead of the static bound's spare rows)."""
+        return False
 
     def forward(self, permuted_local_hidden_states, tokens_per_expert, permuted_probs):
         cfg = self.mok_config

@@ -82,6 +82,7 @@ class MoKMoELayer(MoELayer):
         if align > 1 and not self.token_dispatcher.pipelined and aligned_plan_applies(mok_config):
             # The permute writes the experts' padded layout itself (no pad / unpad copies).
             self.token_dispatcher.row_alignment = align
+            self.token_dispatcher.exact_aligned_rows = self.experts.reads_counts_on_host()
             self.experts.aligned_input = align
         if self.mok_options.sync_free and self.token_dispatcher.pipelined:
             if not isinstance(self.experts, MoKGroupedMLP):

@@ -118,10 +118,19 @@ class MoKTEGroupedMLP(MoKGroupedMLP):
     def reset_parameters(self) -> None:  # TE initialises its weights (config.init_method)
         return None
 
+    def input_alignment(self) -> int:
+        """The FP8 recipe's rows per expert (16 / 32 / 128; 1 in bf16)."""
+        return self.expert_alignment
+
+    def reads_counts_on_host(self) -> bool:
+        return True  # TE's GroupedLinear takes m_splits as host ints
+
     def forward(self, permuted_local_hidden_states, tokens_per_expert, permuted_probs):
         from mok_megatron.mcore.padded_experts import te_expert_mlp
 
         cfg = self.mok_config
+        # Rows the dispatcher already padded (aligned plan) go straight to TE's GEMMs.
+        alignment = 1 if self.aligned_input >= self.expert_alignment else self.expert_alignment
         out = te_expert_mlp(
             permuted_local_hidden_states,
             permuted_probs,
@@ -129,7 +138,7 @@ class MoKTEGroupedMLP(MoKGroupedMLP):
             self.linear_fc1,
             self.linear_fc2,
             cfg.activation,
-            self.expert_alignment,
+            alignment,
             apply_probs_on_input=cfg.apply_probs_on_input,
         )
         return out, None
