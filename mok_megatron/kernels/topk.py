@@ -20,8 +20,14 @@ import torch
 from mok_megatron.kernels import Impl, jit, next_pow2, tl, triton, use_triton
 
 
-# Launch defaults (rows per program capped by elements per program); measured by benchmarks/topk_probe.py.
-_BLOCK_T, _BLOCK_ELEMS, _NUM_WARPS = 64, 8192, 4
+# Launch defaults: few elements per program, few warps (benchmarks/topk_probe.py, H200, s5d: at
+# [16384, 128] 2 rows x 2 warps took 36 us per call incl. launch vs 47 us for 64 rows x 4 warps; at
+# [65536, 256] 1 row x 1 warp 97 us, torch.topk 844 us).
+_BLOCK_T, _BLOCK_ELEMS = 64, 256
+
+
+def _num_warps(block_e: int) -> int:
+    return 1 if block_e >= 256 else 2
 
 
 def topk_indices_reference(scores_TE: torch.Tensor, k: int) -> torch.Tensor:
@@ -79,6 +85,14 @@ def topk_indices(
     block_e = next_pow2(e)
     block_t = block_t or max(1, min(_BLOCK_T, _BLOCK_ELEMS // block_e))
     _topk_kernel[(triton.cdiv(t, block_t),)](
-        s, idx, t, e, s.stride(0), K=k, BLOCK_T=block_t, BLOCK_E=block_e, num_warps=num_warps or _NUM_WARPS
+        s,
+        idx,
+        t,
+        e,
+        s.stride(0),
+        K=k,
+        BLOCK_T=block_t,
+        BLOCK_E=block_e,
+        num_warps=num_warps or _num_warps(block_e),
     )
     return idx
