@@ -438,10 +438,8 @@ def test_native_fp8_grouped_linear_on_gpu():
 
 def test_router_gemm_on_gpu_matches_fp32_router():
     """The tensor-core router GEMM against the fp64 truth, within the documented bound (one bf16
-    rounding plus 2**-16 of the terms); Megatron's own fp32 router (TE's GEMM where TE is installed)
-    is held to the same bound, so ours is no less accurate."""
-    from megatron.core.transformer.moe.moe_utils import router_gating_linear
-
+    rounding plus 2**-16 of the terms). Megatron's own fp32 router is not held to it: with TE its
+    GEMMs are TE's (dgrad off by up to 3.9e-3 here, s5f), without TE torch's fp32 mm."""
     from mok_megatron.ops.router_gemm import router_logits
 
     g = torch.Generator().manual_seed(0)
@@ -449,21 +447,13 @@ def test_router_gemm_on_gpu_matches_fp32_router():
     w = (torch.randn(128, 2048, generator=g) * 0.02).to("cuda", torch.bfloat16).requires_grad_()
     dy = torch.randn(4096, 128, generator=g).cuda()
     xd, wd, dyd = x.detach().double(), w.detach().double(), dy.double()
-    truth = (xd @ wd.t(), dyd @ wd, dyd.t() @ xd)
-    terms = (None, dyd.abs() @ wd.abs(), dyd.abs().t() @ xd.abs())
-
-    def fp32_router(a, b):
-        return router_logits(a, b, None, torch.float32)
-
-    def megatron(a, b):
-        return router_gating_linear(a, b, None, torch.float32)
-
-    for fn in (fp32_router, megatron):
-        out = fn(x, w)
-        assert out.dtype == torch.float32
-        got = (out, *torch.autograd.grad(out, [x, w], dy))
-        torch.testing.assert_close(got[0].double(), truth[0], rtol=1e-5, atol=1e-5)
-        for name, a, t, tm in zip(("dx", "dw"), got[1:], truth[1:], terms[1:], strict=True):
-            err = (a.double() - t).abs()
-            bound = 2**-7 * t.abs() + 2**-15 * tm
-            assert (err <= bound).all(), f"{fn.__name__} {name}: max error {err.max():.3e}"
+    out = router_logits(x, w, None, torch.float32)
+    assert out.dtype == torch.float32
+    dx, dw = torch.autograd.grad(out, [x, w], dy)
+    torch.testing.assert_close(out.double(), xd @ wd.t(), rtol=1e-5, atol=1e-5)
+    for name, got, truth, terms in (
+        ("dx", dx, dyd @ wd, dyd.abs() @ wd.abs()),
+        ("dw", dw, dyd.t() @ xd, dyd.abs().t() @ xd.abs()),
+    ):
+        err = (got.double() - truth).abs()
+        assert (err <= 2**-7 * truth.abs() + 2**-15 * terms).all(), f"{name}: max error {err.max():.3e}"

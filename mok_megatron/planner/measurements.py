@@ -209,8 +209,11 @@ def impl_variant(impl: str, note: str) -> str:
 def layer_results(run: Path) -> list[Layer1]:
     """``mok bench layer`` JSON: the fwd+bwd time of each implementation (eager and compiled apart,
     impl_variant), uniform routing and bf16 only (the planner models uniform routing; FP8 layer timings,
-    e.g. fp8_h200.json, are not read: FP8 is modelled by the measured FP8 grouped-GEMM rate);
-    skipped implementations have no row."""
+    e.g. fp8_h200.json, are not read, nor the FP8 expert backends' rows of a bf16 case (``mok-torch-fp8``,
+    ``mok-te-*``): FP8 is modelled by the measured FP8 grouped-GEMM rate); skipped implementations have
+    no row."""
+    from mok_megatron.bench_suite import FP8_IMPLS
+
     out = []
     for f in sorted(run.rglob("layer-*.json")):
         for case in json.loads(f.read_text()).get("cases", []):
@@ -219,7 +222,7 @@ def layer_results(run: Path) -> list[Layer1]:
             moe = MoEShape(case["hidden"], case["ffn"], case["experts"], case["topk"])
             for r in case["rows"]:
                 ms = r.get("fwd_bwd_ms", r.get("ms"))
-                if ms:
+                if ms and r["impl"] not in FP8_IMPLS:
                     impl = impl_variant(r["impl"], r.get("note", ""))
                     out.append(Layer1(run.name, impl, case["shape"], moe, case["tokens"], ms))
     return out
