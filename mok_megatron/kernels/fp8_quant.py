@@ -51,6 +51,7 @@ ONE_PASS_MAX = 8192  # widest row read once into registers (DeepSeek-V3 H = 7168
 TWO_PASS_BLOCK = 4096
 ROWWISE_TILE = 4096  # elements per program of the rowwise kernel (BLOCK_R * BLOCK_H for narrow rows)
 SEG_BLOCK_M, SEG_BLOCK_K = 64, 64  # segment tiles: 128 B bf16 row pieces read, 64 B fp8 column pieces written
+SEG_WARPS = 4  # (module constants, read at each call: benchmarks/fp8_seg_probe.py sweeps them)
 
 
 @jit
@@ -231,7 +232,9 @@ def _segments(x_MK, offs_G, q, seg_mul: int, stride_k: int, dst_offs_G=None, num
         offs = offs_G if groups else torch.zeros(1, dtype=torch.int32, device=x_MK.device)
         shift = dst_offs_G is not None
         dst = dst_offs_G if shift and groups else offs
-        _segment_amax_kernel[grid](x_MK, offs, s_G1K, num_rows, width, groups, SEG_BLOCK_M, SEG_BLOCK_K)
+        _segment_amax_kernel[grid](
+            x_MK, offs, s_G1K, num_rows, width, groups, SEG_BLOCK_M, SEG_BLOCK_K, num_warps=SEG_WARPS
+        )
         _segment_cast_kernel[grid](
             x_MK,
             offs,
@@ -247,7 +250,7 @@ def _segments(x_MK, offs_G, q, seg_mul: int, stride_k: int, dst_offs_G=None, num
             SEG_BLOCK_M,
             SEG_BLOCK_K,
             shift,
-            num_warps=4,
+            num_warps=SEG_WARPS,
         )
     return s_G1K[:groups]
 
