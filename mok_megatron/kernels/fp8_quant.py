@@ -50,8 +50,12 @@ from mok_megatron.kernels import INTERPRETED, Impl, jit, next_pow2, tl, use_trit
 ONE_PASS_MAX = 8192  # widest row read once into registers (DeepSeek-V3 H = 7168 fits)
 TWO_PASS_BLOCK = 4096
 ROWWISE_TILE = 4096  # elements per program of the rowwise kernel (BLOCK_R * BLOCK_H for narrow rows)
-SEG_BLOCK_M, SEG_BLOCK_K = 64, 64  # segment tiles: 128 B bf16 row pieces read, 64 B fp8 column pieces written
-SEG_WARPS = 4  # (module constants, read at each call: benchmarks/fp8_seg_probe.py sweeps them)
+# Segment tiles (rows x columns) and warps; module constants read at each call. benchmarks/fp8_seg_probe.py
+# (s5g, H200): 128 x 32 x 2 warps took 0.515 / 0.360 / 0.610 ms on the DeepSeek x, DeepSeek dh and Qwen3 x
+# operands against 0.610 / 0.355 / 0.670 for the former 64 x 64 x 4; every config is ~2 TB/s (the
+# per-segment row loop, not the tile, limits these kernels).
+SEG_BLOCK_M, SEG_BLOCK_K = 128, 32
+SEG_WARPS = 2
 
 
 @jit
