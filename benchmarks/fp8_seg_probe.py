@@ -1,9 +1,7 @@
-"""The per-(segment, column) FP8 quantization for the weight gradients (``kernels.fp8_quant``:
-``quantize_segments_t``): the per-segment loop kernels (``_segment_amax`` / ``_segment_cast``) against the
-split kernels (tiles over all rows, amax by atomic max) over their tile sizes and warps, on the DeepSeek-V3
-slice's and Qwen3-30B-A3B's wgrad operands (bf16, uniform segments), one GPU. Every configuration's output
-is checked bitwise equal to the loop kernels'. Median of 30 CUDA-event-timed calls; GB/s counts the bf16
-bytes read twice and the e4m3 bytes written once.
+"""The per-(segment, column) FP8 quantization for the weight gradients (``kernels.fp8_quant``: the
+``_segment_amax`` + ``_segment_cast`` pair behind ``quantize_segments_t``) over its tile sizes and warps,
+on the DeepSeek-V3 slice's and Qwen3-30B-A3B's wgrad operands (bf16, uniform segments), one GPU.
+Median of 30 CUDA-event-timed calls; GB/s counts the bf16 bytes read twice and the e4m3 bytes written once.
 
     python benchmarks/fp8_seg_probe.py
 """
@@ -37,28 +35,25 @@ CASES = {  # name: (rows M, columns K, segments G)
     "dsv3 dh [32768, 4096] G8": (32768, 4096, 8),
     "qwen3 x [131072, 2048] G128": (131072, 2048, 128),
 }
-split_default = (Q.SPLIT_BLOCK_M, Q.SPLIT_BLOCK_K, Q.SPLIT_WARPS)
-max_segments = Q.SPLIT_MAX_SEGMENTS
+base = (Q.SEG_BLOCK_M, Q.SEG_BLOCK_K, Q.SEG_WARPS)
 for name, (m, k, g) in CASES.items():
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
     offs = (torch.arange(1, g + 1, device="cuda", dtype=torch.int32) * (m // g)).contiguous()
-    gbs = (2 * 2 * m * k + m * k) / 1e6
-    Q.SPLIT_MAX_SEGMENTS = 0  # the loop kernels
-    q0, s0 = Q.quantize_segments_t(x, offs)
-    want = (q0.view(torch.uint8).clone(), s0.clone())
-    loop_ms = _time(lambda x=x, offs=offs: Q.quantize_segments_t(x, offs))
-    Q.SPLIT_MAX_SEGMENTS = max_segments
+    want = None
     rows = []
-    for bm, bk, w in itertools.product((32, 64, 128), (64, 128), (2, 4)):
-        Q.SPLIT_BLOCK_M, Q.SPLIT_BLOCK_K, Q.SPLIT_WARPS = bm, bk, w
+    for bm, bk, w in itertools.product((32, 64, 128), (32, 64, 128, 256), (2, 4, 8)):
+        if bm * bk > 16384:
+            continue
+        Q.SEG_BLOCK_M, Q.SEG_BLOCK_K, Q.SEG_WARPS = bm, bk, w
         q, s = Q.quantize_segments_t(x, offs)
-        assert torch.equal(q.view(torch.uint8), want[0]) and torch.equal(s, want[1]), (name, bm, bk, w)
-        rows.append((_time(lambda x=x, offs=offs: Q.quantize_segments_t(x, offs)), bm, bk, w))
-    Q.SPLIT_BLOCK_M, Q.SPLIT_BLOCK_K, Q.SPLIT_WARPS = split_default
-    cur = [r for r in rows if r[1:] == split_default][0]
-    print(
-        f"\n== {name}: loop kernels {loop_ms:.3f} ms ({gbs / loop_ms:.0f} GB/s); split default "
-        f"{split_default} {cur[0]:.3f} ms ({gbs / cur[0]:.0f} GB/s); outputs bitwise equal"
-    )
-    for ms, bm, bk, w in sorted(rows)[:5]:
-        print(f"split BLOCK_M {bm:3d} BLOCK_K {bk:3d} warps {w}: {ms:.3f} ms ({gbs / ms:.0f} GB/s)")
+        if want is None:
+            want = (q.view(torch.uint8).clone(), s.clone())
+        assert torch.equal(q.view(torch.uint8), want[0]) and torch.equal(s, want[1]), (bm, bk, w)
+        ms = _time(lambda x=x, offs=offs: Q.quantize_segments_t(x, offs))
+        rows.append((ms, bm, bk, w))
+    Q.SEG_BLOCK_M, Q.SEG_BLOCK_K, Q.SEG_WARPS = base
+    gbs = (2 * 2 * m * k + m * k) / 1e6
+    cur = [r for r in rows if r[1:] == base][0]
+    print(f"\n== {name}: current {base} {cur[0]:.3f} ms ({gbs / cur[0]:.0f} GB/s)")
+    for ms, bm, bk, w in sorted(rows)[:6]:
+        print(f"BLOCK_M {bm:3d} BLOCK_K {bk:3d} warps {w}: {ms:.3f} ms ({gbs / ms:.0f} GB/s)")

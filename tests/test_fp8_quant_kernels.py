@@ -229,32 +229,18 @@ def _sm90_kernels():
     seg = dict(x_ptr="*bf16", offs_ptr="*i32", s_ptr="*fp32", q_ptr="*fp8e4nv", dst_offs_ptr="*i32")
     blocks = dict(BLOCK_M=Q.SEG_BLOCK_M, BLOCK_K=Q.SEG_BLOCK_K)
     one, two = dict(BLOCK_R=1, BLOCK_H=8192, ONE_PASS=True), dict(BLOCK_R=1, BLOCK_H=4096, ONE_PASS=False)
-    split = dict(BLOCK_M=Q.SPLIT_BLOCK_M, BLOCK_K=Q.SPLIT_BLOCK_K, G_P2=8)
-    amax_i = dict(x_ptr="*bf16", offs_ptr="*i32", amax_ptr="*i32")
-    # (kernel, pointer types, constexprs, casts to e4m3, divides on the GPU)
     return {
-        "rowwise_one_pass": (Q._rowwise_kernel, row, one | dict(HAS_DEST=False), True, True),
-        "rowwise_two_pass": (Q._rowwise_kernel, row, two | dict(HAS_DEST=False), True, True),
+        "rowwise_one_pass": (Q._rowwise_kernel, row, one | dict(HAS_DEST=False), True),
+        "rowwise_two_pass": (Q._rowwise_kernel, row, two | dict(HAS_DEST=False), True),
         "rowwise_scatter": (
             Q._rowwise_kernel,
             row,
             dict(BLOCK_R=4, BLOCK_H=1024, ONE_PASS=True, HAS_DEST=True),
             True,
-            True,
         ),
-        "segment_amax": (Q._segment_amax_kernel, seg, blocks, False, True),
-        "segment_cast": (Q._segment_cast_kernel, seg, blocks | dict(SHIFT=False), True, True),
-        "segment_cast_scatter": (Q._segment_cast_kernel, seg, blocks | dict(SHIFT=True), True, True),
-        # the split amax only takes maxima (its scale division is torch's, IEEE)
-        "segment_amax_split": (Q._segment_amax_split_kernel, amax_i, split, False, False),
-        "segment_cast_split": (Q._segment_cast_split_kernel, seg, split | dict(SHIFT=False), True, True),
-        "segment_cast_split_scatter": (
-            Q._segment_cast_split_kernel,
-            seg,
-            split | dict(SHIFT=True),
-            True,
-            True,
-        ),
+        "segment_amax": (Q._segment_amax_kernel, seg, blocks, False),
+        "segment_cast": (Q._segment_cast_kernel, seg, blocks | dict(SHIFT=False), True),
+        "segment_cast_scatter": (Q._segment_cast_kernel, seg, blocks | dict(SHIFT=True), True),
     }
 
 
@@ -269,13 +255,13 @@ def test_kernel_compiles_for_sm90_with_exact_numerics(kernel):
 
     if not (Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas").exists():
         pytest.skip("this Triton has no bundled ptxas")
-    fn, pointers, constexprs, casts, divides = _sm90_kernels()[kernel]
+    fn, pointers, constexprs, casts = _sm90_kernels()[kernel]
     signature = {n: "constexpr" if n in constexprs else pointers.get(n, "i32") for n in fn.arg_names}
     compiled = triton.compile(
         ASTSource(fn=fn, signature=signature, constexprs=constexprs), target=GPUTarget("cuda", 90, 32)
     )
     ptx = compiled.asm["ptx"]
-    assert ("div.rn.f32" in ptx) == divides and "div.full" not in ptx and "div.approx" not in ptx
+    assert "div.rn.f32" in ptx and "div.full" not in ptx and "div.approx" not in ptx
     assert ("cvt.rn.satfinite.e4m3x2.f32" in ptx) == casts
 
 

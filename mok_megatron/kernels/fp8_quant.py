@@ -29,10 +29,6 @@ Kernels:
                           rows: per-column amax -> scale. No atomics: each program owns its scales
     _segment_cast_kernel  pass 2: the same ownership; scale, cast, write transposed (SHIFT: segment g's
                           rows start at row ``dst_offs[g - 1]`` of the output, the padded layout)
-    _segment_amax_split_kernel / _segment_cast_split_kernel   the same two passes with tiles over all rows
-                          (each row's segment looked up among the ends; amax as an integer atomic max of
-                          the non-negative fp32 bits: exact and order-independent), used up to
-                          ``SPLIT_MAX_SEGMENTS`` segments; the per-segment loop kernels above beyond that
 Rows past the last offset form one extra segment (scale computed and dropped, like the reference), so every
 q element is written. Segment programs loop over device-side bounds: no host read of ``offs``.
 
@@ -60,11 +56,6 @@ ROWWISE_TILE = 4096  # elements per program of the rowwise kernel (BLOCK_R * BLO
 # per-segment row loop, not the tile, limits these kernels).
 SEG_BLOCK_M, SEG_BLOCK_K = 128, 32
 SEG_WARPS = 2
-# The split kernels (tiles over all rows, segment of each row looked up, amax by integer atomic max on the
-# fp32 bits): every program independent of segment sizes. Used up to SPLIT_MAX_SEGMENTS segments (the row
-# lookup compares each row with every segment end).
-SPLIT_BLOCK_M, SPLIT_BLOCK_K, SPLIT_WARPS = 64, 64, 4
-SPLIT_MAX_SEGMENTS = 1025
 
 
 @jit
@@ -187,79 +178,6 @@ def _segment_cast_kernel(
         tl.store(out_base + rows[:, None], y.to(q_ptr.dtype.element_ty), mask=mask)
 
 
-@jit
-def _segment_of_rows(offs_ptr, rows, num_segments, G_P2: tl.constexpr):
-    """Segment of each row: how many inclusive ends are <= the row (num_segments: the spare tail)."""
-    gs = tl.arange(0, G_P2)
-    ends = tl.load(offs_ptr + gs, mask=gs < num_segments, other=2147483647)
-    return tl.sum((ends[None, :] <= rows[:, None]).to(tl.int32), axis=1)
-
-
-@jit
-def _segment_amax_split_kernel(
-    x_ptr,  # [M, K] row-major
-    offs_ptr,  # [G] int32 inclusive segment ends
-    amax_ptr,  # [G + 1, K] int32: fp32 bit patterns of the amax (>= 0, so integer order is float order)
-    num_rows,
-    width,
-    num_segments,
-    BLOCK_M: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    G_P2: tl.constexpr,
-):
-    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
-    row_ok = rows < num_rows
-    col_ok = cols < width
-    mask = row_ok[:, None] & col_ok[None, :]
-    x = tl.load(x_ptr + rows.to(tl.int64)[:, None] * width + cols[None, :], mask=mask, other=0)
-    a = tl.abs(x.to(tl.float32))
-    seg = _segment_of_rows(offs_ptr, rows, num_segments, G_P2)
-    first = tl.min(tl.where(row_ok, seg, num_segments), axis=0)
-    last = tl.max(tl.where(row_ok, seg, 0), axis=0)
-    for g in range(first, last + 1):  # the few segments this tile's rows belong to (sorted rows)
-        m = tl.max(tl.where((seg == g)[:, None] & mask, a, 0.0), axis=0)
-        tl.atomic_max(amax_ptr + g * width + cols, m.to(tl.int32, bitcast=True), mask=col_ok)
-
-
-@jit
-def _segment_cast_split_kernel(
-    x_ptr,  # [M, K] row-major
-    offs_ptr,  # [G] int32 inclusive segment ends
-    s_ptr,  # [G + 1, K] fp32 scales
-    q_ptr,  # e4m3 out, laid out as for _segment_cast_kernel
-    dst_offs_ptr,  # [G] int32 segment ends in the output (SHIFT)
-    num_rows,
-    width,
-    num_segments,
-    seg_mul,
-    stride_k,
-    BLOCK_M: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    G_P2: tl.constexpr,
-    SHIFT: tl.constexpr,
-):
-    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
-    row_ok = rows < num_rows
-    col_ok = cols < width
-    seg = _segment_of_rows(offs_ptr, rows, num_segments, G_P2)
-    prev = tl.maximum(tl.minimum(seg, num_segments) - 1, 0)
-    start = tl.where(seg > 0, tl.load(offs_ptr + prev, mask=row_ok, other=0), 0)
-    if SHIFT:  # padded output: segment g starts at dst_offs[g - 1]; rows past the last end are dropped
-        dst = tl.where(seg > 0, tl.load(dst_offs_ptr + prev, mask=row_ok, other=0), 0)
-        row_ok = row_ok & (seg < num_segments)
-    else:
-        dst = start
-    mask = row_ok[:, None] & col_ok[None, :]
-    x = tl.load(x_ptr + rows.to(tl.int64)[:, None] * width + cols[None, :], mask=mask, other=0)
-    scale = tl.load(s_ptr + seg.to(tl.int64)[:, None] * width + cols[None, :], mask=mask, other=1.0)
-    y = tl.math.fdiv(x.to(tl.float32), scale, ieee_rounding=True)
-    y = tl.minimum(tl.maximum(y, -448.0), 448.0)
-    out = (dst.to(tl.int64) * seg_mul + (rows - start))[:, None] + cols.to(tl.int64)[None, :] * stride_k
-    tl.store(q_ptr + out, y.to(q_ptr.dtype.element_ty), mask=mask)
-
-
 # ---- wrappers -------------------------------------------------------------------------------------------------
 
 
@@ -309,74 +227,35 @@ def quantize_rowwise(x: torch.Tensor, impl: Impl = Impl.AUTO) -> tuple[torch.Ten
 
 
 def _segments(x_MK, offs_G, q, seg_mul: int, stride_k: int, dst_offs_G=None, num_out_rows: int = 0):
-    """Both passes into ``q``; returns the [G, K] scales. ``dst_offs_G``: segment ends in q (padding).
-    Up to ``SPLIT_MAX_SEGMENTS`` segments: the split kernels (tiles over all rows, amax by atomic max);
-    more: the per-segment loop kernels."""
+    """Both passes into ``q``; returns the [G, K] scales. ``dst_offs_G``: segment ends in q (padding)."""
     num_rows, width = x_MK.shape
     groups = offs_G.shape[0]
-    if not width:
-        return torch.empty(groups, width, dtype=torch.float32, device=x_MK.device)
-    offs = offs_G if groups else torch.zeros(1, dtype=torch.int32, device=x_MK.device)
-    shift = dst_offs_G is not None
-    dst = dst_offs_G if shift and groups else offs
-    if groups + 1 <= SPLIT_MAX_SEGMENTS:
-        g_p2 = next_pow2(max(groups, 1))
-        grid = (max(-(-num_rows // SPLIT_BLOCK_M), 1), -(-width // SPLIT_BLOCK_K))
-        amax_i = torch.zeros(groups + 1, width, dtype=torch.int32, device=x_MK.device)
-        _segment_amax_split_kernel[grid](
-            x_MK,
-            offs,
-            amax_i,
-            num_rows,
-            width,
-            groups,
-            SPLIT_BLOCK_M,
-            SPLIT_BLOCK_K,
-            g_p2,
-            num_warps=SPLIT_WARPS,
+    s_G1K = torch.empty(groups + 1, width, dtype=torch.float32, device=x_MK.device)
+    if width:
+        grid = (groups + 1, -(-width // SEG_BLOCK_K))
+        offs = offs_G if groups else torch.zeros(1, dtype=torch.int32, device=x_MK.device)
+        shift = dst_offs_G is not None
+        dst = dst_offs_G if shift and groups else offs
+        _segment_amax_kernel[grid](
+            x_MK, offs, s_G1K, num_rows, width, groups, SEG_BLOCK_M, SEG_BLOCK_K, num_warps=SEG_WARPS
         )
-        amax = amax_i.view(torch.float32)
-        s_G1K = torch.where(amax > 0, amax / 448.0, 1.0)  # IEEE division, as the reference
-        _segment_cast_split_kernel[grid](
+        _segment_cast_kernel[grid](
             x_MK,
             offs,
             s_G1K,
             q,
             dst,
             num_rows,
+            num_out_rows,
             width,
             groups,
             seg_mul,
             stride_k,
-            SPLIT_BLOCK_M,
-            SPLIT_BLOCK_K,
-            g_p2,
+            SEG_BLOCK_M,
+            SEG_BLOCK_K,
             shift,
-            num_warps=SPLIT_WARPS,
+            num_warps=SEG_WARPS,
         )
-        return s_G1K[:groups]
-    s_G1K = torch.empty(groups + 1, width, dtype=torch.float32, device=x_MK.device)
-    grid = (groups + 1, -(-width // SEG_BLOCK_K))
-    _segment_amax_kernel[grid](
-        x_MK, offs, s_G1K, num_rows, width, groups, SEG_BLOCK_M, SEG_BLOCK_K, num_warps=SEG_WARPS
-    )
-    _segment_cast_kernel[grid](
-        x_MK,
-        offs,
-        s_G1K,
-        q,
-        dst,
-        num_rows,
-        num_out_rows,
-        width,
-        groups,
-        seg_mul,
-        stride_k,
-        SEG_BLOCK_M,
-        SEG_BLOCK_K,
-        shift,
-        num_warps=SEG_WARPS,
-    )
     return s_G1K[:groups]
 
 
