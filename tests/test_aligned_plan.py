@@ -89,6 +89,7 @@ def test_exact_rows_size_the_buffer_to_the_padded_total():
     plan = build_aligned_plan(torch.Size([21, 1, 4]), rmap, rmap.float(), mc, EPGroups(), 8, exact_rows=True)
     assert plan.meta.num_rows == int(padded.sum())
     assert torch.equal(plan.tokens_per_expert_L, padded)
+    assert plan.tokens_per_expert_L.device.type == "cpu"  # host counts for TE's m_splits
     static = build_aligned_plan(torch.Size([21, 1, 4]), rmap, rmap.float(), mc, EPGroups(), 8)
     assert static.meta.num_rows >= plan.meta.num_rows and static.meta.num_rows % 8 == 0
 

@@ -230,7 +230,8 @@ def build_aligned_plan(
     read (the row count is static); routing metadata from ``kernels.routing`` (no sort).
     ``exact_rows``: for experts that read the counts on the host anyway (TE's m_splits): one host read
     sizes the buffer to the real padded total (no spare rows; with alignment 128 the static bound
-    would add up to 127 zero rows per expert to the last expert's GEMM)."""
+    would add up to 127 zero rows per expert to the last expert's GEMM) and ``tokens_per_expert_L`` is
+    then a CPU tensor, as Megatron's alltoall dispatcher hands TEGroupedMLP (no second read)."""
     import dataclasses
 
     from mok_megatron.kernels.routing import num_rows_bound, routing_metadata
@@ -257,14 +258,15 @@ def build_aligned_plan(
     # Dropless: each row has exactly K experts; as scores 1/0 the top-k picks them in ascending order.
     ids_TK = topk_indices(routing_map_TE.view(torch.uint8), k)
     meta = routing_metadata(ids_TK, num_experts, alignment)
-    if exact_rows:
-        rows = int(meta.aligned_offsets_E[-1]) if num_experts else 0  # the one host read
+    aligned_L = torch.diff(meta.aligned_offsets_E.long(), prepend=meta.aligned_offsets_E.new_zeros(1).long())
+    if exact_rows:  # the one host read; the experts get host counts (TE's m_splits: no second read)
+        tokens_per_expert = aligned_L.cpu()
+        rows = int(tokens_per_expert.sum())
     else:
         rows = -(-num_rows_bound(num_tokens * k, num_experts, alignment) // alignment) * alignment
+        tail = rows - meta.aligned_offsets_E[-1:].long()  # device tensor: no host read
+        tokens_per_expert = torch.cat([aligned_L[:-1], aligned_L[-1:] + tail])
     meta = dataclasses.replace(meta, num_rows=rows)
-    aligned_L = torch.diff(meta.aligned_offsets_E.long(), prepend=meta.aligned_offsets_E.new_zeros(1).long())
-    tail = rows - meta.aligned_offsets_E[-1:].long()  # device tensor: no host read
-    tokens_per_expert = torch.cat([aligned_L[:-1], aligned_L[-1:] + tail])
     empty = torch.empty(0, dtype=torch.int64, device=routing_map_TE.device)
     return DispatchPlan(
         hidden_shape=hidden_shape,
