@@ -13,21 +13,14 @@ import statistics
 
 import torch
 
+from mok_megatron.bench import time_steps
+
 import mok_megatron.kernels.fp8_quant as Q
 
 
 def _time(fn, iters=30, warmup=3):
-    for _ in range(warmup):
-        fn()
-    ts = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        ts.append(a.elapsed_time(b))
-    return statistics.median(ts)
+    """Median ms per call (CUDA events: ``mok_megatron.bench.time_steps``)."""
+    return statistics.median(time_steps(fn, iters, warmup)) * 1e3
 
 
 CASES = {  # name: (rows M, columns K, segments G)

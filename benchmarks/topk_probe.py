@@ -10,21 +10,14 @@ import statistics
 
 import torch
 
+from mok_megatron.bench import time_steps
+
 from mok_megatron.kernels.topk import topk_indices, topk_indices_reference
 
 
 def _time(fn, iters=50, warmup=5):
-    for _ in range(warmup):
-        fn()
-    ts = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        ts.append(a.elapsed_time(b))
-    return statistics.median(ts) * 1e3
+    """Median us per call (CUDA events: ``mok_megatron.bench.time_steps``)."""
+    return statistics.median(time_steps(fn, iters, warmup)) * 1e6
 
 
 for t, e, k in ((16384, 128, 8), (4096, 8, 8), (65536, 256, 8)):

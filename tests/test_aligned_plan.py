@@ -114,3 +114,22 @@ def test_aligned_plan_refuses_ep_or_drops():
     rmap = torch.ones(4, 8, dtype=torch.bool)
     with pytest.raises(ValueError, match="dropless"):
         build_aligned_plan(torch.Size([4, 1, 16]), rmap, rmap.float(), drop, EPGroups(), 16)
+
+
+def test_fp8_experts_pick_the_mlp_for_their_input(monkeypatch):
+    """torch-fp8 experts run the aligned MLP on rows the dispatcher padded, the padding MLP otherwise
+    (the FP8 MLPs themselves need a GPU: tests/test_fp8_gpu.py)."""
+    import mok_megatron.mcore.padded_experts as P
+
+    calls = []
+    for name in ("native_expert_mlp", "native_expert_mlp_aligned"):
+        monkeypatch.setattr(P, name, lambda *a, _n=name, **k: calls.append((_n, len(a), k)) or a[0])
+    _, mok = build_layers(make_config())
+    experts = mok.experts
+    experts.expert_backend = "torch-fp8"  # as --mok-expert-backend torch-fp8 sets it (CPU: no FP8 GEMMs)
+    x, tpe, probs = torch.randn(8, 16), torch.tensor([8] + [0] * 7), torch.rand(8)
+    for aligned, want in ((1, "native_expert_mlp"), (16, "native_expert_mlp_aligned")):
+        experts.aligned_input = aligned
+        out, bias = experts(x, tpe, probs)
+        assert out is x and bias is None
+        assert calls[-1] == (want, 6, {"apply_probs_on_input": False})

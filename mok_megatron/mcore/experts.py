@@ -157,39 +157,22 @@ class MoKGroupedMLP(MegatronModule):
 
     def forward(self, permuted_local_hidden_states, tokens_per_expert, permuted_probs):
         cfg = self.mok_config
-        if self.expert_backend == "torch-fp8" and self.aligned_input > 1:
-            from mok_megatron.mcore.padded_experts import native_expert_mlp_aligned
-
-            out = native_expert_mlp_aligned(
-                permuted_local_hidden_states,
-                permuted_probs,
-                tokens_per_expert,
-                self.fc1_weight,
-                self.fc2_weight,
-                cfg.activation,
-                apply_probs_on_input=cfg.apply_probs_on_input,
-            )
-            return out, None
-        if self.expert_backend == "torch-fp8":
-            from mok_megatron.mcore.padded_experts import native_expert_mlp
-
-            out = native_expert_mlp(
-                permuted_local_hidden_states,
-                permuted_probs,
-                tokens_per_expert,
-                self.fc1_weight,
-                self.fc2_weight,
-                cfg.activation,
-                apply_probs_on_input=cfg.apply_probs_on_input,
-            )
-            return out, None
-        out = scheduled_expert_mlp(
+        args = (
             permuted_local_hidden_states,
             permuted_probs,
             tokens_per_expert,
             self.fc1_weight,
             self.fc2_weight,
             cfg.activation,
+        )
+        if self.expert_backend == "torch-fp8":
+            from mok_megatron.mcore import padded_experts as P
+
+            # rows already padded by the dispatcher (aligned plan), or padded here
+            mlp = P.native_expert_mlp_aligned if self.aligned_input > 1 else P.native_expert_mlp
+            return mlp(*args, apply_probs_on_input=cfg.apply_probs_on_input), None
+        out = scheduled_expert_mlp(
+            *args,
             apply_probs_on_input=cfg.apply_probs_on_input,
             recompute_activation=cfg.recompute_activation,
             wgrad_queue=self.wgrad_queue,
