@@ -245,3 +245,31 @@ def _schedule_case(
         "bytes_moved": getattr(transport.inner, "bytes_moved", None),
         "factor": getattr(transport.inner, "factor", None),
     }
+
+
+def aligned_case(rank, world, *, align=16, **kw):
+    """``megatron_case`` with the MoK layer's dispatcher padding every expert call's rows to ``align`` (what
+    the native FP8 experts get); MoK's torch experts take any layout, so parity with Megatron must hold.
+    Reports how many expert calls ran on the padded layout (``aligned_calls``)."""
+    import mok_megatron.functional.pipeline as P
+    import tests.cases as C
+
+    real_build, real_aligned = C.build_layers, P._experts_aligned
+    calls = []
+
+    def build(cfg, *a, **k):
+        ref, mok = real_build(cfg, *a, **k)
+        mok.token_dispatcher.row_alignment = align
+        return ref, mok
+
+    def aligned(*a, **k):
+        calls.append(1)
+        return real_aligned(*a, **k)
+
+    C.build_layers, P._experts_aligned = build, aligned
+    try:
+        res = megatron_case(rank, world, **kw)
+    finally:
+        C.build_layers, P._experts_aligned = real_build, real_aligned
+    res["aligned_calls"] = len(calls)
+    return res

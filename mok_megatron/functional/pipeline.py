@@ -113,8 +113,39 @@ def _pack(x_c, meta_cPW, mb: SendPlan, ep: int):
     return x_NH, meta_NW
 
 
+def _experts_aligned(
+    x_RH, probs_RL, mask_RL, part: ExpertPart, topk: int, expert_fn: ExpertFn, alignment: int
+):
+    """``_experts`` for experts that want every expert's rows padded to ``alignment`` (native FP8): the
+    rows are permuted straight into the padded layout (``kernels.routing`` metadata, padding rows zero,
+    probability 0), the experts run on it as it is, and each row's experts are summed by the fixed-order
+    combine (deterministic in both modes). Counts stay on the device (static buffer: no host read)."""
+    from mok_megatron.functional.plan import static_aligned_rows
+    from mok_megatron.kernels.combine import combine
+    from mok_megatron.kernels.permute import permute
+    from mok_megatron.kernels.routing import routing_metadata
+    from mok_megatron.kernels.topk import topk_indices
+
+    R, L = mask_RL.shape
+    kk = min(topk, L)
+    # Each row's local experts, ascending (as 1/0 scores the top-k picks them first); the rest dropped.
+    idx_RK = topk_indices(mask_RL.view(torch.uint8), kk)
+    ids_RK = torch.where(mask_RL.gather(1, idx_RK), idx_RK, -1)
+    meta, counts_L = static_aligned_rows(routing_metadata(ids_RK, L, alignment), min(part.rows_M, R * kk))
+    x_PH, probs_P = permute(x_RH, meta, probs_RL.gather(1, idx_RK))
+    return combine(expert_fn(x_PH, counts_L, None, probs_P), meta)
+
+
 def _experts(
-    x_RH, meta_RW, part: ExpertPart, L: int, topk: int, expert_fn: ExpertFn, deterministic: bool, local=False
+    x_RH,
+    meta_RW,
+    part: ExpertPart,
+    L: int,
+    topk: int,
+    expert_fn: ExpertFn,
+    deterministic: bool,
+    alignment: int = 1,
+    local=False,
 ):
     """Expand rows to (row, local expert), run the experts, sum each row's experts. A local region
     that routes nothing here skips the call; the received part always calls the experts (even with
@@ -124,6 +155,8 @@ def _experts(
     if local and (part.rows_M == 0 or R == 0):
         return x_RH.new_zeros((R, x_RH.shape[-1])) + 0 * meta_RW.sum()
     probs_RL, mask_RL = meta_RW[:, :L], meta_RW[:, L:] > 0.5
+    if alignment > 1:
+        return _experts_aligned(x_RH, probs_RL, mask_RL, part, topk, expert_fn, alignment)
     flat_mask = mask_RL.t().reshape(-1)
     rows = min(part.rows_M, flat_mask.numel())
     flat = flat_mask.argsort(descending=True, stable=True)[:rows]  # grouped by local expert
@@ -204,12 +237,15 @@ def run_pipeline(
     topk: int,
     deterministic: bool = False,
     fp8_dispatch: bool = False,
+    row_alignment: int = 1,
 ) -> torch.Tensor:
     """The routed experts' output ``[T, H]`` (probability-weighted sum over each token's experts).
 
     ``fp8_dispatch``: the dispatched token rows travel as e4m3 with one fp32 scale per row, packed in
     one uint8 row (``fp8.dispatch_pack``: about half the bytes); the receiver dequantizes them. The
-    combine and every backward exchange stay in the rows' own precision (straight-through gradient)."""
+    combine and every backward exchange stay in the rows' own precision (straight-through gradient).
+    ``row_alignment`` > 1: every expert call gets its rows padded to it by the permute
+    (``_experts_aligned``; the native FP8 experts)."""
     T, H = x_TH.shape
     ep, L = plan.ep_size, plan.num_local_experts
     if T == 0:
@@ -223,7 +259,7 @@ def run_pipeline(
     sizes = [mb.num_tokens for mb in plan.minibatches]
     x_parts = x_TH.split(sizes) if C > 1 else (x_TH,)
     meta_parts = meta_TPW.split(sizes) if C > 1 else (meta_TPW,)
-    run = (L, topk, expert_fn, deterministic)
+    run = (L, topk, expert_fn, deterministic, row_alignment)
 
     # 1. Pack every minibatch's remote rows and launch its dispatch on the communication stream.
     layout = PackLayout(H) if fp8_dispatch else None

@@ -211,6 +211,24 @@ def aligned_plan_applies(cfg: MoKConfig) -> bool:
     )
 
 
+def static_aligned_rows(meta: RoutingMeta, max_routes: int) -> tuple[RoutingMeta, torch.Tensor]:
+    """``meta`` with its buffer sized to the static bound for at most ``max_routes`` live routes
+    (``num_rows_bound`` rounded up to the alignment), and the per-expert row counts of that buffer: each
+    expert's aligned count, the last expert also owning the spare rows (zero rows) so that every count
+    is a multiple of the alignment and they sum to the buffer's rows. No host read."""
+    import dataclasses
+
+    from mok_megatron.kernels.routing import num_rows_bound
+
+    a = meta.alignment
+    rows = -(-num_rows_bound(max_routes, meta.num_experts, a) // a) * a
+    ends = meta.aligned_offsets_E.long()
+    aligned_L = torch.diff(ends, prepend=ends.new_zeros(1))
+    tail = rows - ends[-1:]  # device tensor: no host read
+    counts_L = torch.cat([aligned_L[:-1], aligned_L[-1:] + tail])
+    return dataclasses.replace(meta, num_rows=rows), counts_L
+
+
 def build_aligned_plan(
     hidden_shape: torch.Size,
     routing_map_TE: torch.Tensor,
@@ -234,7 +252,7 @@ def build_aligned_plan(
     then a CPU tensor, as Megatron's alltoall dispatcher hands TEGroupedMLP (no second read)."""
     import dataclasses
 
-    from mok_megatron.kernels.routing import num_rows_bound, routing_metadata
+    from mok_megatron.kernels.routing import routing_metadata
     from mok_megatron.kernels.topk import topk_indices
 
     if not aligned_plan_applies(cfg) or groups.ep_size * groups.tp_size != 1:
@@ -258,15 +276,14 @@ def build_aligned_plan(
     # Dropless: each row has exactly K experts; as scores 1/0 the top-k picks them in ascending order.
     ids_TK = topk_indices(routing_map_TE.view(torch.uint8), k)
     meta = routing_metadata(ids_TK, num_experts, alignment)
-    aligned_L = torch.diff(meta.aligned_offsets_E.long(), prepend=meta.aligned_offsets_E.new_zeros(1).long())
     if exact_rows:  # the one host read; the experts get host counts (TE's m_splits: no second read)
+        aligned_L = torch.diff(
+            meta.aligned_offsets_E.long(), prepend=meta.aligned_offsets_E.new_zeros(1).long()
+        )
         tokens_per_expert = aligned_L.cpu()
-        rows = int(tokens_per_expert.sum())
+        meta = dataclasses.replace(meta, num_rows=int(tokens_per_expert.sum()))
     else:
-        rows = -(-num_rows_bound(num_tokens * k, num_experts, alignment) // alignment) * alignment
-        tail = rows - meta.aligned_offsets_E[-1:].long()  # device tensor: no host read
-        tokens_per_expert = torch.cat([aligned_L[:-1], aligned_L[-1:] + tail])
-    meta = dataclasses.replace(meta, num_rows=rows)
+        meta, tokens_per_expert = static_aligned_rows(meta, num_tokens * k)
     empty = torch.empty(0, dtype=torch.int64, device=routing_map_TE.device)
     return DispatchPlan(
         hidden_shape=hidden_shape,
@@ -274,9 +291,9 @@ def build_aligned_plan(
         token_idx_N=empty,
         expert_idx_N=empty,
         slots=SlotMap(row_TK=meta.row_TK.long()),
-        send_splits=(rows,),
-        recv_splits=(rows,),
-        tp_splits=(rows,),
+        send_splits=(meta.num_rows,),
+        recv_splits=(meta.num_rows,),
+        tp_splits=(meta.num_rows,),
         sort_idx_R=None,
         unsort_idx_R=None,
         tokens_per_expert_L=tokens_per_expert,

@@ -85,8 +85,8 @@ class MoKTokenDispatcher(MoETokenDispatcher):
         self.transport = transport  # set: the overlap engine runs (see pipeline_supported)
         self._plan: DispatchPlan | PipelineCall | None = None
         self._ep_in_one_node = _group_in_one_node(self.groups.ep)
-        # > 1: the experts want every expert's rows padded to this (set by MoKMoELayer where
-        # ``aligned_plan_applies``): the plan's permute writes the padded layout directly.
+        # > 1: the experts want every expert's rows padded to this (set by MoKMoELayer): the permute
+        # writes the padded layout directly (EP=1: ``build_aligned_plan``; pipeline: each expert call).
         self.row_alignment = 1
         self.exact_aligned_rows = False  # True: size that buffer exactly (experts read counts anyway)
 
@@ -167,7 +167,8 @@ class MoKTokenDispatcher(MoETokenDispatcher):
     def run_pipeline(self, hidden_states: torch.Tensor, probs: torch.Tensor, expert_fn) -> torch.Tensor:
         """Pipelined dispatch -> experts -> combine of the call in flight: ``[T, H]``."""
         call = self.plan
-        args = (self.transport, self.mok_config.topk, self.options.deterministic, self.options.fp8_dispatch)
+        o = self.options
+        args = (self.transport, self.mok_config.topk, o.deterministic, o.fp8_dispatch, self.row_alignment)
         with profiling.phase("pipeline", hidden_states.device):
             out = _run_pipeline(hidden_states, probs, call.routing_map_TE, call.plan, expert_fn, *args)
             PipelineStats.calls += 1

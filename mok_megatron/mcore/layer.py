@@ -79,7 +79,11 @@ class MoKMoELayer(MoELayer):
             transport=select_transport(mok_config, self.mok_options, pg.ep),
         )
         align = self.experts.input_alignment() if isinstance(self.experts, MoKGroupedMLP) else 1
-        if align > 1 and not self.token_dispatcher.pipelined and aligned_plan_applies(mok_config):
+        pipelined = self.token_dispatcher.pipelined
+        if align > 1 and (
+            (not pipelined and aligned_plan_applies(mok_config))
+            or (pipelined and not self.experts.reads_counts_on_host())  # device counts only there
+        ):
             # The permute writes the experts' padded layout itself (no pad / unpad copies).
             self.token_dispatcher.row_alignment = align
             self.token_dispatcher.exact_aligned_rows = self.experts.reads_counts_on_host()
