@@ -190,8 +190,10 @@ def _schedule_case(
     to=None,
     fuse=False,
     fp8=False,
+    align=1,
 ):
     """One pipeline call forward+backward; returns the event log and aten op counts.
+    ``align`` > 1: expert rows padded by the permute (``row_alignment``).
 
     ``emulated_ep`` > 1: one process per "group" (each rank alone, EP=1) with a loopback transport."""
     log: list = []
@@ -214,7 +216,16 @@ def _schedule_case(
             plan = build_pipeline_plan(x.shape, routing, L, TOPK, group, size, **kw)
         with fwd:
             out = run_pipeline(
-                x, probs, routing, plan, experts, transport, TOPK, deterministic=True, fp8_dispatch=fp8
+                x,
+                probs,
+                routing,
+                plan,
+                experts,
+                transport,
+                TOPK,
+                deterministic=True,
+                fp8_dispatch=fp8,
+                row_alignment=align,
             )
         log.append(("forward_done",))
         with bwd:

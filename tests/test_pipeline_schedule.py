@@ -116,6 +116,9 @@ def test_sync_free_pipeline_moves_no_host_data(pool):
     # counts once, by design).
     for r in pool.run("tests.pipeline_cases:schedule_case", sync_free=True, chunks=2):
         assert r["host_data"] == [] and r["max_err"] < 1e-5, r["host_data"]
+    # also with the expert rows padded by the permute (the native FP8 experts' layout)
+    for r in pool.run("tests.pipeline_cases:schedule_case", sync_free=True, chunks=2, fuse=True, align=16):
+        assert r["host_data"] == [] and r["max_err"] < 1e-5, r["host_data"]
     exact = pool.run("tests.pipeline_cases:schedule_case", chunks=1)
     assert all(any("tolist" in h or "cpu" in h for h in r["host_data"]) for r in exact)
 
