@@ -100,14 +100,8 @@ def _chunk_sort_index(sizes_SL: torch.Tensor, total: int) -> tuple[torch.Tensor,
     return sort_idx, unsort_idx
 
 
-def build_plan(
-    hidden_shape: torch.Size,
-    routing_map_TE: torch.Tensor,
-    probs_TE: torch.Tensor,
-    cfg: MoKConfig,
-    groups: EPGroups,
-) -> DispatchPlan:
-    """Route this rank's tokens: the plan dispatch and combine run on (one collective at most)."""
+def _check_routing(routing_map_TE: torch.Tensor, probs_TE: torch.Tensor, cfg: MoKConfig) -> tuple[int, int]:
+    """(T, E) of the routing, after checking it against the layer's config."""
     num_tokens, num_experts = routing_map_TE.shape
     if num_experts != cfg.num_experts:
         raise ValueError(
@@ -117,6 +111,18 @@ def build_plan(
         raise ValueError(
             f"probs {tuple(probs_TE.shape)} and routing_map {tuple(routing_map_TE.shape)} differ in shape"
         )
+    return num_tokens, num_experts
+
+
+def build_plan(
+    hidden_shape: torch.Size,
+    routing_map_TE: torch.Tensor,
+    probs_TE: torch.Tensor,
+    cfg: MoKConfig,
+    groups: EPGroups,
+) -> DispatchPlan:
+    """Route this rank's tokens: the plan dispatch and combine run on (one collective at most)."""
+    num_tokens, num_experts = _check_routing(routing_map_TE, probs_TE, cfg)
     device = routing_map_TE.device
     ep, tp = groups.ep_size, groups.tp_size
     if ep != cfg.ep_size or tp != cfg.etp_size:
@@ -263,15 +269,7 @@ def build_aligned_plan(
         )
     if alignment < 1:
         raise ValueError(f"build_aligned_plan: alignment={alignment}, expected >= 1")
-    num_tokens, num_experts = routing_map_TE.shape
-    if num_experts != cfg.num_experts:
-        raise ValueError(
-            f"routing map has {num_experts} experts, the MoK layer was built for {cfg.num_experts}"
-        )
-    if probs_TE.shape != routing_map_TE.shape:
-        raise ValueError(
-            f"probs {tuple(probs_TE.shape)} and routing_map {tuple(routing_map_TE.shape)} differ in shape"
-        )
+    num_tokens, num_experts = _check_routing(routing_map_TE, probs_TE, cfg)
     k = cfg.topk
     # Dropless: each row has exactly K experts; as scores 1/0 the top-k picks them in ascending order.
     ids_TK = topk_indices(routing_map_TE.view(torch.uint8), k)
