@@ -34,7 +34,7 @@ BEST_EFFORT = ("torchtitan",)
 # relative error (max |diff| / max |ref|) allowed against the reference implementation
 TOLERANCE = {"bf16": 5e-2, "fp32": 1e-4}
 # expert GEMM FLOPs per phase, in units of 2 * rows * 3 * H * F (forward: fc1 is 2F wide, fc2 F)
-PHASE_FLOP_FACTOR = {"fwd": 1, "bwd": 2, "fwd_bwd": 3}
+PHASE_FLOP_FACTOR = {"fwd": 1, "bwd": 2, "fwd_bwd": 3, "steady": 3}
 # MoK with an FP8 expert backend: name -> (--mok-expert-backend, --fp8-recipe or None)
 FP8_IMPLS = {
     "mok-torch-fp8": ("torch-fp8", None),

@@ -2,8 +2,15 @@
 
 Forward, backward and forward+backward are timed separately: CUDA events around the phase on a GPU, the
 wall clock (``time.perf_counter``) on CPU. For the backward the forward runs first, untimed, then the
-events bracket ``out.backward(dout)`` alone. The figure kept is the median over ``iters`` after
-``warmup`` untimed runs. Peak memory (GPU only) is ``torch.cuda.max_memory_allocated()`` during one
+events bracket ``out.backward(dout)`` alone. Each of these waits for the GPU after every step, so a step
+starts on an idle GPU and its time includes the host's enqueue of its first kernels (a layer whose host
+work outlasts its GPU work shows the host's time).
+
+``steady`` is forward+backward enqueued back to back, as in training: one event between consecutive
+steps, one synchronization at the end, so the host may run ahead of the GPU. Per step it is the GPU
+time when the host keeps up, and the host's time when it does not (or when the layer syncs the host
+itself: Megatron's alltoall dispatcher reads the token counts). The figure kept is the median over
+``iters`` after ``warmup`` untimed runs. Peak memory (GPU only) is ``torch.cuda.max_memory_allocated()`` during one
 forward+backward minus the memory allocated just before it, i.e. activations, gradients and workspace
 on top of the weights and the input; on CPU it is reported as None ("n/a").
 """
@@ -14,7 +21,7 @@ import statistics
 import time
 from collections.abc import Callable
 
-PHASES = ("fwd", "bwd", "fwd_bwd")
+PHASES = ("fwd", "bwd", "fwd_bwd", "steady")
 
 
 def _timed(setup: Callable, timed: Callable, iters: int, warmup: int) -> list[float]:
@@ -43,6 +50,29 @@ def _timed(setup: Callable, timed: Callable, iters: int, warmup: int) -> list[fl
     return out
 
 
+def _timed_back_to_back(step: Callable, iters: int, warmup: int) -> list[float]:
+    """Seconds per ``step()`` with the steps enqueued back to back (no synchronization between them)."""
+    import torch
+
+    for _ in range(warmup):
+        step()
+    if not torch.cuda.is_available():
+        out = []
+        for _ in range(iters):
+            t0 = time.perf_counter()
+            step()
+            out.append(time.perf_counter() - t0)
+        return out
+    torch.cuda.synchronize()
+    events = [torch.cuda.Event(enable_timing=True) for _ in range(iters + 1)]
+    events[0].record()
+    for i in range(iters):
+        step()
+        events[i + 1].record()
+    events[-1].synchronize()
+    return [a.elapsed_time(b) / 1e3 for a, b in zip(events, events[1:])]
+
+
 def time_phases(forward: Callable, backward: Callable, reset: Callable, iters: int, warmup: int) -> dict:
     """Median and min ms per phase. ``forward()`` returns what ``backward(it)`` consumes; ``reset()``
     clears the gradients before each step so every phase does the same work each time."""
@@ -54,6 +84,7 @@ def time_phases(forward: Callable, backward: Callable, reset: Callable, iters: i
         "fwd": _timed(fwd_setup, lambda _: forward(), iters, warmup),
         "bwd": _timed(lambda: (reset(), forward())[1], backward, iters, warmup),
         "fwd_bwd": _timed(fwd_setup, lambda _: backward(forward()), iters, warmup),
+        "steady": _timed_back_to_back(lambda: (reset(), backward(forward())), iters, warmup),
     }
     return {name: {"ms": 1e3 * statistics.median(t), "min_ms": 1e3 * min(t)} for name, t in phases.items()}
 

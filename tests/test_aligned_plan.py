@@ -19,7 +19,7 @@ def _inputs(cfg, seq=16, batch=2, seed=0):
     return x, torch.randn(seq, batch, cfg.hidden_size, generator=g)
 
 
-@pytest.mark.parametrize("alignment", [4, 16])
+@pytest.mark.parametrize("alignment", [1, 4, 16])  # 1: what every EP=1 MoK layer runs by default
 @pytest.mark.parametrize("topk,experts", [(2, 8), (1, 5), (4, 6)])
 def test_aligned_plan_layer_equals_megatron(alignment, topk, experts, monkeypatch):
     import mok_megatron.mcore.dispatcher as D

@@ -90,7 +90,7 @@ def test_peers_that_cannot_run_are_listed_with_reasons(bench_run):
     else:  # runs on CPU too, eager (compiling is tried on CUDA only)
         assert "| torchtitan | " in out and "| torchtitan | skipped: " not in out
     assert "| megatron-te | skipped: " in out
-    assert out.count("| impl | fwd | bwd | fwd+bwd | peak MiB |") == len(ROUTINGS)
+    assert out.count("| impl | fwd | bwd | fwd+bwd | fwd+bwd back to back | peak MiB |") == len(ROUTINGS)
 
 
 def test_png_written_or_its_absence_explained(bench_run, monkeypatch, tmp_path):

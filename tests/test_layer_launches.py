@@ -29,7 +29,13 @@ FUSED = Counter(
         "_gather_sum_kernel": 2,
         "_swiglu_fwd_kernel": 1,
         "_swiglu_bwd_kernel": 1,
-        "_topk_kernel": 2,  # the router's top-k (routing and the aux-loss map): MoKTopKRouter
+        # the router's top-k (routing and the aux-loss map: MoKTopKRouter) and the plan's expert ids
+        # from Megatron's dense routing map (functional.plan.build_aligned_plan)
+        "_topk_kernel": 3,
+        # the plan's routing metadata (kernels.routing: no sort)
+        "_rank_in_block_kernel": 1,
+        "_scan_kernel": 1,
+        "_place_kernel": 1,
     }
 )
 # What the fused kernels replaced: none of these may come back in MoK's part of the step.

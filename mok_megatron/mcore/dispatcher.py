@@ -89,6 +89,9 @@ class MoKTokenDispatcher(MoETokenDispatcher):
         # writes the padded layout directly (EP=1: ``build_aligned_plan``; pipeline: each expert call).
         self.row_alignment = 1
         self.exact_aligned_rows = False  # True: size that buffer exactly (experts read counts anyway)
+        # True (set by MoKMoELayer where ``aligned_plan_applies``, EP = 1): ``build_aligned_plan`` at
+        # ``row_alignment`` (1 included): routing metadata from the Triton routing kernels, no sort.
+        self.aligned_plan = False
 
     @property
     def pipelined(self) -> bool:
@@ -121,7 +124,7 @@ class MoKTokenDispatcher(MoETokenDispatcher):
             hidden_shape = hidden_states.shape
             if self.pipelined:
                 self._plan = PipelineCall(self._pipeline_plan(hidden_shape, routing_map), routing_map)
-            elif self.row_alignment > 1:
+            elif self.aligned_plan:
                 self._plan = build_aligned_plan(
                     hidden_shape,
                     routing_map,

@@ -78,15 +78,18 @@ class MoKMoELayer(MoELayer):
             options=self.mok_options,
             transport=select_transport(mok_config, self.mok_options, pg.ep),
         )
-        align = self.experts.input_alignment() if isinstance(self.experts, MoKGroupedMLP) else 1
+        mok_experts = isinstance(self.experts, MoKGroupedMLP)
+        align = self.experts.input_alignment() if mok_experts else 1
         pipelined = self.token_dispatcher.pipelined
-        if align > 1 and (
-            (not pipelined and aligned_plan_applies(mok_config))
-            or (pipelined and not self.experts.reads_counts_on_host())  # device counts only there
-        ):
-            # The permute writes the experts' padded layout itself (no pad / unpad copies).
+        host_counts = mok_experts and self.experts.reads_counts_on_host()
+        if not pipelined and aligned_plan_applies(mok_config):
+            # EP = 1: the routing kernels' plan (no sort), at the experts' alignment (1: plain rows).
+            self.token_dispatcher.aligned_plan = True
+            self.token_dispatcher.exact_aligned_rows = host_counts
+        if align > 1 and (self.token_dispatcher.aligned_plan or (pipelined and not host_counts)):
+            # The permute writes the experts' padded layout itself (no pad / unpad copies); in the
+            # pipeline only for experts that take device counts.
             self.token_dispatcher.row_alignment = align
-            self.token_dispatcher.exact_aligned_rows = self.experts.reads_counts_on_host()
             self.experts.aligned_input = align
         if self.mok_options.sync_free and self.token_dispatcher.pipelined:
             if not isinstance(self.experts, MoKGroupedMLP):
