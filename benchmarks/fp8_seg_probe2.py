@@ -7,6 +7,7 @@ against the product kernels, timed separately (median of 30 CUDA-event-timed cal
     amax  acc      an elementwise running max in registers, one reduction at the end
     cast  loop     the product's ``_segment_cast_kernel`` (IEEE division, transposed write)
     cast  recip    the same with a multiply by 1/scale (not bitwise: diagnosis of the division's cost)
+    cast  trans    the product's math, the tile transposed with ``tl.trans`` before a store along M
     cast  rowmaj   the same writing untransposed (not the layout the GEMM takes: diagnosis of the write)
 
 GB/s counts the bf16 bytes read (amax) or read + e4m3 written (cast).
@@ -41,13 +42,13 @@ def _amax_acc(
     cols = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
     col_ok = cols < width
     start, end = _segment_bounds(offs_ptr, g, num_rows, num_segments)
-    acc = tl.zeros([BLOCK_M, BLOCK_K], dtype=x_ptr.dtype.element_ty)
+    acc = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)
     for m0 in range(start, end, BLOCK_M):
         rows = m0 + tl.arange(0, BLOCK_M)
         mask = (rows < end)[:, None] & col_ok[None, :]
         x = tl.load(x_ptr + rows.to(tl.int64)[:, None] * width + cols[None, :], mask=mask, other=0)
-        acc = tl.maximum(acc, tl.abs(x))
-    amax = tl.max(acc.to(tl.float32), axis=0)
+        acc = tl.maximum(acc, tl.abs(x.to(tl.float32)))
+    amax = tl.max(acc, axis=0)
     scale = tl.where(amax > 0, tl.math.fdiv(amax, 448.0, ieee_rounding=True), 1.0)
     tl.store(s_ptr + g * width + cols, scale, mask=col_ok)
 
@@ -65,6 +66,8 @@ def _cast_variant(
     BLOCK_K: tl.constexpr,
     RECIP: tl.constexpr,
     ROWMAJ: tl.constexpr,
+    TRANS: tl.constexpr,
+    TRANS32: tl.constexpr = False,
 ):
     g = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
@@ -80,13 +83,61 @@ def _cast_variant(
             y = x.to(tl.float32) * inv[None, :]
         else:
             y = tl.math.fdiv(x.to(tl.float32), scale[None, :], ieee_rounding=True)
-        y = tl.minimum(tl.maximum(y, -448.0), 448.0).to(q_ptr.dtype.element_ty)
+        y = tl.minimum(tl.maximum(y, -448.0), 448.0)
+        if TRANS32:  # transpose the fp32 tile, cast after
+            tl.store(
+                q_ptr + cols.to(tl.int64)[:, None] * num_rows + rows[None, :],
+                tl.trans(y).to(q_ptr.dtype.element_ty),
+                mask=tl.trans(mask),
+            )
+            continue
+        y = y.to(q_ptr.dtype.element_ty)
         if ROWMAJ:
             tl.store(q_ptr + rows.to(tl.int64)[:, None] * width + cols[None, :], y, mask=mask)
+        elif TRANS:  # transpose the tile in registers / shared memory, then store along M
+            tl.store(
+                q_ptr + cols.to(tl.int64)[:, None] * num_rows + rows[None, :],
+                tl.trans(y),
+                mask=tl.trans(mask),
+            )
         else:
             tl.store(q_ptr + cols.to(tl.int64)[None, :] * num_rows + rows[:, None], y, mask=mask)
 
 
+@triton.jit
+def _cast_pack4(
+    x_ptr,
+    offs_ptr,
+    s_ptr,
+    q32_ptr,  # the e4m3 [K, M] output viewed as int32 [K, M / 4]
+    num_rows,
+    width,
+    num_segments,
+    BLOCK_M: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """Four consecutive rows of a column packed into one 32-bit word before the transposed store."""
+    g = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+    col_ok = cols < width
+    start, end = _segment_bounds(offs_ptr, g, num_rows, num_segments)
+    scale = tl.load(s_ptr + g * width + cols, mask=col_ok, other=1.0)
+    j = tl.arange(0, BLOCK_M // 4)
+    i4 = tl.arange(0, 4)
+    for m0 in range(start, end, BLOCK_M):
+        r = m0 + 4 * j[:, None, None] + i4[None, :, None]
+        mask = (r < end) & col_ok[None, None, :]
+        x = tl.load(x_ptr + r.to(tl.int64) * width + cols[None, None, :], mask=mask, other=0)
+        y = tl.math.fdiv(x.to(tl.float32), scale[None, None, :], ieee_rounding=True)
+        y = tl.minimum(tl.maximum(y, -448.0), 448.0).to(tl.float8e4nv)
+        b = y.to(tl.uint8, bitcast=True).to(tl.int32)
+        w = tl.sum(b << (8 * i4)[None, :, None], axis=1)
+        words = m0 // 4 + j
+        wmask = (4 * words < end)[:, None] & col_ok[None, :]
+        tl.store(q32_ptr + cols.to(tl.int64)[None, :] * (num_rows // 4) + words[:, None], w, mask=wmask)
+
+
+ONLY = os.environ.get("PROBE_ONLY", "amax,cast").split(",")  # e.g. "cast loop,cast pack4"
 DEVICE = os.environ.get("PROBE_DEVICE", "cuda")  # "cpu" + TRITON_INTERPRET=1: a smoke run on tiny shapes
 CASES = {  # name: (rows M, columns K, segments G)
     "dsv3 x [32768, 7168] G8": (32768, 7168, 8),
@@ -118,11 +169,16 @@ def run_case(name: str, m: int, k: int, g: int) -> None:
     def acc_amax(bm, bk, w):
         _amax_acc[grid(bk)](x, offs, s_G1K, m, k, g, bm, bk, num_warps=w)
 
-    def cast(bm, bk, w, recip=False, rowmaj=False):
-        _cast_variant[grid(bk)](x, offs, s_G1K, q, m, k, g, bm, bk, recip, rowmaj, num_warps=w)
+    def cast(bm, bk, w, recip=False, rowmaj=False, trans=False, trans32=False, pack4=False):
+        if pack4:
+            _cast_pack4[grid(bk)](x, offs, s_G1K, q.view(torch.int32), m, k, g, bm, bk, num_warps=w)
+            return
+        _cast_variant[grid(bk)](
+            x, offs, s_G1K, q, m, k, g, bm, bk, recip, rowmaj, trans, trans32, num_warps=w
+        )
 
     print(f"\n== {name}")
-    for label, fn in (("amax loop", loop_amax), ("amax acc", acc_amax)):
+    for label, fn in (("amax loop", loop_amax), ("amax acc", acc_amax)) if "amax" in ONLY else ():
         rows = []
         for t in TILES:
             fn(*t)
@@ -138,11 +194,22 @@ def run_case(name: str, m: int, k: int, g: int) -> None:
         for ms, t in best:
             print(f"   {t}: {ms:.3f} ms ({read_gb / ms:.0f} GB/s)")
     Q._segment_amax_kernel[grid(base[1])](x, offs, s_G1K, m, k, g, base[0], base[1], num_warps=base[2])
-    for label, kw in (("cast loop", {}), ("cast recip", {"recip": True}), ("cast rowmaj", {"rowmaj": True})):
+    variants = (
+        ("cast loop", {}),
+        ("cast pack4", {"pack4": True}),
+        ("cast trans32", {"trans32": True}),
+        ("cast trans", {"trans": True}),
+        ("cast trans recip", {"trans": True, "recip": True}),
+        ("cast recip", {"recip": True}),
+        ("cast rowmaj", {"rowmaj": True}),
+    )
+    for label, kw in [v for v in variants if v[0] in ONLY or "cast" in ONLY]:
         rows = []
         for t in TILES:
             cast(*t, **kw)
-            if not kw and DEVICE != "cpu":  # the interpreter rounds e4m3 wrongly (fp8_quant._q_buffer)
+            if (
+                not kw.get("recip") and not kw.get("rowmaj") and DEVICE != "cpu"
+            ):  # the interpreter rounds e4m3 wrongly (fp8_quant._q_buffer)
                 assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8)), (label, t)
             rows.append((_time(lambda t=t, kw=kw: cast(*t, **kw)), t))
         best = sorted(rows)[:4]

@@ -122,8 +122,56 @@ def scatter_case(counts, width, dtype, *, spare=0, zero_expert=None, device="cpu
     _bitwise("segments_scatter vs pad+quantize", got, Q.quantize_segments_t(x_PH, dst, Impl.TORCH))
 
 
+def packed_case(kind: str, device="cpu"):
+    """The cast pass's packed store (four rows of a column per 32-bit word) where the output layout allows
+    it, the byte-wise store where it does not, in one launch. Interpreted too: values exact in e4m3 and a
+    448 in every (segment, column) make every scale 1, so no rounding happens and the kernel can write
+    the real e4m3 buffer (``fp8_quant._q_buffer`` gives the interpreter an fp32 one, which has no words)."""
+    vals = torch.tensor([0, 1, -2, 3.5, -6, 12, -20, 48, -96, 192, -448.0])
+
+    def exact(rows, width, starts):
+        g = torch.Generator().manual_seed(rows * 3 + width)
+        x = vals[torch.randint(0, len(vals), (rows, width), generator=g)]
+        x[[s for s in starts if s < rows]] = 448.0
+        return x.to(torch.bfloat16).to(device)
+
+    interpreted, Q.INTERPRETED = Q.INTERPRETED, False
+    try:
+        if kind == "segments":  # word-aligned segments, then unaligned ones, then the spare tail
+            counts, spare = [16, 0, 48, 32, 6, 10], 7
+            starts = [0, 16, 16, 64, 96, 102, 112]
+            x = exact(sum(counts) + spare, 40, starts)
+            offs = torch.tensor(counts).cumsum(0).to(torch.int32).to(device)
+            got = Q.quantize_segments_t(x, offs, Impl.TRITON)
+            _bitwise("packed segments", got, Q.quantize_segments_t(x, offs, Impl.TORCH))
+        elif kind == "weight_t":
+            w = exact(3 * 48, 80, [0, 48, 96]).view(3, 48, 80)
+            _bitwise(
+                "packed weight_t", Q.quantize_weight_t(w, Impl.TRITON), Q.quantize_weight_t(w, Impl.TORCH)
+            )
+        elif kind == "scatter":  # real rows (any counts) into the 16-aligned padded layout
+            from mok_megatron.fp8 import align
+            from mok_megatron.mcore.padded_experts import native_num_rows, native_offsets
+
+            counts = [5, 0, 17, 16, 33]
+            starts = [0, 5, 5, 22, 38, 71]
+            x = exact(sum(counts) + 3, 24, starts)
+            plan = align.pad_plan(torch.tensor(counts), 16, sum(counts), native_num_rows(sum(counts), 5, 16))
+            offs, dst = plan.offsets_E.to(device), native_offsets(plan).to(device)
+            got = Q.quantize_segments_t_scatter(x, offs, dst, plan.num_rows, Impl.TRITON)
+            want = Q.quantize_segments_t_scatter(x, offs, dst, plan.num_rows, Impl.TORCH)
+            _bitwise("packed segments_scatter", got, want)
+        else:
+            raise ValueError(kind)
+    finally:
+        Q.INTERPRETED = interpreted
+
+
 # Small shapes: the CPU interpreter runs all of them in a few seconds.
 CASES = {
+    "packed_segments": lambda **kw: packed_case("segments", **kw),
+    "packed_weight_t": lambda **kw: packed_case("weight_t", **kw),
+    "packed_scatter": lambda **kw: packed_case("scatter", **kw),
     "rowwise_bf16_narrow": lambda **kw: rowwise_case(37, 100, "bf16", zero_rows=(3,), **kw),
     "rowwise_fp32_pow2": lambda **kw: rowwise_case(16, 64, "fp32", **kw),
     "rowwise_fp16_3d": lambda **kw: rowwise_case(24, 48, "fp16", batch=3, zero_rows=(0, 23), **kw),
@@ -151,6 +199,7 @@ GPU_CASES = {
     "segments_dsv3_dy": lambda **kw: segments_case(
         [4000, 0, 4112, 4096, 3968, 4224, 4096, 3584], 4096, "bf16", **kw
     ),
+    "segments_dsv3_unaligned": lambda **kw: segments_case([4001, 3, 4113, 4095], 2048, "bf16", spare=5, **kw),
     "segments_qwen_a": lambda **kw: segments_case(
         [96, 128, 0, 16] * 32, 768, "bf16", spare=64, zero_segment=1, **kw
     ),
@@ -226,8 +275,12 @@ def test_triton_on_cpu_without_interpreter_says_how():
 
 def _sm90_kernels():
     row = dict(x_ptr="*bf16", q_ptr="*fp8e4nv", s_ptr="*fp32", dest_ptr="*i64")
-    seg = dict(x_ptr="*bf16", offs_ptr="*i32", s_ptr="*fp32", q_ptr="*fp8e4nv", dst_offs_ptr="*i32")
-    blocks = dict(BLOCK_M=Q.SEG_BLOCK_M, BLOCK_K=Q.SEG_BLOCK_K)
+    seg = dict(
+        x_ptr="*bf16", offs_ptr="*i32", s_ptr="*fp32", q_ptr="*fp8e4nv", q32_ptr="*i32", dst_offs_ptr="*i32"
+    )
+    amax = dict(BLOCK_M=Q.AMAX_TILE[0], BLOCK_K=Q.AMAX_TILE[1])
+    pack = dict(BLOCK_M=Q.PACK_TILE[0], BLOCK_K=Q.PACK_TILE[1], PACK=True)
+    cast = dict(BLOCK_M=Q.CAST_TILE[0], BLOCK_K=Q.CAST_TILE[1], PACK=False)
     one, two = dict(BLOCK_R=1, BLOCK_H=8192, ONE_PASS=True), dict(BLOCK_R=1, BLOCK_H=4096, ONE_PASS=False)
     return {
         "rowwise_one_pass": (Q._rowwise_kernel, row, one | dict(HAS_DEST=False), True),
@@ -238,9 +291,11 @@ def _sm90_kernels():
             dict(BLOCK_R=4, BLOCK_H=1024, ONE_PASS=True, HAS_DEST=True),
             True,
         ),
-        "segment_amax": (Q._segment_amax_kernel, seg, blocks, False),
-        "segment_cast": (Q._segment_cast_kernel, seg, blocks | dict(SHIFT=False), True),
-        "segment_cast_scatter": (Q._segment_cast_kernel, seg, blocks | dict(SHIFT=True), True),
+        "segment_amax": (Q._segment_amax_kernel, seg, amax, False),
+        "segment_cast": (Q._segment_cast_kernel, seg, cast | dict(SHIFT=False), True),
+        "segment_cast_scatter": (Q._segment_cast_kernel, seg, cast | dict(SHIFT=True), True),
+        "segment_cast_packed": (Q._segment_cast_kernel, seg, pack | dict(SHIFT=False), True),
+        "segment_cast_packed_scatter": (Q._segment_cast_kernel, seg, pack | dict(SHIFT=True), True),
     }
 
 

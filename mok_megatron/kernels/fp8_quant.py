@@ -50,12 +50,13 @@ from mok_megatron.kernels import INTERPRETED, Impl, jit, next_pow2, tl, use_trit
 ONE_PASS_MAX = 8192  # widest row read once into registers (DeepSeek-V3 H = 7168 fits)
 TWO_PASS_BLOCK = 4096
 ROWWISE_TILE = 4096  # elements per program of the rowwise kernel (BLOCK_R * BLOCK_H for narrow rows)
-# Segment tiles (rows x columns) and warps; module constants read at each call. benchmarks/fp8_seg_probe.py
-# (s5g, H200): 128 x 32 x 2 warps took 0.515 / 0.360 / 0.610 ms on the DeepSeek x, DeepSeek dh and Qwen3 x
-# operands against 0.610 / 0.355 / 0.670 for the former 64 x 64 x 4; every config is ~2 TB/s (the
-# per-segment row loop, not the tile, limits these kernels).
-SEG_BLOCK_M, SEG_BLOCK_K = 128, 32
-SEG_WARPS = 2
+# Segment tiles (rows, columns, warps); module constants read at each call. H200 (bf16 DeepSeek-V3 wgrad
+# operands, benchmarks/fp8_seg_probe2.py, s6a): the amax pass with a running max took 0.129 / ~0.096 ms on x
+# [32768, 7168] / dh [32768, 4096] at (32, 64, 8) against 0.157 / 0.126 before; the cast pass with packed
+# words 0.225 ms on x at (128, 64, 4) against 0.347 for the best byte-wise store tile.
+AMAX_TILE = (32, 64, 8)
+PACK_TILE = (128, 64, 4)
+CAST_TILE = (128, 32, 2)  # byte-wise stores (fp8_seg_probe.py, s5g)
 
 
 @jit
@@ -131,12 +132,15 @@ def _segment_amax_kernel(
     cols = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
     col_ok = cols < width
     start, end = _segment_bounds(offs_ptr, g, num_rows, num_segments)
-    amax = tl.zeros([BLOCK_K], dtype=tl.float32)
+    # An elementwise running max, reduced over the rows once at the end (a cross-thread reduction every
+    # row block ran this pass 10-35 % slower: benchmarks/fp8_seg_probe2.py, s6a).
+    acc = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)
     for m0 in range(start, end, BLOCK_M):
         rows = m0 + tl.arange(0, BLOCK_M)
         mask = (rows < end)[:, None] & col_ok[None, :]
         x = tl.load(x_ptr + rows.to(tl.int64)[:, None] * width + cols[None, :], mask=mask, other=0)
-        amax = tl.maximum(amax, tl.max(tl.abs(x.to(tl.float32)), axis=0))
+        acc = tl.maximum(acc, tl.abs(x.to(tl.float32)))
+    amax = tl.max(acc, axis=0)
     scale = tl.where(amax > 0, tl.math.fdiv(amax, 448.0, ieee_rounding=True), 1.0)
     tl.store(s_ptr + g * width + cols, scale, mask=col_ok)
 
@@ -147,6 +151,7 @@ def _segment_cast_kernel(
     offs_ptr,  # [G] int32 inclusive segment ends
     s_ptr,  # [G + 1, K] fp32 scales from pass 1
     q_ptr,  # e4m3 out: element (m, k) of segment g at dst_g * seg_mul + k * stride_k + (m - start_g)
+    q32_ptr,  # the same buffer as int32 words (PACK)
     dst_offs_ptr,  # [G] int32 inclusive segment ends in the output (SHIFT); dst_g = start of segment g there
     num_rows,
     num_out_rows,  # SHIFT: rows of the output layout (P)
@@ -157,17 +162,54 @@ def _segment_cast_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_K: tl.constexpr,
     SHIFT: tl.constexpr,  # segments start at other rows in the output (padding); rows past the last end dropped
+    PACK: tl.constexpr,  # q32_ptr is valid: segments whose output span is word-aligned store 4 rows per word
 ):
     g = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
     col_ok = cols < width
     start, end = _segment_bounds(offs_ptr, g, num_rows, num_segments)
     if SHIFT:
-        dst, _ = _segment_bounds(dst_offs_ptr, g, num_out_rows, num_segments)
+        dst, dst_end = _segment_bounds(dst_offs_ptr, g, num_out_rows, num_segments)
         end = tl.where(g < num_segments, end, start)
     else:
-        dst = start
+        dst, dst_end = start, end
     scale = tl.load(s_ptr + g * width + cols, mask=col_ok, other=1.0)
+    # Packed: the segment's output starts on a word and owns whole words (its rows, then padding rows
+    # nobody else writes, which get the zeros of masked loads): four rows of a column go out as one
+    # 32-bit store. The byte-wise transposed store ran at ~2 TB/s, this at ~3 TB/s (fp8_seg_probe2, s6a).
+    packed = (
+        ((dst * seg_mul) % 4 == 0)
+        & (stride_k % 4 == 0)
+        & ((dst_end - dst) % 4 == 0)
+        & (end - start <= dst_end - dst)
+    )
+    if PACK:
+        if packed:
+            j = tl.arange(0, BLOCK_M // 4)
+            i4 = tl.arange(0, 4)
+            word_base = (dst.to(tl.int64) * seg_mul) // 4 + cols.to(tl.int64)[None, :] * (stride_k // 4)
+            for m0 in range(start, end, BLOCK_M):
+                rows = m0 + 4 * j[:, None, None] + i4[None, :, None]  # [BLOCK_M / 4, 4, 1]
+                mask = (rows < end) & col_ok[None, None, :]
+                x = tl.load(x_ptr + rows.to(tl.int64) * width + cols[None, None, :], mask=mask, other=0)
+                y = tl.math.fdiv(x.to(tl.float32), scale[None, None, :], ieee_rounding=True)
+                y = tl.minimum(tl.maximum(y, -448.0), 448.0).to(q_ptr.dtype.element_ty)
+                b = y.to(tl.uint8, bitcast=True).to(tl.int32)
+                words = tl.sum(b << (8 * i4)[None, :, None], axis=1)  # little-endian: row 4w + i in byte i
+                w_idx = (m0 - start) // 4 + j
+                w_mask = (m0 + 4 * j < end)[:, None] & col_ok[None, :]
+                tl.store(q32_ptr + word_base + w_idx[:, None], words, mask=w_mask)
+        else:
+            _cast_bytes(x_ptr, q_ptr, scale, cols, col_ok, start, end, dst, seg_mul, stride_k, width, BLOCK_M)
+    else:
+        _cast_bytes(x_ptr, q_ptr, scale, cols, col_ok, start, end, dst, seg_mul, stride_k, width, BLOCK_M)
+
+
+@jit
+def _cast_bytes(
+    x_ptr, q_ptr, scale, cols, col_ok, start, end, dst, seg_mul, stride_k, width, BLOCK_M: tl.constexpr
+):
+    """The cast pass's byte-wise transposed store (any layout)."""
     out_base = q_ptr + dst.to(tl.int64) * seg_mul - start + cols.to(tl.int64)[None, :] * stride_k
     for m0 in range(start, end, BLOCK_M):
         rows = m0 + tl.arange(0, BLOCK_M)
@@ -232,18 +274,22 @@ def _segments(x_MK, offs_G, q, seg_mul: int, stride_k: int, dst_offs_G=None, num
     groups = offs_G.shape[0]
     s_G1K = torch.empty(groups + 1, width, dtype=torch.float32, device=x_MK.device)
     if width:
-        grid = (groups + 1, -(-width // SEG_BLOCK_K))
         offs = offs_G if groups else torch.zeros(1, dtype=torch.int32, device=x_MK.device)
         shift = dst_offs_G is not None
         dst = dst_offs_G if shift and groups else offs
-        _segment_amax_kernel[grid](
-            x_MK, offs, s_G1K, num_rows, width, groups, SEG_BLOCK_M, SEG_BLOCK_K, num_warps=SEG_WARPS
+        am, ak, aw = AMAX_TILE
+        _segment_amax_kernel[(groups + 1, -(-width // ak))](
+            x_MK, offs, s_G1K, num_rows, width, groups, am, ak, num_warps=aw
         )
-        _segment_cast_kernel[grid](
+        # Words need an e4m3 buffer (not the interpreter's fp32 stand-in) whose rows view as int32.
+        pack = q.dtype == E4M3 and q.shape[-1] % 4 == 0
+        cm, ck, cw = PACK_TILE if pack else CAST_TILE
+        _segment_cast_kernel[(groups + 1, -(-width // ck))](
             x_MK,
             offs,
             s_G1K,
             q,
+            q.view(torch.int32) if pack else q,
             dst,
             num_rows,
             num_out_rows,
@@ -251,10 +297,11 @@ def _segments(x_MK, offs_G, q, seg_mul: int, stride_k: int, dst_offs_G=None, num
             groups,
             seg_mul,
             stride_k,
-            SEG_BLOCK_M,
-            SEG_BLOCK_K,
+            cm,
+            ck,
             shift,
-            num_warps=SEG_WARPS,
+            pack,
+            num_warps=cw,
         )
     return s_G1K[:groups]
 
