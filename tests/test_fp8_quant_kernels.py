@@ -138,7 +138,7 @@ def packed_case(kind: str, device="cpu"):
     interpreted, Q.INTERPRETED = Q.INTERPRETED, False
     try:
         if kind == "segments":  # word-aligned segments, then unaligned ones, then the spare tail
-            counts, spare = [16, 0, 48, 32, 6, 10], 7
+            counts, spare = [16, 0, 48, 32, 6, 10], 8  # 120 rows: the buffer views as words
             starts = [0, 16, 16, 64, 96, 102, 112]
             x = exact(sum(counts) + spare, 40, starts)
             offs = torch.tensor(counts).cumsum(0).to(torch.int32).to(device)
