@@ -28,7 +28,8 @@ CASES = {  # name: (rows M, columns K, segments G)
     "dsv3 dh [32768, 4096] G8": (32768, 4096, 8),
     "qwen3 x [131072, 2048] G128": (131072, 2048, 128),
 }
-base = (Q.SEG_BLOCK_M, Q.SEG_BLOCK_K, Q.SEG_WARPS)
+base = Q.PACK_TILE  # swept: the amax and cast passes share each tile (session 6 split them: AMAX_TILE)
+saved = (Q.AMAX_TILE, Q.PACK_TILE)
 for name, (m, k, g) in CASES.items():
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
     offs = (torch.arange(1, g + 1, device="cuda", dtype=torch.int32) * (m // g)).contiguous()
@@ -37,16 +38,17 @@ for name, (m, k, g) in CASES.items():
     for bm, bk, w in itertools.product((32, 64, 128), (32, 64, 128, 256), (2, 4, 8)):
         if bm * bk > 16384:
             continue
-        Q.SEG_BLOCK_M, Q.SEG_BLOCK_K, Q.SEG_WARPS = bm, bk, w
+        Q.AMAX_TILE = Q.PACK_TILE = (bm, bk, w)
         q, s = Q.quantize_segments_t(x, offs)
         if want is None:
             want = (q.view(torch.uint8).clone(), s.clone())
         assert torch.equal(q.view(torch.uint8), want[0]) and torch.equal(s, want[1]), (bm, bk, w)
         ms = _time(lambda x=x, offs=offs: Q.quantize_segments_t(x, offs))
         rows.append((ms, bm, bk, w))
-    Q.SEG_BLOCK_M, Q.SEG_BLOCK_K, Q.SEG_WARPS = base
+    Q.AMAX_TILE, Q.PACK_TILE = saved
     gbs = (2 * 2 * m * k + m * k) / 1e6
-    cur = [r for r in rows if r[1:] == base][0]
-    print(f"\n== {name}: current {base} {cur[0]:.3f} ms ({gbs / cur[0]:.0f} GB/s)")
+    cur = [r for r in rows if r[1:] == base]
+    cur_ms = cur[0][0] if cur else float("nan")
+    print(f"\n== {name}: current {saved} {cur_ms:.3f} ms ({gbs / cur_ms:.0f} GB/s)")
     for ms, bm, bk, w in sorted(rows)[:6]:
         print(f"BLOCK_M {bm:3d} BLOCK_K {bk:3d} warps {w}: {ms:.3f} ms ({gbs / ms:.0f} GB/s)")

@@ -228,6 +228,8 @@ def static_aligned_rows(meta: RoutingMeta, max_routes: int) -> tuple[RoutingMeta
 
     a = meta.alignment
     rows = -(-num_rows_bound(max_routes, meta.num_experts, a) // a) * a
+    if a == 1:  # no padding: the routes per expert fill the rows (dropless: exactly max_routes of them)
+        return dataclasses.replace(meta, num_rows=rows), meta.counts_E.long()
     ends = meta.aligned_offsets_E.long()
     aligned_L = torch.diff(ends, prepend=ends.new_zeros(1))
     tail = rows - ends[-1:]  # device tensor: no host read

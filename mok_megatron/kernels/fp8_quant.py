@@ -26,14 +26,19 @@ Kernels:
     _rowwise_kernel       BLOCK_R rows per program; a row up to ONE_PASS_MAX wide is read once (amax, scale,
                           cast from registers), wider rows in two sweeps (the second mostly from L2)
     _segment_amax_kernel  pass 1: one program per (segment, BLOCK_K columns), looping over the segment's
-                          rows: per-column amax -> scale. No atomics: each program owns its scales
+                          rows with an elementwise running max: per-column amax -> scale. No atomics: each
+                          program owns its scales
     _segment_cast_kernel  pass 2: the same ownership; scale, cast, write transposed (SHIFT: segment g's
-                          rows start at row ``dst_offs[g - 1]`` of the output, the padded layout)
+                          rows start at row ``dst_offs[g - 1]`` of the output, the padded layout). PACK: where
+                          the segment's output span is word-aligned (start, length, stride multiples of 4:
+                          every segment of the 16-row padded layouts the FP8 experts use), four rows of a
+                          column go out as one 32-bit store; elsewhere byte-wise stores
 Rows past the last offset form one extra segment (scale computed and dropped, like the reference), so every
 q element is written. Segment programs loop over device-side bounds: no host read of ``offs``.
 
-Not measured here (no GPU on the authoring machine): tile sizes are first choices; the segment kernels give
-one program per (segment, 64 columns), so a segment holding most rows runs on few SMs.
+Measured (H200, ``benchmarks/fp8_seg_probe2.py``, s6a): byte-wise transposed e4m3 stores held the cast pass
+to ~2 TB/s (0.347 ms on the DeepSeek-V3 x operand [32768, 7168]; the same pass writing untransposed: 0.196);
+packed words 0.225 ms. One program per (segment, BLOCK_K columns): a segment holding most rows runs on few SMs.
 
 How it plugs in: ``fp8.native`` calls these on CUDA tensors (``Impl.AUTO``), the references elsewhere.
 """
