@@ -122,6 +122,25 @@ def scatter_case(counts, width, dtype, *, spare=0, zero_expert=None, device="cpu
     _bitwise("segments_scatter vs pad+quantize", got, Q.quantize_segments_t(x_PH, dst, Impl.TORCH))
 
 
+def partials_case(counts, width, dtype, *, spare=0, zero_segment=None, device="cpu"):
+    """One rowwise pass that also keeps 16-row block column amaxes, then the segment pass that takes its
+    scales from them (whole-block segments) or from x (the others): both bitwise their references."""
+    rows = sum(counts) + spare
+    x = _x(rows, width, DTYPES[dtype], rows * 5 + width)
+    offs = torch.tensor(counts, dtype=torch.int64).cumsum(0).to(torch.int32)
+    if zero_segment is not None:
+        end = int(offs[zero_segment])
+        x[end - counts[zero_segment] : end] = 0
+    x, offs = x.to(device), offs.to(device)
+    q, s, p = Q.quantize_rowwise_partials(x, Impl.TRITON)
+    _bitwise("rowwise_partials", (q, s), Q.quantize_rowwise(x, Impl.TORCH))
+    blocks = torch.nn.functional.pad(x.abs().float(), (0, 0, 0, -rows % Q.PARTIAL_ROWS))
+    want_p = blocks.view(-1, Q.PARTIAL_ROWS, width).amax(dim=1).to(x.dtype)
+    assert p.dtype == x.dtype and torch.equal(p, want_p), "partials: block amaxes differ"
+    got = Q.quantize_segments_t(x, offs, Impl.TRITON, partials=p)
+    _bitwise("segments from partials", got, Q.quantize_segments_t(x, offs, Impl.TORCH))
+
+
 def packed_case(kind: str, device="cpu"):
     """The cast pass's packed store (four rows of a column per 32-bit word) where the output layout allows
     it, the byte-wise store where it does not, in one launch. Interpreted too: values exact in e4m3 and a
@@ -169,6 +188,11 @@ def packed_case(kind: str, device="cpu"):
 
 # Small shapes: the CPU interpreter runs all of them in a few seconds.
 CASES = {
+    # whole 16-row blocks (partials), an unaligned segment and the spare tail (from x), an empty one
+    "partials_mixed_bf16": lambda **kw: partials_case(
+        [16, 0, 48, 5, 27], 72, "bf16", spare=9, zero_segment=2, **kw
+    ),
+    "partials_aligned_fp32": lambda **kw: partials_case([32, 16], 40, "fp32", **kw),
     "packed_segments": lambda **kw: packed_case("segments", **kw),
     "packed_weight_t": lambda **kw: packed_case("weight_t", **kw),
     "packed_scatter": lambda **kw: packed_case("scatter", **kw),
@@ -199,6 +223,8 @@ GPU_CASES = {
     "segments_dsv3_dy": lambda **kw: segments_case(
         [4000, 0, 4112, 4096, 3968, 4224, 4096, 3584], 4096, "bf16", **kw
     ),
+    "partials_dsv3_x": lambda **kw: partials_case([4096, 4080, 16, 0, 4112], 7168, "bf16", **kw),
+    "partials_qwen_unaligned": lambda **kw: partials_case([96, 130, 0, 14] * 8, 2048, "bf16", spare=3, **kw),
     "segments_dsv3_unaligned": lambda **kw: segments_case([4001, 3, 4113, 4095], 2048, "bf16", spare=5, **kw),
     "segments_qwen_a": lambda **kw: segments_case(
         [96, 128, 0, 16] * 32, 768, "bf16", spare=64, zero_segment=1, **kw
@@ -274,13 +300,19 @@ def test_triton_on_cpu_without_interpreter_says_how():
 
 
 def _sm90_kernels():
-    row = dict(x_ptr="*bf16", q_ptr="*fp8e4nv", s_ptr="*fp32", dest_ptr="*i64")
+    row = dict(x_ptr="*bf16", q_ptr="*fp8e4nv", s_ptr="*fp32", dest_ptr="*i64", p_ptr="*bf16")
     seg = dict(
-        x_ptr="*bf16", offs_ptr="*i32", s_ptr="*fp32", q_ptr="*fp8e4nv", q32_ptr="*i32", dst_offs_ptr="*i32"
+        x_ptr="*bf16",
+        offs_ptr="*i32",
+        s_ptr="*fp32",
+        q_ptr="*fp8e4nv",
+        q32_ptr="*i32",
+        dst_offs_ptr="*i32",
+        p_ptr="*bf16",
     )
     amax = dict(BLOCK_M=Q.AMAX_TILE[0], BLOCK_K=Q.AMAX_TILE[1])
-    pack = dict(BLOCK_M=Q.PACK_TILE[0], BLOCK_K=Q.PACK_TILE[1], PACK=True)
-    cast = dict(BLOCK_M=Q.CAST_TILE[0], BLOCK_K=Q.CAST_TILE[1], PACK=False)
+    pack = dict(BLOCK_M=Q.PACK_TILE[0], BLOCK_K=Q.PACK_TILE[1], PACK=True, FROM_PARTIAL=False, PART=16)
+    cast = dict(BLOCK_M=Q.CAST_TILE[0], BLOCK_K=Q.CAST_TILE[1], PACK=False, FROM_PARTIAL=False, PART=16)
     one, two = dict(BLOCK_R=1, BLOCK_H=8192, ONE_PASS=True), dict(BLOCK_R=1, BLOCK_H=4096, ONE_PASS=False)
     return {
         "rowwise_one_pass": (Q._rowwise_kernel, row, one | dict(HAS_DEST=False), True),
@@ -291,11 +323,18 @@ def _sm90_kernels():
             dict(BLOCK_R=4, BLOCK_H=1024, ONE_PASS=True, HAS_DEST=True),
             True,
         ),
+        "rowwise_partials": (Q._rowwise_partial_kernel, row, dict(PART=16, BLOCK_R=1, BLOCK_H=8192), True),
         "segment_amax": (Q._segment_amax_kernel, seg, amax, False),
         "segment_cast": (Q._segment_cast_kernel, seg, cast | dict(SHIFT=False), True),
         "segment_cast_scatter": (Q._segment_cast_kernel, seg, cast | dict(SHIFT=True), True),
         "segment_cast_packed": (Q._segment_cast_kernel, seg, pack | dict(SHIFT=False), True),
         "segment_cast_packed_scatter": (Q._segment_cast_kernel, seg, pack | dict(SHIFT=True), True),
+        "segment_cast_packed_partials": (
+            Q._segment_cast_kernel,
+            seg,
+            pack | dict(SHIFT=False, FROM_PARTIAL=True),
+            True,
+        ),
     }
 
 

@@ -62,6 +62,7 @@ ROWWISE_TILE = 4096  # elements per program of the rowwise kernel (BLOCK_R * BLO
 AMAX_TILE = (32, 64, 8)
 PACK_TILE = (128, 64, 4)
 CAST_TILE = (128, 32, 2)  # byte-wise stores (fp8_seg_probe.py, s5g)
+PARTIAL_ROWS = 16  # rows per block amax of quantize_rowwise_partials (the FP8 experts pad segments to 16)
 
 
 @jit
@@ -110,6 +111,46 @@ def _rowwise_kernel(
             y = tl.minimum(tl.maximum(y, -448.0), 448.0)
             tl.store(q_ptr + out_base + cols[None, :], y.to(q_ptr.dtype.element_ty), mask=mask)
     tl.store(s_ptr + out_rows, scale, mask=row_ok)
+
+
+@jit
+def _rowwise_partial_kernel(
+    x_ptr,  # [R, H] row-major, H <= ONE_PASS_MAX
+    q_ptr,  # e4m3 [R, H]
+    s_ptr,  # fp32 [R]
+    p_ptr,  # x's dtype [ceil(R / PART), H]: amax of |x| over each PART-row block, per column
+    num_rows,
+    width,
+    PART: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):
+    """``_rowwise_kernel`` (one pass) over the PART rows of one block, also keeping their column amax:
+    what the weight gradient's per-(segment, column) scales need, read here at no extra pass over x."""
+    block = tl.program_id(0)
+    cols = tl.arange(0, BLOCK_H)
+    col_ok = cols < width
+    cmax = tl.zeros([BLOCK_H], dtype=tl.float32)
+    for r0 in tl.static_range(0, PART, BLOCK_R):
+        rows = block * PART + r0 + tl.arange(0, BLOCK_R)
+        row_ok = rows < num_rows
+        mask = row_ok[:, None] & col_ok[None, :]
+        x = tl.load(x_ptr + rows.to(tl.int64)[:, None] * width + cols[None, :], mask=mask, other=0).to(
+            tl.float32
+        )
+        a = tl.abs(x)
+        cmax = tl.maximum(cmax, tl.max(a, axis=0))
+        amax = tl.max(a, axis=1)
+        scale = tl.where(amax > 0, tl.math.fdiv(amax, 448.0, ieee_rounding=True), 1.0)
+        y = tl.math.fdiv(x, scale[:, None], ieee_rounding=True)
+        y = tl.minimum(tl.maximum(y, -448.0), 448.0)
+        tl.store(
+            q_ptr + rows.to(tl.int64)[:, None] * width + cols[None, :],
+            y.to(q_ptr.dtype.element_ty),
+            mask=mask,
+        )
+        tl.store(s_ptr + rows, scale, mask=row_ok)
+    tl.store(p_ptr + block.to(tl.int64) * width + cols, cmax.to(p_ptr.dtype.element_ty), mask=col_ok)
 
 
 @jit
@@ -168,6 +209,9 @@ def _segment_cast_kernel(
     BLOCK_K: tl.constexpr,
     SHIFT: tl.constexpr,  # segments start at other rows in the output (padding); rows past the last end dropped
     PACK: tl.constexpr,  # q32_ptr is valid: segments whose output span is word-aligned store 4 rows per word
+    p_ptr=None,  # FROM_PARTIAL: x's PART-row block amax [ceil(M / PART), K] (``_rowwise_partial_kernel``)
+    FROM_PARTIAL: tl.constexpr = False,  # compute (and store) the scales here instead of reading pass 1's
+    PART: tl.constexpr = 16,
 ):
     g = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
@@ -178,7 +222,13 @@ def _segment_cast_kernel(
         end = tl.where(g < num_segments, end, start)
     else:
         dst, dst_end = start, end
-    scale = tl.load(s_ptr + g * width + cols, mask=col_ok, other=1.0)
+    if FROM_PARTIAL:
+        scale = _scale_from_partials(
+            x_ptr, p_ptr, cols, col_ok, start, end, num_rows, width, PART, BLOCK_M, BLOCK_K
+        )
+        tl.store(s_ptr + g * width + cols, scale, mask=col_ok)
+    else:
+        scale = tl.load(s_ptr + g * width + cols, mask=col_ok, other=1.0)
     # Packed: the segment's output starts on a word and owns whole words (its rows, then padding rows
     # nobody else writes, which get the zeros of masked loads): four rows of a column go out as one
     # 32-bit store. The byte-wise transposed store ran at ~2 TB/s, this at ~3 TB/s (fp8_seg_probe2, s6a).
@@ -208,6 +258,40 @@ def _segment_cast_kernel(
             _cast_bytes(x_ptr, q_ptr, scale, cols, col_ok, start, end, dst, seg_mul, stride_k, width, BLOCK_M)
     else:
         _cast_bytes(x_ptr, q_ptr, scale, cols, col_ok, start, end, dst, seg_mul, stride_k, width, BLOCK_M)
+
+
+@jit
+def _scale_from_partials(
+    x_ptr,
+    p_ptr,
+    cols,
+    col_ok,
+    start,
+    end,
+    num_rows,
+    width,
+    PART: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """A segment's per-column scale from the PART-row block amaxes when its rows are whole blocks (start
+    on a block, end on a block or at the last row), else from x's rows (any segment stays correct)."""
+    if (start % PART == 0) & ((end % PART == 0) | (end == num_rows)):
+        acc = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)
+        for b0 in range(start // PART, (end + PART - 1) // PART, BLOCK_M):
+            b = b0 + tl.arange(0, BLOCK_M)
+            mask = (b < (end + PART - 1) // PART)[:, None] & col_ok[None, :]
+            v = tl.load(p_ptr + b.to(tl.int64)[:, None] * width + cols[None, :], mask=mask, other=0)
+            acc = tl.maximum(acc, v.to(tl.float32))
+    else:
+        acc = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)
+        for m0 in range(start, end, BLOCK_M):
+            rows = m0 + tl.arange(0, BLOCK_M)
+            mask = (rows < end)[:, None] & col_ok[None, :]
+            x = tl.load(x_ptr + rows.to(tl.int64)[:, None] * width + cols[None, :], mask=mask, other=0)
+            acc = tl.maximum(acc, tl.abs(x.to(tl.float32)))
+    amax = tl.max(acc, axis=0)
+    return tl.where(amax > 0, tl.math.fdiv(amax, 448.0, ieee_rounding=True), 1.0)
 
 
 @jit
@@ -273,8 +357,11 @@ def quantize_rowwise(x: torch.Tensor, impl: Impl = Impl.AUTO) -> tuple[torch.Ten
     return _finish(q_RH).view(x.shape), s_R.view(x.shape[:-1])
 
 
-def _segments(x_MK, offs_G, q, seg_mul: int, stride_k: int, dst_offs_G=None, num_out_rows: int = 0):
-    """Both passes into ``q``; returns the [G, K] scales. ``dst_offs_G``: segment ends in q (padding)."""
+def _segments(
+    x_MK, offs_G, q, seg_mul: int, stride_k: int, dst_offs_G=None, num_out_rows: int = 0, partials=None
+):
+    """Both passes into ``q``; returns the [G, K] scales. ``dst_offs_G``: segment ends in q (padding).
+    ``partials``: x's PARTIAL_ROWS-row block amaxes (``quantize_rowwise_partials``): no amax pass."""
     num_rows, width = x_MK.shape
     groups = offs_G.shape[0]
     s_G1K = torch.empty(groups + 1, width, dtype=torch.float32, device=x_MK.device)
@@ -282,10 +369,11 @@ def _segments(x_MK, offs_G, q, seg_mul: int, stride_k: int, dst_offs_G=None, num
         offs = offs_G if groups else torch.zeros(1, dtype=torch.int32, device=x_MK.device)
         shift = dst_offs_G is not None
         dst = dst_offs_G if shift and groups else offs
-        am, ak, aw = AMAX_TILE
-        _segment_amax_kernel[(groups + 1, -(-width // ak))](
-            x_MK, offs, s_G1K, num_rows, width, groups, am, ak, num_warps=aw
-        )
+        if partials is None:
+            am, ak, aw = AMAX_TILE
+            _segment_amax_kernel[(groups + 1, -(-width // ak))](
+                x_MK, offs, s_G1K, num_rows, width, groups, am, ak, num_warps=aw
+            )
         # Words need an e4m3 buffer (not the interpreter's fp32 stand-in) whose rows view as int32.
         pack = q.dtype == E4M3 and q.shape[-1] % 4 == 0
         cm, ck, cw = PACK_TILE if pack else CAST_TILE
@@ -306,6 +394,9 @@ def _segments(x_MK, offs_G, q, seg_mul: int, stride_k: int, dst_offs_G=None, num
             ck,
             shift,
             pack,
+            partials,
+            partials is not None,
+            PARTIAL_ROWS,
             num_warps=cw,
         )
     return s_G1K[:groups]
@@ -320,9 +411,11 @@ def _check_offsets(offs_G: torch.Tensor, x: torch.Tensor, what: str) -> None:
 
 
 def quantize_segments_t(
-    x_MK: torch.Tensor, offs_G: torch.Tensor, impl: Impl = Impl.AUTO
+    x_MK: torch.Tensor, offs_G: torch.Tensor, impl: Impl = Impl.AUTO, partials: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Inputs: x fp32/bf16/fp16 [M, K]; offs int32 [G] inclusive row ends (device, not read on the host).
+    """Inputs: x fp32/bf16/fp16 [M, K]; offs int32 [G] inclusive row ends (device, not read on the host);
+    ``partials``: what ``quantize_rowwise_partials(x)`` returned third (the amax pass is skipped where the
+    segments are whole PARTIAL_ROWS-row blocks; ignored by the reference, which gives the same result).
     Outputs: q e4m3 [K, M] row-major (x's transpose), scale fp32 [G, K] (one per segment and column)."""
     _check_input(x_MK, "quantize_segments_t")
     if x_MK.dim() != 2:
@@ -332,8 +425,42 @@ def quantize_segments_t(
         return quantize_segments_t_reference(x_MK, offs_G)
     x_MK = x_MK.contiguous()
     q_KM = _q_buffer((x_MK.shape[1], x_MK.shape[0]), x_MK.device)
-    scale_GK = _segments(x_MK, offs_G, q_KM, 1, x_MK.shape[0])
+    if partials is not None and partials.shape != (-(-x_MK.shape[0] // PARTIAL_ROWS), x_MK.shape[1]):
+        raise ValueError(
+            f"quantize_segments_t: partials {tuple(partials.shape)} do not fit x {tuple(x_MK.shape)}; pass "
+            "the third output of quantize_rowwise_partials(x)"
+        )
+    scale_GK = _segments(x_MK, offs_G, q_KM, 1, x_MK.shape[0], partials=partials)
     return _finish(q_KM), scale_GK
+
+
+def quantize_rowwise_partials(
+    x_MK: torch.Tensor, impl: Impl = Impl.AUTO
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """``quantize_rowwise`` of x [M, K] plus, on the Triton path, the amax of |x| over each block of
+    ``PARTIAL_ROWS`` rows per column ([ceil(M / PARTIAL_ROWS), K], x's dtype: exact) for a later
+    ``quantize_segments_t(x, offs, partials=...)``: the weight gradient's scales without a second amax
+    read of x (one pass over x serves both layouts' amaxes). Elsewhere (the reference) the third output
+    is None and ``quantize_segments_t`` computes the scales from x (the same values)."""
+    _check_input(x_MK, "quantize_rowwise_partials")
+    if x_MK.dim() != 2:
+        raise ValueError(f"quantize_rowwise_partials: x has shape {tuple(x_MK.shape)}, expected [M, K]")
+    rows, width = x_MK.shape
+    if not use_triton(impl, x_MK, "quantize_rowwise_partials") or width > ONE_PASS_MAX:
+        q, s = quantize_rowwise(x_MK, impl)
+        return q, s, None
+    x_MK = x_MK.contiguous()
+    q_MK = _q_buffer((rows, width), x_MK.device)
+    s_M = torch.empty(rows, dtype=torch.float32, device=x_MK.device)
+    p_BK = torch.empty(-(-rows // PARTIAL_ROWS), width, dtype=x_MK.dtype, device=x_MK.device)
+    if rows:
+        block_h = next_pow2(width)
+        block_r = min(PARTIAL_ROWS, max(1, ROWWISE_TILE // block_h))
+        warps = 8 if block_r * block_h > 4096 else 4
+        _rowwise_partial_kernel[(p_BK.shape[0],)](
+            x_MK, q_MK, s_M, p_BK, rows, width, PARTIAL_ROWS, block_r, block_h, num_warps=warps
+        )
+    return _finish(q_MK), s_M, p_BK
 
 
 def quantize_segments_t_reference(x_MK: torch.Tensor, offs_G: torch.Tensor):
