@@ -255,6 +255,26 @@ def test_native_fp8_weight_cache_follows_weight_updates():
     assert _rel(stepped[0].float(), ref) < FP8_REL
 
 
+def test_fp8_wgrad_scales_from_rowwise_partials_change_nothing(monkeypatch):
+    """With an FP8 weight gradient (>= WGRAD_FP8_MIN_ROWS rows per expert) the rowwise passes over x and
+    dy keep 16-row block amaxes and the wgrad quantization takes its scales from them: output and
+    gradients those of the separate amax pass (same operands bitwise: GPU_CASES "partials_*"; here within
+    ``SAME``, the GEMMs' run-to-run bound)."""
+    from mok_megatron.fp8 import native
+
+    _native_or_skip()
+    rows = native.WGRAD_FP8_MIN_ROWS
+    x, w, dy, offs = _linear_inputs(counts=(rows + 16, rows - 16, 0, rows), k=512, n=256)
+    calls = []
+    real = native.quantize_rowwise_partials
+    monkeypatch.setattr(native, "quantize_rowwise_partials", lambda t: calls.append(1) or real(t))
+    fused = _fwd_bwd(x, w, dy, offs)
+    assert len(calls) == 2, "x (forward) and dy (backward) must take the one-pass partials"
+    monkeypatch.setattr(native, "quantize_rowwise_partials", lambda t: (*native.quantize_rowwise(t), None))
+    plain = _fwd_bwd(x, w, dy, offs)
+    assert all(_rel(a.float(), b.float()) < SAME for a, b in zip(fused, plain, strict=True))
+
+
 def test_native_fp8_linear_needs_no_host_sync():
     _native_or_skip()
     x, w, dy, offs = _linear_inputs()

@@ -66,6 +66,7 @@ from mok_megatron.config import MoKConfigError
 from mok_megatron.ops.grouped_gemm import _wgrad as _bf16_wgrad
 from mok_megatron.kernels.fp8_quant import (
     quantize_rowwise,
+    quantize_rowwise_partials,
     quantize_rowwise_scatter,
     quantize_segments_t,
     quantize_segments_t_scatter,
@@ -189,27 +190,31 @@ def quantized_weight(w_GNK: torch.Tensor, orientation: str) -> tuple[torch.Tenso
 # ---- GEMM operands -------------------------------------------------------------------------------------------
 
 
-def fwd_operands(x_MK, w_GNK, weight=None):
+def fwd_operands(x_MK, w_GNK, weight=None, x_quantized=None):
     """(A, B, scale_a, scale_b) of the forward GEMM, in the layouts ``torch._scaled_grouped_mm`` takes.
-    ``weight``: ``quantized_weight(w_GNK, "fwd")`` when the caller has it (else quantized here)."""
-    xq_MK, xs_M = quantize_rowwise(x_MK)
+    ``weight``: ``quantized_weight(w_GNK, "fwd")`` when the caller has it (else quantized here);
+    ``x_quantized``: ``quantize_rowwise(x_MK)`` when the caller has it."""
+    xq_MK, xs_M = x_quantized if x_quantized is not None else quantize_rowwise(x_MK)
     wq_GNK, ws_GN = weight if weight is not None else quantize_rowwise(w_GNK)  # one scale per n, over K
     # B [G, K, N] column-major: the transpose of the row-major [G, N, K] (a view)
     return xq_MK, wq_GNK.transpose(-2, -1), xs_M, ws_GN
 
 
-def dgrad_operands(dy_MN, w_GNK, weight=None):
-    dyq_MN, dys_M = quantize_rowwise(dy_MN)
+def dgrad_operands(dy_MN, w_GNK, weight=None, dy_quantized=None):
+    dyq_MN, dys_M = dy_quantized if dy_quantized is not None else quantize_rowwise(dy_MN)
     wq_GKN, ws_GK = weight if weight is not None else quantize_weight_t(w_GNK)  # one scale per k, over N
     # B [G, N, K] column-major: the transpose of the row-major [G, K, N]
     return dyq_MN, wq_GKN.transpose(-2, -1), dys_M, ws_GK
 
 
-def wgrad_operands(dy_MN, x_MK, offs_G, x_quantized=None):
+def wgrad_operands(dy_MN, x_MK, offs_G, x_quantized=None, dy_partials=None, x_partials=None):
     """``x_quantized``: (xq_KM, xs_GK) as ``quantize_segments_t(x_MK, offs_G)`` gives, when the caller
-    built them another way (the padded fc1: ``quantize_segments_t_scatter``)."""
-    dyq_NM, dys_GN = quantize_segments_t(dy_MN, offs_G)  # A [N, M] row-major
-    xq_KM, xs_GK = x_quantized if x_quantized is not None else quantize_segments_t(x_MK, offs_G)
+    built them another way (the padded fc1: ``quantize_segments_t_scatter``); ``*_partials``: the block
+    amaxes ``quantize_rowwise_partials`` kept when it quantized that operand rowwise (no amax pass)."""
+    dyq_NM, dys_GN = quantize_segments_t(dy_MN, offs_G, partials=dy_partials)  # A [N, M] row-major
+    if x_quantized is None:
+        x_quantized = quantize_segments_t(x_MK, offs_G, partials=x_partials)
+    xq_KM, xs_GK = x_quantized
     return dyq_NM, xq_KM.t(), dys_GN.reshape(-1), xs_GK.reshape(-1)  # B [M, K] column-major = x^T row-major
 
 
@@ -219,24 +224,36 @@ def _gemm(a, b, scale_a, scale_b, offs_G, fast_accum: bool):
     )
 
 
+def _rowwise(x_MK: torch.Tensor, partials: bool):
+    """``((q, scale), block amaxes or None)``: with ``partials`` (the operand's FP8 weight gradient will
+    follow) one pass also keeps what that gradient's per-(expert, column) scales need."""
+    if partials:
+        q, s, p = quantize_rowwise_partials(x_MK)
+        return (q, s), p
+    return quantize_rowwise(x_MK), None
+
+
 class _FP8GroupedLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_MK, w_GNK, offs_G):
-        ctx.save_for_backward(x_MK, w_GNK, offs_G)
-        operands = fwd_operands(x_MK, w_GNK, quantized_weight(w_GNK, "fwd"))
+        x_quantized, x_partials = _rowwise(x_MK, w_GNK.requires_grad and _wgrad_fp8(x_MK.shape[0], w_GNK))
+        ctx.save_for_backward(x_MK, w_GNK, offs_G, x_partials)
+        operands = fwd_operands(x_MK, w_GNK, quantized_weight(w_GNK, "fwd"), x_quantized)
         return _gemm(*operands, offs_G, fast_accum=True).to(x_MK.dtype)
 
     @staticmethod
     def backward(ctx, dy_MN):
-        x_MK, w_GNK, offs_G = ctx.saved_tensors
+        x_MK, w_GNK, offs_G, x_partials = ctx.saved_tensors
         dy_MN = dy_MN.contiguous()
-        dx_MK = dw_GNK = None
+        dx_MK = dw_GNK = dy_partials = None
+        wgrad_fp8 = ctx.needs_input_grad[1] and _wgrad_fp8(x_MK.shape[0], w_GNK)
         if ctx.needs_input_grad[0]:
-            operands = dgrad_operands(dy_MN, w_GNK, quantized_weight(w_GNK, "dgrad"))
+            dy_quantized, dy_partials = _rowwise(dy_MN, wgrad_fp8)
+            operands = dgrad_operands(dy_MN, w_GNK, quantized_weight(w_GNK, "dgrad"), dy_quantized)
             dx_MK = _gemm(*operands, offs_G, fast_accum=_dgrad_fast(w_GNK)).to(x_MK.dtype)
         if ctx.needs_input_grad[1]:
-            if _wgrad_fp8(x_MK.shape[0], w_GNK):
-                operands = wgrad_operands(dy_MN, x_MK, offs_G)
+            if wgrad_fp8:
+                operands = wgrad_operands(dy_MN, x_MK, offs_G, dy_partials=dy_partials, x_partials=x_partials)
                 dw_GNK = _gemm(*operands, offs_G, fast_accum=False).to(w_GNK.dtype)
             else:
                 dw_GNK = _wgrad_bf16(dy_MN, x_MK, offs_G, w_GNK)
