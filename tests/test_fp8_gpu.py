@@ -264,7 +264,7 @@ def test_fp8_wgrad_scales_from_rowwise_partials_change_nothing(monkeypatch):
 
     _native_or_skip()
     rows = native.WGRAD_FP8_MIN_ROWS
-    x, w, dy, offs = _linear_inputs(counts=(rows + 16, rows - 16, 0, rows), k=512, n=256)
+    x, w, dy, offs = _linear_inputs(counts=(2 * rows, rows - 16, 0, rows + 16), k=512, n=256)
     calls = []
     real = native.quantize_rowwise_partials
     monkeypatch.setattr(native, "quantize_rowwise_partials", lambda t: calls.append(1) or real(t))
