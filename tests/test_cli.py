@@ -92,6 +92,7 @@ def test_bench_overlap_runs_and_reports_exposed_communication(tmp_path):
         (m, g, c) for m in ("exact", "sync-free") for g in (0.0, 50.0) for c in (1, 2)
     }
     for row in timed:
+        assert row["expert_backend"] == "torch"  # the default --expert-backend
         assert row["rel_err"] < 1e-4  # fp32 on CPU: the pipelined layer equals the plain one
         assert (row["bytes_per_step"] > 0) and ((row["comm_ms"] > 0) == (row["gbps"] > 0))
 
