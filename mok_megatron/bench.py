@@ -5,7 +5,9 @@ The command runs ``bench_suite`` (shapes x routing patterns x implementations; m
 
 Every implementation gets the same weights (copied through ``load_state_dict``) and the same input;
 outputs and input gradients are checked against the first implementation before anything is timed.
-Times are CUDA-event (or wall-clock on CPU) medians over ``--iters`` runs after ``--warmup``.
+Times are CUDA-event (or wall-clock on CPU) medians over ``--iters`` runs after ``--warmup``: forward,
+backward and forward+backward with a sync after every step, and forward+backward back to back (no sync
+between steps, as in training: ``bench_timing``).
 Expert TFLOP/s counts the routed-expert GEMMs only: 3 (fwd + 2 bwd) x 2 * T * K * (F1 + F) * H.
 
 Named shapes (from the projects' published configs):
