@@ -266,3 +266,11 @@ def test_torchtitan_adapter_against_the_installed_package(monkeypatch):
     note = titan.compile_moe(x)
     assert note == "eager (torch.compile failed: RuntimeError: inductor says no)"
     torch.testing.assert_close(titan(x)[0], got.detach())
+
+
+def test_back_to_back_timing_runs_every_step_and_times_each():
+    from mok_megatron.bench_timing import _timed_back_to_back
+
+    calls = []
+    times = _timed_back_to_back(lambda: calls.append(1), iters=5, warmup=2)
+    assert len(calls) == 7 and len(times) == 5 and all(t >= 0 for t in times)
