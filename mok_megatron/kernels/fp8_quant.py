@@ -4,6 +4,9 @@ Legend: R rows, H row width (the scaled dimension), M rows split into G segments
 ``offs_G``, a device tensor), K columns, N rows of one expert's weight.
 
     quantize_rowwise      x [..., H]  -> q [..., H] e4m3, scale [...] fp32         one scale per row
+    quantize_rowwise_partials  x_MK   -> the same q, scale, and p [ceil(M / 16), K]: each 16-row block's
+                          column amax, which ``quantize_segments_t(x, offs, partials=p)`` turns into the
+                          segment scales without reading x for them (segments made of whole blocks)
     quantize_segments_t   x_MK        -> q_KM e4m3 (the TRANSPOSE, row-major), scale_GK fp32
                           one scale per (segment, column): the wgrad operands, whose contraction runs
                           over each expert's rows (``torch._scaled_grouped_mm`` takes A = dy^T [N, M] and
@@ -25,6 +28,8 @@ on the GPU).
 Kernels:
     _rowwise_kernel       BLOCK_R rows per program; a row up to ONE_PASS_MAX wide is read once (amax, scale,
                           cast from registers), wider rows in two sweeps (the second mostly from L2)
+    _rowwise_partial_kernel  one program per 16-row block: the one-pass rowwise cast of its rows, plus the
+                          block's column amax
     _segment_amax_kernel  pass 1: one program per (segment, BLOCK_K columns), looping over the segment's
                           rows with an elementwise running max: per-column amax -> scale. No atomics: each
                           program owns its scales
@@ -32,7 +37,9 @@ Kernels:
                           rows start at row ``dst_offs[g - 1]`` of the output, the padded layout). PACK: where
                           the segment's output span is word-aligned (start, length, stride multiples of 4:
                           every segment of the 16-row padded layouts the FP8 experts use), four rows of a
-                          column go out as one 32-bit store; elsewhere byte-wise stores
+                          column go out as one 32-bit store; elsewhere byte-wise stores. FROM_PARTIAL: the
+                          scales come from the block amaxes (whole-block segments) or x's rows (the others)
+                          in the same program, and pass 1 is skipped
 Rows past the last offset form one extra segment (scale computed and dropped, like the reference), so every
 q element is written. Segment programs loop over device-side bounds: no host read of ``offs``.
 
