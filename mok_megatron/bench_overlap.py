@@ -18,6 +18,7 @@ Times are medians of CUDA-event timings (max over ranks); outputs are checked ag
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -164,8 +165,17 @@ def bench_overlap(
     expert_backend="torch",
 ) -> list[dict]:
     """``expert_backend``: the experts' GEMMs of every layer timed, the no-communication baseline included
-    (``--mok-expert-backend``; 'torch-fp8': native FP8, whose pipeline expert calls take padded rows).
-    The experts read it from the process default options (as the flag sets it), restored afterwards."""
+    (``--mok-expert-backend``; 'torch-fp8': native FP8, whose pipeline expert calls take padded rows)."""
+    with _experts_of(expert_backend):
+        return _bench_overlap(
+            shapes, gbps_list, chunks_list, iters, warmup, profile_one, modes, local_rows, expert_backend
+        )
+
+
+@contextlib.contextmanager
+def _experts_of(expert_backend: str):
+    """MoK layers built inside get ``expert_backend`` experts: the experts read it from the process
+    default options, as ``--mok-expert-backend`` sets it (restored afterwards)."""
     import dataclasses
 
     from mok_megatron.options import default_options, set_default_options
@@ -173,9 +183,7 @@ def bench_overlap(
     before = default_options()
     set_default_options(dataclasses.replace(before, expert_backend=expert_backend))
     try:
-        return _bench_overlap(
-            shapes, gbps_list, chunks_list, iters, warmup, profile_one, modes, local_rows, expert_backend
-        )
+        yield
     finally:
         set_default_options(before)
 
@@ -349,12 +357,33 @@ def bench_ep(
     no_b=False,
     kernels=False,
     local_rows=("overlap", "fused"),
+    expert_backend="torch",
 ) -> list[dict]:
-    """``profile``: also one profiled step (streams busy and concurrent, GPU ops, host enqueue) of
+    """``expert_backend``: the MoK layers' experts (``--mok-expert-backend``; Megatron's layer keeps its
+    own). ``profile``: also one profiled step (streams busy and concurrent, GPU ops, host enqueue) of
     Megatron's layer and of every one-minibatch exact-mode MoK variant at EP=N (``kernels``: also its
     top kernels and host ops, ``kernel_profile.kernel_summary``). ``no_b``: also each
     transport with all local rows in region A (``pipeline_plan.MIN_LOCAL_HALF`` set huge).
     ``local_rows``: the ``--mok-local-rows`` settings to time per transport (overlap, fused)."""
+    with _experts_of(expert_backend):
+        return _bench_ep(
+            shapes,
+            transports,
+            chunks_list,
+            iters,
+            warmup,
+            modes,
+            profile,
+            no_b,
+            kernels,
+            local_rows,
+            expert_backend,
+        )
+
+
+def _bench_ep(
+    shapes, transports, chunks_list, iters, warmup, modes, profile, no_b, kernels, local_rows, expert_backend
+) -> list[dict]:
     import torch
     import torch.distributed as dist
 
@@ -425,11 +454,16 @@ def bench_ep(
             for label, tr, chunks, mode in variants:
                 plan_module.MIN_LOCAL_HALF = 10**9 if label.endswith("no-B") else default_half
                 extra, graph = MODES[mode]
-                opts = MoKOptions(engine="plain")  # one dispatch, experts, combine (no pipeline)
+                # one dispatch, experts, combine (no pipeline)
+                opts = MoKOptions(engine="plain", expert_backend=expert_backend)
                 if tr is not None:
                     lr = "fused" if label.endswith("fused") else "overlap"
                     opts = MoKOptions(
-                        minibatch_size=math.ceil(s["tokens"] / chunks), transport=tr, local_rows=lr, **extra
+                        minibatch_size=math.ceil(s["tokens"] / chunks),
+                        transport=tr,
+                        local_rows=lr,
+                        expert_backend=expert_backend,
+                        **extra,
                     )
                 layer = build("mok", cfg, options=opts).to(device)
                 layer.load_state_dict(mok_sd)
@@ -457,6 +491,7 @@ def bench_ep(
                         shape=name,
                         ep=ep,
                         impl="mok",
+                        expert_backend=expert_backend,
                         transport=label_mode,
                         chunks=chunks,
                         ms=1e3 * t,
@@ -558,7 +593,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--expert-backend",
         default="torch",
-        help="overlap: the experts' GEMMs of every layer timed (torch | torch-fp8; --mok-expert-backend)",
+        help="the MoK layers' expert GEMMs (torch | torch-fp8; --mok-expert-backend; overlap: the baseline too)",
     )
     ns = p.parse_args(argv)
     import warnings
@@ -592,6 +627,7 @@ def main(argv: list[str] | None = None) -> int:
             no_b=ns.no_b,
             kernels=ns.kernels,
             local_rows=(ns.local_rows or "overlap,fused").split(","),
+            expert_backend=ns.expert_backend,
         )
         text = format_ep(rows)
         rank0 = int(os.environ.get("RANK", 0)) == 0

@@ -141,5 +141,6 @@ def test_bench_ep_under_torchrun_compares_with_megatron(tmp_path):
         "collective fused exact",
     }
     assert sorted(row["chunks"] for row in mok2 if row["transport"] != "plain") == [1, 1, 2, 2]
+    assert all(row["expert_backend"] == "torch" for row in mok2)  # the default --expert-backend
     assert all(row["rel_err"] < 1e-4 for row in rows if "rel_err" in row)
     assert "hidden vs Megatron's comm" in r.stdout

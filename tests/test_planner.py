@@ -597,3 +597,25 @@ def test_a_labelled_engine6_ep_run_gets_its_own_kappa(tmp_path, monkeypatch):
     assert "exact fused" in cal.overlap.engines["engine-6"].kappa
     rows = [r for r in validate.checks(m) if r.source == "s4b"]
     assert any("sync-free+graph fused" in r.what for r in rows) and all(r.in_sample_ms > 0 for r in rows)
+
+
+def test_fp8_expert_rows_of_ep_and_overlap_runs_are_not_fitted(tmp_path):
+    ep = [
+        {"shape": "qwen3", "ep": 2, "impl": "mok", "transport": "collective exact", "chunks": 1, "ms": 16.0},
+        {"shape": "qwen3", "ep": 2, "impl": "mok", "transport": "collective exact", "chunks": 1, "ms": 12.0,
+         "expert_backend": "torch-fp8"},
+        {"shape": "qwen3", "ep": 2, "impl": "mok", "transport": "collective exact", "chunks": 1, "ms": 15.0,
+         "expert_backend": "torch"},
+    ]  # fmt: skip
+    (tmp_path / "ep.json").write_text(json.dumps(ep))
+    assert [p.ms for p in measurements.ep_results(tmp_path)[1]] == [16.0, 15.0]
+    base = {"shape": "dsv3-4k", "mode": "exact", "chunks": 1, "comm_ms": 1.0, "bytes_per_step": 10}
+    overlap = [
+        {"shape": "dsv3-4k", "gbps": None, "chunks": 0, "ms": 15.0, "comm_ms": 0.0, "expert_backend": "torch"},
+        {**base, "gbps": 450.0, "ms": 19.0, "expert_backend": "torch"},
+        {"shape": "dsv3-4k", "gbps": None, "chunks": 0, "ms": 11.0, "comm_ms": 0.0, "expert_backend": "torch-fp8"},
+        {**base, "gbps": 450.0, "ms": 17.0, "expert_backend": "torch-fp8"},
+    ]  # fmt: skip
+    (tmp_path / "overlap.json").write_text(json.dumps(overlap))
+    ones, loops = measurements.overlap_results(tmp_path)
+    assert [o.ms for o in ones] == [15.0] and [(lp.ms, lp.t0_ms) for lp in loops] == [(19.0, 15.0)]

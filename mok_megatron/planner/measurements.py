@@ -135,13 +135,19 @@ def _mok_label(label: str) -> tuple[str, str | None]:
     return words[0], f"{mode} {local}" if local else mode
 
 
+def _bf16_experts(row: dict) -> bool:
+    """Rows timed with MoK's bf16 experts (``--expert-backend torch``, the default; rows from before the
+    option carry no key). FP8 expert rows are not fitted: FP8 is modelled by the FP8 grouped-GEMM rate."""
+    return row.get("expert_backend", "torch") == "torch"
+
+
 def ep_results(run: Path) -> tuple[list[Layer1], list[EPPoint]]:
     ones, twos = [], []
     f = _one(run, "ep.json")
     if f is None:
         return ones, twos
     for r in json.loads(f.read_text()):
-        if "ms" not in r or r["shape"] not in EP_SHAPES or r["shape"] == "tiny":
+        if "ms" not in r or r["shape"] not in EP_SHAPES or r["shape"] == "tiny" or not _bf16_experts(r):
             continue
         moe, tokens = _ep_moe(r["shape"], r["ep"])
         if r["ep"] == 1:
@@ -162,7 +168,11 @@ def overlap_results(run: Path) -> tuple[list[Layer1], list[LoopRow]]:
     f = _one(run, "overlap.json")
     if f is None:
         return [], []
-    rows = [r for r in json.loads(f.read_text()) if "profile" not in r and r["shape"] in OVERLAP_SHAPES]
+    rows = [
+        r
+        for r in json.loads(f.read_text())
+        if "profile" not in r and r["shape"] in OVERLAP_SHAPES and _bf16_experts(r)
+    ]
     t0 = {r["shape"]: r["ms"] for r in rows if r["gbps"] is None}
     ones = []
     for shape, ms in t0.items():
