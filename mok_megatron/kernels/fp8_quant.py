@@ -185,17 +185,27 @@ def _segment_amax_kernel(
     cols = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
     col_ok = cols < width
     start, end = _segment_bounds(offs_ptr, g, num_rows, num_segments)
-    # An elementwise running max, reduced over the rows once at the end (a cross-thread reduction every
-    # row block ran this pass 10-35 % slower: benchmarks/fp8_seg_probe2.py, s6a).
+    amax = _column_amax(x_ptr, cols, col_ok, start, end, width, BLOCK_M, BLOCK_K)
+    tl.store(s_ptr + g * width + cols, _scale_of(amax), mask=col_ok)
+
+
+@jit
+def _column_amax(ptr, cols, col_ok, lo, hi, width, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+    """max |v| over rows [lo, hi) of a row-major [*, width] tensor, per column of ``cols``: an elementwise
+    running max, reduced over the rows once at the end (a cross-thread reduction every row block ran the
+    amax pass 10-35 % slower: benchmarks/fp8_seg_probe2.py, s6a)."""
     acc = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)
-    for m0 in range(start, end, BLOCK_M):
+    for m0 in range(lo, hi, BLOCK_M):
         rows = m0 + tl.arange(0, BLOCK_M)
-        mask = (rows < end)[:, None] & col_ok[None, :]
-        x = tl.load(x_ptr + rows.to(tl.int64)[:, None] * width + cols[None, :], mask=mask, other=0)
-        acc = tl.maximum(acc, tl.abs(x.to(tl.float32)))
-    amax = tl.max(acc, axis=0)
-    scale = tl.where(amax > 0, tl.math.fdiv(amax, 448.0, ieee_rounding=True), 1.0)
-    tl.store(s_ptr + g * width + cols, scale, mask=col_ok)
+        mask = (rows < hi)[:, None] & col_ok[None, :]
+        v = tl.load(ptr + rows.to(tl.int64)[:, None] * width + cols[None, :], mask=mask, other=0)
+        acc = tl.maximum(acc, tl.abs(v.to(tl.float32)))
+    return tl.max(acc, axis=0)
+
+
+@jit
+def _scale_of(amax):
+    return tl.where(amax > 0, tl.math.fdiv(amax, 448.0, ieee_rounding=True), 1.0)
 
 
 @jit
@@ -284,21 +294,12 @@ def _scale_from_partials(
     """A segment's per-column scale from the PART-row block amaxes when its rows are whole blocks (start
     on a block, end on a block or at the last row), else from x's rows (any segment stays correct)."""
     if (start % PART == 0) & ((end % PART == 0) | (end == num_rows)):
-        acc = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)
-        for b0 in range(start // PART, (end + PART - 1) // PART, BLOCK_M):
-            b = b0 + tl.arange(0, BLOCK_M)
-            mask = (b < (end + PART - 1) // PART)[:, None] & col_ok[None, :]
-            v = tl.load(p_ptr + b.to(tl.int64)[:, None] * width + cols[None, :], mask=mask, other=0)
-            acc = tl.maximum(acc, v.to(tl.float32))
+        amax = _column_amax(
+            p_ptr, cols, col_ok, start // PART, (end + PART - 1) // PART, width, BLOCK_M, BLOCK_K
+        )
     else:
-        acc = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)
-        for m0 in range(start, end, BLOCK_M):
-            rows = m0 + tl.arange(0, BLOCK_M)
-            mask = (rows < end)[:, None] & col_ok[None, :]
-            x = tl.load(x_ptr + rows.to(tl.int64)[:, None] * width + cols[None, :], mask=mask, other=0)
-            acc = tl.maximum(acc, tl.abs(x.to(tl.float32)))
-    amax = tl.max(acc, axis=0)
-    return tl.where(amax > 0, tl.math.fdiv(amax, 448.0, ieee_rounding=True), 1.0)
+        amax = _column_amax(x_ptr, cols, col_ok, start, end, width, BLOCK_M, BLOCK_K)
+    return _scale_of(amax)
 
 
 @jit
