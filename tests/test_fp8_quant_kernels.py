@@ -71,15 +71,20 @@ def rowwise_case(rows, width, dtype, *, zero_rows=(), batch=None, device="cpu"):
     _bitwise("rowwise", Q.quantize_rowwise(x, Impl.TRITON), Q.quantize_rowwise(x, Impl.TORCH))
 
 
-def segments_case(counts, width, dtype, *, spare=0, zero_segment=None, device="cpu"):
-    """Segments of ``counts`` rows (0 = empty), ``spare`` rows past the last offset."""
+def _segmented(counts, width, dtype, spare, zero_segment, device, seed_mul):
+    """x [sum(counts) + spare, width] (segment ``zero_segment`` all zero) and its inclusive int32 ends."""
     rows = sum(counts) + spare
-    x = _x(rows, width, DTYPES[dtype], rows * 7 + width)
+    x = _x(rows, width, DTYPES[dtype], rows * seed_mul + width)
     offs = torch.tensor(counts, dtype=torch.int64).cumsum(0).to(torch.int32)
     if zero_segment is not None:
         end = int(offs[zero_segment])
         x[end - counts[zero_segment] : end] = 0
-    x, offs = x.to(device), offs.to(device)
+    return x.to(device), offs.to(device)
+
+
+def segments_case(counts, width, dtype, *, spare=0, zero_segment=None, device="cpu"):
+    """Segments of ``counts`` rows (0 = empty), ``spare`` rows past the last offset."""
+    x, offs = _segmented(counts, width, dtype, spare, zero_segment, device, seed_mul=7)
     got = Q.quantize_segments_t(x, offs, Impl.TRITON)
     _bitwise("segments", got, Q.quantize_segments_t(x, offs, Impl.TORCH))
     # the reference it stands for: fp8.quantize.quantize_segments on x^T
@@ -125,13 +130,8 @@ def scatter_case(counts, width, dtype, *, spare=0, zero_expert=None, device="cpu
 def partials_case(counts, width, dtype, *, spare=0, zero_segment=None, device="cpu"):
     """One rowwise pass that also keeps 16-row block column amaxes, then the segment pass that takes its
     scales from them (whole-block segments) or from x (the others): both bitwise their references."""
-    rows = sum(counts) + spare
-    x = _x(rows, width, DTYPES[dtype], rows * 5 + width)
-    offs = torch.tensor(counts, dtype=torch.int64).cumsum(0).to(torch.int32)
-    if zero_segment is not None:
-        end = int(offs[zero_segment])
-        x[end - counts[zero_segment] : end] = 0
-    x, offs = x.to(device), offs.to(device)
+    x, offs = _segmented(counts, width, dtype, spare, zero_segment, device, seed_mul=5)
+    rows = x.shape[0]
     q, s, p = Q.quantize_rowwise_partials(x, Impl.TRITON)
     _bitwise("rowwise_partials", (q, s), Q.quantize_rowwise(x, Impl.TORCH))
     blocks = torch.nn.functional.pad(x.abs().float(), (0, 0, 0, -rows % Q.PARTIAL_ROWS))
