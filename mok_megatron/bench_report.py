@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 from mok_megatron.bench_timing import PHASES
+from mok_megatron.gpu_clocks import format_summary
 
 
 def _mem(v) -> str:
@@ -34,10 +35,33 @@ def markdown(cases: list[dict]) -> str:
                 f"| {r['impl']} | {' | '.join(cells)} | {_mem(r['peak_mem_mib'])} | "
                 f"{r['rel_err_out']:.1e} | {r['rel_err_dx']:.1e} | {r['note']} |"
             )
+        bound = c.get("expert_gemms")
+        if bound:
+            cells = [f"{bound[p + '_ms']:.3f} ms ({bound[p + '_tflops']:.3g})" for p in PHASES]
+            out.append(
+                f"| expert GEMMs alone | {' | '.join(cells)} | | | | the six torch._grouped_mm calls only: "
+                "the floor under any layer built on them |"
+            )
         for s in c["skipped"]:
             out.append(f"| {s['impl']} | skipped: {s['reason']} | | | | | | | |")
         out.append("")
+        out.extend(_clock_lines(c))
     return "\n".join(out)
+
+
+def _clock_lines(c: dict) -> list[str]:
+    """What the GPU's clocks did while each row was timed (median SM clock / max, power, slowdowns)."""
+    seen = [(r["impl"], r.get("gpu")) for r in c["rows"]]
+    if c.get("expert_gemms"):
+        seen.append(("expert GEMMs alone", c["expert_gemms"].get("gpu")))
+    if not any(s for _, s in seen):
+        why = c.get("gpu_clocks")
+        return [f"GPU clocks: not sampled ({why}).", ""] if why and why != "nvidia-smi" else []
+    lines = [
+        "GPU while timed (nvidia-smi, median SM clock / max, median power of limit, slowdown reasons seen):"
+    ]
+    lines += [f"- {impl}: {format_summary(s)}" for impl, s in seen]
+    return lines + [""]
 
 
 def write_json(path: str, cases: list[dict], meta: dict) -> None:

@@ -4,7 +4,10 @@ For each (shape, routing) case every implementation gets the same weights (MoK /
 ``convert_state_dict``; the peers take the stacked tensors), the same input and therefore the same routing
 (``bench_routing``), and no load-balancing loss. Its output and input gradient are checked against the
 first implementation before anything is timed; then forward, backward and forward+backward are timed
-(``bench_timing``). A peer that cannot run here is listed under ``skipped`` with the reason.
+(``bench_timing``). A peer that cannot run here is listed under ``skipped`` with the reason. Each case
+also times the six expert GEMMs alone (``bench_bound``: the floor of a layer on ``torch._grouped_mm``)
+and, where ``nvidia-smi`` runs, records the SM clock, power and slowdown reasons while each row was timed
+(``gpu_clocks``).
 
 Implementations:
     mok            MoK's MoE layer (the spec's MLP submodule)
@@ -22,10 +25,13 @@ with the looser ``FP8_TOLERANCE``; a path this machine cannot run is skipped wit
 from __future__ import annotations
 
 import dataclasses
+import time
 
+from mok_megatron.bench_bound import gemm_bound
 from mok_megatron.bench_routing import ROUTINGS, expert_load, routed_input, router_weight
 from mok_megatron.bench_timing import PHASES, peak_memory_mib, time_phases
 from mok_megatron.bench_torchtitan import PeerUnavailable
+from mok_megatron.gpu_clocks import ClockSampler
 
 IMPLS = ("mok", "megatron", "megatron-te", "torchtitan", "plain-pytorch")
 MEGATRON_IMPLS = ("mok", "megatron", "megatron-te")
@@ -170,7 +176,45 @@ def bench_case(
     x = routed_input(routing, t, h, e).view(t, 1, h).to(device, dtype)
     dout = (torch.randn(t, 1, h, generator=torch.Generator().manual_seed(2)) * 1e-2).to(device, dtype)
     unit_flops = 2 * t * k * 3 * h * shape["ffn"]
-    rows, skipped, ref, ref_sd = [], [], None, None
+    with ClockSampler() as clocks:
+        rows, skipped, ref_impl = _bench_impls(
+            shape, impls, dtype_name, dtype, device, x, dout, unit_flops, iters, warmup, router_fusion, clocks
+        )
+        t0 = time.time()
+        bound = gemm_bound(shape, expert_load(routing, t, e, k), dtype, device, iters, warmup)
+        bound_gpu = clocks.summary(t0, time.time())
+    expert_gemms = {f"{p}_ms": bound[p]["ms"] for p in PHASES}
+    expert_gemms |= {
+        f"{p}_tflops": PHASE_FLOP_FACTOR[p] * unit_flops / (bound[p]["ms"] / 1e3) / 1e12 for p in PHASES
+    }
+    rows.sort(key=lambda r: impls.index(r["impl"]))
+    return {
+        "shape": shape_name,
+        **shape,
+        "routing": routing,
+        "expert_rows": expert_load(routing, t, e, k),
+        "dtype": dtype_name,
+        "iters": iters,
+        "warmup": warmup,
+        "device": torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu",
+        "reference": ref_impl,
+        "peak_mem": "torch.cuda.max_memory_allocated delta over one fwd+bwd"
+        if device.type == "cuda"
+        else "n/a on CPU",
+        "rows": rows,
+        "skipped": skipped,
+        "expert_gemms": expert_gemms | {"gpu": bound_gpu},
+        "gpu_clocks": "nvidia-smi" if clocks.available else clocks.error,
+    }
+
+
+def _bench_impls(
+    shape, impls, dtype_name, dtype, device, x, dout, unit_flops, iters, warmup, router_fusion, clocks
+):
+    """(rows, skipped, reference impl): every implementation checked against the first, then timed."""
+    import torch
+
+    rows, skipped, ref, ref_sd, ref_impl = [], [], None, None, None
     order = sorted(impls, key=lambda i: i not in MEGATRON_IMPLS)  # weights come from a Megatron-type layer
     for impl in order:
         torch.manual_seed(0)
@@ -213,8 +257,10 @@ def bench_case(
                     continue
                 raise RuntimeError(msg)
         del out, xi
+        t0 = time.time()
         times = time_phases(forward, backward, reset, iters, warmup)
-        row = {"impl": impl, "note": note, "rel_err_out": err[0], "rel_err_dx": err[1]}
+        gpu = clocks.summary(t0, time.time())
+        row = {"impl": impl, "note": note, "rel_err_out": err[0], "rel_err_dx": err[1], "gpu": gpu}
         for p in PHASES:
             row[f"{p}_ms"] = times[p]["ms"]
             row[f"{p}_min_ms"] = times[p]["min_ms"]
@@ -229,23 +275,7 @@ def bench_case(
         del layer
         if device.type == "cuda":
             torch.cuda.empty_cache()
-    rows.sort(key=lambda r: impls.index(r["impl"]))
-    return {
-        "shape": shape_name,
-        **shape,
-        "routing": routing,
-        "expert_rows": expert_load(routing, t, e, k),
-        "dtype": dtype_name,
-        "iters": iters,
-        "warmup": warmup,
-        "device": torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu",
-        "reference": ref_impl if ref is not None else None,
-        "peak_mem": "torch.cuda.max_memory_allocated delta over one fwd+bwd"
-        if device.type == "cuda"
-        else "n/a on CPU",
-        "rows": rows,
-        "skipped": skipped,
-    }
+    return rows, skipped, ref_impl
 
 
 def bench_suite(

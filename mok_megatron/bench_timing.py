@@ -70,7 +70,7 @@ def _timed_back_to_back(step: Callable, iters: int, warmup: int) -> list[float]:
         step()
         events[i + 1].record()
     events[-1].synchronize()
-    return [a.elapsed_time(b) / 1e3 for a, b in zip(events, events[1:])]
+    return [a.elapsed_time(b) / 1e3 for a, b in zip(events, events[1:], strict=False)]
 
 
 def time_phases(forward: Callable, backward: Callable, reset: Callable, iters: int, warmup: int) -> dict:

@@ -21,9 +21,17 @@ ENV = {
     "TORCHDYNAMO_DISABLE": "1",
     "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
 }
-ROW_KEYS = {"impl", "note", "ms", "min_ms", "expert_tflops", "rel_err_out", "rel_err_dx", "peak_mem_mib"} | {
-    f"{p}_{k}" for p in PHASES for k in ("ms", "min_ms", "tflops")
-}
+ROW_KEYS = {
+    "impl",
+    "note",
+    "ms",
+    "min_ms",
+    "expert_tflops",
+    "rel_err_out",
+    "rel_err_dx",
+    "peak_mem_mib",
+    "gpu",
+} | {f"{p}_{k}" for p in PHASES for k in ("ms", "min_ms", "tflops")}
 CASE_KEYS = {
     "shape",
     "hidden",
@@ -36,7 +44,7 @@ CASE_KEYS = {
     "dtype",
     "iters",
 }
-CASE_KEYS |= {"warmup", "device", "reference", "peak_mem", "rows", "skipped"}
+CASE_KEYS |= {"warmup", "device", "reference", "peak_mem", "rows", "skipped", "expert_gemms", "gpu_clocks"}
 
 
 @pytest.fixture(scope="module")
@@ -71,6 +79,15 @@ def test_every_routing_runs_and_the_json_has_the_schema(bench_run):
             assert r["ms"] == r["fwd_bwd_ms"] and all(r[f"{p}_ms"] > 0 for p in PHASES)
             assert max(r["rel_err_out"], r["rel_err_dx"]) < 5e-2
             assert r["fwd_bwd_tflops"] == pytest.approx(r["fwd_tflops"] * 3 * r["fwd_ms"] / r["fwd_bwd_ms"])
+            assert r["gpu"] is None  # no nvidia-smi on the CPU box
+        bound = c["expert_gemms"]
+        assert all(bound[f"{p}_ms"] > 0 for p in PHASES) and bound["gpu"] is None
+        assert bound["fwd_bwd_tflops"] == pytest.approx(
+            bound["fwd_tflops"] * 3 * bound["fwd_ms"] / bound["fwd_bwd_ms"]
+        )
+        # the layer does these GEMMs and more (routing, permute, activation, combine, host work)
+        assert bound["fwd_bwd_ms"] < c["rows"][0]["fwd_bwd_ms"]
+        assert c["gpu_clocks"] == "nvidia-smi not found"
     one_hot = doc["cases"][2]
     assert one_hot["expert_rows"][0] == one_hot["tokens"]
 
@@ -90,6 +107,8 @@ def test_peers_that_cannot_run_are_listed_with_reasons(bench_run):
     else:  # runs on CPU too, eager (compiling is tried on CUDA only)
         assert "| torchtitan | " in out and "| torchtitan | skipped: " not in out
     assert "| megatron-te | skipped: " in out
+    assert out.count("| expert GEMMs alone | ") == len(ROUTINGS)
+    assert out.count("GPU clocks: not sampled (nvidia-smi not found).") == len(ROUTINGS)
     assert out.count("| impl | fwd | bwd | fwd+bwd | fwd+bwd back to back | peak MiB |") == len(ROUTINGS)
 
 

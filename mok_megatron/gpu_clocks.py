@@ -1,0 +1,132 @@
+"""What the GPU's clocks did while something ran: ``nvidia-smi`` sampled in the background.
+
+A benchmark on a power-capped GPU measures the power cap as much as the code: on the H200 (700 W) the
+DeepSeek-V3 expert GEMMs run at 1,100-1,550 MHz SM clock with the software power cap active, against a
+1,980 MHz maximum (``docs/results/2026-12-01/s7a``). ``mok bench layer`` records, per implementation,
+the median SM clock, the power draw and the clock-event reasons seen while it was timed, so a table
+says which rows ran throttled.
+
+    with ClockSampler() as clocks:        # no nvidia-smi (CPU, other vendors): clocks.available is False
+        t0 = time.time(); run(); t1 = time.time()
+    clocks.summary(t0, t1)                # {"sm_mhz": ..., "power_w": ..., "events": [...], "samples": n} or None
+"""
+
+from __future__ import annotations
+
+import shutil
+import statistics
+import subprocess
+import threading
+import time
+
+QUERY = "clocks.sm,clocks.max.sm,power.draw,power.limit,clocks_event_reasons.active"
+# NVML clock-event (throttle) reason bits; GpuIdle (0x1) is left out: it is not a slowdown of running work
+EVENT_REASONS = {
+    0x2: "applications clocks setting",
+    0x4: "software power cap",
+    0x8: "hardware slowdown",
+    0x10: "sync boost",
+    0x20: "software thermal slowdown",
+    0x40: "hardware thermal slowdown",
+    0x80: "hardware power brake",
+    0x100: "display clock setting",
+}
+
+
+def decode_reasons(mask: int) -> list[str]:
+    """Names of the slowdown reasons set in an NVML clock-event bitmask (idle left out)."""
+    return [name for bit, name in EVENT_REASONS.items() if mask & bit]
+
+
+def parse_line(line: str, now: float) -> tuple | None:
+    """(time, sm MHz, max sm MHz, W, W limit, reasons mask) from one ``--format=csv,noheader,nounits`` line,
+    or None for a line that is not a sample (a header, an error message, '[N/A]' fields)."""
+    parts = [p.strip() for p in line.split(",")]
+    if len(parts) != 5:
+        return None
+    try:
+        sm, sm_max, watts, limit = (float(p) for p in parts[:4])
+        mask = int(parts[4], 16)
+    except ValueError:
+        return None
+    return (now, sm, sm_max, watts, limit, mask)
+
+
+class ClockSampler:
+    """Runs ``nvidia-smi --query-gpu=... -lms <period>`` for one GPU while the context is open."""
+
+    def __init__(self, device_index: int = 0, period_ms: int = 100, command: list[str] | None = None):
+        self.samples: list[tuple] = []
+        self.error: str | None = None
+        self._proc = None
+        exe = shutil.which("nvidia-smi") if command is None else command[0]
+        if exe is None:
+            self.error = "nvidia-smi not found"
+            return
+        self._cmd = command or [
+            exe,
+            f"--query-gpu={QUERY}",
+            "--format=csv,noheader,nounits",
+            "-lms",
+            str(period_ms),
+            "-i",
+            str(device_index),
+        ]
+
+    @property
+    def available(self) -> bool:
+        return self.error is None
+
+    def __enter__(self) -> ClockSampler:
+        if self.error is None:
+            try:
+                self._proc = subprocess.Popen(
+                    self._cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+                )
+            except OSError as e:
+                self.error = f"nvidia-smi did not start: {e}"
+                return self
+            threading.Thread(target=self._read, daemon=True).start()
+        return self
+
+    def _read(self) -> None:
+        for line in self._proc.stdout:
+            sample = parse_line(line, time.time())
+            if sample is not None:
+                self.samples.append(sample)
+            elif not self.samples and self.error is None and line.strip():
+                self.error = f"nvidia-smi: {line.strip()[:200]}"
+
+    def __exit__(self, *exc) -> None:
+        if self._proc is not None:
+            self._proc.terminate()
+            self._proc.wait(timeout=5)
+
+    def summary(self, t0: float, t1: float) -> dict | None:
+        """Median SM clock and power, the slowdown reasons seen, between wall times t0 and t1; None
+        without samples there (no nvidia-smi, or a window shorter than the sampling period)."""
+        window = [s for s in self.samples if t0 <= s[0] <= t1]
+        if not window:
+            return None
+        mask = 0
+        for s in window:
+            mask |= s[5]
+        return {
+            "sm_mhz": statistics.median(s[1] for s in window),
+            "sm_max_mhz": max(s[2] for s in window),
+            "power_w": statistics.median(s[3] for s in window),
+            "power_limit_w": max(s[4] for s in window),
+            "events": decode_reasons(mask),
+            "samples": len(window),
+        }
+
+
+def format_summary(s: dict | None) -> str:
+    """'1,545 / 1,980 MHz, 412 W of 700, software power cap' (or 'n/a')."""
+    if s is None:
+        return "n/a"
+    events = ", ".join(s["events"]) or "no slowdown"
+    return (
+        f"{s['sm_mhz']:,.0f} / {s['sm_max_mhz']:,.0f} MHz, {s['power_w']:,.0f} W of "
+        f"{s['power_limit_w']:,.0f}, {events}"
+    )
