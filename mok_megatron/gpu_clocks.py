@@ -19,7 +19,9 @@ import subprocess
 import threading
 import time
 
-QUERY = "clocks.sm,clocks.max.sm,power.draw,power.limit,clocks_event_reasons.active"
+# nvidia-smi's own timestamp: its output to a pipe arrives in bursts, so the time a line is read is not
+# the time it was sampled
+QUERY = "timestamp,clocks.sm,clocks.max.sm,power.draw,power.limit,clocks_event_reasons.active"
 # NVML clock-event (throttle) reason bits; GpuIdle (0x1) is left out: it is not a slowdown of running work
 EVENT_REASONS = {
     0x2: "applications clocks setting",
@@ -38,18 +40,21 @@ def decode_reasons(mask: int) -> list[str]:
     return [name for bit, name in EVENT_REASONS.items() if mask & bit]
 
 
-def parse_line(line: str, now: float) -> tuple | None:
-    """(time, sm MHz, max sm MHz, W, W limit, reasons mask) from one ``--format=csv,noheader,nounits`` line,
-    or None for a line that is not a sample (a header, an error message, '[N/A]' fields)."""
+def parse_line(line: str) -> tuple | None:
+    """(epoch seconds, sm MHz, max sm MHz, W, W limit, reasons mask) from one ``--format=csv,noheader,nounits``
+    line (its timestamp is this machine's local time), or None for a line that is not a sample (a header,
+    an error message, '[N/A]' fields)."""
     parts = [p.strip() for p in line.split(",")]
-    if len(parts) != 5:
+    if len(parts) != 6:
         return None
     try:
-        sm, sm_max, watts, limit = (float(p) for p in parts[:4])
-        mask = int(parts[4], 16)
+        stamp, frac = (parts[0].split(".") + ["0"])[:2]
+        when = time.mktime(time.strptime(stamp, "%Y/%m/%d %H:%M:%S")) + float("0." + frac)
+        sm, sm_max, watts, limit = (float(p) for p in parts[1:5])
+        mask = int(parts[5], 16)
     except ValueError:
         return None
-    return (now, sm, sm_max, watts, limit, mask)
+    return (when, sm, sm_max, watts, limit, mask)
 
 
 class ClockSampler:
@@ -91,7 +96,7 @@ class ClockSampler:
 
     def _read(self) -> None:
         for line in self._proc.stdout:
-            sample = parse_line(line, time.time())
+            sample = parse_line(line)
             if sample is not None:
                 self.samples.append(sample)
             elif not self.samples and self.error is None and line.strip():
