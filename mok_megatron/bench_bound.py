@@ -20,6 +20,11 @@ from mok_megatron.bench_timing import time_phases
 
 def gemm_bound(shape: dict, expert_rows: list[int], dtype, device, iters: int, warmup: int) -> dict:
     """{phase: {"ms", "min_ms"}} for the six expert GEMMs of one fwd+bwd at ``expert_rows`` per expert."""
+    return time_phases(*gemm_steps(shape, expert_rows, dtype, device), lambda: None, iters, warmup)
+
+
+def gemm_steps(shape: dict, expert_rows: list[int], dtype, device):
+    """(forward, backward) closures over random operands (made here, on ``device``) for ``time_phases``."""
     import torch
 
     from mok_megatron.ops.grouped_gemm import _dgrad, _fwd, _wgrad
@@ -29,10 +34,10 @@ def gemm_bound(shape: dict, expert_rows: list[int], dtype, device, iters: int, w
         raise ValueError(f"gemm_bound: {len(expert_rows)} row counts for {e} experts; pass one per expert")
     rows = sum(expert_rows)
     offs_E = torch.tensor(expert_rows, device=device).cumsum(0).to(torch.int32)
-    g = torch.Generator(device="cpu").manual_seed(3)
+    g = torch.Generator(device=device).manual_seed(3)
 
     def rand(*size):
-        return (torch.randn(*size, generator=g) * 0.1).to(device, dtype)
+        return (torch.randn(*size, generator=g, device=device) * 0.1).to(dtype)
 
     x_RH, a_RF, dy_RH, dh_R2F = rand(rows, h), rand(rows, f), rand(rows, h), rand(rows, 2 * f)
     w1_E2FH, w2_EHF = rand(e, 2 * f, h), rand(e, h, f)
@@ -47,4 +52,4 @@ def gemm_bound(shape: dict, expert_rows: list[int], dtype, device, iters: int, w
         _dgrad(dh_R2F, w1_E2FH, offs_E)
         _wgrad(dh_R2F, x_RH, offs_E)
 
-    return time_phases(forward, backward, lambda: None, iters, warmup)
+    return forward, backward

@@ -27,7 +27,7 @@ from __future__ import annotations
 import dataclasses
 import time
 
-from mok_megatron.bench_bound import gemm_bound
+from mok_megatron.bench_bound import gemm_steps
 from mok_megatron.bench_routing import ROUTINGS, expert_load, routed_input, router_weight
 from mok_megatron.bench_timing import PHASES, peak_memory_mib, time_phases
 from mok_megatron.bench_torchtitan import PeerUnavailable
@@ -176,13 +176,30 @@ def bench_case(
     x = routed_input(routing, t, h, e).view(t, 1, h).to(device, dtype)
     dout = (torch.randn(t, 1, h, generator=torch.Generator().manual_seed(2)) * 1e-2).to(device, dtype)
     unit_flops = 2 * t * k * 3 * h * shape["ffn"]
+    windows = {}  # impl -> wall-time window of its timing, for the GPU clock summary
     with ClockSampler() as clocks:
         rows, skipped, ref_impl = _bench_impls(
-            shape, impls, dtype_name, dtype, device, x, dout, unit_flops, iters, warmup, router_fusion, clocks
+            shape,
+            impls,
+            dtype_name,
+            dtype,
+            device,
+            x,
+            dout,
+            unit_flops,
+            iters,
+            warmup,
+            router_fusion,
+            windows,
         )
+        steps = gemm_steps(shape, expert_load(routing, t, e, k), dtype, device)
         t0 = time.time()
-        bound = gemm_bound(shape, expert_load(routing, t, e, k), dtype, device, iters, warmup)
-        bound_gpu = clocks.summary(t0, time.time())
+        bound = time_phases(*steps, lambda: None, iters, warmup)
+        windows[None] = (t0, time.time())
+        del steps
+    for row in rows:
+        row["gpu"] = clocks.summary(*windows[row["impl"]])
+    bound_gpu = clocks.summary(*windows[None])
     expert_gemms = {f"{p}_ms": bound[p]["ms"] for p in PHASES}
     expert_gemms |= {
         f"{p}_tflops": PHASE_FLOP_FACTOR[p] * unit_flops / (bound[p]["ms"] / 1e3) / 1e12 for p in PHASES
@@ -209,7 +226,7 @@ def bench_case(
 
 
 def _bench_impls(
-    shape, impls, dtype_name, dtype, device, x, dout, unit_flops, iters, warmup, router_fusion, clocks
+    shape, impls, dtype_name, dtype, device, x, dout, unit_flops, iters, warmup, router_fusion, windows
 ):
     """(rows, skipped, reference impl): every implementation checked against the first, then timed."""
     import torch
@@ -259,8 +276,8 @@ def _bench_impls(
         del out, xi
         t0 = time.time()
         times = time_phases(forward, backward, reset, iters, warmup)
-        gpu = clocks.summary(t0, time.time())
-        row = {"impl": impl, "note": note, "rel_err_out": err[0], "rel_err_dx": err[1], "gpu": gpu}
+        windows[impl] = (t0, time.time())
+        row = {"impl": impl, "note": note, "rel_err_out": err[0], "rel_err_dx": err[1]}
         for p in PHASES:
             row[f"{p}_ms"] = times[p]["ms"]
             row[f"{p}_min_ms"] = times[p]["min_ms"]

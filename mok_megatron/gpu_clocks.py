@@ -8,11 +8,16 @@ says which rows ran throttled.
 
     with ClockSampler() as clocks:        # no nvidia-smi (CPU, other vendors): clocks.available is False
         t0 = time.time(); run(); t1 = time.time()
-    clocks.summary(t0, t1)                # {"sm_mhz": ..., "power_w": ..., "events": [...], "samples": n} or None
+    clocks.summary(t0, t1)                # after the block: {"sm_mhz", "power_w", "events", "samples", ...} or None
+
+Samples are placed by nvidia-smi's own timestamps, so a window's summary is complete once the sampler
+has closed (it waits one sampling period before stopping nvidia-smi).
 """
 
 from __future__ import annotations
 
+import os
+import pty
 import shutil
 import statistics
 import subprocess
@@ -63,6 +68,7 @@ class ClockSampler:
     def __init__(self, device_index: int = 0, period_ms: int = 100, command: list[str] | None = None):
         self.samples: list[tuple] = []
         self.error: str | None = None
+        self.period_ms = period_ms
         self._proc = None
         exe = shutil.which("nvidia-smi") if command is None else command[0]
         if exe is None:
@@ -84,28 +90,49 @@ class ClockSampler:
 
     def __enter__(self) -> ClockSampler:
         if self.error is None:
+            # a pseudo-terminal for its stdout: nvidia-smi then writes each sample as a line; into a pipe its
+            # output is block-buffered and arrives seconds late, in bursts
+            master, slave = pty.openpty()
             try:
-                self._proc = subprocess.Popen(
-                    self._cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-                )
+                self._proc = subprocess.Popen(self._cmd, stdout=slave, stderr=slave, stdin=subprocess.DEVNULL)
             except OSError as e:
+                os.close(master)
                 self.error = f"nvidia-smi did not start: {e}"
                 return self
-            threading.Thread(target=self._read, daemon=True).start()
+            finally:
+                os.close(slave)
+            self._reader = threading.Thread(target=self._read, args=(master,), daemon=True)
+            self._reader.start()
         return self
 
-    def _read(self) -> None:
-        for line in self._proc.stdout:
-            sample = parse_line(line)
-            if sample is not None:
-                self.samples.append(sample)
-            elif not self.samples and self.error is None and line.strip():
-                self.error = f"nvidia-smi: {line.strip()[:200]}"
+    def _read(self, fd: int) -> None:
+        pending = b""
+        while True:
+            try:
+                chunk = os.read(fd, 4096)
+            except OSError:  # the other end closed (EIO on Linux)
+                break
+            if not chunk:
+                break
+            pending += chunk
+            *lines, pending = pending.split(b"\n")
+            for raw in lines:
+                line = raw.decode(errors="replace").strip()
+                sample = parse_line(line)
+                if sample is not None:
+                    self.samples.append(sample)
+                elif not self.samples and self.error is None and line:
+                    self.error = f"nvidia-smi: {line[:200]}"
+        os.close(fd)
 
     def __exit__(self, *exc) -> None:
+        """Waits one more sampling period (the last window's samples), then stops nvidia-smi; read the
+        summaries after this."""
         if self._proc is not None:
+            time.sleep(2 * self.period_ms / 1e3)
             self._proc.terminate()
             self._proc.wait(timeout=5)
+            self._reader.join(timeout=5)
 
     def summary(self, t0: float, t1: float) -> dict | None:
         """Median SM clock and power, the slowdown reasons seen, between wall times t0 and t1; None
