@@ -415,12 +415,24 @@ class OverlapFit:
         newest generation whose own loopback rows have this key): the generation's own loopback rows
         when it has this key, else the medians over every run. kappa is fitted against the same
         numbers, so the two stay consistent."""
+        key = self._measured_key(key)
         if gen is None:
             gen = next((g for g in reversed(GENERATIONS) if key in self.by_gen.get(g, ({}, {}))[0]), None)
         over, expo = self.by_gen.get(gen, ({}, {}))
         if key in over and key in expo:
             return over[key], expo[key]
         return self.overhead[key], self.exposed[key]
+
+    def _measured_key(self, key: tuple) -> tuple:
+        """A labelled mode whose O no loopback row measured at infinite link (every "overlap" mode: its
+        O would be fitted jointly with e, clamped to 0) uses the same base mode with fused local rows:
+        kappa, fitted per mode on real EP, then carries what the local rows change (assumption)."""
+        shape, chunks, mode = key
+        base, rows = split_mode(mode)
+        alt = (shape, chunks, f"{base} fused")
+        if rows == "overlap" and self.o_measured and key not in self.o_measured and alt in self.o_measured:
+            return alt
+        return key
 
     def options(self, shape: str) -> list[tuple[int, str]]:
         """(minibatches, mode) measured for ``shape`` with O from an infinite-link row; once modes carry
@@ -469,6 +481,16 @@ class OverlapFit:
         return 1.0
 
 
+# the collective mode the plain (unpipelined) EP path is compared with: "exact" before local rows were
+# labelled (engine-5), "exact fused" after
+PLAIN_BASE = ("exact", "exact fused")
+
+
+def plain_mode(fit: EngineFit) -> str:
+    """The mode a plain-transport point is predicted with under ``fit`` (see PLAIN_BASE)."""
+    return PLAIN_BASE[1] if PLAIN_BASE[0] not in fit.kappa and PLAIN_BASE[1] in fit.kappa else PLAIN_BASE[0]
+
+
 def _engine_fit(name: str, eps: list[EPPoint], ones: dict, oe) -> EngineFit | None:
     kap: dict[str, list[float]] = {}
     for p in eps:
@@ -485,11 +507,11 @@ def _engine_fit(name: str, eps: list[EPPoint], ones: dict, oe) -> EngineFit | No
     coll = {(p.source, p.shape, p.chunks, p.mode): p.ms for p in eps if p.transport == "collective"}
     ratios: dict[str, list[float]] = {}
     for p in eps:
-        key = (
-            (p.source, p.shape, 1, "exact")
-            if p.transport == "plain"
-            else (p.source, p.shape, p.chunks, p.mode)
-        )
+        key = (p.source, p.shape, p.chunks, p.mode)
+        if p.transport == "plain":  # against collective exact (engine-5 on: exact with fused local rows)
+            key = (p.source, p.shape, 1, PLAIN_BASE[0])
+            if key not in coll:
+                key = (p.source, p.shape, 1, PLAIN_BASE[1])
         if p.transport != "collective" and key in coll:
             ratios.setdefault(p.transport, []).append(p.ms / coll[key])
     return EngineFit(
@@ -509,9 +531,10 @@ def fit_overlap(m: Measurements) -> OverlapFit:
             by_gen[gen] = _loop_tables(Measurements((), (), rows), prior=over)
     ones = {(p.source, p.shape): p.ms for p in m.layer1 if p.impl == "mok"}
     engines = {}
+    measured = frozenset((r.shape, r.chunks, r.mode) for r in m.loop if r.gbps == 0)
     for gen in GENERATIONS:
         eps = [p for p in m.ep if p.impl == "mok" and engine_of(p.source) == gen]
-        probe = OverlapFit(over, expo, {gen: EngineFit(gen, {}, {}, 0)}, by_gen)
+        probe = OverlapFit(over, expo, {gen: EngineFit(gen, {}, {}, 0)}, by_gen, measured)
 
         def oe(key, probe=probe, gen=gen):
             return probe.oe(key, gen) if key in over and key in expo else None
@@ -521,7 +544,6 @@ def fit_overlap(m: Measurements) -> OverlapFit:
             engines[gen] = fit
     if not engines:
         raise ValueError("no MoK EP>1 measurement matches a loopback row: cannot calibrate kappa")
-    measured = frozenset((r.shape, r.chunks, r.mode) for r in m.loop if r.gbps == 0)
     return OverlapFit(over, expo, engines, by_gen, measured)
 
 
@@ -536,12 +558,19 @@ class HostFloor:
     t_host = launches(transport) x (1 + r x (minibatches - 1)) x per-launch host cost."""
 
     gen: str
-    launches: dict  # transport -> GPU ops per layer fwd+bwd at one minibatch (median over profiled shapes)
+    # transport, or "transport local-rows" from engine-5 on (fused and overlap launch 277-316 vs 482-525
+    # GPU ops at one minibatch, s7e) -> GPU ops per layer fwd+bwd at one minibatch (median over shapes)
+    launches: dict
     us_per_launch: float  # host cost per launch without the profiler (lowest measured, see fit_host_floors)
     per_minibatch: float  # r: extra launches per extra minibatch, as a fraction of the one-minibatch count
 
-    def ms(self, transport: str, chunks: int) -> float | None:
-        n = self.launches.get(transport)
+    def ms(self, transport: str, chunks: int, local_rows: str = "") -> float | None:
+        """The floor of ``transport`` with ``local_rows`` ("fused" / "overlap"; "" when the mode has
+        none); a transport profiled only with local rows, asked without, takes the median of those."""
+        n = self.launches.get(f"{transport} {local_rows}" if local_rows else transport)
+        if n is None and not local_rows:
+            by_rows = [v for k, v in self.launches.items() if k.split()[0] == transport]
+            n = statistics.median(by_rows) if by_rows else None
         if n is None:
             return None
         return n * (1 + self.per_minibatch * (chunks - 1)) * self.us_per_launch / 1e3
@@ -560,13 +589,18 @@ def minibatch_launch_growth(profiles) -> float | None:
     return statistics.median(rs) if rs else None
 
 
+STALLED_PROFILE = 2.0
+
+
 def fit_host_floors(m: Measurements) -> dict:
     """generation -> HostFloor, for the generations with profiled MoK EP>1 rows (ep.json ``profile``).
     Launches: the profiled GPU-op count per transport at one minibatch (median over shapes). Per-launch
     cost: the profiled host time per launch times the row's unprofiled / profiled time (the profiler's
     own slowdown), lowest over the generation's rows: the host time includes any waits for the GPU
     (syncs), so the smallest value is the closest to the pure enqueue cost. r: minibatch_launch_growth
-    over every profile."""
+    over every profile. A profiled step whose GPU span is more than ``STALLED_PROFILE`` x both its host time
+    and its unprofiled time was stalled on the GPU (s7e: one qwen3 copy_engine step with a 340 ms copy
+    stream): its unprofiled / profiled ratio does not measure the profiler's slowdown, so it is left out."""
     r = minibatch_launch_growth(m.profiles)
     out = {}
     for gen in GENERATIONS:
@@ -577,12 +611,14 @@ def fit_host_floors(m: Measurements) -> dict:
             and " mok " in f" {p.what} "
             and p.unprofiled_ms
             and " EP=1 " not in p.what
+            and p.wall_ms <= STALLED_PROFILE * max(p.host_ms, p.unprofiled_ms)
         ]
         if not rows or r is None:
             continue
         counts: dict[str, list[int]] = {}
         for p in rows:
-            tr = p.what.split(" mok ", 1)[1].split()[0]
+            words = p.what.split(" mok ", 1)[1].split()
+            tr = words[0] if len(words) < 2 or words[1] not in LOCAL_ROWS else f"{words[0]} {words[1]}"
             if p.what.endswith(" x1"):
                 counts.setdefault(tr, []).append(p.launches)
         cost = min(1e3 * p.host_ms / p.launches * p.unprofiled_ms / p.wall_ms for p in rows)
@@ -631,7 +667,9 @@ class Calibration:
         gpu = (t1 + o + e * link_ms) * self.overlap.factor(transport, gen)
         graphed = "graph" in mode  # one CUDA graph replay per layer: no per-kernel enqueue
         floor = (
-            self.host_floor(gen).ms(transport, chunks) if gen in self.host_floors and not graphed else None
+            self.host_floor(gen).ms(transport, chunks, split_mode(mode)[1])
+            if gen in self.host_floors and not graphed
+            else None
         )
         return max(gpu, floor or 0.0)
 

@@ -138,7 +138,7 @@ def layer_options(
             ex = e * lk
             tot = (t1 + o + ex) * ov.factor(transport)
             if floor is not None and a.host == "measured" and "graph" not in mode:  # H200 host enqueue floor
-                tot = max(tot, floor.ms(transport, chunks) or 0.0)
+                tot = max(tot, floor.ms(transport, chunks, split_mode(mode)[1]) or 0.0)
             out.append(LayerPrediction("mok", transport, chunks, mode, t1, o, lk, ex, tot))
     return out
 

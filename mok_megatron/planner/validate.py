@@ -21,6 +21,7 @@ from mok_megatron.planner.calibrate import (
     local_shape,
     megatron_link_ms,
     mok_link_ms,
+    plain_mode,
 )
 from mok_megatron.planner.measurements import EPPoint, Layer1, Measurements
 
@@ -68,8 +69,10 @@ def predict_ep(cal: Calibration, p: EPPoint, t1_ms: float | None = None) -> floa
             return fit.ep_ms(p.tokens, local, megatron_link_ms(p))
         scale = t1_ms / fit.ms(p.tokens, local)
         return fit.ep_ms(p.tokens, local, megatron_link_ms(p) / scale) * scale
-    chunks, mode = (1, "exact") if p.transport == "plain" else (p.chunks, p.mode)
     gen = engine_of(p.source)
+    chunks, mode = (
+        (1, plain_mode(cal.overlap.engine(gen)[0])) if p.transport == "plain" else (p.chunks, p.mode)
+    )
     return cal.mok_ep_ms(t1, mok_link_ms(p), family(local, p.tokens), chunks, mode, p.transport, gen)
 
 
@@ -80,7 +83,7 @@ def _ep_note(cal: Calibration, p: EPPoint) -> str:
     eng, same = cal.overlap.engine(gen)
     if not same:
         return f"other engine ({eng.name}): {gen} measured on real EP only in this run"
-    mode = "exact" if p.transport == "plain" else p.mode
+    mode = plain_mode(eng) if p.transport == "plain" else p.mode
     if mode not in eng.kappa:
         if any(mode in e.kappa for e in cal.overlap.engines.values()):
             return f"kappa({mode}) transferred from another generation"
