@@ -496,6 +496,26 @@ def test_host_floor_arithmetic_hand_computed():
     assert r == pytest.approx(statistics.median([(840 / 255 - 1) / 3, 700 / 400 - 1]))
 
 
+def test_host_floor_ignores_graph_replays_and_gpu_stalled_profiles():
+    """Per-launch cost from eager profiles only: a CUDA graph replay enqueues one launch for the layer and a
+    step stalled on the GPU (span > 2 x host and unprofiled time) says nothing about the profiler's slowdown."""
+    P = measurements.Profile
+    eager = P("s7e", "dsv3 EP=2 mok collective fused exact x1", 27.0, 300, 18.0, 21.0)
+    prof = (
+        eager,
+        P("s7e", "dsv3 EP=2 mok collective fused exact x2", 30.0, 500, 25.0, 24.0),
+        P("s7e", "dsv3 EP=2 mok collective fused sync-free+graph x1", 17.5, 300, 0.3, 17.0),
+        P("s7e", "qwen3 EP=2 mok copy_engine fused exact x1", 356.0, 316, 18.7, 14.4),
+    )
+    floors = calibrate.fit_host_floors(measurements.Measurements((), (), (), prof))
+    f = floors[calibrate.engine_of("s7e")]
+    # the lowest eager one: 25 ms / 500 launches x 24 / 30 (the graph replay's 0.3 ms / 300 would be lower)
+    assert f.us_per_launch == pytest.approx(
+        min(1e3 * 18.0 / 300 * 21.0 / 27.0, 1e3 * 25.0 / 500 * 24.0 / 30.0)
+    )
+    assert f.launches == {"collective fused": 300}
+
+
 def test_host_floor_is_a_lower_bound_of_its_generation_and_binds_only_with_host_measured(meas, cal):
     floor = cal.host_floor()
     assert floor is not None and 0 < floor.us_per_launch < 100

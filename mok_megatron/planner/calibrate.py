@@ -611,6 +611,7 @@ def fit_host_floors(m: Measurements) -> dict:
             and " mok " in f" {p.what} "
             and p.unprofiled_ms
             and " EP=1 " not in p.what
+            and "graph" not in p.what  # one graph replay per layer: no per-kernel enqueue to measure
             and p.wall_ms <= STALLED_PROFILE * max(p.host_ms, p.unprofiled_ms)
         ]
         if not rows or r is None:
