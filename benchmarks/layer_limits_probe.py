@@ -7,19 +7,17 @@ For each shape and expert backend (bf16 ``torch``, native FP8 ``torch-fp8``):
   median of 20: a lower bound for the layer at the clocks it runs at;
 - ``timeline``: one synced step under the profiler: GPU busy ms, idle ms inside the step, the largest idle
   gaps and the kernel that ends each (the host was launching it);
-- clocks: ``nvidia-smi`` sampled every 100 ms in the background; per phase the median SM clock, power draw
-  and the active clock-event reasons (throttling) seen.
+- clocks (``mok_megatron.gpu_clocks``, printed at the end): per phase the median SM clock, power draw and
+  the clock-event reasons (throttling) seen. (s7a/s7b ran an earlier reader that placed samples by the
+  time their piped output arrived: indicative only.)
 
     python benchmarks/layer_limits_probe.py [shape ...]
 """
 
 from __future__ import annotations
 
-import os
 import statistics
-import subprocess
 import sys
-import threading
 import time
 import warnings
 
@@ -27,65 +25,18 @@ import torch
 
 warnings.filterwarnings("ignore")
 from mok_megatron.bench import SHAPES, _config, _init_single_process, build, time_steps  # noqa: E402
+from mok_megatron.bench_bound import gemm_steps  # noqa: E402
+from mok_megatron.gpu_clocks import ClockSampler, format_summary  # noqa: E402
 
 DGRAD_DEFAULT = 2048
-QUERY = "clocks.sm,power.draw,temperature.gpu,clocks_event_reasons.active"
+WINDOWS: list[tuple[str, float, float]] = []  # (label, t0, t1) of each timed phase, for the clock summary
 
 
-class Clocks:
-    """nvidia-smi samples (wall time, sm MHz, W, C, reasons bitmask) gathered by a background reader."""
-
-    def __init__(self):
-        self.samples: list[tuple[float, float, float, float, int]] = []
-        cmd = [
-            "nvidia-smi",
-            f"--query-gpu={QUERY}",
-            "--format=csv,noheader,nounits",
-            "-lms",
-            "100",
-            "-i",
-            os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0],
-        ]
-        try:
-            self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        except OSError as e:
-            print(f"nvidia-smi not started: {e}")
-            self.proc = None
-            return
-        threading.Thread(target=self._read, daemon=True).start()
-
-    def _read(self):
-        for line in self.proc.stdout:
-            parts = [p.strip() for p in line.split(",")]
-            try:
-                reasons = int(parts[3], 16) if parts[3].startswith("0x") else 0
-                self.samples.append((time.time(), float(parts[0]), float(parts[1]), float(parts[2]), reasons))
-            except (ValueError, IndexError):
-                if len(self.samples) == 0:
-                    print(f"nvidia-smi: {line.strip()}")
-
-    def window(self, t0: float, t1: float) -> str:
-        s = [x for x in self.samples if t0 <= x[0] <= t1]
-        if not s:
-            return "no clock samples"
-        reasons = 0
-        for x in s:
-            reasons |= x[4]
-        return (
-            f"sm {statistics.median(x[1] for x in s):.0f} MHz (min {min(x[1] for x in s):.0f}), "
-            f"{statistics.median(x[2] for x in s):.0f} W (max {max(x[2] for x in s):.0f}), "
-            f"{max(x[3] for x in s):.0f} C, reasons {reasons:#x} over {len(s)} samples"
-        )
-
-    def stop(self):
-        if self.proc is not None:
-            self.proc.terminate()
-
-
-def timed(clocks, label, step, iters=20, warmup=3):
+def timed(label, step, iters=20, warmup=3):
     t0 = time.time()
     ms = 1e3 * statistics.median(time_steps(step, iters, warmup))
-    print(f"   {label:<28s} {ms:8.3f} ms | {clocks.window(t0, time.time())}")
+    WINDOWS.append((label, t0, time.time()))
+    print(f"   {label:<28s} {ms:8.3f} ms")
     return ms
 
 
@@ -137,8 +88,12 @@ def timeline(step, top=8):
 
 def gemms_only(s, fp8: bool):
     """The six expert GEMMs of the layer alone (uniform rows per expert)."""
+    e, rows = s["experts"], s["tokens"] * s["topk"]
+    if not fp8:  # the same six calls as `mok bench layer`'s floor row
+        forward, backward = gemm_steps(s, [rows // e] * e, torch.bfloat16, torch.device("cuda"))
+        return lambda: backward(forward())
     dev = "cuda"
-    e, h, f, rows = s["experts"], s["hidden"], s["ffn"], s["tokens"] * s["topk"]
+    h, f = s["hidden"], s["ffn"]
     offs = torch.arange(1, e + 1, device=dev, dtype=torch.int32) * (rows // e)
     bf = torch.bfloat16
     x, w1, w2 = (
@@ -148,17 +103,6 @@ def gemms_only(s, fp8: bool):
     )
     a, dy = torch.randn(rows, f, device=dev, dtype=bf), torch.randn(rows, h, device=dev, dtype=bf)
     dh = torch.randn(rows, 2 * f, device=dev, dtype=bf)
-    if not fp8:
-
-        def step():
-            torch._grouped_mm(x, w1.transpose(-2, -1), offs=offs)
-            torch._grouped_mm(a, w2.transpose(-2, -1), offs=offs)
-            torch._grouped_mm(dy, w2, offs=offs)
-            torch._grouped_mm(dh, w1, offs=offs)
-            torch._grouped_mm(dy.t(), a, offs=offs)
-            torch._grouped_mm(dh.t(), x, offs=offs)
-
-        return step
     from mok_megatron.fp8 import native
 
     q = {k: native.quantize_rowwise(v) for k, v in dict(x=x, a=a, dy=dy, dh=dh).items()}
@@ -186,9 +130,14 @@ def gemms_only(s, fp8: bool):
 
 def main():
     _init_single_process()
-    clocks = Clocks()
-    time.sleep(0.5)
-    names = sys.argv[1:] or ["qwen3-30b-a3b", "deepseek-v3-ep32"]
+    with ClockSampler() as clocks:
+        _run(sys.argv[1:] or ["qwen3-30b-a3b", "deepseek-v3-ep32"])
+    print("== GPU while timed (median SM clock / max, power of limit, slowdown reasons):")
+    for label, t0, t1 in WINDOWS:
+        print(f"   {label:<60s} {format_summary(clocks.summary(t0, t1))}")
+
+
+def _run(names):
     for name in names:
         s = SHAPES[name]
         flops = 3 * 2 * s["tokens"] * s["topk"] * 3 * s["hidden"] * s["ffn"]
@@ -230,20 +179,18 @@ def main():
                 out.backward(dout)
 
             print(f"== {name} [{backend}] (expert FLOPs {flops / 1e12:.2f} T) rel err vs bf16: {err}")
-            ms = timed(clocks, "layer synced", step)
+            tag = f"{name} [{backend}]"
+            ms = timed(f"{tag} layer synced", step)
             t0 = time.time()
             b2b = back_to_back(step)
-            print(f"   {'layer back to back':<28s} {b2b:8.3f} ms | {clocks.window(t0, time.time())}")
-            t0 = time.time()
+            WINDOWS.append((f"{tag} layer back to back", t0, time.time()))
+            print(f"   {'layer back to back':<28s} {b2b:8.3f} ms")
             gem = gemms_only(s, backend != "torch")
-            g_ms = back_to_back(gem)
-            print(
-                f"   {'gemms only back to back':<28s} {g_ms:8.3f} ms ({flops / g_ms / 1e9:.0f} TFLOP/s) | "
-                f"{clocks.window(t0, time.time())}"
-            )
             t0 = time.time()
-            g_sy = 1e3 * statistics.median(time_steps(gem, 20, 3))
-            print(f"   {'gemms only synced':<28s} {g_sy:8.3f} ms | {clocks.window(t0, time.time())}")
+            g_ms = back_to_back(gem)
+            WINDOWS.append((f"{tag} gemms only back to back", t0, time.time()))
+            print(f"   {'gemms only back to back':<28s} {g_ms:8.3f} ms ({flops / g_ms / 1e9:.0f} TFLOP/s)")
+            g_sy = timed(f"{tag} gemms only synced", gem)
             print(
                 f"   layer synced {ms:.3f} ms = gemms {g_sy:.3f} + rest {ms - g_sy:.3f}; "
                 f"back to back {b2b:.3f} = gemms {g_ms:.3f} + rest {b2b - g_ms:.3f}"
@@ -251,7 +198,6 @@ def main():
             print(timeline(step))
             del layer, gem
             torch.cuda.empty_cache()
-    clocks.stop()
 
 
 if __name__ == "__main__":
