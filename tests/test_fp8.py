@@ -854,3 +854,70 @@ def test_native_expert_mlp_moves_no_host_data(monkeypatch):
         y.float().sum().backward()
     assert host.hits == [], host.hits
     assert torch.count_nonzero(w1.grad) > 0 and torch.count_nonzero(x.grad) > 0
+
+
+@pytest.mark.parametrize("wgrad", ["fp8", "bf16"])
+@pytest.mark.parametrize("drop", ["none", "one-expert"])
+def test_fp8_token_mlp_equals_permute_experts_combine(monkeypatch, wgrad, drop):
+    """``fp8.token_experts.fp8_token_mlp`` (the permute quantizing each token once into fc1's FP8 operand,
+    the combine's backward quantizing the output gradient into fc2's, the weight gradients' operands read
+    through the rows' token map) gives the unfused EP = 1 path's (``kernels.permute`` ->
+    ``native_expert_mlp_aligned`` -> ``kernels.combine``) output and gradients bitwise, FP8 GEMM emulated
+    in fp32 (CPU has none), for the FP8 and the bf16 weight-gradient policy."""
+    from mok_megatron.fp8.token_experts import fp8_token_mlp
+    from mok_megatron.functional.plan import static_aligned_rows
+    from mok_megatron.kernels.combine import combine
+    from mok_megatron.kernels.permute import permute
+    from mok_megatron.mcore import padded_experts as pe
+    from mok_megatron.ops.activation import Activation, ActivationSpec
+    from tests.kernel_cases import topk_ids
+
+    monkeypatch.setattr(native, "_gemm", _fake_scaled_grouped_mm([]))
+    monkeypatch.setattr(native, "check_native_fp8", lambda device: None)
+    monkeypatch.setattr(native, "WGRAD_FP8_MIN_ROWS", 1 if wgrad == "fp8" else 10**9)
+    T, K, E, H, F = 40, 2, 4, 32, 16
+    ids = topk_ids(T, K, E, drop, seed=3)
+    meta, counts = static_aligned_rows(routing_metadata_reference(ids, E, native.ALIGNMENT), T * K)
+    g = torch.Generator().manual_seed(11)
+    x0 = torch.randn(T, H, generator=g).to(torch.bfloat16)
+    p0 = torch.rand(T, K, generator=g)
+    w10 = (torch.randn(E, 2 * F, H, generator=g) / 4).to(torch.bfloat16)
+    w20 = (torch.randn(E, H, F, generator=g) / 4).to(torch.bfloat16)
+    dout = torch.randn(T, H, generator=g).to(torch.bfloat16)
+    act = ActivationSpec(kind=Activation.SILU, gated=True)
+
+    def run(fn):
+        leaves = [t.clone().requires_grad_() for t in (x0, p0, w10, w20)]
+        y = fn(*leaves)
+        y.backward(dout)
+        return [y.detach()] + [t.grad for t in leaves]
+
+    def unfused(x, p, w1, w2):
+        x_PH, p_P = permute(x, meta, p)
+        return combine(pe.native_expert_mlp_aligned(x_PH, p_P, counts, w1, w2, act), meta)
+
+    want = run(unfused)
+    got = run(lambda x, p, w1, w2: fp8_token_mlp(x, p, meta, counts, w1, w2, act))
+    for name, a, b in zip(("y", "dx", "dprobs", "dw1", "dw2"), got, want, strict=True):
+        assert a.dtype == b.dtype and torch.equal(a, b), (name, (a.float() - b.float()).abs().max())
+    assert all(torch.count_nonzero(t) > 0 for t in got)  # everything ran
+
+
+def test_fp8_token_mlp_errors_name_the_value(monkeypatch):
+    from mok_megatron.fp8.token_experts import fp8_token_mlp
+    from mok_megatron.functional.plan import static_aligned_rows
+    from mok_megatron.ops.activation import Activation, ActivationSpec
+
+    act = ActivationSpec(kind=Activation.SILU, gated=True)
+    ids = torch.tensor([[0, 1], [1, 2]])
+    w1, w2 = torch.zeros(3, 32, 16), torch.zeros(3, 16, 16)
+    with pytest.raises(native.MoKConfigError, match="this device is cpu"):
+        meta, counts = static_aligned_rows(routing_metadata_reference(ids, 3, 16), 4)
+        fp8_token_mlp(torch.zeros(2, 16), torch.zeros(2, 2), meta, counts, w1, w2, act)
+    monkeypatch.setattr(native, "check_native_fp8", lambda device: None)
+    meta, counts = static_aligned_rows(routing_metadata_reference(ids, 3, 4), 4)
+    with pytest.raises(ValueError, match="alignment 4 .* multiples of 16"):
+        fp8_token_mlp(torch.zeros(2, 16), torch.zeros(2, 2), meta, counts, w1, w2, act)
+    meta, counts = static_aligned_rows(routing_metadata_reference(ids, 3, 16), 4)
+    with pytest.raises(ValueError, match=r"probs \(2, 3\), expected one per route \(2, 2\)"):
+        fp8_token_mlp(torch.zeros(2, 16), torch.zeros(2, 3), meta, counts, w1, w2, act)

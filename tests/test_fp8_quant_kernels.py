@@ -23,6 +23,7 @@ import torch
 from mok_megatron.compat import have_triton
 from mok_megatron.fp8 import quantize
 from mok_megatron.kernels import INTERPRETED, Impl
+from mok_megatron.kernels import fp8_permute as FP
 from mok_megatron.kernels import fp8_quant as Q
 from tests.interpret import run_interpreted
 
@@ -180,10 +181,52 @@ def packed_case(kind: str, device="cpu"):
             got = Q.quantize_segments_t_scatter(x, offs, dst, plan.num_rows, Impl.TRITON)
             want = Q.quantize_segments_t_scatter(x, offs, dst, plan.num_rows, Impl.TORCH)
             _bitwise("packed segments_scatter", got, want)
+        elif kind == "rows":  # rows read through src from token rows (-1: zero), aligned and unaligned
+            counts = [16, 0, 48, 6, 10]  # 80 rows
+            x = exact(20, 40, [0])  # token 0 holds the 448s: every segment starts with it
+            g = torch.Generator().manual_seed(5)
+            src = torch.randint(-1, 20, (80,), generator=g, dtype=torch.int32)
+            src[[0, 16, 64, 70]] = 0
+            src, offs = src.to(device), torch.tensor(counts).cumsum(0).to(torch.int32).to(device)
+            got = Q.quantize_segments_t_rows(x, src, offs, Impl.TRITON)
+            _bitwise("packed segments_rows", got, Q.quantize_segments_t_rows(x, src, offs, Impl.TORCH))
         else:
             raise ValueError(kind)
     finally:
         Q.INTERPRETED = interpreted
+
+
+def token_rows_case(tokens, topk, experts, width, dtype, *, drop="none", zero_token=None, device="cpu"):
+    """The FP8 permute (each token quantized once, written to its K rows of the 16-aligned static-size
+    layout) and the weight-gradient quantization reading those rows through ``src`` from the tokens:
+    bitwise permute-then-quantize, and the rows' map is the permute's."""
+    from mok_megatron.functional.plan import static_aligned_rows
+    from mok_megatron.kernels import fp8_permute as FP
+    from mok_megatron.kernels.permute import permute_reference
+    from mok_megatron.kernels.routing import routing_metadata_reference
+    from tests.kernel_cases import topk_ids
+
+    x = _x(tokens, width, DTYPES[dtype], tokens * 3 + width)
+    if zero_token is not None:
+        x[zero_token] = 0
+    ids = topk_ids(tokens, topk, experts, drop, seed=width)
+    meta, counts = static_aligned_rows(routing_metadata_reference(ids, experts, 16), tokens * topk)
+    meta = dataclasses.replace(
+        meta,
+        **{f: getattr(meta, f).to(device) for f in ("counts_E", "offsets_E", "aligned_offsets_E", "row_TK")},
+    )
+    x = x.to(device)
+    q, s, src = FP.quantize_permute(x, meta, Impl.TRITON)
+    q_ref, s_ref, src_ref = FP.quantize_permute(x, meta, Impl.TORCH)
+    assert src.dtype == torch.int32 and torch.equal(src, src_ref), "src rows differ"
+    _bitwise("quantize_permute", (q, s), (q_ref, s_ref))
+    x_PH, _ = permute_reference(x, meta)
+    _bitwise("quantize_permute vs permute+quantize", (q, s), Q.quantize_rowwise(x_PH, Impl.TORCH))
+    assert torch.equal(Q.gather_rows(x, src), x_PH), "gather_rows is not the permute"
+    offs = counts.cumsum(0).to(torch.int32).to(device)
+    got = Q.quantize_segments_t_rows(x, src, offs, Impl.TRITON)
+    _bitwise("segments_rows", got, Q.quantize_segments_t_rows(x, src, offs, Impl.TORCH))
+    _bitwise("segments_rows vs permute+segments", got, Q.quantize_segments_t(x_PH, offs, Impl.TORCH))
 
 
 # Small shapes: the CPU interpreter runs all of them in a few seconds.
@@ -196,6 +239,7 @@ CASES = {
     "packed_segments": lambda **kw: packed_case("segments", **kw),
     "packed_weight_t": lambda **kw: packed_case("weight_t", **kw),
     "packed_scatter": lambda **kw: packed_case("scatter", **kw),
+    "packed_rows": lambda **kw: packed_case("rows", **kw),
     "rowwise_bf16_narrow": lambda **kw: rowwise_case(37, 100, "bf16", zero_rows=(3,), **kw),
     "rowwise_fp32_pow2": lambda **kw: rowwise_case(16, 64, "fp32", **kw),
     "rowwise_fp16_3d": lambda **kw: rowwise_case(24, 48, "fp16", batch=3, zero_rows=(0, 23), **kw),
@@ -214,6 +258,11 @@ CASES = {
     ),
     "scatter_spare_rows_fp32": lambda **kw: scatter_case([3, 20], 24, "fp32", spare=7, **kw),
     "scatter_one_row": lambda **kw: scatter_case([0, 1, 0], 16, "bf16", **kw),
+    "token_rows_bf16": lambda **kw: token_rows_case(37, 3, 5, 40, "bf16", zero_token=4, **kw),
+    "token_rows_dropped_fp32": lambda **kw: token_rows_case(24, 2, 6, 24, "fp32", drop="some", **kw),
+    "token_rows_one_expert_wide": lambda **kw: token_rows_case(
+        5, 1, 3, Q.ONE_PASS_MAX + 32, "bf16", drop="one-expert", **kw
+    ),
 }
 
 # Real sizes on the GPU: DeepSeek-V3 slice (H 7168, F 2048, 8 experts) and Qwen3-30B-A3B (H 2048, F 768).
@@ -233,6 +282,8 @@ GPU_CASES = {
     "weight_t_qwen_w2": lambda **kw: weight_case(128, 2048, 768, "bf16", zero_expert=7, **kw),
     "scatter_dsv3_x": lambda **kw: scatter_case([4093, 0, 4111, 3573], 7168, "bf16", **kw),
     "scatter_qwen_x": lambda **kw: scatter_case([97, 130, 0, 3] * 32, 2048, "bf16", zero_expert=5, **kw),
+    "token_rows_dsv3": lambda **kw: token_rows_case(4096, 8, 8, 7168, "bf16", zero_token=7, **kw),
+    "token_rows_qwen": lambda **kw: token_rows_case(2048, 8, 128, 2048, "bf16", **kw),
 }
 
 
@@ -309,10 +360,25 @@ def _sm90_kernels():
         q32_ptr="*i32",
         dst_offs_ptr="*i32",
         p_ptr="*bf16",
+        src_ptr="*i32",
     )
-    amax = dict(BLOCK_M=Q.AMAX_TILE[0], BLOCK_K=Q.AMAX_TILE[1])
-    pack = dict(BLOCK_M=Q.PACK_TILE[0], BLOCK_K=Q.PACK_TILE[1], PACK=True, FROM_PARTIAL=False, PART=16)
-    cast = dict(BLOCK_M=Q.CAST_TILE[0], BLOCK_K=Q.CAST_TILE[1], PACK=False, FROM_PARTIAL=False, PART=16)
+    amax = dict(BLOCK_M=Q.AMAX_TILE[0], BLOCK_K=Q.AMAX_TILE[1], SRC=False)
+    pack = dict(
+        BLOCK_M=Q.PACK_TILE[0], BLOCK_K=Q.PACK_TILE[1], PACK=True, FROM_PARTIAL=False, PART=16, SRC=False
+    )
+    cast = dict(
+        BLOCK_M=Q.CAST_TILE[0], BLOCK_K=Q.CAST_TILE[1], PACK=False, FROM_PARTIAL=False, PART=16, SRC=False
+    )
+    perm = dict(
+        x_ptr="*bf16",
+        row_ptr="*i32",
+        q_ptr="*fp8e4nv",
+        s_ptr="*fp32",
+        src_ptr="*i32",
+        offsets_ptr="*i32",
+        aligned_offsets_ptr="*i32",
+    )
+    perm_c = dict(K=8, E_P2=8, FILL_ROWS=8, FILL_H=1024)
     one, two = dict(BLOCK_R=1, BLOCK_H=8192, ONE_PASS=True), dict(BLOCK_R=1, BLOCK_H=4096, ONE_PASS=False)
     return {
         "rowwise_one_pass": (Q._rowwise_kernel, row, one | dict(HAS_DEST=False), True),
@@ -333,6 +399,21 @@ def _sm90_kernels():
             Q._segment_cast_kernel,
             seg,
             pack | dict(SHIFT=False, FROM_PARTIAL=True),
+            True,
+        ),
+        "segment_amax_rows": (Q._segment_amax_kernel, seg, amax | dict(SRC=True), False),
+        "segment_cast_packed_rows": (Q._segment_cast_kernel, seg, pack | dict(SHIFT=False, SRC=True), True),
+        "segment_cast_rows": (Q._segment_cast_kernel, seg, cast | dict(SHIFT=False, SRC=True), True),
+        "quantize_permute_one_pass": (
+            FP._quantize_permute_kernel,
+            perm,
+            perm_c | dict(BLOCK_H=8192, ONE_PASS=True),
+            True,
+        ),
+        "quantize_permute_two_pass": (
+            FP._quantize_permute_kernel,
+            perm,
+            perm_c | dict(BLOCK_H=4096, ONE_PASS=False),
             True,
         ),
     }

@@ -180,25 +180,42 @@ def _segment_amax_kernel(
     num_segments,
     BLOCK_M: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    src_ptr=None,  # SRC: int32 [M] row m is x's row src[m] (-1: a zero row)
+    SRC: tl.constexpr = False,
 ):
     g = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
     col_ok = cols < width
     start, end = _segment_bounds(offs_ptr, g, num_rows, num_segments)
-    amax = _column_amax(x_ptr, cols, col_ok, start, end, width, BLOCK_M, BLOCK_K)
+    amax = _column_amax(x_ptr, src_ptr, cols, col_ok, start, end, width, BLOCK_M, BLOCK_K, SRC)
     tl.store(s_ptr + g * width + cols, _scale_of(amax), mask=col_ok)
 
 
 @jit
-def _column_amax(ptr, cols, col_ok, lo, hi, width, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+def _load_rows(ptr, src_ptr, rows, row_ok, cols, mask, width, SRC: tl.constexpr):
+    """Elements (rows, cols) of a row-major [*, width] tensor (0 where masked); with SRC row m is the
+    tensor's row ``src[m]`` (-1: a zero row). ``rows``/``row_ok`` broadcast against ``cols``/``mask``."""
+    if SRC:
+        src = tl.load(src_ptr + rows, mask=row_ok, other=-1).to(tl.int64)
+        v = tl.load(ptr + src * width + cols, mask=mask & (src >= 0), other=0)
+    else:
+        v = tl.load(ptr + rows.to(tl.int64) * width + cols, mask=mask, other=0)
+    return v
+
+
+@jit
+def _column_amax(
+    ptr, src_ptr, cols, col_ok, lo, hi, width, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, SRC: tl.constexpr
+):
     """max |v| over rows [lo, hi) of a row-major [*, width] tensor, per column of ``cols``: an elementwise
     running max, reduced over the rows once at the end (a cross-thread reduction every row block ran the
     amax pass 10-35 % slower: benchmarks/fp8_seg_probe2.py, s6a)."""
     acc = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)
     for m0 in range(lo, hi, BLOCK_M):
         rows = m0 + tl.arange(0, BLOCK_M)
-        mask = (rows < hi)[:, None] & col_ok[None, :]
-        v = tl.load(ptr + rows.to(tl.int64)[:, None] * width + cols[None, :], mask=mask, other=0)
+        row_ok = (rows < hi)[:, None]
+        mask = row_ok & col_ok[None, :]
+        v = _load_rows(ptr, src_ptr, rows[:, None], row_ok, cols[None, :], mask, width, SRC)
         acc = tl.maximum(acc, tl.abs(v.to(tl.float32)))
     return tl.max(acc, axis=0)
 
@@ -229,6 +246,8 @@ def _segment_cast_kernel(
     p_ptr=None,  # FROM_PARTIAL: x's PART-row block amax [ceil(M / PART), K] (``_rowwise_partial_kernel``)
     FROM_PARTIAL: tl.constexpr = False,  # compute (and store) the scales here instead of reading pass 1's
     PART: tl.constexpr = 16,
+    src_ptr=None,  # SRC: int32 [M] row m is x's row src[m] (-1: a zero row); not with FROM_PARTIAL
+    SRC: tl.constexpr = False,
 ):
     g = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
@@ -263,7 +282,7 @@ def _segment_cast_kernel(
             for m0 in range(start, end, BLOCK_M):
                 rows = m0 + 4 * j[:, None, None] + i4[None, :, None]  # [BLOCK_M / 4, 4, 1]
                 mask = (rows < end) & col_ok[None, None, :]
-                x = tl.load(x_ptr + rows.to(tl.int64) * width + cols[None, None, :], mask=mask, other=0)
+                x = _load_rows(x_ptr, src_ptr, rows, rows < end, cols[None, None, :], mask, width, SRC)
                 y = tl.math.fdiv(x.to(tl.float32), scale[None, None, :], ieee_rounding=True)
                 y = tl.minimum(tl.maximum(y, -448.0), 448.0).to(q_ptr.dtype.element_ty)
                 b = y.to(tl.uint8, bitcast=True).to(tl.int32)
@@ -272,9 +291,39 @@ def _segment_cast_kernel(
                 w_mask = (m0 + 4 * j < end)[:, None] & col_ok[None, :]
                 tl.store(q32_ptr + word_base + w_idx[:, None], words, mask=w_mask)
         else:
-            _cast_bytes(x_ptr, q_ptr, scale, cols, col_ok, start, end, dst, seg_mul, stride_k, width, BLOCK_M)
+            _cast_bytes(
+                x_ptr,
+                src_ptr,
+                q_ptr,
+                scale,
+                cols,
+                col_ok,
+                start,
+                end,
+                dst,
+                seg_mul,
+                stride_k,
+                width,
+                BLOCK_M,
+                SRC,
+            )
     else:
-        _cast_bytes(x_ptr, q_ptr, scale, cols, col_ok, start, end, dst, seg_mul, stride_k, width, BLOCK_M)
+        _cast_bytes(
+            x_ptr,
+            src_ptr,
+            q_ptr,
+            scale,
+            cols,
+            col_ok,
+            start,
+            end,
+            dst,
+            seg_mul,
+            stride_k,
+            width,
+            BLOCK_M,
+            SRC,
+        )
 
 
 @jit
@@ -295,23 +344,46 @@ def _scale_from_partials(
     on a block, end on a block or at the last row), else from x's rows (any segment stays correct)."""
     if (start % PART == 0) & ((end % PART == 0) | (end == num_rows)):
         amax = _column_amax(
-            p_ptr, cols, col_ok, start // PART, (end + PART - 1) // PART, width, BLOCK_M, BLOCK_K
+            p_ptr,
+            p_ptr,
+            cols,
+            col_ok,
+            start // PART,
+            (end + PART - 1) // PART,
+            width,
+            BLOCK_M,
+            BLOCK_K,
+            False,
         )
     else:
-        amax = _column_amax(x_ptr, cols, col_ok, start, end, width, BLOCK_M, BLOCK_K)
+        amax = _column_amax(x_ptr, x_ptr, cols, col_ok, start, end, width, BLOCK_M, BLOCK_K, False)
     return _scale_of(amax)
 
 
 @jit
 def _cast_bytes(
-    x_ptr, q_ptr, scale, cols, col_ok, start, end, dst, seg_mul, stride_k, width, BLOCK_M: tl.constexpr
+    x_ptr,
+    src_ptr,
+    q_ptr,
+    scale,
+    cols,
+    col_ok,
+    start,
+    end,
+    dst,
+    seg_mul,
+    stride_k,
+    width,
+    BLOCK_M: tl.constexpr,
+    SRC: tl.constexpr,
 ):
     """The cast pass's byte-wise transposed store (any layout)."""
     out_base = q_ptr + dst.to(tl.int64) * seg_mul - start + cols.to(tl.int64)[None, :] * stride_k
     for m0 in range(start, end, BLOCK_M):
         rows = m0 + tl.arange(0, BLOCK_M)
-        mask = (rows < end)[:, None] & col_ok[None, :]
-        x = tl.load(x_ptr + rows.to(tl.int64)[:, None] * width + cols[None, :], mask=mask, other=0)
+        row_ok = (rows < end)[:, None]
+        mask = row_ok & col_ok[None, :]
+        x = _load_rows(x_ptr, src_ptr, rows[:, None], row_ok, cols[None, :], mask, width, SRC)
         y = tl.math.fdiv(x.to(tl.float32), scale[None, :], ieee_rounding=True)
         y = tl.minimum(tl.maximum(y, -448.0), 448.0)
         tl.store(out_base + rows[:, None], y.to(q_ptr.dtype.element_ty), mask=mask)
@@ -366,11 +438,21 @@ def quantize_rowwise(x: torch.Tensor, impl: Impl = Impl.AUTO) -> tuple[torch.Ten
 
 
 def _segments(
-    x_MK, offs_G, q, seg_mul: int, stride_k: int, dst_offs_G=None, num_out_rows: int = 0, partials=None
+    x_MK,
+    offs_G,
+    q,
+    seg_mul: int,
+    stride_k: int,
+    dst_offs_G=None,
+    num_out_rows: int = 0,
+    partials=None,
+    src_M=None,
 ):
     """Both passes into ``q``; returns the [G, K] scales. ``dst_offs_G``: segment ends in q (padding).
-    ``partials``: x's PARTIAL_ROWS-row block amaxes (``quantize_rowwise_partials``): no amax pass."""
-    num_rows, width = x_MK.shape
+    ``partials``: x's PARTIAL_ROWS-row block amaxes (``quantize_rowwise_partials``): no amax pass.
+    ``src_M``: int32 [M], row m is ``x[src_M[m]]`` (-1: zero); x then holds the source rows."""
+    num_rows, width = (src_M.shape[0] if src_M is not None else x_MK.shape[0]), x_MK.shape[1]
+    src = src_M if src_M is not None else x_MK
     groups = offs_G.shape[0]
     s_G1K = torch.empty(groups + 1, width, dtype=torch.float32, device=x_MK.device)
     if width:
@@ -380,7 +462,7 @@ def _segments(
         if partials is None:
             am, ak, aw = AMAX_TILE
             _segment_amax_kernel[(groups + 1, -(-width // ak))](
-                x_MK, offs, s_G1K, num_rows, width, groups, am, ak, num_warps=aw
+                x_MK, offs, s_G1K, num_rows, width, groups, am, ak, src, src_M is not None, num_warps=aw
             )
         # Words need an e4m3 buffer (not the interpreter's fp32 stand-in) whose rows view as int32.
         pack = q.dtype == E4M3 and q.shape[-1] % 4 == 0
@@ -405,6 +487,8 @@ def _segments(
             partials,
             partials is not None,
             PARTIAL_ROWS,
+            src,
+            src_M is not None,
             num_warps=cw,
         )
     return s_G1K[:groups]
@@ -474,6 +558,37 @@ def quantize_rowwise_partials(
 def quantize_segments_t_reference(x_MK: torch.Tensor, offs_G: torch.Tensor):
     q_KM, scale_GK = quantize_segments(x_MK.t(), offs_G)
     return q_KM.contiguous(), scale_GK
+
+
+def gather_rows(x_TK: torch.Tensor, src_M: torch.Tensor) -> torch.Tensor:
+    """``x_MK[m] = x_TK[src_M[m]]``, a zero row where ``src_M[m]`` is -1 (no host sync)."""
+    padded = torch.cat([x_TK, x_TK.new_zeros(1, x_TK.shape[1])])
+    idx = torch.where(src_M >= 0, src_M.long(), x_TK.shape[0])
+    return padded.index_select(0, idx)
+
+
+def quantize_segments_t_rows(
+    x_TK: torch.Tensor, src_M: torch.Tensor, offs_G: torch.Tensor, impl: Impl = Impl.AUTO
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``quantize_segments_t(gather_rows(x_TK, src_M), offs_G)`` without building the gathered rows:
+    each pass reads row m from ``x_TK[src_M[m]]`` (the weight gradient's operand taken straight from the
+    token rows the permute copied, ``kernels.fp8_permute``).
+
+    Inputs: x fp32/bf16/fp16 [T, K]; src int32 [M] (-1: a zero row); offs int32 [G] inclusive ends over
+    the M rows. Outputs: q e4m3 [K, M] row-major, scale fp32 [G, K]."""
+    _check_input(x_TK, "quantize_segments_t_rows")
+    if x_TK.dim() != 2 or src_M.dim() != 1 or src_M.dtype != torch.int32 or src_M.device != x_TK.device:
+        raise ValueError(
+            f"quantize_segments_t_rows: x {tuple(x_TK.shape)}, src {tuple(src_M.shape)} {src_M.dtype} on "
+            f"{src_M.device}; expected x [T, K] and src [M] int32 on {x_TK.device}"
+        )
+    _check_offsets(offs_G, x_TK, "quantize_segments_t_rows")
+    if not use_triton(impl, x_TK, "quantize_segments_t_rows"):
+        return quantize_segments_t_reference(gather_rows(x_TK, src_M), offs_G)
+    x_TK = x_TK.contiguous()
+    q_KM = _q_buffer((x_TK.shape[1], src_M.shape[0]), x_TK.device)
+    scale_GK = _segments(x_TK, offs_G, q_KM, 1, src_M.shape[0], src_M=src_M)
+    return _finish(q_KM), scale_GK
 
 
 def quantize_weight_t(w_GNK: torch.Tensor, impl: Impl = Impl.AUTO) -> tuple[torch.Tensor, torch.Tensor]:

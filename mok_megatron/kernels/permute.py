@@ -85,22 +85,10 @@ def _scatter_kernel(
         if HAS_DOT:
             tl.store(dot_ptr + t * K + ks, dots.to(dot_ptr.dtype.element_ty), mask=ks < K)
     else:
-        # Fill: the rows no route lands on, numbered q = 0.. (expert 0's padding, expert 1's, ..., the tail).
-        # Padding before expert e's end: pad_e = aligned_offsets[e] - offsets[e]; fill row q sits in expert
-        # e = #{e : pad_e <= q} (E: the tail) at row q + offsets[min(e, E-1)].
-        experts = tl.arange(0, E_P2)
-        e_ok = experts < num_experts
-        offsets = tl.load(offsets_ptr + experts, mask=e_ok, other=0)
-        pad = tl.load(aligned_offsets_ptr + experts, mask=e_ok, other=0) - offsets
-        pad = tl.where(e_ok, pad, 2147483647)
-        num_fill = num_rows - tl.load(offsets_ptr + num_experts - 1)
+        pad, num_fill = _fill_setup(offsets_ptr, aligned_offsets_ptr, num_rows, num_experts, E_P2)
         zeros = tl.zeros([FILL_ROWS, BLOCK_H], dtype=tl.float32).to(dst_ptr.dtype.element_ty)
         for q0 in range((pid - num_tokens) * FILL_ROWS, num_fill, fill_stride):
-            q = q0 + tl.arange(0, FILL_ROWS)
-            q_ok = q < num_fill
-            e = tl.sum((pad[None, :] <= q[:, None]).to(tl.int32), axis=1)
-            e = tl.minimum(e, num_experts - 1)
-            rows = (q + tl.load(offsets_ptr + e, mask=q_ok, other=0)).to(tl.int64)
+            rows, q_ok = _fill_rows(q0, pad, num_fill, offsets_ptr, num_experts, FILL_ROWS)
             if HAS_PROBS:
                 tl.store(
                     pdst_ptr + rows,
@@ -111,6 +99,29 @@ def _scatter_kernel(
                 cols = h0 + tl.arange(0, BLOCK_H)
                 mask = q_ok[:, None] & (cols < hidden)[None, :]
                 tl.store(dst_ptr + rows[:, None] * hidden + cols[None, :], zeros, mask=mask)
+
+
+@jit
+def _fill_setup(offsets_ptr, aligned_offsets_ptr, num_rows, num_experts, E_P2: tl.constexpr):
+    """The rows no route lands on, numbered q = 0.. (expert 0's padding, expert 1's, ..., the tail):
+    ``(pad_E, num_fill)`` with pad_e = aligned_offsets[e] - offsets[e] (huge past E)."""
+    experts = tl.arange(0, E_P2)
+    e_ok = experts < num_experts
+    offsets = tl.load(offsets_ptr + experts, mask=e_ok, other=0)
+    pad = tl.load(aligned_offsets_ptr + experts, mask=e_ok, other=0) - offsets
+    pad = tl.where(e_ok, pad, 2147483647)
+    return pad, num_rows - tl.load(offsets_ptr + num_experts - 1)
+
+
+@jit
+def _fill_rows(q0, pad, num_fill, offsets_ptr, num_experts, FILL_ROWS: tl.constexpr):
+    """Rows (int64) of fill numbers q0 .. q0 + FILL_ROWS - 1 and their mask: fill row q sits in expert
+    e = #{e : pad_e <= q} (E: the tail) at row q + offsets[min(e, E-1)]."""
+    q = q0 + tl.arange(0, FILL_ROWS)
+    q_ok = q < num_fill
+    e = tl.sum((pad[None, :] <= q[:, None]).to(tl.int32), axis=1)
+    e = tl.minimum(e, num_experts - 1)
+    return (q + tl.load(offsets_ptr + e, mask=q_ok, other=0)).to(tl.int64), q_ok
 
 
 @jit
