@@ -133,3 +133,50 @@ def test_fp8_experts_pick_the_mlp_for_their_input(monkeypatch):
         out, bias = experts(x, tpe, probs)
         assert out is x and bias is None
         assert calls[-1] == (want, 6, {"apply_probs_on_input": False})
+
+
+@pytest.mark.parametrize("wgrad", ["fp8", "bf16"])
+@pytest.mark.parametrize("topk,experts", [(2, 8), (4, 6)])
+def test_fp8_layer_fuses_permute_into_the_experts(wgrad, topk, experts, monkeypatch):
+    """With native FP8 experts at EP = 1 the layer hands the token rows and the aligned plan to the
+    experts (``MoKTokenDispatcher.run_fused`` -> ``fp8.token_experts.fp8_token_mlp``): output, input and
+    weight gradients equal the unfused aligned path's bitwise (FP8 GEMM emulated in fp32: CPU has none),
+    and stay within FP8's error of Megatron's layer."""
+    import mok_megatron.fp8.token_experts as TE
+    import mok_megatron.options as O
+    from mok_megatron.checkpoint import convert_state_dict
+    from mok_megatron.fp8 import native
+    from mok_megatron.options import MoKOptions
+    from tests.test_fp8 import _fake_scaled_grouped_mm
+
+    monkeypatch.setattr(native, "_gemm", _fake_scaled_grouped_mm([]))
+    monkeypatch.setattr(native, "check_native_fp8", lambda device: None)
+    monkeypatch.setattr(native, "WGRAD_FP8_MIN_ROWS", 1 if wgrad == "fp8" else 10**9)
+    calls = []
+    real = TE.fp8_token_mlp
+    monkeypatch.setattr(TE, "fp8_token_mlp", lambda *a: calls.append(1) or real(*a))
+    cfg = make_config(topk=topk, num_experts=experts, ffn=16)
+    opts = MoKOptions(expert_backend="torch-fp8")
+    monkeypatch.setattr(O, "_default", opts)  # the experts read the defaults (the --mok-* flags set them)
+    ref, mok = build_layers(cfg, opts=dict(expert_backend="torch-fp8"))
+    assert mok.token_dispatcher.fused_experts and mok.token_dispatcher.row_alignment == native.ALIGNMENT
+    x, dout = _inputs(cfg)
+    fused = run_layer(mok, x, dout)
+    assert calls == [1], "the fused experts must have run"
+    mok.zero_grad(set_to_none=True)
+    mok.token_dispatcher.fused_experts = False
+    unfused = run_layer(mok, x, dout)
+    assert calls == [1]
+    d = compare(unfused, fused)
+    for key, val in d.items():
+        if not key.endswith("_scale") and key != "aux_names":
+            assert val == 0, (key, val)
+    (o1, dx1, g1, _), (o2, dx2, g2, _) = run_layer(ref, x, dout), fused
+    g1 = convert_state_dict(g1, "mok")
+
+    def rel(a, b):
+        return float((a.float() - b.float()).norm() / b.float().norm())
+
+    pairs = [("out", o2, o1), ("dx", dx2, dx1)] + [(k, g2[k], g1[k]) for k in g2 if "experts" in k]
+    for name, a, b in pairs:  # e4m3 rounding (2^-4) on both GEMM operands: ~0.07 on the H200
+        assert rel(a, b) < 0.1, (name, rel(a, b))

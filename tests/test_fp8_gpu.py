@@ -347,6 +347,7 @@ def test_torch_fp8_layer_runs_on_the_aligned_plan_and_matches_the_pad_path():
     padding.load_state_dict(convert_state_dict(aligned.state_dict(), "mok"), strict=True)
     padding.token_dispatcher.row_alignment = 1
     padding.token_dispatcher.aligned_plan = False  # the sort-based plan; the experts pad
+    padding.token_dispatcher.fused_experts = False
     padding.experts.aligned_input = 1
     g = torch.Generator().manual_seed(3)
     x = torch.randn(SHAPE["tokens"], 1, SHAPE["hidden"], generator=g).to("cuda", torch.bfloat16)
@@ -355,6 +356,63 @@ def test_torch_fp8_layer_runs_on_the_aligned_plan_and_matches_the_pad_path():
     errs = {"out": _rel(got[0], want[0]), "dx": _rel(got[1], want[1])}
     errs.update({k: _rel(got[2][k], want[2][k]) for k in want[2]})
     assert max(errs.values()) < 1e-2, errs
+
+
+@pytest.mark.usefixtures("single_rank")
+def test_torch_fp8_layer_fused_permute_equals_unfused_bitwise():
+    """At EP=1 the torch-fp8 layer hands token rows to the experts (``fp8.token_experts``: each token
+    quantized once into fc1's operand, the output gradient into fc2's, the weight gradients' operands read
+    through the token map): output and every gradient equal the unfused aligned path's bitwise."""
+    from mok_megatron.checkpoint import convert_state_dict
+
+    _native_or_skip()
+    cfg = _config(None)
+    fused = _build("torch-fp8", cfg)
+    assert fused.token_dispatcher.fused_experts
+    unfused = _build("torch-fp8", cfg)
+    unfused.load_state_dict(convert_state_dict(fused.state_dict(), "mok"), strict=True)
+    unfused.token_dispatcher.fused_experts = False
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(SHAPE["tokens"], 1, SHAPE["hidden"], generator=g).to("cuda", torch.bfloat16)
+    dout = torch.randn(SHAPE["tokens"], 1, SHAPE["hidden"], generator=g).to("cuda", torch.bfloat16)
+    got, want = _run(fused, cfg, x, dout, 2), _run(unfused, cfg, x, dout, 2)
+    diffs = {"out": (got[0] - want[0]).abs().max().item(), "dx": (got[1] - want[1]).abs().max().item()}
+    diffs.update({k: (got[2][k] - want[2][k]).abs().max().item() for k in want[2]})
+    assert set(got[2]) == set(want[2]) and max(diffs.values()) == 0, diffs
+
+
+@pytest.mark.parametrize("wgrad", ["fp8", "bf16"])
+def test_fp8_token_mlp_needs_no_host_sync(wgrad, monkeypatch):
+    """The fused FP8 experts (permute, GEMMs, combine, both weight-gradient policies) read nothing back."""
+    from mok_megatron.fp8 import native
+    from mok_megatron.fp8.token_experts import fp8_token_mlp
+    from mok_megatron.functional.plan import static_aligned_rows
+    from mok_megatron.kernels.routing import routing_metadata
+    from mok_megatron.ops.activation import Activation, ActivationSpec
+
+    _native_or_skip()
+    monkeypatch.setattr(native, "WGRAD_FP8_MIN_ROWS", 1 if wgrad == "fp8" else 10**9)
+    T, K, E, H, F = 256, 4, 8, 256, 128
+    g = torch.Generator().manual_seed(2)
+    ids = torch.rand(T, E, generator=g).topk(K, dim=1).indices.to("cuda")
+    meta, counts = static_aligned_rows(routing_metadata(ids, E, native.ALIGNMENT), T * K)
+    x = torch.randn(T, H, generator=g).to("cuda", torch.bfloat16).requires_grad_()
+    p = torch.rand(T, K, generator=g).to("cuda").requires_grad_()
+    w1 = (torch.randn(E, 2 * F, H, generator=g) / 16).to("cuda", torch.bfloat16).requires_grad_()
+    w2 = (torch.randn(E, H, F, generator=g) / 16).to("cuda", torch.bfloat16).requires_grad_()
+    act = ActivationSpec(kind=Activation.SILU, gated=True)
+
+    def step():
+        fp8_token_mlp(x, p, meta, counts, w1, w2, act).float().square().sum().backward()
+
+    step()  # compile
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert all(bool(t.grad.abs().sum() > 0) for t in (x, p, w1, w2))
 
 
 @pytest.mark.usefixtures("single_rank")

@@ -92,10 +92,21 @@ class MoKTokenDispatcher(MoETokenDispatcher):
         # True (set by MoKMoELayer where ``aligned_plan_applies``, EP = 1): ``build_aligned_plan`` at
         # ``row_alignment`` (1 included): routing metadata from the Triton routing kernels, no sort.
         self.aligned_plan = False
+        # True (set by MoKMoELayer, EP = 1, aligned plan, experts with ``fuses_permute()``): the experts
+        # take the token rows and the plan and permute / combine inside their GEMM operands
+        # (``run_fused``; the native FP8 experts: ``fp8.token_experts``); the six phases pass rows through.
+        self.fused_experts = False
 
     @property
     def pipelined(self) -> bool:
         return self.transport is not None
+
+    @property
+    def folded_phase(self) -> str | None:
+        """The one phase dispatch, experts and combine run in (``pipeline`` / ``experts``), or None."""
+        if self.pipelined:
+            return "pipeline"
+        return "experts" if self.fused_experts else None
 
     @property
     def plan(self) -> DispatchPlan:
@@ -117,8 +128,9 @@ class MoKTokenDispatcher(MoETokenDispatcher):
                 f"experts], got {routing_map.dtype} {tuple(routing_map.shape)} and {tuple(probs.shape)}"
             )
         dev = hidden_states.device
-        # Pipelined: dispatch, experts and combine are one overlapped phase, timed as "pipeline".
-        closes = "pipeline" if self.pipelined else "dispatch"
+        # Pipelined: dispatch, experts and combine are one overlapped phase, timed as "pipeline"
+        # (fused experts: one phase "experts").
+        closes = self.folded_phase or "dispatch"
         hidden_states = profiling.backward_mark(hidden_states, id(self), closes=closes, opens=None)
         with profiling.phase("dispatch", dev):
             hidden_shape = hidden_states.shape
@@ -138,7 +150,7 @@ class MoKTokenDispatcher(MoETokenDispatcher):
                 self._plan = build_plan(hidden_shape, routing_map, probs, self.mok_config, self.groups)
             if self.shared_experts is not None:
                 self.shared_experts.pre_forward_comm(hidden_states)
-            if self.pipelined:
+            if self.folded_phase:
                 return hidden_states.reshape(-1, hidden_shape[-1]), probs
             return F.dispatch_preprocess(hidden_states.reshape(-1, hidden_shape[-1]), probs, self._plan)
 
@@ -184,12 +196,19 @@ class MoKTokenDispatcher(MoETokenDispatcher):
                 out = _run_pipeline(hidden_states, probs, call.routing_map_TE, exact, expert_fn, *args)
         return out
 
+    def run_fused(self, hidden_states: torch.Tensor, probs: torch.Tensor, experts_fn) -> torch.Tensor:
+        """The fused experts on the call in flight: ``experts_fn(x_TH, probs_TK, meta, counts_L) -> [T, H]``."""
+        plan = self.plan
+        with profiling.phase("experts", hidden_states.device):
+            probs_TK = probs.gather(1, plan.ids_TK)
+            return experts_fn(hidden_states, probs_TK, plan.meta, plan.tokens_per_expert_L)
+
     def token_dispatch(self, hidden_states: torch.Tensor, probs: torch.Tensor):
         with profiling.phase("dispatch", hidden_states.device):
             if self.shared_experts is not None:
                 self.shared_experts.wait_current_stream()
             plan = self.plan
-            if self.pipelined:
+            if self.folded_phase:
                 if self.shared_experts is not None:
                     self.shared_experts.linear_fc1_forward_and_act(hidden_states)
                 return hidden_states, probs
@@ -210,8 +229,11 @@ class MoKTokenDispatcher(MoETokenDispatcher):
     # ---- combine -----------------------------------------------------------------------------
 
     def combine_preprocess(self, hidden_states: torch.Tensor):
-        if self.pipelined:
-            raise RuntimeError("combine_preprocess: the pipelined MoK layer combines inside run_pipeline")
+        if self.folded_phase:
+            raise RuntimeError(
+                f"combine_preprocess: this MoK layer combines inside its {self.folded_phase} phase "
+                "(run_pipeline / run_fused)"
+            )
         dev = hidden_states.device
         profiling.close_span(id(self), "experts", dev)
         hidden_states = profiling.backward_mark(hidden_states, id(self), closes="combine", opens="experts")
@@ -222,7 +244,7 @@ class MoKTokenDispatcher(MoETokenDispatcher):
         with profiling.phase("combine", hidden_states.device):
             if self.shared_experts is not None:
                 self.shared_experts.wait_current_stream()
-            if self.pipelined:
+            if self.folded_phase:
                 y = hidden_states
             else:
                 y = F.token_combine(hidden_states, self.plan)
@@ -236,10 +258,12 @@ class MoKTokenDispatcher(MoETokenDispatcher):
             plan = self.plan
             if self.pipelined:
                 out = hidden_states.view(plan.plan.hidden_shape)
+            elif self.fused_experts:
+                out = hidden_states.view(plan.hidden_shape)
             else:
                 out = F.combine_postprocess(hidden_states, plan)
             self._plan = None
-        opens = "pipeline" if self.pipelined else "combine"
+        opens = self.folded_phase or "combine"
         out = profiling.backward_mark(out, id(self), closes=None, opens=opens)
         if self.shared_experts is not None:
             out = out + self.shared_experts.get_output()

@@ -150,6 +150,27 @@ class MoKGroupedMLP(MegatronModule):
             return ALIGNMENT
         return 1
 
+    def fuses_permute(self) -> bool:
+        """Whether ``token_rows_forward`` applies: the native FP8 experts take the token rows and fuse the
+        permute / combine into their FP8 operands (``fp8.token_experts``); probabilities on the input
+        would make a route's row differ from its token's."""
+        return self.expert_backend == "torch-fp8" and not self.mok_config.apply_probs_on_input
+
+    def token_rows_forward(self, x_TH, probs_TK, meta, counts_L):
+        """The experts' per-token output ``[T, H]`` from the token rows and the aligned plan's routing
+        metadata (EP = 1; ``MoKTokenDispatcher.run_fused``)."""
+        from mok_megatron.fp8.token_experts import fp8_token_mlp
+
+        if not self.fuses_permute():
+            raise MoKConfigError(
+                f"token_rows_forward: expert backend {self.expert_backend!r} with apply_probs_on_input="
+                f"{self.mok_config.apply_probs_on_input}; only torch-fp8 without probabilities on the input "
+                "fuses the permute"
+            )
+        return fp8_token_mlp(
+            x_TH, probs_TK, meta, counts_L, self.fc1_weight, self.fc2_weight, self.mok_config.activation
+        )
+
     def reads_counts_on_host(self) -> bool:
         """Whether forward reads the row counts on the host anyway (then the aligned plan may size its
         buffer exactly: one host read instead of the static bound's spare rows)."""

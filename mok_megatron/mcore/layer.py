@@ -91,6 +91,9 @@ class MoKMoELayer(MoELayer):
             # pipeline only for experts that take device counts.
             self.token_dispatcher.row_alignment = align
             self.experts.aligned_input = align
+        if self.token_dispatcher.aligned_plan and align > 1 and mok_experts and self.experts.fuses_permute():
+            # EP = 1 native FP8 experts: permute and combine fused into their FP8 operands.
+            self.token_dispatcher.fused_experts = True
         if self.mok_options.sync_free and self.token_dispatcher.pipelined:
             if not isinstance(self.experts, MoKGroupedMLP):
                 raise MoKConfigError(
@@ -108,6 +111,10 @@ class MoKMoELayer(MoELayer):
             self.token_dispatcher.set_shared_experts(self.shared_experts)
 
     def routed_experts_compute(self, hidden_states, probs):
+        if self.token_dispatcher.fused_experts:
+            return self.token_dispatcher.run_fused(
+                hidden_states, probs, self.experts.token_rows_forward
+            ), None
         if not self.token_dispatcher.pipelined:
             return super().routed_experts_compute(hidden_states, probs)
         experts = self.experts
