@@ -25,7 +25,7 @@ def main() -> None:
 
     p = argparse.ArgumentParser()
     p.add_argument("--shapes", default="deepseek-v3-ep32,qwen3-30b-a3b")
-    p.add_argument("--backends", default="torch,torch-fp8")
+    p.add_argument("--backends", default="torch,torch-fp8,torch-fp8-unfused")
     p.add_argument("--router-fusion", action="store_true", help="moe_router_fusion (TE's fused top-k)")
     ns = p.parse_args()
     _init_single_process()
@@ -37,7 +37,10 @@ def main() -> None:
         dout = (torch.randn(shape["tokens"], 1, shape["hidden"], generator=g) * 1e-2).to(dev, torch.bfloat16)
         for backend in ns.backends.split(","):
             cfg = dataclasses.replace(layer_config(shape, None), moe_router_fusion=ns.router_fusion)
-            layer = build_layer(backend, cfg, None)
+            # "torch-fp8-unfused": the FP8 layer without the permute / combine fused into its operands
+            layer = build_layer(backend.removesuffix("-unfused"), cfg, None)
+            if backend.endswith("-unfused"):
+                layer.token_dispatcher.fused_experts = False
 
             def step(layer=layer, cfg=cfg, x=x, dout=dout):
                 layer.zero_grad(set_to_none=True)

@@ -142,7 +142,9 @@ def _run(names):
         s = SHAPES[name]
         flops = 3 * 2 * s["tokens"] * s["topk"] * 3 * s["hidden"] * s["ffn"]
         ref = {}
-        for backend in ("torch", "torch-fp8", "torch-fp8 dgrad-fast"):
+        # "unfused": the EP=1 FP8 layer without the permute / combine fused into the experts' FP8 operands
+        # (the path before session 8); the fused one runs before and after it (clock drift shows).
+        for backend in ("torch", "torch-fp8", "torch-fp8 unfused", "torch-fp8 again"):
             from mok_megatron.fp8 import native
 
             native.DGRAD_FAST_ACCUM_MAX_N = (1 << 30) if backend.endswith("dgrad-fast") else DGRAD_DEFAULT
@@ -158,6 +160,7 @@ def _run(names):
                 layer.load_state_dict(
                     state, strict=False
                 )  # the bf16 layer's weights: errors compare like with like
+                layer.token_dispatcher.fused_experts = not backend.endswith("unfused")
             gen = torch.Generator(device="cuda").manual_seed(1)
             x = torch.randn(s["tokens"], 1, s["hidden"], device="cuda", dtype=torch.bfloat16, generator=gen)
             dout = torch.randn(x.shape, device="cuda", dtype=torch.bfloat16, generator=gen)
