@@ -21,7 +21,7 @@ backward quantizes them again. A route's row is a copy of its token's row, so he
                      gradient's dy operand read through ``src_P`` from dout_TH
 
 Where the weight gradient runs in bf16 (``fp8.native.WGRAD_FP8_MIN_ROWS``: Qwen3-30B-A3B-like shapes) its
-operand rows are gathered from the token rows in the backward instead (``fp8_quant.gather_rows``).
+operand rows are rebuilt from the token rows in the backward instead (the permute's scatter, ``_rows``).
 Quantization policy, accumulation modes and the weight cache are ``fp8.native``'s; probabilities are applied
 by the activation (``ops.activation``), so this needs ``apply_probs_on_input=False``.
 """
@@ -33,10 +33,18 @@ import torch
 from mok_megatron.fp8 import native as N
 from mok_megatron.kernels.combine import combine
 from mok_megatron.kernels.fp8_permute import quantize_permute
-from mok_megatron.kernels.fp8_quant import gather_rows, quantize_segments_t, quantize_segments_t_rows
+from mok_megatron.kernels.fp8_quant import quantize_segments_t, quantize_segments_t_rows
+from mok_megatron.kernels.permute import permute
 from mok_megatron.kernels.routing import RoutingMeta
 from mok_megatron.ops.grouped_gemm import offsets_from_counts
 from mok_megatron.ops.activation import ActivationSpec, apply_activation
+
+
+def _rows(x_TH: torch.Tensor, meta: RoutingMeta) -> torch.Tensor:
+    """The permuted bf16 rows ``[P, H]`` (padding zero) for a bf16 weight gradient: the permute's
+    one-pass scatter (each token read once), not differentiated."""
+    with torch.no_grad():
+        return permute(x_TH, meta)[0]
 
 
 class _PermuteFc1(torch.autograd.Function):
@@ -68,7 +76,7 @@ class _PermuteFc1(torch.autograd.Function):
                 operands = N.wgrad_operands(dh_PN, None, offs_G, x_quantized, dy_partials=dh_partials)
                 dw_GNK = N._gemm(*operands, offs_G, fast_accum=False).to(w_GNK.dtype)
             else:
-                dw_GNK = N._wgrad_bf16(dh_PN, gather_rows(x_TH, src_P), offs_G, w_GNK)
+                dw_GNK = N._wgrad_bf16(dh_PN, _rows(x_TH, ctx.meta), offs_G, w_GNK)
         return dx_TH, dw_GNK, None, None
 
 
@@ -104,7 +112,7 @@ class _Fc2Combine(torch.autograd.Function):
                 operands = (dyq_HP, aq_FP.t(), dys_GH.reshape(-1), as_GF.reshape(-1))
                 dw_GNK = N._gemm(*operands, offs_G, fast_accum=False).to(w_GNK.dtype)
             else:
-                dw_GNK = N._wgrad_bf16(gather_rows(dout_TH, src_P), a_PF, offs_G, w_GNK)
+                dw_GNK = N._wgrad_bf16(_rows(dout_TH, ctx.meta), a_PF, offs_G, w_GNK)
         return da_PF, dw_GNK, None, None
 
 
