@@ -30,6 +30,7 @@ group exists. argparse has no post-parse hook, so ``extra_args_provider`` wraps 
     --mok-nvlink-programs N     nvlink_programs       64
     --mok-local-rows R          local_rows            auto (fused in one NVLink domain, else overlap)
     --mok-fp8-dispatch          fp8_dispatch          off (e4m3 dispatch rows, rowwise scales)
+    --mok-fp8-combine           fp8_combine           off (opt-in: e4m3 expert output rows back too)
 """
 
 from __future__ import annotations
@@ -132,6 +133,12 @@ def add_mok_flags(parser) -> None:
         "bytes); combine and gradients stay bf16",
     )
     g.add_argument(
+        "--mok-fp8-combine",
+        action="store_true",
+        help="pipeline, opt-in: the expert output rows travel back in FP8 too (e4m3, one fp32 scale per "
+        "row; the combine's bytes halved, up to 2^-4 relative error per route); gradients stay bf16",
+    )
+    g.add_argument(
         "--mok-nvlink-programs",
         type=int,
         default=d.nvlink_programs,
@@ -216,6 +223,7 @@ def options_from_args(args) -> MoKOptions:
         nvlink_programs=getattr(args, "mok_nvlink_programs", MoKOptions().nvlink_programs),
         local_rows=getattr(args, "mok_local_rows", MoKOptions().local_rows),
         fp8_dispatch=getattr(args, "mok_fp8_dispatch", False),
+        fp8_combine=getattr(args, "mok_fp8_combine", False),
     )
 
 
@@ -235,6 +243,7 @@ def _given_mok_flags(args) -> list[str]:
             "nvlink_programs",
             "local_rows",
             "fp8_dispatch",
+            "fp8_combine",
         )
         if getattr(given, f) != getattr(d, f)
     ]

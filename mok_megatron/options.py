@@ -36,6 +36,10 @@ the flags set (``set_default_options``). Frozen and validated at construction.
                          GEMMs), overlap across nodes (``functional.pipeline_plan.fuse_local_rows``)
     fp8_dispatch         pipeline: dispatched token rows travel as e4m3 + one fp32 scale per row (about
                          half the bytes; ``fp8.dispatch_pack``); combine and gradients stay bf16
+    fp8_combine          pipeline, opt-in: the expert output rows travel back as e4m3 + one fp32 scale
+                         per row too (the combine's bytes halved; each token's output then carries up to
+                         2^-4 relative error per route, which is why DeepEP and TE keep it bf16);
+                         gradients stay bf16
 """
 
 from __future__ import annotations
@@ -66,6 +70,7 @@ class MoKOptions:
     nvlink_programs: int = 64
     local_rows: str = "auto"
     fp8_dispatch: bool = False
+    fp8_combine: bool = False
 
     def __post_init__(self):
         if self.minibatch_size is not None and (
@@ -89,17 +94,18 @@ class MoKOptions:
         if self.engine not in ENGINES:
             raise MoKOptionsError(f"--mok-engine={self.engine!r}: choose one of {', '.join(ENGINES)}.")
         if self.engine == "plain" and (
-            self.minibatch_size is not None or self.sync_free or self.fp8_dispatch
+            self.minibatch_size is not None or self.sync_free or self.fp8_dispatch or self.fp8_combine
         ):
             raise MoKOptionsError(
                 "--mok-engine plain runs no pipeline: drop --mok-minibatch-size / --mok-sync-free / "
-                "--mok-fp8-dispatch, or use --mok-engine pipeline."
+                "--mok-fp8-dispatch / --mok-fp8-combine, or use --mok-engine pipeline."
             )
-        if self.fp8_dispatch and self.transport == "nvlink":
-            raise MoKOptionsError(
-                "--mok-fp8-dispatch with --mok-transport nvlink: the NVLink kernels move bf16 rows only; use "
-                "--mok-transport collective or copy_engine with FP8 dispatch."
-            )
+        for on, flag in ((self.fp8_dispatch, "--mok-fp8-dispatch"), (self.fp8_combine, "--mok-fp8-combine")):
+            if on and self.transport == "nvlink":
+                raise MoKOptionsError(
+                    f"{flag} with --mok-transport nvlink: the NVLink kernels move bf16 rows only; use "
+                    "--mok-transport collective or copy_engine with FP8 rows."
+                )
         if self.transport not in TRANSPORTS:
             raise MoKOptionsError(
                 f"--mok-transport={self.transport!r}: choose one of {', '.join(TRANSPORTS)}."

@@ -121,6 +121,8 @@ def test_mok_config_validation(kwargs, pattern):
         (dict(local_rows="split"), "--mok-local-rows='split'"),
         (dict(engine="plain", fp8_dispatch=True), "--mok-fp8-dispatch"),
         (dict(fp8_dispatch=True, transport="nvlink"), "--mok-fp8-dispatch with --mok-transport nvlink"),
+        (dict(engine="plain", fp8_combine=True), "--mok-fp8-combine"),
+        (dict(fp8_combine=True, transport="nvlink"), "--mok-fp8-combine with --mok-transport nvlink"),
     ],
 )
 def test_bad_options_name_the_flag(opts, needle):

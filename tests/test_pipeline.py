@@ -109,6 +109,18 @@ def test_fp8_dispatch_matches_megatron_within_the_e4m3_bound(pool, ep, sync_free
             assert diff <= 0.1 * scale + 1e-6, (key, diff, scale)
 
 
+@pytest.mark.parametrize("ep,sync_free,local_rows", [(2, False, "overlap"), (4, True, "fused")])
+def test_fp8_combine_output_within_e4m3_gradients_exact(pool, ep, sync_free, local_rows):
+    # --mok-fp8-combine (opt-in): the expert output rows travel back as e4m3 + rowwise scale. The output
+    # is within 10 % of its magnitude of Megatron's and visibly quantized; every gradient is Megatron's
+    # (the combine's gradient travels in the rows' precision, straight-through), to fp32 parity.
+    opts = dict(minibatch_size=_mbs(2), fp8_combine=True, sync_free=sync_free, local_rows=local_rows)
+    for r in pool.run("tests.pipeline_cases:megatron_case", ep=ep, topk=4, opts=opts, min_local_half=2):
+        assert 1e-4 * r["out_scale"] < r["out"] <= 0.1 * r["out_scale"], r
+        rest = {k: v for k, v in r.items() if k not in ("out", "out_scale")}
+        check(rest, f"fp8 combine ep{ep}")
+
+
 @pytest.mark.parametrize("ep", [2, 4])
 @pytest.mark.parametrize("mode", ["fused", "overlap", "sync-free"])
 def test_expert_rows_padded_by_the_permute_match_megatron(pool, ep, mode):

@@ -238,6 +238,7 @@ def run_pipeline(
     deterministic: bool = False,
     fp8_dispatch: bool = False,
     row_alignment: int = 1,
+    fp8_combine: bool = False,
 ) -> torch.Tensor:
     """The routed experts' output ``[T, H]`` (probability-weighted sum over each token's experts).
 
@@ -245,7 +246,9 @@ def run_pipeline(
     one uint8 row (``fp8.dispatch_pack``: about half the bytes); the receiver dequantizes them. The
     combine and every backward exchange stay in the rows' own precision (straight-through gradient).
     ``row_alignment`` > 1: every expert call gets its rows padded to it by the permute
-    (``_experts_aligned``; the native FP8 experts)."""
+    (``_experts_aligned``; the native FP8 experts). ``fp8_combine`` (opt-in): the expert output rows
+    travel back packed the same way and are dequantized on arrival; their gradient stays in the rows'
+    precision (straight-through), so every gradient equals the bf16 combine's."""
     T, H = x_TH.shape
     ep, L = plan.ep_size, plan.num_local_experts
     if T == 0:
@@ -263,6 +266,7 @@ def run_pipeline(
 
     # 1. Pack every minibatch's remote rows and launch its dispatch on the communication stream.
     layout = PackLayout(H) if fp8_dispatch else None
+    layout_c = PackLayout(H) if fp8_combine else None
     flights = []
     for c, mb in enumerate(plan.minibatches):
         tr = transport
@@ -309,7 +313,11 @@ def run_pipeline(
         with torch.no_grad(), st.on("comm"):
             st.wait("comm", ev)
             st.hand_over("comm", z_RH)
-            back_raw = tr.move(z_RH.detach(), mb, COMBINE)
+            if layout_c:  # FP8 on the wire back too (opt-in), dequantized on arrival
+                back_raw = tr.move(pack(z_RH.detach(), layout_c), mb, COMBINE)
+                back_raw = dequantize(*unpack(back_raw, layout_c), layout_c, z_RH.dtype)
+            else:
+                back_raw = tr.move(z_RH.detach(), mb, COMBINE)
             ev_back = st.event("comm")
         z_b = _experts(x_loc[2], meta_loc[2], lp.part_b, *run, local=True)
         pending.append((z_RH, back_raw, tr, z_a, z_b, ev_back))

@@ -183,7 +183,14 @@ class MoKTokenDispatcher(MoETokenDispatcher):
         """Pipelined dispatch -> experts -> combine of the call in flight: ``[T, H]``."""
         call = self.plan
         o = self.options
-        args = (self.transport, self.mok_config.topk, o.deterministic, o.fp8_dispatch, self.row_alignment)
+        args = (
+            self.transport,
+            self.mok_config.topk,
+            o.deterministic,
+            o.fp8_dispatch,
+            self.row_alignment,
+            o.fp8_combine,
+        )
         with profiling.phase("pipeline", hidden_states.device):
             out = _run_pipeline(hidden_states, probs, call.routing_map_TE, call.plan, expert_fn, *args)
             PipelineStats.calls += 1

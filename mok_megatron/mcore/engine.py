@@ -47,6 +47,7 @@ def _explicit(options: MoKOptions) -> list[str]:
             (f"--mok-transport {options.transport}", options.transport != "auto"),
             (f"--mok-local-rows {options.local_rows}", options.local_rows != "auto"),
             ("--mok-fp8-dispatch", options.fp8_dispatch),
+            ("--mok-fp8-combine", options.fp8_combine),
         )
         if on
     ]
