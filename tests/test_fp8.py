@@ -921,3 +921,24 @@ def test_fp8_token_mlp_errors_name_the_value(monkeypatch):
     meta, counts = static_aligned_rows(routing_metadata_reference(ids, 3, 16), 4)
     with pytest.raises(ValueError, match=r"probs \(2, 3\), expected one per route \(2, 2\)"):
         fp8_token_mlp(torch.zeros(2, 16), torch.zeros(2, 3), meta, counts, w1, w2, act)
+
+
+@pytest.mark.parametrize("width", [1024, 7168])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_fp8_dispatched_rows_requantize_to_the_same_operand(width, dtype):
+    """--mok-fp8-dispatch with the native FP8 experts: the experts' rowwise quantization of the rows
+    dequantized on arrival gives back exactly the e4m3 bytes and scales that travelled, so the expert
+    GEMMs consume the dispatched FP8 operand itself (the only cost is that pass, not a second rounding).
+    Why: every dispatched value is q * s with q on the e4m3 grid; the row's largest |q| is 448, so the
+    recomputed scale is s again and each q / s round-trips through bf16 (8 bits) to the same e4m3 value."""
+    from mok_megatron.fp8.dispatch_pack import PackLayout, dequantize, pack, unpack
+
+    g = torch.Generator().manual_seed(width)
+    mag = torch.logspace(-6, 5, 256)[torch.randperm(256, generator=g)]
+    x = (torch.randn(256, width, generator=g) * mag[:, None]).to(dtype)
+    x[7] = 0
+    layout = PackLayout(width)
+    q, s = unpack(pack(x, layout), layout)
+    q2, s2 = quantize.quantize_rowwise(dequantize(q, s, layout, dtype))
+    assert torch.equal(q2.view(torch.uint8), q.reshape(q2.shape).view(torch.uint8))
+    assert torch.equal(s2, s.reshape(s2.shape))
