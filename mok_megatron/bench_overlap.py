@@ -87,6 +87,8 @@ MODES = {  # label: (MoKOptions overrides, capture in a CUDA graph)
     "sync-free+graph": (dict(sync_free=True), True),
     "exact+fp8": (dict(fp8_dispatch=True), False),  # --mok-fp8-dispatch
     "sync-free+graph+fp8": (dict(sync_free=True, fp8_dispatch=True), True),
+    # --mok-fp8-dispatch --mok-fp8-combine: both exchanges' rows in e4m3 (gradients bf16)
+    "sync-free+graph+fp8-both": (dict(sync_free=True, fp8_dispatch=True, fp8_combine=True), True),
 }
 
 
@@ -232,7 +234,7 @@ def _bench_overlap(
                     layer.load_state_dict(sd)
                     out = layer(x)[0].detach().float()
                     err = ((out - ref).abs().max() / ref.abs().max().clamp_min(1e-12)).item()
-                    fp8 = opts.fp8_dispatch or expert_backend != "torch"  # e4m3 rows: 2^-4 relative each
+                    fp8 = opts.fp8_dispatch or opts.fp8_combine or expert_backend != "torch"  # 2^-4 per e4m3 row
                     if err > (0.1 if fp8 else 2e-2):
                         raise RuntimeError(
                             f"{name}: pipelined output differs from the plain layer ({err:.2e})"
