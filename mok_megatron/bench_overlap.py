@@ -234,7 +234,9 @@ def _bench_overlap(
                     layer.load_state_dict(sd)
                     out = layer(x)[0].detach().float()
                     err = ((out - ref).abs().max() / ref.abs().max().clamp_min(1e-12)).item()
-                    fp8 = opts.fp8_dispatch or opts.fp8_combine or expert_backend != "torch"  # 2^-4 per e4m3 row
+                    fp8 = (
+                        opts.fp8_dispatch or opts.fp8_combine or expert_backend != "torch"
+                    )  # 2^-4 per e4m3 row
                     if err > (0.1 if fp8 else 2e-2):
                         raise RuntimeError(
                             f"{name}: pipelined output differs from the plain layer ({err:.2e})"
