@@ -284,3 +284,60 @@ def aligned_case(rank, world, *, align=16, **kw):
         C.build_layers, P._experts_aligned = real_build, real_aligned
     res["aligned_calls"] = len(calls)
     return res
+
+
+def fp8_token_rows_case(rank, world, *, ep=2, topk=4, wgrad="fp8", opts=None, **cfg_kw):
+    """The pipeline with native FP8 experts (``torch._scaled_grouped_mm`` emulated in fp32: CPU has none):
+    every expert call with the permute / combine fused into the experts' FP8 operands
+    (``MoKGroupedMLP.token_rows_forward``) against the same calls unfused (permute into the padded layout,
+    experts, combine). Returns whether the two runs are bitwise equal, how many fused calls ran, and the
+    largest relative (Frobenius) error of either against Megatron's layer."""
+    import mok_megatron.options as O
+    from mok_megatron.checkpoint import convert_state_dict
+    from mok_megatron.fp8 import native
+    from mok_megatron.mcore.experts import MoKGroupedMLP
+    from mok_megatron.options import MoKOptions
+    from tests.cases import build_layers, make_config, run_layer, setup_parallel
+    from tests.test_fp8 import _fake_scaled_grouped_mm
+
+    opts = dict(opts or {}, expert_backend="torch-fp8")
+    saved = (native._gemm, native.check_native_fp8, native.WGRAD_FP8_MIN_ROWS, O._default)
+    real_rows, real_fuses = MoKGroupedMLP.token_rows_forward, MoKGroupedMLP.fuses_permute
+    calls = []
+    native._gemm = _fake_scaled_grouped_mm([])
+    native.check_native_fp8 = lambda device: None
+    native.WGRAD_FP8_MIN_ROWS = 1 if wgrad == "fp8" else 10**9
+    O._default = MoKOptions(**opts)  # the experts read the defaults (the --mok-* flags set them)
+    MoKGroupedMLP.token_rows_forward = lambda self, *a: calls.append(1) or real_rows(self, *a)
+    try:
+        setup_parallel(ep=ep)
+        cfg = make_config(ep=ep, topk=topk, ffn=16, **cfg_kw)
+        torch.manual_seed(0)
+        ref, mok = build_layers(cfg, opts=opts)
+        g = torch.Generator().manual_seed(rank)
+        x = torch.randn(16, 2, cfg.hidden_size, generator=g)
+        dout = torch.randn(16, 2, cfg.hidden_size, generator=g)
+        fused = run_layer(mok, x, dout)
+        n_fused = len(calls)
+        mok.zero_grad(set_to_none=True)
+        MoKGroupedMLP.fuses_permute = lambda self: False
+        unfused = run_layer(mok, x, dout)
+        want = run_layer(ref, x, dout)
+    finally:
+        native._gemm, native.check_native_fp8, native.WGRAD_FP8_MIN_ROWS, O._default = saved
+        MoKGroupedMLP.token_rows_forward, MoKGroupedMLP.fuses_permute = real_rows, real_fuses
+    (o1, dx1, g1, _), (o2, dx2, g2, _) = fused, unfused
+    bitwise = torch.equal(o1, o2) and torch.equal(dx1, dx2) and all(torch.equal(g1[k], g2[k]) for k in g1)
+    ref_g = convert_state_dict(want[2], "mok")
+
+    def rel(a, b):
+        return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+    errs = [rel(o1, want[0]), rel(dx1, want[1])] + [rel(g1[k], ref_g[k]) for k in g1 if "experts" in k]
+    return {
+        "bitwise": bool(bitwise),
+        "fused_calls": n_fused,
+        "unfused_calls": len(calls) - n_fused,
+        "max_rel_err": max(errs),
+        "min_rel_err": min(errs),
+    }

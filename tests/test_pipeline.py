@@ -131,3 +131,21 @@ def test_expert_rows_padded_by_the_permute_match_megatron(pool, ep, mode):
     for r in pool.run("tests.pipeline_cases:aligned_case", ep=ep, topk=4, opts=opts, min_local_half=2):
         assert r["aligned_calls"] > 0
         check(r, f"aligned ep{ep} {mode}")
+
+
+@pytest.mark.parametrize(
+    "ep,wgrad,opts",
+    [
+        (2, "fp8", dict(minibatch_size=_mbs(2), local_rows="overlap")),
+        (4, "bf16", dict(minibatch_size=_mbs(1), sync_free=True, local_rows="fused")),
+        (2, "fp8", dict(minibatch_size=_mbs(3), fp8_dispatch=True, local_rows="fused")),
+    ],
+)
+def test_fp8_experts_fuse_each_calls_permute_bitwise(pool, ep, wgrad, opts):
+    # Native FP8 experts in the pipeline: each expert call's permute into the padded layout and its
+    # combine run inside the experts' FP8 operands (fp8.token_experts), bitwise the unfused call, and
+    # within FP8's error of Megatron's layer (GEMMs emulated in fp32 on CPU).
+    for r in pool.run("tests.pipeline_cases:fp8_token_rows_case", ep=ep, wgrad=wgrad, opts=opts):
+        assert r["bitwise"], r
+        assert r["fused_calls"] > 0 and r["unfused_calls"] == 0, r
+        assert 1e-3 < r["min_rel_err"] and r["max_rel_err"] < 0.1, r

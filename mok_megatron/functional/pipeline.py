@@ -50,6 +50,8 @@ from mok_megatron.ops.permute import combine_tokens, permute_tokens
 from mok_megatron.ops.routing import SlotMap, slot_map
 
 ExpertFn = Callable[[torch.Tensor, torch.Tensor, tuple | None, torch.Tensor], torch.Tensor]
+# token_rows_fn(x_RH, probs_RK, meta, counts_L) -> y_RH: each row's experts' sum, permute / combine fused in
+TokenRowsFn = Callable[[torch.Tensor, torch.Tensor, object, torch.Tensor], torch.Tensor]
 """``expert_fn(x_MH, tokens_per_expert_L (device), tokens_per_expert (host tuple or None), probs_M)``
 returns the probability-scaled expert output ``y_MH``."""
 
@@ -114,12 +116,21 @@ def _pack(x_c, meta_cPW, mb: SendPlan, ep: int):
 
 
 def _experts_aligned(
-    x_RH, probs_RL, mask_RL, part: ExpertPart, topk: int, expert_fn: ExpertFn, alignment: int
+    x_RH,
+    probs_RL,
+    mask_RL,
+    part: ExpertPart,
+    topk: int,
+    expert_fn: ExpertFn,
+    alignment: int,
+    token_rows_fn: TokenRowsFn | None = None,
 ):
     """``_experts`` for experts that want every expert's rows padded to ``alignment`` (native FP8): the
     rows are permuted straight into the padded layout (``kernels.routing`` metadata, padding rows zero,
     probability 0), the experts run on it as it is, and each row's experts are summed by the fixed-order
-    combine (deterministic in both modes). Counts stay on the device (static buffer: no host read)."""
+    combine (deterministic in both modes). Counts stay on the device (static buffer: no host read).
+    ``token_rows_fn``: experts that take the rows and the routing metadata themselves and fuse the
+    permute / combine into their operands (``fp8.token_experts``); the same result, bitwise."""
     from mok_megatron.functional.plan import static_aligned_rows
     from mok_megatron.kernels.combine import combine
     from mok_megatron.kernels.permute import permute
@@ -132,6 +143,8 @@ def _experts_aligned(
     idx_RK = topk_indices(mask_RL.view(torch.uint8), kk)
     ids_RK = torch.where(mask_RL.gather(1, idx_RK), idx_RK, -1)
     meta, counts_L = static_aligned_rows(routing_metadata(ids_RK, L, alignment), min(part.rows_M, R * kk))
+    if token_rows_fn is not None:
+        return token_rows_fn(x_RH, probs_RL.gather(1, idx_RK), meta, counts_L)
     x_PH, probs_P = permute(x_RH, meta, probs_RL.gather(1, idx_RK))
     return combine(expert_fn(x_PH, counts_L, None, probs_P), meta)
 
@@ -145,6 +158,7 @@ def _experts(
     expert_fn: ExpertFn,
     deterministic: bool,
     alignment: int = 1,
+    token_rows_fn: TokenRowsFn | None = None,
     local=False,
 ):
     """Expand rows to (row, local expert), run the experts, sum each row's experts. A local region
@@ -156,7 +170,7 @@ def _experts(
         return x_RH.new_zeros((R, x_RH.shape[-1])) + 0 * meta_RW.sum()
     probs_RL, mask_RL = meta_RW[:, :L], meta_RW[:, L:] > 0.5
     if alignment > 1:
-        return _experts_aligned(x_RH, probs_RL, mask_RL, part, topk, expert_fn, alignment)
+        return _experts_aligned(x_RH, probs_RL, mask_RL, part, topk, expert_fn, alignment, token_rows_fn)
     flat_mask = mask_RL.t().reshape(-1)
     rows = min(part.rows_M, flat_mask.numel())
     flat = flat_mask.argsort(descending=True, stable=True)[:rows]  # grouped by local expert
@@ -239,6 +253,7 @@ def run_pipeline(
     fp8_dispatch: bool = False,
     row_alignment: int = 1,
     fp8_combine: bool = False,
+    token_rows_fn: TokenRowsFn | None = None,
 ) -> torch.Tensor:
     """The routed experts' output ``[T, H]`` (probability-weighted sum over each token's experts).
 
@@ -248,7 +263,8 @@ def run_pipeline(
     ``row_alignment`` > 1: every expert call gets its rows padded to it by the permute
     (``_experts_aligned``; the native FP8 experts). ``fp8_combine`` (opt-in): the expert output rows
     travel back packed the same way and are dequantized on arrival; their gradient stays in the rows'
-    precision (straight-through), so every gradient equals the bf16 combine's."""
+    precision (straight-through), so every gradient equals the bf16 combine's. ``token_rows_fn`` (with
+    ``row_alignment`` > 1): experts that permute / combine inside their own operands (``_experts_aligned``)."""
     T, H = x_TH.shape
     ep, L = plan.ep_size, plan.num_local_experts
     if T == 0:
@@ -262,7 +278,7 @@ def run_pipeline(
     sizes = [mb.num_tokens for mb in plan.minibatches]
     x_parts = x_TH.split(sizes) if C > 1 else (x_TH,)
     meta_parts = meta_TPW.split(sizes) if C > 1 else (meta_TPW,)
-    run = (L, topk, expert_fn, deterministic, row_alignment)
+    run = (L, topk, expert_fn, deterministic, row_alignment, token_rows_fn)
 
     # 1. Pack every minibatch's remote rows and launch its dispatch on the communication stream.
     layout = PackLayout(H) if fp8_dispatch else None

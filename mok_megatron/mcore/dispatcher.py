@@ -179,8 +179,11 @@ class MoKTokenDispatcher(MoETokenDispatcher):
             fuse_local=fuse_local_rows(o.local_rows, slow_link),
         )
 
-    def run_pipeline(self, hidden_states: torch.Tensor, probs: torch.Tensor, expert_fn) -> torch.Tensor:
-        """Pipelined dispatch -> experts -> combine of the call in flight: ``[T, H]``."""
+    def run_pipeline(
+        self, hidden_states: torch.Tensor, probs: torch.Tensor, expert_fn, token_rows_fn=None
+    ) -> torch.Tensor:
+        """Pipelined dispatch -> experts -> combine of the call in flight: ``[T, H]``. ``token_rows_fn``:
+        experts that fuse the per-call permute / combine into their operands (``row_alignment`` > 1)."""
         call = self.plan
         o = self.options
         args = (
@@ -190,6 +193,7 @@ class MoKTokenDispatcher(MoETokenDispatcher):
             o.fp8_dispatch,
             self.row_alignment,
             o.fp8_combine,
+            token_rows_fn if self.row_alignment > 1 else None,
         )
         with profiling.phase("pipeline", hidden_states.device):
             out = _run_pipeline(hidden_states, probs, call.routing_map_TE, call.plan, expert_fn, *args)

@@ -157,8 +157,9 @@ class MoKGroupedMLP(MegatronModule):
         return self.expert_backend == "torch-fp8" and not self.mok_config.apply_probs_on_input
 
     def token_rows_forward(self, x_TH, probs_TK, meta, counts_L):
-        """The experts' per-token output ``[T, H]`` from the token rows and the aligned plan's routing
-        metadata (EP = 1; ``MoKTokenDispatcher.run_fused``)."""
+        """The experts' per-token output ``[T, H]`` from the token rows and routing metadata in the padded
+        layout: the aligned plan's at EP = 1 (``MoKTokenDispatcher.run_fused``), each expert call's in the
+        overlap pipeline (``functional.pipeline._experts_aligned``)."""
         from mok_megatron.fp8.token_experts import fp8_token_mlp
 
         if not self.fuses_permute():

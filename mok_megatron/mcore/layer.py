@@ -128,4 +128,6 @@ class MoKMoELayer(MoELayer):
                 raise MoKConfigError("the pipelined MoK layer needs experts without an output bias")
             return y
 
-        return self.token_dispatcher.run_pipeline(hidden_states, probs, expert_fn), None
+        # Native FP8 experts fuse each call's permute / combine into their FP8 operands (fp8.token_experts).
+        token_rows = experts.token_rows_forward if device_counts and experts.fuses_permute() else None
+        return self.token_dispatcher.run_pipeline(hidden_states, probs, expert_fn, token_rows), None
