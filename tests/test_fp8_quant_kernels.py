@@ -229,84 +229,6 @@ def token_rows_case(tokens, topk, experts, width, dtype, *, drop="none", zero_to
     _bitwise("segments_rows vs permute+segments", got, Q.quantize_segments_t(x_PH, offs, Impl.TORCH))
 
 
-def swiglu_fp8_case(rows, ffn, dtype, *, probs=True, device="cpu"):
-    """SwiGLU with its output's FP8 rowwise quantization fused in, forward and backward: a / dh / dp bitwise
-    ``kernels.swiglu``'s kernels, (q, s) bitwise ``quantize_rowwise`` of them, the block amaxes exact."""
-    from mok_megatron.kernels import swiglu as SW
-    from mok_megatron.kernels import swiglu_fp8 as SF
-
-    g = torch.Generator().manual_seed(rows + ffn)
-    h = (torch.randn(rows, 2 * ffn, generator=g) * 3).to(DTYPES[dtype]).to(device)
-    p = torch.rand(rows, generator=g).to(device) if probs else None
-    da = _x(rows, ffn, DTYPES[dtype], rows * ffn).to(device)
-    a, (q, s, part) = SF.swiglu_fp8_fwd(h, p, Impl.TRITON)
-    assert torch.equal(a, SW.swiglu(h, p, impl=Impl.TRITON)), "a differs from the SwiGLU kernel's"
-    _bitwise("swiglu_fp8 a", (q, s), Q.quantize_rowwise(a, Impl.TORCH))
-    assert torch.equal(part.float(), SF._partials_reference(a).float()), "a block amaxes"
-    dh, dp, (q2, s2, part2) = SF.swiglu_fp8_bwd(h, p, da, Impl.TRITON)
-    h_ = h.clone().requires_grad_()
-    p_ = p.clone().requires_grad_() if probs else None
-    SW.swiglu(h_, p_, impl=Impl.TRITON).backward(da)
-    assert torch.equal(dh, h_.grad), "dh differs from the SwiGLU kernel's backward"
-    assert (dp is None) == (not probs) and (dp is None or torch.equal(dp, p_.grad)), "dp differs"
-    _bitwise("swiglu_fp8 dh", (q2, s2), Q.quantize_rowwise(dh, Impl.TORCH))
-    assert torch.equal(part2.float(), SF._partials_reference(dh).float()), "dh block amaxes"
-
-
-def token_mlp_case(tokens, topk, experts, hidden, ffn, *, wgrad="fp8", device="cpu"):
-    """``fp8.token_experts.fp8_token_mlp`` with the Triton kernels (interpreted on CPU: the SwiGLU emitting
-    a's and dh's FP8 operands, the FP8 permute) against the unfused EP=1 path (permute, the native FP8
-    MLP on padded rows, combine), FP8 GEMM emulated in fp32: output and every gradient bitwise; no rowwise
-    quantization pass left in the fused path (a and dh come quantized from the SwiGLU kernels)."""
-    from mok_megatron.fp8 import native
-    from mok_megatron.fp8.token_experts import fp8_token_mlp
-    from mok_megatron.functional.plan import static_aligned_rows
-    from mok_megatron.kernels.combine import combine
-    from mok_megatron.kernels.permute import permute
-    from mok_megatron.kernels.routing import routing_metadata
-    from mok_megatron.mcore.padded_experts import native_expert_mlp_aligned
-    from mok_megatron.ops.activation import Activation, ActivationSpec
-    from tests.kernel_cases import topk_ids
-    from tests.test_fp8 import _fake_scaled_grouped_mm
-
-    saved = (native._gemm, native.check_native_fp8, native.WGRAD_FP8_MIN_ROWS, native._rowwise)
-    rowwise_calls = []
-    native._gemm = _fake_scaled_grouped_mm([])
-    native.check_native_fp8 = lambda dev: None
-    native.WGRAD_FP8_MIN_ROWS = 1 if wgrad == "fp8" else 10**9
-    native._rowwise = lambda x, partials: rowwise_calls.append(1) or saved[3](x, partials)
-    try:
-        ids = topk_ids(tokens, topk, experts, "none", seed=hidden).to(device)
-        meta, counts = static_aligned_rows(routing_metadata(ids, experts, 16), tokens * topk)
-        g = torch.Generator().manual_seed(ffn)
-        leaves0 = [
-            torch.randn(tokens, hidden, generator=g).to(torch.bfloat16),
-            torch.rand(tokens, topk, generator=g),
-            (torch.randn(experts, 2 * ffn, hidden, generator=g) / 4).to(torch.bfloat16),
-            (torch.randn(experts, hidden, ffn, generator=g) / 4).to(torch.bfloat16),
-        ]
-        dout = torch.randn(tokens, hidden, generator=g).to(torch.bfloat16).to(device)
-        act = ActivationSpec(kind=Activation.SILU, gated=True)
-
-        def run(fn):
-            leaves = [t.to(device).requires_grad_() for t in leaves0]
-            fn(*leaves).backward(dout)
-            return [t.grad for t in leaves]
-
-        def unfused(x, p, w1, w2):
-            x_PH, p_P = permute(x, meta, p)
-            return combine(native_expert_mlp_aligned(x_PH, p_P, counts, w1, w2, act), meta)
-
-        want = run(unfused)
-        rowwise_calls.clear()
-        got = run(lambda x, p, w1, w2: fp8_token_mlp(x, p, meta, counts, w1, w2, act))
-        assert rowwise_calls == [], f"{len(rowwise_calls)} rowwise passes left in the fused path"
-    finally:
-        native._gemm, native.check_native_fp8, native.WGRAD_FP8_MIN_ROWS, native._rowwise = saved
-    for name, a, b in zip(("dx", "dprobs", "dw1", "dw2"), got, want, strict=True):
-        assert torch.equal(a, b), (name, (a.float() - b.float()).abs().max())
-
-
 # Small shapes: the CPU interpreter runs all of them in a few seconds.
 CASES = {
     # whole 16-row blocks (partials), an unaligned segment and the spare tail (from x), an empty one
@@ -338,11 +260,6 @@ CASES = {
     "scatter_one_row": lambda **kw: scatter_case([0, 1, 0], 16, "bf16", **kw),
     "token_rows_bf16": lambda **kw: token_rows_case(37, 3, 5, 40, "bf16", zero_token=4, **kw),
     "token_rows_dropped_fp32": lambda **kw: token_rows_case(24, 2, 6, 24, "fp32", drop="some", **kw),
-    "swiglu_fp8_probs_bf16": lambda **kw: swiglu_fp8_case(37, 40, "bf16", **kw),
-    "swiglu_fp8_wide_fp32": lambda **kw: swiglu_fp8_case(24, 300, "fp32", probs=False, **kw),
-    "swiglu_fp8_tall_narrow": lambda **kw: swiglu_fp8_case(70, 8, "bf16", **kw),
-    "token_mlp_fp8_wgrad": lambda **kw: token_mlp_case(24, 2, 4, 32, 16, **kw),
-    "token_mlp_bf16_wgrad": lambda **kw: token_mlp_case(24, 3, 5, 48, 32, wgrad="bf16", **kw),
     "token_rows_one_expert_wide": lambda **kw: token_rows_case(
         5, 1, 3, Q.ONE_PASS_MAX + 32, "bf16", drop="one-expert", **kw
     ),
@@ -367,8 +284,6 @@ GPU_CASES = {
     "scatter_qwen_x": lambda **kw: scatter_case([97, 130, 0, 3] * 32, 2048, "bf16", zero_expert=5, **kw),
     "token_rows_dsv3": lambda **kw: token_rows_case(4096, 8, 8, 7168, "bf16", zero_token=7, **kw),
     "token_rows_qwen": lambda **kw: token_rows_case(2048, 8, 128, 2048, "bf16", **kw),
-    "swiglu_fp8_dsv3": lambda **kw: swiglu_fp8_case(32768, 2048, "bf16", **kw),
-    "swiglu_fp8_qwen": lambda **kw: swiglu_fp8_case(4099, 768, "bf16", **kw),
 }
 
 

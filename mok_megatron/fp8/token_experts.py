@@ -20,8 +20,6 @@ backward quantizes them again. A route's row is a copy of its token's row, so he
     fc2 backward     dgrad A = ``quantize_permute(dout_TH)`` (the combine's backward, quantized), the weight
                      gradient's dy operand read through ``src_P`` from dout_TH
 
-With SwiGLU on the Triton path (``ops.activation.fused_swiglu_applies``) the activation's forward also writes
-a's FP8 rowwise operand and its backward dh's (``kernels.swiglu_fp8``): neither is read back to be quantized.
 Where the weight gradient runs in bf16 (``fp8.native.WGRAD_FP8_MIN_ROWS``: Qwen3-30B-A3B-like shapes) its
 operand rows are rebuilt from the token rows in the backward instead (the permute's scatter, ``_rows``).
 Quantization policy, accumulation modes and the weight cache are ``fp8.native``'s; probabilities are applied
@@ -39,8 +37,7 @@ from mok_megatron.kernels.fp8_quant import quantize_segments_t, quantize_segment
 from mok_megatron.kernels.permute import permute
 from mok_megatron.kernels.routing import RoutingMeta
 from mok_megatron.ops.grouped_gemm import offsets_from_counts
-from mok_megatron.kernels.swiglu_fp8 import swiglu_fp8_bwd, swiglu_fp8_fwd
-from mok_megatron.ops.activation import ActivationSpec, apply_activation, fused_swiglu_applies
+from mok_megatron.ops.activation import ActivationSpec, apply_activation
 
 
 def _rows(x_TH: torch.Tensor, meta: RoutingMeta) -> torch.Tensor:
@@ -54,10 +51,9 @@ class _PermuteFc1(torch.autograd.Function):
     """``fp8_grouped_linear(permute(x_TH), w1, offs)`` with A quantized straight from the token rows."""
 
     @staticmethod
-    def forward(ctx, x_TH, w_GNK, offs_G, meta, stash=None):
+    def forward(ctx, x_TH, w_GNK, offs_G, meta):
         xq_PH, xs_P, src_P = quantize_permute(x_TH, meta)
         ctx.meta = meta
-        ctx.stash = stash
         ctx.save_for_backward(x_TH, w_GNK, offs_G, src_P)
         wq_GNK, ws_GN = N.quantized_weight(w_GNK, "fwd")
         return N._gemm(xq_PH, wq_GNK.transpose(-2, -1), xs_P, ws_GN, offs_G, fast_accum=True).to(x_TH.dtype)
@@ -70,7 +66,7 @@ class _PermuteFc1(torch.autograd.Function):
         wgrad_fp8 = ctx.needs_input_grad[1] and N._wgrad_fp8(num_rows, w_GNK)
         dx_TH = dw_GNK = dh_partials = None
         if ctx.needs_input_grad[0]:
-            dh_quantized, dh_partials = _stashed_dh(ctx.stash, dh_PN, wgrad_fp8)
+            dh_quantized, dh_partials = N._rowwise(dh_PN, wgrad_fp8)
             operands = N.dgrad_operands(dh_PN, w_GNK, N.quantized_weight(w_GNK, "dgrad"), dh_quantized)
             dx_PH = N._gemm(*operands, offs_G, fast_accum=N._dgrad_fast(w_GNK)).to(x_TH.dtype)
             dx_TH = combine(dx_PH, ctx.meta)  # the permute's backward: each token's K rows summed in fp32
@@ -81,38 +77,7 @@ class _PermuteFc1(torch.autograd.Function):
                 dw_GNK = N._gemm(*operands, offs_G, fast_accum=False).to(w_GNK.dtype)
             else:
                 dw_GNK = N._wgrad_bf16(dh_PN, _rows(x_TH, ctx.meta), offs_G, w_GNK)
-        return dx_TH, dw_GNK, None, None, None
-
-
-def _stashed_dh(stash, dh_PN, wgrad_fp8: bool):
-    """dh's FP8 rowwise operand (and block amaxes): the SwiGLU backward's (``_SwiGLUFP8``) when it left them
-    for exactly this gradient tensor, else one rowwise pass here."""
-    left = None if stash is None else stash.pop("dh", None)
-    if left is not None and left[0] is dh_PN:
-        q, s, part = left[1]
-        return (q, s), (part if wgrad_fp8 else None)
-    return N._rowwise(dh_PN, wgrad_fp8)
-
-
-class _SwiGLUFP8(torch.autograd.Function):
-    """SwiGLU times the rows' probabilities (``kernels.swiglu``'s numerics) whose forward also returns a's FP8
-    rowwise operand and block amaxes (not differentiable) and whose backward leaves dh's in ``stash`` for fc1's
-    backward (``kernels.swiglu_fp8``): neither output is read back from HBM to be quantized."""
-
-    @staticmethod
-    def forward(ctx, h_PF1, probs_P, stash):
-        a_PF, (q_PF, s_P, part_BF) = swiglu_fp8_fwd(h_PF1, probs_P)
-        ctx.save_for_backward(h_PF1, probs_P)
-        ctx.stash = stash
-        ctx.mark_non_differentiable(q_PF, s_P, part_BF)
-        return a_PF, q_PF, s_P, part_BF
-
-    @staticmethod
-    def backward(ctx, da_PF, *_):
-        h_PF1, probs_P = ctx.saved_tensors
-        dh_PF1, dp_P, quantized = swiglu_fp8_bwd(h_PF1, probs_P, da_PF)
-        ctx.stash["dh"] = (dh_PF1, quantized)
-        return dh_PF1, dp_P, None
+        return dx_TH, dw_GNK, None, None
 
 
 class _Fc2Combine(torch.autograd.Function):
@@ -120,12 +85,9 @@ class _Fc2Combine(torch.autograd.Function):
     token rows straight into fc2's FP8 gradient operands."""
 
     @staticmethod
-    def forward(ctx, a_PF, w_GNK, offs_G, meta, aq_PF=None, as_P=None, apart_BF=None):
+    def forward(ctx, a_PF, w_GNK, offs_G, meta):
         wgrad_fp8 = w_GNK.requires_grad and N._wgrad_fp8(a_PF.shape[0], w_GNK)
-        if aq_PF is not None:  # the SwiGLU forward quantized a already (``_SwiGLUFP8``)
-            a_quantized, a_partials = (aq_PF, as_P), (apart_BF if wgrad_fp8 else None)
-        else:
-            a_quantized, a_partials = N._rowwise(a_PF, wgrad_fp8)
+        a_quantized, a_partials = N._rowwise(a_PF, wgrad_fp8)
         ctx.meta = meta
         ctx.save_for_backward(a_PF, w_GNK, offs_G, a_partials)
         operands = N.fwd_operands(a_PF, w_GNK, N.quantized_weight(w_GNK, "fwd"), a_quantized)
@@ -151,7 +113,7 @@ class _Fc2Combine(torch.autograd.Function):
                 dw_GNK = N._gemm(*operands, offs_G, fast_accum=False).to(w_GNK.dtype)
             else:
                 dw_GNK = N._wgrad_bf16(_rows(dout_TH, ctx.meta), a_PF, offs_G, w_GNK)
-        return da_PF, dw_GNK, None, None, None, None, None
+        return da_PF, dw_GNK, None, None
 
 
 class _PermuteProbs(torch.autograd.Function):
@@ -200,10 +162,5 @@ def fp8_token_mlp(
     offs_L = offsets_from_counts(counts_L, x_TH.device)
     N._check_shapes(x_TH, w1_LFH, offs_L)
     probs_P = _PermuteProbs.apply(probs_TK, meta)
-    if fused_swiglu_applies(act, x_TH):  # SwiGLU emits a's and dh's FP8 operands itself
-        stash: dict = {}
-        h_PF1 = _PermuteFc1.apply(x_TH.contiguous(), w1_LFH, offs_L, meta, stash)
-        a_PF, aq_PF, as_P, apart_BF = _SwiGLUFP8.apply(h_PF1, probs_P, stash)
-        return _Fc2Combine.apply(a_PF, w2_LHF, offs_L, meta, aq_PF, as_P, apart_BF)
     h_PF1 = _PermuteFc1.apply(x_TH.contiguous(), w1_LFH, offs_L, meta)
     return _Fc2Combine.apply(apply_activation(h_PF1, act, probs_P), w2_LHF, offs_L, meta)
