@@ -624,7 +624,7 @@ def _fake_scaled_grouped_mm(calls):
         ends = offs_G.tolist()
         starts = [0, *ends[:-1]]
         if b.dim() == 3:  # forward / dgrad: groups split A's rows
-            out = torch.zeros(a.shape[0], b.shape[2])
+            out = torch.zeros(a.shape[0], b.shape[2], device=a.device)
             for g, (s, e) in enumerate(zip(starts, ends, strict=True)):
                 out[s:e] = (a[s:e].float() * sa[s:e, None]) @ (b[g].float() * sb[g][None, :])
             return out.to(native.OUT_DTYPE)
