@@ -1,0 +1,47 @@
+"""Which GPU kernels the overlap pipeline adds over the plain layer, one H200 standing in for EP=2 (loopback
+transport, infinite link, the DeepSeek-V3 per-rank slice of the two-H200 runs: 8 local experts, top-8, 4096
+tokens). Per configuration: wall ms, GPU kernel ms, launches, host enqueue, top kernels.
+
+    python benchmarks/pipeline_ep2_probe.py [--top 22]
+"""
+
+import argparse
+import warnings
+
+import torch
+
+warnings.filterwarnings("ignore")
+from mok_megatron.bench import _config, _init_single_process, build  # noqa: E402
+from mok_megatron.bench_overlap import _inputs, _stepper, _time  # noqa: E402
+from mok_megatron.kernel_profile import kernel_summary  # noqa: E402
+from mok_megatron.options import MoKOptions  # noqa: E402
+
+SHAPE = dict(hidden=7168, ffn=2048, experts=8, topk=8, tokens=4096)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--top", type=int, default=22)
+    ns = p.parse_args()
+    _init_single_process()
+    cfg = _config(SHAPE, torch.bfloat16)
+    x, dout = _inputs(SHAPE["tokens"], SHAPE["hidden"], torch.bfloat16, torch.device("cuda"))
+    lb = dict(transport="loopback", loopback_ep=2, loopback_gbps=0.0, minibatch_size=SHAPE["tokens"])
+    configs = {
+        "plain": None,
+        "pipeline exact, fused local rows": MoKOptions(**lb, local_rows="fused"),
+        "pipeline sync-free, fused local rows": MoKOptions(**lb, local_rows="fused", sync_free=True),
+        "pipeline sync-free, local rows overlapped": MoKOptions(**lb, local_rows="overlap", sync_free=True),
+    }
+    for label, opts in configs.items():
+        torch.manual_seed(0)
+        layer = build("mok", cfg, options=opts).cuda()
+        step = _stepper(layer, x, dout)
+        ms = 1e3 * _time(step, 10, 3)
+        print(kernel_summary(step, f"dsv3 EP=2 loopback: {label}", ms, top=ns.top, width=110), flush=True)
+        del layer
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
