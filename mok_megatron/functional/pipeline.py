@@ -159,6 +159,7 @@ def _experts(
     deterministic: bool,
     alignment: int = 1,
     token_rows_fn: TokenRowsFn | None = None,
+    routing_kernels: bool = False,
     local=False,
 ):
     """Expand rows to (row, local expert), run the experts, sum each row's experts. A local region
@@ -169,7 +170,7 @@ def _experts(
     if local and (part.rows_M == 0 or R == 0):
         return x_RH.new_zeros((R, x_RH.shape[-1])) + 0 * meta_RW.sum()
     probs_RL, mask_RL = meta_RW[:, :L], meta_RW[:, L:] > 0.5
-    if alignment > 1:
+    if alignment > 1 or routing_kernels:
         return _experts_aligned(x_RH, probs_RL, mask_RL, part, topk, expert_fn, alignment, token_rows_fn)
     flat_mask = mask_RL.t().reshape(-1)
     rows = min(part.rows_M, flat_mask.numel())
@@ -254,6 +255,7 @@ def run_pipeline(
     row_alignment: int = 1,
     fp8_combine: bool = False,
     token_rows_fn: TokenRowsFn | None = None,
+    routing_kernels: bool = False,
 ) -> torch.Tensor:
     """The routed experts' output ``[T, H]`` (probability-weighted sum over each token's experts).
 
@@ -264,7 +266,10 @@ def run_pipeline(
     (``_experts_aligned``; the native FP8 experts). ``fp8_combine`` (opt-in): the expert output rows
     travel back packed the same way and are dequantized on arrival; their gradient stays in the rows'
     precision (straight-through), so every gradient equals the bf16 combine's. ``token_rows_fn`` (with
-    ``row_alignment`` > 1): experts that permute / combine inside their own operands (``_experts_aligned``)."""
+    ``row_alignment`` > 1): experts that permute / combine inside their own operands (``_experts_aligned``).
+    ``routing_kernels``: every expert call plans its rows with the routing kernels and moves them with the
+    Triton permute / combine (``_experts_aligned`` at ``row_alignment``, 1 included) instead of a sort and
+    row gathers; for experts that take device counts (MoK's)."""
     T, H = x_TH.shape
     ep, L = plan.ep_size, plan.num_local_experts
     if T == 0:
@@ -278,7 +283,7 @@ def run_pipeline(
     sizes = [mb.num_tokens for mb in plan.minibatches]
     x_parts = x_TH.split(sizes) if C > 1 else (x_TH,)
     meta_parts = meta_TPW.split(sizes) if C > 1 else (meta_TPW,)
-    run = (L, topk, expert_fn, deterministic, row_alignment, token_rows_fn)
+    run = (L, topk, expert_fn, deterministic, row_alignment, token_rows_fn, routing_kernels)
 
     # 1. Pack every minibatch's remote rows and launch its dispatch on the communication stream.
     layout = PackLayout(H) if fp8_dispatch else None

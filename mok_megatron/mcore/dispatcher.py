@@ -96,6 +96,9 @@ class MoKTokenDispatcher(MoETokenDispatcher):
         # take the token rows and the plan and permute / combine inside their GEMM operands
         # (``run_fused``; the native FP8 experts: ``fp8.token_experts``); the six phases pass rows through.
         self.fused_experts = False
+        # True (set by MoKMoELayer for experts that take device counts): the pipeline's expert calls plan
+        # their rows with the routing kernels at any alignment (``functional.pipeline._experts_aligned``).
+        self.routing_kernel_calls = False
 
     @property
     def pipelined(self) -> bool:
@@ -194,6 +197,7 @@ class MoKTokenDispatcher(MoETokenDispatcher):
             self.row_alignment,
             o.fp8_combine,
             token_rows_fn if self.row_alignment > 1 else None,
+            self.routing_kernel_calls,
         )
         with profiling.phase("pipeline", hidden_states.device):
             out = _run_pipeline(hidden_states, probs, call.routing_map_TE, call.plan, expert_fn, *args)

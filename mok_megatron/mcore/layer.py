@@ -91,6 +91,9 @@ class MoKMoELayer(MoELayer):
             # pipeline only for experts that take device counts.
             self.token_dispatcher.row_alignment = align
             self.experts.aligned_input = align
+        if pipelined and mok_experts and not host_counts:
+            # MoK's experts take device counts: every pipeline expert call on the routing kernels' plan.
+            self.token_dispatcher.routing_kernel_calls = True
         if self.token_dispatcher.aligned_plan and align > 1 and mok_experts and self.experts.fuses_permute():
             # EP = 1 native FP8 experts: permute and combine fused into their FP8 operands.
             self.token_dispatcher.fused_experts = True
