@@ -25,6 +25,12 @@ compute: minibatch c-1's combine-backward would launch only after minibatch c's 
 Events order the streams; no host synchronisation happens inside (the plan read the counts once, or
 not at all in sync-free mode).
 
+Expert calls: with experts that take device counts (MoK's; ``routing_kernels``) each call plans its rows with
+the routing kernels and moves them with the Triton permute / combine (``_experts_aligned``, padded to the
+experts' alignment, 1 for bf16); native FP8 experts take the rows and the metadata themselves and fuse the
+permute / combine into their FP8 operands (``token_rows_fn``). Other experts (Megatron's, reading host counts)
+get a sort-based call (``_experts``). ``fp8_combine`` (opt-in) sends the expert output rows back as e4m3 too.
+
 Reductions: each expert row is scaled by its probability inside the experts; a rank sums its local
 experts' rows per received token, the source sums the ranks' partial rows per token (remote rows,
 then region A/B rows, in that fixed order). With ``deterministic`` both sums are fixed-order gathers
