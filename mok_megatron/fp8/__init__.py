@@ -7,6 +7,7 @@ bf16 ``torch``); FP8 token dispatch (``dispatch_pack``) is the pipeline's ``--mo
     quantize        rowwise and 1x128 blockwise e4m3 quantize / dequantize (fp32 scales)
     dispatch_pack   FP8 token rows + scales packed into one uint8 row for one exchange
     native          rowwise-scaled FP8 grouped GEMMs (forward, dgrad, wgrad) on Hopper+
+    token_experts   the native FP8 experts on token rows: permute / combine fused into their FP8 operands
     backend         --mok-expert-backend torch | torch-fp8 | te: checks and row alignment
     layers          MoK layers with an FP8 backend under Megatron's FP8 context (benchmarks, tests)
 """

@@ -10,6 +10,8 @@ Modules:
     permute  token rows (+ probabilities) -> expert-major rows; optional fused cast; zero padding rows
     combine  expert rows -> per-token (optionally probability-weighted) sum, deterministic, with backward
     swiglu   fused SwiGLU forward/backward on fc1's [gate | up] output, optionally times a per-row prob
+    fp8_quant    e4m3 rowwise / per-(expert, column) transposed quantization (the native FP8 GEMMs' operands)
+    fp8_permute  the permute with rowwise e4m3 quantization fused in (each token quantized once)
     topk     the router's top-k selection, one pass per row (ties to the lower index)
 
 Every public op takes ``impl``: ``Impl.AUTO`` runs Triton on CUDA tensors when Triton is installed and the

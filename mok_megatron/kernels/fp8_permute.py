@@ -30,8 +30,9 @@ from __future__ import annotations
 
 import torch
 
+from mok_megatron.fp8.quantize import _check_input
 from mok_megatron.kernels import Impl, jit, next_pow2, tl, use_triton
-from mok_megatron.kernels.fp8_quant import ONE_PASS_MAX, TWO_PASS_BLOCK, _finish, _q_buffer
+from mok_megatron.kernels.fp8_quant import ONE_PASS_MAX, TWO_PASS_BLOCK, _finish, _q_buffer, quantize_rowwise
 from mok_megatron.kernels.permute import (
     FILL_PROGRAMS_MAX,
     FILL_ROWS,
@@ -41,8 +42,6 @@ from mok_megatron.kernels.permute import (
     permute_reference,
 )
 from mok_megatron.kernels.routing import RoutingMeta
-from mok_megatron.fp8.quantize import _check_input
-from mok_megatron.kernels.fp8_quant import quantize_rowwise
 
 
 FILL_BLOCK_H = 1024  # columns per store of a fill program (zero rows)
