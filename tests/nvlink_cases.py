@@ -159,3 +159,42 @@ def nvlink_layer_case(rank, world, *, ep=2, topk=2, opts=None):
         nonzero=bool(o1.abs().sum() > 0),
         buffers=len(ws._bufs),
     )
+
+
+def hierarchical_layer_case(rank, world, *, names, ep=4, topk=4, opts=None):
+    """The MoK layer through the overlap pipeline with HierarchicalTransport (``names``: each EP rank's
+    NVLink domain; inside a domain the rows move on a shared-memory workspace across the gloo ranks,
+    between domains through the collective) against the same layer with the collective transport."""
+    from mok_megatron.nvlink import hierarchical as HT
+    from mok_megatron.nvlink import transport as NT
+    from tests.cases import build_layers, make_config, run_layer, setup_parallel
+
+    setup_parallel(ep=ep)
+    cfg = make_config(ep=ep, topk=topk)
+    layers = []
+    for _ in range(2):
+        torch.manual_seed(0)
+        layers.append(build_layers(cfg, opts=dict(opts or {}, transport="collective"))[1])
+    coll, hier = layers
+    group = coll.token_dispatcher.transport.group
+    tr = HT.HierarchicalTransport(group, programs=3, names=names)
+    hier.token_dispatcher.transport = tr
+    spaces = {}
+    original = NT.workspace
+    NT.workspace = lambda g, device: spaces.setdefault(id(g), SharedFileWorkspace(g))
+    try:
+        g = torch.Generator().manual_seed(rank)
+        x = torch.randn(16, 2, cfg.hidden_size, generator=g)
+        dout = torch.randn(16, 2, cfg.hidden_size, generator=g)
+        (o1, dx1, g1, _), (o2, dx2, g2, _) = run_layer(coll, x, dout), run_layer(hier, x, dout)
+    finally:
+        NT.workspace = original
+    return dict(
+        bitwise=bool(
+            torch.equal(o1, o2) and torch.equal(dx1, dx2) and all(torch.equal(g1[k], g2[k]) for k in g1)
+        ),
+        nonzero=bool(o1.abs().sum() > 0),
+        domain=tr.domain,
+        domains=tr.domains,
+        workspaces=len(spaces),
+    )

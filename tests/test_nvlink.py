@@ -398,7 +398,7 @@ def test_nvlink_group_check_passes_one_host_with_peer_access(monkeypatch):
     fake = _FakeDist([("a", 0), ("a", 1)])
     monkeypatch.setattr(W, "dist", fake)
     monkeypatch.setattr(W, "group_size", lambda g: 2)
-    monkeypatch.setattr(W.socket, "gethostname", lambda: "a")
+    monkeypatch.setenv("MOK_NVLINK_DOMAIN", "a")  # this rank's domain name (else the host name)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(torch.cuda, "can_device_access_peer", lambda a, b: True)
@@ -418,3 +418,44 @@ def test_nvlink_transport_in_the_pipeline_bitwise_equals_collective(pool, ep, to
     for r in pool.run("tests.nvlink_cases:nvlink_layer_case", ep=ep, topk=topk, opts=opts):
         assert r["nonzero"] and r["bitwise"] and r["repeat"], r
         assert r["buffers"] == 4  # token rows and routing rows, each per direction
+
+
+@pytest.mark.parametrize(
+    "names,opts",
+    [
+        (["a", "a", "b", "b"], dict(minibatch_size=16)),  # two domains of two
+        (["a", "a", "a", "b"], dict(minibatch_size=11, sync_free=True)),  # uneven, fixed capacities
+        (["a", "b", "c", "d"], dict(local_rows="overlap")),  # every rank alone: all through the collective
+    ],
+)
+def test_hierarchical_transport_bitwise_equals_collective(pool, names, opts):
+    """An EP group across NVLink domains (--mok-transport nvlink over hosts): rows inside a domain move on
+    the NVLink workspace (shared memory across the gloo ranks here), the others through the collective;
+    the layer's output and every gradient equal the collective transport's bitwise, forward and backward."""
+    for rank, r in enumerate(pool.run("tests.nvlink_cases:hierarchical_layer_case", names=names, opts=opts)):
+        assert r["nonzero"] and r["bitwise"], (rank, r)
+        assert r["domains"] == len(set(names)) and r["domain"] == [
+            i for i, n in enumerate(names) if n == names[rank]
+        ]
+        assert r["workspaces"] == (1 if names.count(names[rank]) > 1 else 0), (rank, r)
+
+
+def test_nvlink_transport_choice_follows_the_domains(monkeypatch):
+    """--mok-transport nvlink: one domain -> NVLinkTransport; several -> HierarchicalTransport; the domain
+    name is the host name unless MOK_NVLINK_DOMAIN is set."""
+    from mok_megatron.nvlink import hierarchical as HT
+
+    monkeypatch.setenv(HT.DOMAIN_ENV, "rack7")
+    assert HT.node_name() == "rack7"
+    monkeypatch.delenv(HT.DOMAIN_ENV)
+    import socket
+
+    assert HT.node_name() == socket.gethostname()
+    made = []
+    monkeypatch.setattr(HT.NT, "NVLinkTransport", lambda g, p: made.append(("flat", p)) or "flat")
+    monkeypatch.setattr(HT, "HierarchicalTransport", lambda g, p, n: made.append(("hier", n)) or "hier")
+    monkeypatch.setattr(HT, "domains_of", lambda g: ["h0", "h0"])
+    assert HT.nvlink_transport(None, 8) == "flat"
+    monkeypatch.setattr(HT, "domains_of", lambda g: ["h0", "h1"])
+    assert HT.nvlink_transport(None, 8) == "hier"
+    assert made == [("flat", 8), ("hier", ["h0", "h1"])]

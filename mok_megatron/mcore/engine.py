@@ -92,9 +92,10 @@ def select_transport(cfg: MoKConfig, options: MoKOptions, ep_group):
             raise MoKConfigError(
                 "--mok-transport nvlink needs CUDA GPUs in one NVLink domain; use collective here."
             )
-        from mok_megatron.nvlink.transport import NVLinkTransport
+        from mok_megatron.nvlink.hierarchical import nvlink_transport
 
-        return NVLinkTransport(ep_group, options.nvlink_programs)
+        # one NVLink domain: NVLinkTransport; an EP group across domains: NVLink inside, NCCL between
+        return nvlink_transport(ep_group, options.nvlink_programs)
     if options.transport == "copy_engine":
         if not torch.cuda.is_available():
             raise MoKConfigError(

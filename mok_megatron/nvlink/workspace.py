@@ -18,7 +18,6 @@ Legend: P ranks (peers), W words per row.
 from __future__ import annotations
 
 import importlib
-import socket
 
 import torch
 import torch.distributed as dist
@@ -78,15 +77,18 @@ def check_nvlink_group(group) -> None:
         importlib.import_module("torch.distributed._symmetric_memory")
     except Exception as e:  # pragma: no cover - torch builds without it
         raise MoKConfigError(f"--mok-transport nvlink needs torch symmetric memory ({e}): {_FIX}.") from e
+    from mok_megatron.nvlink.hierarchical import node_name
+
     me = torch.cuda.current_device()
-    mine = (socket.gethostname(), me)
+    mine = (node_name(), me)
     everyone = [None] * group_size(group)
     dist.all_gather_object(everyone, mine, group=group)
     hosts = sorted({h for h, _ in everyone})
     if len(hosts) > 1:
         raise MoKConfigError(
-            f"--mok-transport nvlink: the EP group spans {len(hosts)} hosts ({', '.join(hosts)}); peer "
-            f"memory reaches one NVLink domain only: {_FIX} (or a smaller EP group inside the node)."
+            f"NVLink workspace: the group spans {len(hosts)} hosts ({', '.join(hosts)}); peer memory reaches "
+            f"one NVLink domain only: {_FIX} (--mok-transport nvlink itself splits such an EP group: "
+            "mok_megatron.nvlink.hierarchical)."
         )
     no_peer = [d for _, d in everyone if d != me and not torch.cuda.can_device_access_peer(me, d)]
     verdicts = [None] * len(everyone)  # every rank must raise together (or all would hang later)
