@@ -73,6 +73,8 @@ def combine_reference(
 ) -> torch.Tensor:
     """Pure torch: gather the K rows, weight in fp32, sum over k, round once."""
     num_tokens, topk = meta.row_TK.shape
+    if y_RH.shape[0] == 0:  # no rows at all (every route dropped or elsewhere): nothing to gather
+        return y_RH.new_zeros((num_tokens, y_RH.shape[1]), dtype=out_dtype or y_RH.dtype) + 0 * y_RH.sum()
     live_TK = meta.row_TK >= 0
     rows_N = meta.row_TK.reshape(-1).long().clamp(min=0)
     picked_TKH = y_RH.index_select(0, rows_N).view(num_tokens, topk, y_RH.shape[1]).float()
