@@ -43,6 +43,25 @@ def _is_rank0() -> bool:
 # ---- model ----------------------------------------------------------------------------------------
 
 
+_domains_ready = []  # set once the NVLink-domain groups exist (``init_nvlink_domains``)
+
+
+def _nvlink_domains() -> None:
+    """With ``--mok-transport nvlink``: create the NVLink-domain groups once, on every rank (the layer spec
+    is built on every rank, once per model chunk, after Megatron's process groups: the one place where all
+    ranks meet before the MoE layers are built)."""
+    import torch.distributed as dist
+
+    from mok_megatron.options import default_options
+
+    if _domains_ready or default_options().transport != "nvlink" or not dist.is_initialized():
+        return
+    from mok_megatron.nvlink.hierarchical import init_nvlink_domains
+
+    init_nvlink_domains()
+    _domains_ready.append(True)
+
+
 def mok_layer_spec(model_config, vp_stage=None):
     """Megatron's default layer spec for this model config, with MoK MoE layers."""
     from megatron.training.models.gpt import default_layer_spec
@@ -52,6 +71,7 @@ def mok_layer_spec(model_config, vp_stage=None):
     from mok_megatron.mcore.layer import MoKMoELayer
     from mok_megatron.spec import mokify
 
+    _nvlink_domains()
     spec = mokify(default_layer_spec(model_config, vp_stage))
     layers = getattr(spec, "layer_specs", [spec])
     n = sum(1 for s in layers if getattr(getattr(s.submodules, "mlp", None), "func", None) is MoKMoELayer)
@@ -69,6 +89,7 @@ def _mokified(spec):
             import inspect
 
             kw = {"vp_stage": vp_stage} if "vp_stage" in inspect.signature(spec).parameters else {}
+            _nvlink_domains()
             return mokify(spec(model_config, **kw))
 
         return fn

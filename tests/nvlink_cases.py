@@ -177,7 +177,12 @@ def hierarchical_layer_case(rank, world, *, names, ep=4, topk=4, opts=None):
         layers.append(build_layers(cfg, opts=dict(opts or {}, transport="collective"))[1])
     coll, hier = layers
     group = coll.token_dispatcher.transport.group
-    tr = HT.HierarchicalTransport(group, programs=3, names=names)
+    os.environ[HT.DOMAIN_ENV] = names[rank]  # this rank's NVLink domain
+    try:
+        HT.init_nvlink_domains(group)  # every rank, before building the transport
+        tr = HT.HierarchicalTransport(group, programs=3)
+    finally:
+        del os.environ[HT.DOMAIN_ENV]
     hier.token_dispatcher.transport = tr
     spaces = {}
     original = NT.workspace

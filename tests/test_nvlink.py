@@ -459,3 +459,16 @@ def test_nvlink_transport_choice_follows_the_domains(monkeypatch):
     monkeypatch.setattr(HT, "domains_of", lambda g: ["h0", "h1"])
     assert HT.nvlink_transport(None, 8) == "hier"
     assert made == [("flat", 8), ("hier", ["h0", "h1"])]
+
+
+def test_hierarchical_transport_without_domain_groups_says_how(monkeypatch):
+    """An EP group across domains whose domain groups were not created on every rank: a clear error naming
+    the call that creates them (torch requires every rank to take part in every group creation)."""
+    from mok_megatron.config import MoKConfigError
+    from mok_megatron.nvlink import hierarchical as HT
+
+    monkeypatch.setattr(HT.dist, "get_process_group_ranks", lambda g: [5, 6, 7, 8])
+    with pytest.raises(
+        MoKConfigError, match=r"EP group \[5, 6, 7, 8\] spans NVLink domains.*init_nvlink_domains"
+    ):
+        HT.domain_group(object())

@@ -8,8 +8,10 @@ in-domain counts zeroed (NCCL on GPUs). The received rows are put back in source
 ``all_to_all_single``'s with the full split matrix, bitwise (same rows, nothing reduced).
 
 Domains: ranks whose ``node_name()`` agree (the host name, or ``MOK_NVLINK_DOMAIN`` when set: e.g. one GB300
-NVL72 rack spans 18 hosts and is one domain; tests use it to split localhost into "nodes"). The domain
-subgroups are created once per EP group, by the member ranks only (``use_local_synchronization``).
+NVL72 rack spans 18 hosts and is one domain, which also needs symmetric memory across hosts: untested;
+tests use it to split localhost into "nodes"). The domain groups are created by every rank of the job in
+the same order, once, before the model is built (``init_nvlink_domains``: torch requires every rank to
+take part in every group creation).
 
     m[s][d]     rows rank s sends to rank d in this exchange (``transport.split_matrix``)
     D           the EP ranks in my domain (group-relative, ascending)
@@ -27,6 +29,7 @@ import socket
 import torch
 import torch.distributed as dist
 
+from mok_megatron.config import MoKConfigError
 from mok_megatron.functional.comm import all_to_all_v, group_size
 from mok_megatron.functional.pipeline_plan import SendPlan
 from mok_megatron.functional.transport import COMBINE
@@ -49,19 +52,48 @@ def domains_of(group) -> list[str]:
     return names
 
 
-_subgroups: dict = {}  # (EP group name, member global ranks) -> the domain's process group
+_domain_groups: dict = {}  # EP group's global ranks -> my domain's process group (None: alone in it)
 
 
-def domain_group(group, names: list[str], backend: str | None = None):
-    """The process group of my domain's EP ranks (created once; only its members call this)."""
-    ranks = dist.get_process_group_ranks(group)
-    me = dist.get_rank(group)
-    members = tuple(ranks[r] for r, n in enumerate(names) if n == names[me])
-    key = (group.group_name if group is not None else "WORLD", members)
-    pg = _subgroups.get(key)
-    if pg is None:
-        pg = _subgroups[key] = dist.new_group(list(members), backend=backend, use_local_synchronization=True)
-    return pg
+def init_nvlink_domains(ep_group=None) -> None:
+    """Create the NVLink-domain groups that ``--mok-transport nvlink`` needs when an EP group spans domains.
+
+    A collective over every rank of the job (like Megatron's own group creation): call it once on every
+    rank after ``initialize_model_parallel`` and before the model is built (``mok-pretrain-gpt`` does,
+    from its layer spec). Every rank gathers every rank's EP group and domain name, then creates, in the
+    same order on every rank, one process group per (EP group, domain) of two or more ranks. ``ep_group``:
+    this rank's EP group (default: Megatron's expert-model-parallel group)."""
+    if ep_group is None:
+        from megatron.core import parallel_state as ps
+
+        ep_group = ps.get_expert_model_parallel_group()
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, (tuple(dist.get_process_group_ranks(ep_group)), node_name()))
+    me = dist.get_rank()
+    domain = [name for _, name in everyone]
+    for ep in sorted({ranks for ranks, _ in everyone}):
+        mine = None
+        for name in dict.fromkeys(domain[r] for r in ep):  # in order of first appearance: same on every rank
+            members = [r for r in ep if domain[r] == name]
+            if len(members) > 1:
+                pg = dist.new_group(members)  # every rank calls, members or not (torch's rule)
+                if me in members:
+                    mine = pg
+        if me in ep:
+            _domain_groups[ep] = mine
+
+
+def domain_group(group):
+    """My domain's process group inside the EP group ``group`` (None: alone in my domain)."""
+    ranks = tuple(dist.get_process_group_ranks(group))
+    if ranks not in _domain_groups:
+        raise MoKConfigError(
+            f"--mok-transport nvlink: the EP group {list(ranks)} spans NVLink domains, whose process groups "
+            "must be created on every rank before the model is built: call "
+            "mok_megatron.nvlink.hierarchical.init_nvlink_domains() on every rank after Megatron's "
+            "initialize_model_parallel (mok-pretrain-gpt does), or use --mok-transport collective."
+        )
+    return _domain_groups[ranks]
 
 
 class HierarchicalTransport:
@@ -75,7 +107,7 @@ class HierarchicalTransport:
         names = names if names is not None else domains_of(group)
         self.domain = [r for r, n in enumerate(names) if n == names[self.rank]]
         self.domains = len(set(names))
-        self.node_group = domain_group(group, names) if len(self.domain) > 1 else None
+        self.node_group = domain_group(group)
 
     def _exchange_in_domain(self, x: torch.Tensor, m, push: bool) -> torch.Tensor:
         D = self.domain
