@@ -125,11 +125,10 @@ class SharedFileWorkspace:
         self.dist.barrier(group=self.group)
 
 
-def nvlink_layer_case(rank, world, *, ep=2, topk=2, opts=None):
-    """The MoK layer through the overlap pipeline with NVLinkTransport (its exchanges on a shared-memory
-    workspace across the gloo ranks) against the same layer with the collective transport."""
-    from mok_megatron.nvlink import transport as NT
-    from tests.cases import build_layers, make_config, run_layer, setup_parallel
+def _two_collective_layers(ep, topk, opts):
+    """(config, two identical MoK layers on the collective transport, their EP group): the second one gets
+    the transport under test."""
+    from tests.cases import build_layers, make_config, setup_parallel
 
     setup_parallel(ep=ep)
     cfg = make_config(ep=ep, topk=topk)
@@ -137,8 +136,16 @@ def nvlink_layer_case(rank, world, *, ep=2, topk=2, opts=None):
     for _ in range(2):
         torch.manual_seed(0)
         layers.append(build_layers(cfg, opts=dict(opts or {}, transport="collective"))[1])
-    coll, nvl = layers
-    group = coll.token_dispatcher.transport.group
+    return cfg, layers[0], layers[1], layers[0].token_dispatcher.transport.group
+
+
+def nvlink_layer_case(rank, world, *, ep=2, topk=2, opts=None):
+    """The MoK layer through the overlap pipeline with NVLinkTransport (its exchanges on a shared-memory
+    workspace across the gloo ranks) against the same layer with the collective transport."""
+    from mok_megatron.nvlink import transport as NT
+    from tests.cases import run_layer
+
+    cfg, coll, nvl, group = _two_collective_layers(ep, topk, opts)
     ws = SharedFileWorkspace(group)
     nvl.token_dispatcher.transport = NT.NVLinkTransport(group, programs=3)
     original = NT.workspace
@@ -167,16 +174,9 @@ def hierarchical_layer_case(rank, world, *, names, ep=4, topk=4, opts=None):
     between domains through the collective) against the same layer with the collective transport."""
     from mok_megatron.nvlink import hierarchical as HT
     from mok_megatron.nvlink import transport as NT
-    from tests.cases import build_layers, make_config, run_layer, setup_parallel
+    from tests.cases import run_layer
 
-    setup_parallel(ep=ep)
-    cfg = make_config(ep=ep, topk=topk)
-    layers = []
-    for _ in range(2):
-        torch.manual_seed(0)
-        layers.append(build_layers(cfg, opts=dict(opts or {}, transport="collective"))[1])
-    coll, hier = layers
-    group = coll.token_dispatcher.transport.group
+    cfg, coll, hier, group = _two_collective_layers(ep, topk, opts)
     os.environ[HT.DOMAIN_ENV] = names[rank]  # this rank's NVLink domain
     try:
         HT.init_nvlink_domains(group)  # every rank, before building the transport
