@@ -274,28 +274,56 @@ def _segment_cast_kernel(
         & ((dst_end - dst) % 4 == 0)
         & (end - start <= dst_end - dst)
     )
-    use_words = False  # constexpr without PACK: only the byte-wise store is compiled
     if PACK:
-        use_words = packed
-    if use_words:
-        j = tl.arange(0, BLOCK_M // 4)
-        i4 = tl.arange(0, 4)
-        word_base = (dst.to(tl.int64) * seg_mul) // 4 + cols.to(tl.int64)[None, :] * (stride_k // 4)
-        for m0 in range(start, end, BLOCK_M):
-            rows = m0 + 4 * j[:, None, None] + i4[None, :, None]  # [BLOCK_M / 4, 4, 1]
-            mask = (rows < end) & col_ok[None, None, :]
-            x = _load_rows(x_ptr, src_ptr, rows, rows < end, cols[None, None, :], mask, width, SRC)
-            y = tl.math.fdiv(x.to(tl.float32), scale[None, None, :], ieee_rounding=True)
-            y = tl.minimum(tl.maximum(y, -448.0), 448.0).to(q_ptr.dtype.element_ty)
-            b = y.to(tl.uint8, bitcast=True).to(tl.int32)
-            words = tl.sum(b << (8 * i4)[None, :, None], axis=1)  # little-endian: row 4w + i in byte i
-            w_idx = (m0 - start) // 4 + j
-            w_mask = (m0 + 4 * j < end)[:, None] & col_ok[None, :]
-            tl.store(q32_ptr + word_base + w_idx[:, None], words, mask=w_mask)
+        if packed:
+            j = tl.arange(0, BLOCK_M // 4)
+            i4 = tl.arange(0, 4)
+            word_base = (dst.to(tl.int64) * seg_mul) // 4 + cols.to(tl.int64)[None, :] * (stride_k // 4)
+            for m0 in range(start, end, BLOCK_M):
+                rows = m0 + 4 * j[:, None, None] + i4[None, :, None]  # [BLOCK_M / 4, 4, 1]
+                mask = (rows < end) & col_ok[None, None, :]
+                x = _load_rows(x_ptr, src_ptr, rows, rows < end, cols[None, None, :], mask, width, SRC)
+                y = tl.math.fdiv(x.to(tl.float32), scale[None, None, :], ieee_rounding=True)
+                y = tl.minimum(tl.maximum(y, -448.0), 448.0).to(q_ptr.dtype.element_ty)
+                b = y.to(tl.uint8, bitcast=True).to(tl.int32)
+                words = tl.sum(b << (8 * i4)[None, :, None], axis=1)  # little-endian: row 4w + i in byte i
+                w_idx = (m0 - start) // 4 + j
+                w_mask = (m0 + 4 * j < end)[:, None] & col_ok[None, :]
+                tl.store(q32_ptr + word_base + w_idx[:, None], words, mask=w_mask)
+        else:
+            _cast_bytes(
+                x_ptr,
+                src_ptr,
+                q_ptr,
+                scale,
+                cols,
+                col_ok,
+                start,
+                end,
+                dst,
+                seg_mul,
+                stride_k,
+                width,
+                BLOCK_M,
+                SRC,
+            )
     else:
         _cast_bytes(
-            x_ptr, src_ptr, q_ptr, scale, cols, col_ok, start, end, dst, seg_mul, stride_k, width, BLOCK_M, SRC
-        )  # fmt: skip
+            x_ptr,
+            src_ptr,
+            q_ptr,
+            scale,
+            cols,
+            col_ok,
+            start,
+            end,
+            dst,
+            seg_mul,
+            stride_k,
+            width,
+            BLOCK_M,
+            SRC,
+        )
 
 
 @jit
