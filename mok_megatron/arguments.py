@@ -28,6 +28,7 @@ group exists. argparse has no post-parse hook, so ``extra_args_provider`` wraps 
     --mok-transport T           transport             auto
     --mok-expert-backend B      expert_backend        torch (bf16; torch-fp8 | te for FP8)
     --mok-nvlink-programs N     nvlink_programs       64
+    --mok-nvlink-sync S         nvlink_sync           barrier (flags: per-peer ready flags)
     --mok-local-rows R          local_rows            auto (fused in one NVLink domain, else overlap)
     --mok-fp8-dispatch          fp8_dispatch          off (e4m3 dispatch rows, rowwise scales)
     --mok-fp8-combine           fp8_combine           off (opt-in: e4m3 expert output rows back too)
@@ -38,7 +39,15 @@ from __future__ import annotations
 import argparse
 import warnings
 
-from mok_megatron.options import ENGINES, EXPERT_BACKENDS, LOCAL_ROWS, TRANSPORTS, MoKOptions, MoKOptionsError
+from mok_megatron.options import (
+    ENGINES,
+    EXPERT_BACKENDS,
+    LOCAL_ROWS,
+    NVLINK_SYNCS,
+    TRANSPORTS,
+    MoKOptions,
+    MoKOptionsError,
+)
 
 DISPATCHER_FLAG = "--moe-token-dispatcher-type"
 MOK = "mok"
@@ -145,6 +154,13 @@ def add_mok_flags(parser) -> None:
         help="--mok-transport nvlink: CTAs (SMs) that communicate (default: %(default)s)",
     )
     g.add_argument(
+        "--mok-nvlink-sync",
+        choices=NVLINK_SYNCS,
+        default=d.nvlink_sync,
+        help="--mok-transport nvlink: signal each exchange with symmetric memory's barrier, or with "
+        "per-peer ready flags (a destination reads each source as soon as it has staged; default: %(default)s)",
+    )
+    g.add_argument(
         "--mok-expert-backend",
         choices=EXPERT_BACKENDS,
         default=d.expert_backend,
@@ -221,6 +237,7 @@ def options_from_args(args) -> MoKOptions:
         transport=args.mok_transport,
         expert_backend=getattr(args, "mok_expert_backend", "torch"),
         nvlink_programs=getattr(args, "mok_nvlink_programs", MoKOptions().nvlink_programs),
+        nvlink_sync=getattr(args, "mok_nvlink_sync", MoKOptions().nvlink_sync),
         local_rows=getattr(args, "mok_local_rows", MoKOptions().local_rows),
         fp8_dispatch=getattr(args, "mok_fp8_dispatch", False),
         fp8_combine=getattr(args, "mok_fp8_combine", False),
@@ -241,6 +258,7 @@ def _given_mok_flags(args) -> list[str]:
             "transport",
             "expert_backend",
             "nvlink_programs",
+            "nvlink_sync",
             "local_rows",
             "fp8_dispatch",
             "fp8_combine",

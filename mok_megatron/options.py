@@ -29,6 +29,10 @@ the flags set (``set_default_options``). Frozen and validated at construction.
     transport 'nvlink'   device-initiated peer reads (dispatch) and writes (combine) by Triton kernels
                          over symmetric memory, one NVLink domain (``mok_megatron.nvlink``)
     nvlink_programs      nvlink transport: CTAs (SMs) that communicate
+    nvlink_sync          nvlink transport: how ranks signal an exchange. 'barrier' (symmetric memory's
+                         device barrier, default: run on two H200) | 'flags' (per-peer ready flags, no
+                         barrier: a destination reads each source as soon as it has staged;
+                         ``nvlink.signals``)
     local_rows           pipeline: the rows whose expert is on this rank. 'overlap': computed in two
                          halves while the dispatch and the combine fly (three expert calls); 'fused':
                          in the received rows' expert call (one call, nothing local hidden); 'auto':
@@ -49,6 +53,7 @@ from dataclasses import dataclass
 TRANSPORTS = ("auto", "collective", "copy_engine", "loopback", "nvlink")
 ENGINES = ("auto", "pipeline", "plain")
 LOCAL_ROWS = ("auto", "overlap", "fused")
+NVLINK_SYNCS = ("barrier", "flags")
 EXPERT_BACKENDS = ("torch", "torch-fp8", "te")
 
 
@@ -68,6 +73,7 @@ class MoKOptions:
     loopback_ep: int = 2
     expert_backend: str = "torch"
     nvlink_programs: int = 64
+    nvlink_sync: str = "barrier"
     local_rows: str = "auto"
     fp8_dispatch: bool = False
     fp8_combine: bool = False
@@ -123,6 +129,11 @@ class MoKOptions:
             raise MoKOptionsError(
                 f"--mok-local-rows={self.local_rows!r}: choose one of {', '.join(LOCAL_ROWS)} (overlap: "
                 "hide local rows' GEMMs behind the exchanges; fused: one expert call after the dispatch)."
+            )
+        if self.nvlink_sync not in NVLINK_SYNCS:
+            raise MoKOptionsError(
+                f"--mok-nvlink-sync={self.nvlink_sync!r}: choose one of {', '.join(NVLINK_SYNCS)} (barrier: "
+                "symmetric memory's barrier per exchange; flags: per-peer ready flags)."
             )
         if self.nvlink_programs < 1:
             raise MoKOptionsError(

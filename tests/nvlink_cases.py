@@ -23,8 +23,11 @@ def random_matrix(P: int, seed: int, most: int = 5) -> list[list[int]]:
 ROW_FORMATS = [(torch.bfloat16, (24,)), (torch.float32, (3,)), (torch.float16, (1,)), (torch.float32, (2, 4))]
 
 
-def check_exchanges(P: int, device: str, use_triton: bool, programs: int = 3, most: int = 5) -> None:
-    """Pull and push on one workspace (buffers reused and grown) equal all_to_all for every rank."""
+def check_exchanges(
+    P: int, device: str, use_triton: bool, programs: int = 3, most: int = 5, sync: str = "barrier"
+) -> None:
+    """Pull and push on one workspace (buffers reused and grown) equal all_to_all for every rank; with
+    ``sync='flags'`` every emulated rank's epoch advances once per exchange."""
     ws = LoopbackWorkspace(P, device)
     g = torch.Generator().manual_seed(P)
     for i, (dtype, row) in enumerate(ROW_FORMATS * 2):
@@ -32,13 +35,20 @@ def check_exchanges(P: int, device: str, use_triton: bool, programs: int = 3, mo
         xs = [torch.randn((sum(m[s]),) + row, generator=g).to(device, dtype) for s in range(P)]
         ref = all_to_all_reference(xs, m)
         for push in (False, True):
-            outs = loopback_exchange(ws, xs, m, push, programs, use_triton)
+            outs = loopback_exchange(ws, xs, m, push, programs, use_triton, sync=sync)
             for d in range(P):
                 assert torch.equal(outs[d], ref[d]), (P, dtype, row, push, d)
+    if sync == "flags":  # every rank published every exchange to every rank
+        n = 2 * len(ROW_FORMATS) * 2
+        for d in range(P):
+            sig = ws.signals(d)
+            assert int(sig.epoch_1[0]) == n and sig.flags.bufs[d].tolist() == [n] * P, (d, sig)
     ws.close()
 
 
-def loopback_moe(P: int, device: str, use_triton: bool, T: int = 12, H: int = 16, programs: int = 4):
+def loopback_moe(
+    P: int, device: str, use_triton: bool, T: int = 12, H: int = 16, programs: int = 4, sync: str = "barrier"
+):
     """N emulated EP ranks run one MoE step through the workspace: each rank routes its tokens to
     ranks (a token goes once to each rank that holds one of its experts), dispatch pulls the rows,
     each rank scales the rows by its expert vector (elementwise: bitwise independent of how many
@@ -58,10 +68,10 @@ def loopback_moe(P: int, device: str, use_triton: bool, T: int = 12, H: int = 16
         sends.append(x_PTH[s][t_N.to(device)])
         toks.append((t_N, d_N))
     m = [[int(to_PTP[s, :, d].sum()) for d in range(P)] for s in range(P)]
-    recv = loopback_exchange(ws, sends, m, push=False, programs=programs, use_triton=use_triton)
+    recv = loopback_exchange(ws, sends, m, push=False, programs=programs, use_triton=use_triton, sync=sync)
     y = [recv[d] * w_PH[d] for d in range(P)]  # rows grouped by source
     mt = [list(r) for r in zip(*m, strict=True)]
-    back = loopback_exchange(ws, y, mt, push=True, programs=programs, use_triton=use_triton)
+    back = loopback_exchange(ws, y, mt, push=True, programs=programs, use_triton=use_triton, sync=sync)
     outs, refs = [], []
     for s in range(P):
         t_N, d_N = toks[s]
@@ -92,11 +102,14 @@ class SharedFileWorkspace:
         self.dist, self.group = dist, group
         self.rank, self.size = dist.get_rank(group), dist.get_world_size(group)
         self.device = torch.device("cpu")
-        ranks = "-".join(map(str, dist.get_process_group_ranks(group)))
-        _generation[0] += 1  # every rank creates its workspaces in the same order
-        self.tag = f"{os.getppid()}-{ranks}-{_generation[0]}"
+        members = dist.get_process_group_ranks(group)
+        _generation[0] += 1
+        tag = [f"{os.getppid()}-{'-'.join(map(str, members))}-{_generation[0]}"]
+        dist.broadcast_object_list(tag, src=members[0], group=group)  # the group's first rank names the files
+        self.tag = tag[0]
         self._bufs: dict = {}
         self._n = 0
+        self._sig = None
 
     def buffers(self, word, W, rows, role=None):
         from mok_megatron.nvlink.kernels import PeerBuffers
@@ -124,6 +137,29 @@ class SharedFileWorkspace:
     def barrier(self):
         self.dist.barrier(group=self.group)
 
+    def signals(self, me):
+        """Every rank's flag words in shared files (peers publish into them), zeroed before any publish."""
+        from mok_megatron.nvlink.kernels import PeerBuffers
+        from mok_megatron.nvlink.signals import Signals
+
+        if self._sig is None:
+            self._n += 1
+            paths = [f"/dev/shm/mok-nvl-{self.tag}-{self._n}-{p}" for p in range(self.size)]
+
+            def mapped(path):
+                return torch.from_file(path, shared=True, size=self.size, dtype=torch.int64)
+
+            mine = mapped(paths[self.rank])
+            mine.zero_()
+            self.dist.barrier(group=self.group)
+            flags = tuple(mine if p == self.rank else mapped(paths[p]) for p in range(self.size))
+            self.dist.barrier(group=self.group)
+            os.unlink(paths[self.rank])
+            table = torch.tensor([f.data_ptr() for f in flags], dtype=torch.int64)
+            self._sig = Signals(PeerBuffers(flags, table), torch.zeros(1, dtype=torch.int64), self.rank)
+        assert me == self.rank
+        return self._sig
+
 
 def _two_collective_layers(ep, topk, opts):
     """(config, two identical MoK layers on the collective transport, their EP group): the second one gets
@@ -139,15 +175,16 @@ def _two_collective_layers(ep, topk, opts):
     return cfg, layers[0], layers[1], layers[0].token_dispatcher.transport.group
 
 
-def nvlink_layer_case(rank, world, *, ep=2, topk=2, opts=None):
+def nvlink_layer_case(rank, world, *, ep=2, topk=2, opts=None, sync="barrier"):
     """The MoK layer through the overlap pipeline with NVLinkTransport (its exchanges on a shared-memory
-    workspace across the gloo ranks) against the same layer with the collective transport."""
+    workspace across the gloo ranks, signalled by ``sync``) against the same layer with the collective
+    transport."""
     from mok_megatron.nvlink import transport as NT
     from tests.cases import run_layer
 
     cfg, coll, nvl, group = _two_collective_layers(ep, topk, opts)
     ws = SharedFileWorkspace(group)
-    nvl.token_dispatcher.transport = NT.NVLinkTransport(group, programs=3)
+    nvl.token_dispatcher.transport = NT.NVLinkTransport(group, programs=3, sync=sync)
     original = NT.workspace
     NT.workspace = lambda g, device: ws
     try:
@@ -165,10 +202,12 @@ def nvlink_layer_case(rank, world, *, ep=2, topk=2, opts=None):
         repeat=bool(torch.equal(o2, again[0]) and torch.equal(dx2, again[1])),
         nonzero=bool(o1.abs().sum() > 0),
         buffers=len(ws._bufs),
+        epoch=int(ws._sig.epoch_1[0]) if ws._sig is not None else 0,
+        flags=ws._sig.flags.bufs[ws.rank].tolist() if ws._sig is not None else [],
     )
 
 
-def hierarchical_layer_case(rank, world, *, names, ep=4, topk=4, opts=None):
+def hierarchical_layer_case(rank, world, *, names, ep=4, topk=4, opts=None, sync="barrier"):
     """The MoK layer through the overlap pipeline with HierarchicalTransport (``names``: each EP rank's
     NVLink domain; inside a domain the rows move on a shared-memory workspace across the gloo ranks,
     between domains through the collective) against the same layer with the collective transport."""
@@ -180,13 +219,15 @@ def hierarchical_layer_case(rank, world, *, names, ep=4, topk=4, opts=None):
     os.environ[HT.DOMAIN_ENV] = names[rank]  # this rank's NVLink domain
     try:
         HT.init_nvlink_domains(group)  # every rank, before building the transport
-        tr = HT.HierarchicalTransport(group, programs=3)
+        tr = HT.HierarchicalTransport(group, programs=3, sync=sync)
     finally:
         del os.environ[HT.DOMAIN_ENV]
     hier.token_dispatcher.transport = tr
     spaces = {}
     original = NT.workspace
-    NT.workspace = lambda g, device: spaces.setdefault(id(g), SharedFileWorkspace(g))
+    NT.workspace = lambda g, device: (
+        spaces[id(g)] if id(g) in spaces else spaces.setdefault(id(g), SharedFileWorkspace(g))
+    )
     try:
         g = torch.Generator().manual_seed(rank)
         x = torch.randn(16, 2, cfg.hidden_size, generator=g)

@@ -35,16 +35,33 @@ def test_segments_hand_worked():
     assert push_segments(m, 1) == [[0, 1, 3], [3, 2, 0]]  # rank 1's rows land after rank 0's in rank 0
 
 
+@pytest.mark.parametrize("sync", ["barrier", "flags"])
 @pytest.mark.parametrize("P", [2, 4, 8])
-def test_loopback_references_equal_all_to_all(P):
-    check_exchanges(P, "cpu", use_triton=False)
+def test_loopback_references_equal_all_to_all(P, sync):
+    check_exchanges(P, "cpu", use_triton=False, sync=sync)
 
 
+@pytest.mark.parametrize("sync", ["barrier", "flags"])
 @pytest.mark.parametrize("P", [2, 4, 8])
-def test_loopback_moe_references_equal_single_rank(P):
-    outs, refs = loopback_moe(P, "cpu", use_triton=False)
+def test_loopback_moe_references_equal_single_rank(P, sync):
+    outs, refs = loopback_moe(P, "cpu", use_triton=False, sync=sync)
     for o, r in zip(outs, refs, strict=True):
         assert torch.equal(o, r)
+
+
+def test_flag_wait_names_the_late_rank_instead_of_hanging():
+    """A rank whose peer never publishes: the wait gives up with an error naming that peer."""
+    from mok_megatron.nvlink.signals import publish_reference, wait_reference
+
+    ws = LoopbackWorkspace(3, "cpu")
+    for r in (0, 1):  # rank 2 never publishes
+        publish_reference(ws.signals(r))
+    with pytest.raises(RuntimeError, match=r"rank\(s\) \[2\] did not publish exchange 1"):
+        wait_reference(ws.signals(0), timeout_s=0.05)
+    publish_reference(ws.signals(2))
+    wait_reference(ws.signals(0), timeout_s=0.05)  # now everyone has
+    with pytest.raises(ValueError, match="sync='fence'"):
+        check_exchanges(2, "cpu", use_triton=False, sync="fence")
 
 
 class _ThreadRankWorkspace:
@@ -66,12 +83,18 @@ class _ThreadRankWorkspace:
     def barrier(self):
         self.bar.wait()
 
+    def signals(self, me):
+        with self.lock:  # the first call creates every rank's flags: once
+            return self.shared.signals(me)
 
+
+@pytest.mark.parametrize("sync", ["barrier", "flags"])
 @pytest.mark.parametrize("P", [2, 4])
-def test_exchange_rows_per_rank_threads_equal_all_to_all(P, monkeypatch):
-    """The real transport's per-rank path (staging, barriers, copy-out), ranks as threads. Each step
-    uses one buffer twice in a row with different rows, and rank 0 reads slowly: a write that
-    skipped its barrier would overwrite rows that rank has not read yet."""
+def test_exchange_rows_per_rank_threads_equal_all_to_all(P, sync, monkeypatch):
+    """The real transport's per-rank path (staging, barriers or ready flags, copy-out), ranks as threads.
+    Each step uses one buffer twice in a row with different rows, and rank 0 reads slowly: a write that
+    skipped its barrier (or, with flags, reused a buffer a peer may still read) would overwrite rows that
+    rank has not read yet."""
     from mok_megatron.nvlink import kernels as K
 
     shared = LoopbackWorkspace(P, "cpu")
@@ -101,7 +124,8 @@ def test_exchange_rows_per_rank_threads_equal_all_to_all(P, monkeypatch):
             ws = _ThreadRankWorkspace(shared, bar, lock)
             for m, seq in steps:
                 for xs, push in seq:
-                    results[me].append(exchange_rows(ws, xs[me], m, me, push, 2, use_triton=False))
+                    out = exchange_rows(ws, xs[me], m, me, push, 2, use_triton=False, sync=sync)
+                    results[me].append(out)
         except Exception as e:  # pragma: no cover - reported below
             errors.append(e)
             bar.abort()
@@ -130,9 +154,10 @@ from tests.nvlink_cases import check_exchanges, loopback_moe
 res = {}
 for P in (2, 4, 8):
     try:
-        check_exchanges(P, "cpu", use_triton=True, programs=3, most=3)
-        outs, refs = loopback_moe(P, "cpu", use_triton=True, T=6, H=8, programs=2)
-        assert all(torch.equal(o, r) for o, r in zip(outs, refs))
+        for sync in ("barrier", "flags"):
+            check_exchanges(P, "cpu", use_triton=True, programs=3, most=3, sync=sync)
+            outs, refs = loopback_moe(P, "cpu", use_triton=True, T=6, H=8, programs=2, sync=sync)
+            assert all(torch.equal(o, r) for o, r in zip(outs, refs))
         res[P] = "ok"
     except Exception as e:
         res[P] = repr(e)
@@ -172,12 +197,14 @@ def test_rows_kernel_compiles_for_sm90_and_vectorizes_when_aligned(aligned):
 
     if not (Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas").exists():
         pytest.skip("this Triton has no bundled ptxas")
-    for push in (False, True):
+    for push, wait in ((False, False), (True, False), (False, True)):
         constexprs = dict(PUSH=push, ALIGNED=aligned, ELEM=8, BLOCK_R=2, BLOCK_W=1024)
-        ptrs = dict(local_ptr="*i64", table_ptr="*i64", seg_ptr="*i64")
+        constexprs.update(SPIN_LIMIT=1 << 26, TRAP=True, WAIT=wait)
+        ptrs = dict(local_ptr="*i64", table_ptr="*i64", seg_ptr="*i64", flags_ptr="*i64", epoch_ptr="*i64")
         sig = {n: "constexpr" if n in constexprs else ptrs.get(n, "i32") for n in fn.arg_names}
         div16 = [["tt.divisibility", 16]]  # what a launch specialises: 16-byte pointers, W % 16 == 0
-        attrs = {(0,): div16, (1,): div16, (2,): div16, (3,): div16}
+        names = ("local_ptr", "table_ptr", "seg_ptr", "flags_ptr", "epoch_ptr", "W")
+        attrs = {(fn.arg_names.index(n),): div16 for n in names}
         ptx = triton.compile(
             ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs),
             target=GPUTarget("cuda", 90, 32),
@@ -188,6 +215,37 @@ def test_rows_kernel_compiles_for_sm90_and_vectorizes_when_aligned(aligned):
         local_vec = "st.global.v2.b64" if not push else "ld.global.v2.b64"
         assert local_vec in ptx, (push, aligned)
         assert (peer_vec in ptx) == aligned, (push, aligned)
+        # waiting on a peer's flag: a system-scope acquire poll, and a trap instead of a hang
+        assert ("ld.global.sys.acquire" in ptx and "trap;" in ptx) == wait, (push, wait)
+
+
+@pytest.mark.skipif(
+    not have_triton() or os.environ.get("TRITON_INTERPRET") == "1", reason="needs compiled Triton"
+)
+def test_signal_kernels_compile_for_sm90_with_system_scope_ordering():
+    """publish: a system-scope release exchange into each peer's flag word; wait: system-scope acquire
+    polls (Triton turns the atomic add of 0 into an acquire load) and a trap instead of a hang."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from mok_megatron.nvlink import signals as S
+
+    if not (Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas").exists():
+        pytest.skip("this Triton has no bundled ptxas")
+
+    def ptx(fn, constexprs):
+        sig = {
+            n: "constexpr" if n in constexprs else ("*i64" if n.endswith("_ptr") else "i32")
+            for n in fn.arg_names
+        }
+        src = ASTSource(fn=fn, signature=sig, constexprs=constexprs)
+        return triton.compile(src, target=GPUTarget("cuda", 90, 32)).asm["ptx"]
+
+    pub = ptx(S._publish_kernel, {})
+    assert "atom.global.sys.release.exch.b64" in pub
+    wt = ptx(S._wait_kernel, dict(SPIN_LIMIT=1 << 26, TRAP=True))
+    assert "ld.global.sys.acquire.b64" in wt and "trap;" in wt
 
 
 # ---- options and selection ---------------------------------------------------------------------------------
@@ -202,10 +260,13 @@ def test_options_and_flags_accept_nvlink():
     assert MoKOptions(transport="nvlink", nvlink_programs=16).nvlink_programs == 16
     with pytest.raises(MoKOptionsError, match="nvlink-programs=0"):
         MoKOptions(nvlink_programs=0)
+    with pytest.raises(MoKOptionsError, match="nvlink-sync='fence'.*barrier, flags"):
+        MoKOptions(nvlink_sync="fence")
     p = argparse.ArgumentParser()
     add_mok_flags(p)
-    opts = options_from_args(p.parse_args(["--mok-transport", "nvlink", "--mok-nvlink-programs", "24"]))
-    assert (opts.transport, opts.nvlink_programs) == ("nvlink", 24)
+    argv = ["--mok-transport", "nvlink", "--mok-nvlink-programs", "24", "--mok-nvlink-sync", "flags"]
+    opts = options_from_args(p.parse_args(argv))
+    assert (opts.transport, opts.nvlink_programs, opts.nvlink_sync) == ("nvlink", 24, "flags")
     assert MoKOptions().transport == "auto"
 
 
@@ -223,10 +284,11 @@ def test_nvlink_without_cuda_is_a_config_error():
 
 @pytest.mark.gpu
 @needs_cuda
+@pytest.mark.parametrize("sync", ["barrier", "flags"])
 @pytest.mark.parametrize("P", [2, 4, 8])
-def test_loopback_on_gpu_equals_reference(P):
-    check_exchanges(P, "cuda", use_triton=True, programs=5, most=300)
-    outs, refs = loopback_moe(P, "cuda", use_triton=True, T=512, H=256, programs=8)
+def test_loopback_on_gpu_equals_reference(P, sync):
+    check_exchanges(P, "cuda", use_triton=True, programs=5, most=300, sync=sync)
+    outs, refs = loopback_moe(P, "cuda", use_triton=True, T=512, H=256, programs=8, sync=sync)
     for o, r in zip(outs, refs, strict=True):
         assert torch.equal(o, r)
 
@@ -290,6 +352,8 @@ def _nvlink_worker(rank, port, out_path):
     for name, extra in {
         "exact-3": dict(minibatch_size=700),
         "syncfree-2": dict(minibatch_size=1024, sync_free=True),
+        "flags-exact-3": dict(minibatch_size=700, nvlink_sync="flags"),
+        "flags-syncfree-2": dict(minibatch_size=1024, sync_free=True, nvlink_sync="flags"),
     }.items():
         torch.manual_seed(0)
         coll = build(
@@ -406,18 +470,25 @@ def test_nvlink_group_check_passes_one_host_with_peer_access(monkeypatch):
 
 
 @pytest.mark.parametrize(
-    "ep,topk,opts",
+    "ep,topk,opts,sync",
     [
-        (2, 2, dict(minibatch_size=11)),  # 3 minibatches, exact splits
-        (4, 4, dict(minibatch_size=16, sync_free=True)),  # fixed capacities
+        (2, 2, dict(minibatch_size=11), "barrier"),  # 3 minibatches, exact splits
+        (4, 4, dict(minibatch_size=16, sync_free=True), "barrier"),  # fixed capacities
+        (2, 2, dict(minibatch_size=11), "flags"),
+        (4, 4, dict(minibatch_size=16, sync_free=True, local_rows="overlap"), "flags"),
     ],
 )
-def test_nvlink_transport_in_the_pipeline_bitwise_equals_collective(pool, ep, topk, opts):
+def test_nvlink_transport_in_the_pipeline_bitwise_equals_collective(pool, ep, topk, opts, sync):
     """NVLinkTransport's dispatch (pull) and combine (push), forward and backward, inside the real
-    pipeline across gloo ranks (peer buffers in shared memory, torch references for the kernels)."""
-    for r in pool.run("tests.nvlink_cases:nvlink_layer_case", ep=ep, topk=topk, opts=opts):
+    pipeline across gloo ranks (peer buffers in shared memory, torch references for the kernels), with
+    the barrier or with per-peer ready flags (then two buffers per format and direction, and every rank's
+    flag words end at the same epoch: every exchange published to every peer)."""
+    for r in pool.run("tests.nvlink_cases:nvlink_layer_case", ep=ep, topk=topk, opts=opts, sync=sync):
         assert r["nonzero"] and r["bitwise"] and r["repeat"], r
-        assert r["buffers"] == 4  # token rows and routing rows, each per direction
+        # token rows and routing rows, each per direction (with flags: two of each, used alternately)
+        assert r["buffers"] == (4 if sync == "barrier" else 8), r
+        if sync == "flags":
+            assert r["epoch"] > 0 and r["flags"] == [r["epoch"]] * ep, r
 
 
 @pytest.mark.parametrize(
@@ -425,6 +496,7 @@ def test_nvlink_transport_in_the_pipeline_bitwise_equals_collective(pool, ep, to
     [
         (["a", "a", "b", "b"], dict(minibatch_size=16)),  # two domains of two
         (["a", "a", "a", "b"], dict(minibatch_size=11, sync_free=True)),  # uneven, fixed capacities
+        (["a", "a", "b", "b"], dict(minibatch_size=11, sync="flags")),  # per-peer flags inside domains
         (["a", "b", "c", "d"], dict(local_rows="overlap")),  # every rank alone: all through the collective
     ],
 )
@@ -432,7 +504,10 @@ def test_hierarchical_transport_bitwise_equals_collective(pool, names, opts):
     """An EP group across NVLink domains (--mok-transport nvlink over hosts): rows inside a domain move on
     the NVLink workspace (shared memory across the gloo ranks here), the others through the collective;
     the layer's output and every gradient equal the collective transport's bitwise, forward and backward."""
-    for rank, r in enumerate(pool.run("tests.nvlink_cases:hierarchical_layer_case", names=names, opts=opts)):
+    opts = dict(opts)
+    sync = opts.pop("sync", "barrier")
+    runs = pool.run("tests.nvlink_cases:hierarchical_layer_case", names=names, opts=opts, sync=sync)
+    for rank, r in enumerate(runs):
         assert r["nonzero"] and r["bitwise"], (rank, r)
         assert r["domains"] == len(set(names)) and r["domain"] == [
             i for i, n in enumerate(names) if n == names[rank]
@@ -452,8 +527,8 @@ def test_nvlink_transport_choice_follows_the_domains(monkeypatch):
 
     assert HT.node_name() == socket.gethostname()
     made = []
-    monkeypatch.setattr(HT.NT, "NVLinkTransport", lambda g, p: made.append(("flat", p)) or "flat")
-    monkeypatch.setattr(HT, "HierarchicalTransport", lambda g, p, n: made.append(("hier", n)) or "hier")
+    monkeypatch.setattr(HT.NT, "NVLinkTransport", lambda g, p, s: made.append(("flat", p)) or "flat")
+    monkeypatch.setattr(HT, "HierarchicalTransport", lambda g, p, n, s: made.append(("hier", n)) or "hier")
     monkeypatch.setattr(HT, "domains_of", lambda g: ["h0", "h0"])
     assert HT.nvlink_transport(None, 8) == "flat"
     monkeypatch.setattr(HT, "domains_of", lambda g: ["h0", "h1"])

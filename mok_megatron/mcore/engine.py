@@ -95,7 +95,7 @@ def select_transport(cfg: MoKConfig, options: MoKOptions, ep_group):
         from mok_megatron.nvlink.hierarchical import nvlink_transport
 
         # one NVLink domain: NVLinkTransport; an EP group across domains: NVLink inside, NCCL between
-        return nvlink_transport(ep_group, options.nvlink_programs)
+        return nvlink_transport(ep_group, options.nvlink_programs, options.nvlink_sync)
     if options.transport == "copy_engine":
         if not torch.cuda.is_available():
             raise MoKConfigError(

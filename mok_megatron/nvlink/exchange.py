@@ -17,6 +17,14 @@ the pipeline (x dispatch, routing dispatch, combine, ...) each exchange pays one
 A change of stream waits for the previous one and takes the bracketed barrier. The reduction that
 follows a combine is the pipeline's fixed-order gather (deterministic).
 
+``sync="flags"`` (``--mok-nvlink-sync flags``) signals per peer instead (``nvlink.signals``): no barrier;
+each format alternates between two buffers, so no rank overwrites rows a peer may still read:
+
+    pull (dispatch)  stage my rows in buffer[n % 2] | publish | read each peer's rows once its flag
+                     says they are staged (the pull kernel waits per peer)
+    push (combine)   write my rows into every destination's buffer[n % 2] | publish | wait for every
+                     peer's flag | copy my buffer's rows out
+
 Legend: P ranks, N rows sent, R rows received, W words per row.
 """
 
@@ -27,6 +35,9 @@ import math
 import torch
 
 from mok_megatron.nvlink import kernels as K
+from mok_megatron.nvlink import signals as S
+
+SYNCS = ("barrier", "flags")
 
 
 def row_offsets(matrix) -> tuple[list[list[int]], list[list[int]]]:
@@ -86,6 +97,10 @@ def _impl(use_triton: bool):
     return K.pull_rows_reference, K.push_rows_reference
 
 
+def _signal_impl(use_triton: bool):
+    return (S.publish, S.wait) if use_triton else (S.publish_reference, S.wait_reference)
+
+
 def _words(x: torch.Tensor):
     row_bytes = math.prod(x.shape[1:]) * x.element_size()
     word = K.word_dtype(row_bytes)
@@ -98,6 +113,7 @@ class _Fences:
     def __init__(self):
         self.count = 0  # barriers so far
         self.last: dict = {}  # buffer key -> barrier count when its readers last read it
+        self.uses: dict = {}  # flags: buffer key -> exchanges so far (the buffer of this one: uses % 2)
         self.stream = None
 
 
@@ -113,19 +129,35 @@ def _barrier(ws, f: _Fences) -> None:
     f.count += 1
 
 
-def exchange_rows(ws, x: torch.Tensor, matrix, me: int, push: bool, programs: int, use_triton: bool = True):
-    """This rank's part of one exchange on ``ws`` (an NVLinkWorkspace): the rows it receives."""
+def exchange_rows(
+    ws,
+    x: torch.Tensor,
+    matrix,
+    me: int,
+    push: bool,
+    programs: int,
+    use_triton: bool = True,
+    sync: str = "barrier",
+):
+    """This rank's part of one exchange on ``ws`` (an NVLinkWorkspace): the rows it receives.
+    ``sync``: 'barrier' (symmetric memory's barrier) or 'flags' (per-peer ready flags)."""
+    if sync not in SYNCS:
+        raise ValueError(f"sync={sync!r}: choose one of {', '.join(SYNCS)}.")
     pull, push_fn = _impl(use_triton)
     x = x.contiguous()
     word, W = _words(x)
     R = sum(matrix[s][me] for s in range(len(matrix)))
     out = x.new_empty((R,) + tuple(x.shape[1:]))
-    f = _fences(ws)
+    f = _fences(ws)  # (the modes may mix on one workspace: their buffers differ, and each is safe alone)
     key = (word, W, push)
     stream = torch.cuda.current_stream(x.device) if x.is_cuda else None
     moved = f.stream is not None and stream != f.stream
     if moved:
         stream.wait_stream(f.stream)
+    if sync == "flags":
+        _exchange_flags(ws, f, x, out, matrix, me, push, programs, use_triton, key)
+        f.stream = stream
+        return out
     if moved or f.last.get(key) == f.count:
         _barrier(ws, f)  # before the buffer is written (or regrown) again
     peers = ws.buffers(word, W, buffer_rows(matrix), push)
@@ -144,9 +176,44 @@ def exchange_rows(ws, x: torch.Tensor, matrix, me: int, push: bool, programs: in
     return out
 
 
-def loopback_exchange(ws, xs: list[torch.Tensor], matrix, push: bool, programs: int, use_triton: bool = True):
-    """All N emulated ranks' parts of one exchange on a LoopbackWorkspace (same kernels and tables)."""
+def _exchange_flags(ws, f: _Fences, x, out, matrix, me: int, push: bool, programs: int, use_triton, key):
+    """``exchange_rows`` signalled by per-peer ready flags (see the module docstring)."""
     pull, push_fn = _impl(use_triton)
+    publish, wait = _signal_impl(use_triton)
+    n = f.uses.get(key, 0)
+    f.uses[key] = n + 1
+    word, W = key[0], key[1]
+    peers = ws.buffers(word, W, buffer_rows(matrix), (push, n % 2))
+    sig = ws.signals(me)
+    x_NW, out_RW = K.as_words(x, word), K.as_words(out, word)
+    seg = _segment_table(matrix, me, push, x.device)
+    if not push:
+        peers.bufs[me][: x_NW.shape[0]].copy_(x_NW)
+        publish(sig)
+        pull(out_RW, peers, seg, programs, signals=sig)
+    else:
+        push_fn(x_NW, peers, seg, programs)
+        publish(sig)
+        wait(sig)
+        out_RW.copy_(peers.bufs[me][: out.shape[0]])
+
+
+def loopback_exchange(
+    ws,
+    xs: list[torch.Tensor],
+    matrix,
+    push: bool,
+    programs: int,
+    use_triton: bool = True,
+    sync: str = "barrier",
+):
+    """All N emulated ranks' parts of one exchange on a LoopbackWorkspace (same kernels and tables).
+    ``sync='flags'``: every emulated rank publishes and waits on its ready flags (``nvlink.signals``)."""
+    if sync not in SYNCS:
+        raise ValueError(f"sync={sync!r}: choose one of {', '.join(SYNCS)}.")
+    pull, push_fn = _impl(use_triton)
+    publish, wait = _signal_impl(use_triton)
+    flags = sync == "flags"
     P = len(matrix)
     xs = [x.contiguous() for x in xs]
     word, W = _words(xs[0])
@@ -158,16 +225,25 @@ def loopback_exchange(ws, xs: list[torch.Tensor], matrix, push: bool, programs: 
     if not push:
         for s in range(P):
             peers.bufs[s][: xs[s].shape[0]].copy_(K.as_words(xs[s], word))
-        ws.barrier()
+            if flags:
+                publish(ws.signals(s))
+        if not flags:
+            ws.barrier()
         for d in range(P):
             seg = _segment_table(matrix, d, False, ws.device)
-            pull(K.as_words(outs[d], word), peers, seg, programs)
+            sig = ws.signals(d) if flags else None
+            pull(K.as_words(outs[d], word), peers, seg, programs, signals=sig)
     else:
         for s in range(P):
             seg = _segment_table(matrix, s, True, ws.device)
             push_fn(K.as_words(xs[s], word), peers, seg, programs)
-        ws.barrier()
+            if flags:
+                publish(ws.signals(s))
+        if not flags:
+            ws.barrier()
         for d in range(P):
+            if flags:
+                wait(ws.signals(d))
             K.as_words(outs[d], word).copy_(peers.bufs[d][: outs[d].shape[0]])
     return outs
 

@@ -99,11 +99,14 @@ def domain_group(group):
 class HierarchicalTransport:
     name = "hierarchical"
 
-    def __init__(self, group, programs: int = DEFAULT_PROGRAMS, names: list[str] | None = None):
+    def __init__(
+        self, group, programs: int = DEFAULT_PROGRAMS, names: list[str] | None = None, sync: str = "barrier"
+    ):
         self.group = group
         self.ep = group_size(group)
         self.rank = dist.get_rank(group)
         self.programs = programs
+        self.sync = sync
         names = names if names is not None else domains_of(group)
         self.domain = [r for r, n in enumerate(names) if n == names[self.rank]]
         self.domains = len(set(names))
@@ -115,7 +118,8 @@ class HierarchicalTransport:
             return x
         sub = [[m[s][d] for d in D] for s in D]
         ws = NT.workspace(self.node_group, x.device)
-        return exchange_rows(ws, x, sub, D.index(self.rank), push, self.programs, use_triton=x.is_cuda)
+        me = D.index(self.rank)
+        return exchange_rows(ws, x, sub, me, push, self.programs, use_triton=x.is_cuda, sync=self.sync)
 
     def move(self, x: torch.Tensor, mb: SendPlan, direction: int) -> torch.Tensor:
         if self.ep == 1:
@@ -133,10 +137,10 @@ class HierarchicalTransport:
         return torch.cat([next(near_parts) if s in D else next(far_parts) for s in range(ep)])
 
 
-def nvlink_transport(group, programs: int = DEFAULT_PROGRAMS):
+def nvlink_transport(group, programs: int = DEFAULT_PROGRAMS, sync: str = "barrier"):
     """``--mok-transport nvlink``: ``NVLinkTransport`` when the EP group is one NVLink domain, else
     ``HierarchicalTransport`` (collective over the EP group: every rank builds its layers in the same order)."""
     names = domains_of(group)
     if len(set(names)) == 1:
-        return NT.NVLinkTransport(group, programs)
-    return HierarchicalTransport(group, programs, names)
+        return NT.NVLinkTransport(group, programs, sync)
+    return HierarchicalTransport(group, programs, names, sync)

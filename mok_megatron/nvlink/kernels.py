@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from mok_megatron.compat import have_triton
+from mok_megatron.nvlink.signals import Signals, spin_until, wait, wait_args, wait_reference
 
 if have_triton():
     import triton
@@ -66,8 +67,13 @@ def _rows_kernel(
     local_ptr,  # this rank's tensor: pull destination (out) or push source (x)
     table_ptr,  # [P] int64 peer base addresses
     seg_ptr,  # [P, 3] int64 (src_row0, dst_row0, n)
+    flags_ptr,  # [P] int64 my ready flags (WAIT: pull peer p's rows once flags[p] >= my epoch)
+    epoch_ptr,  # [1] int64 my epoch
     W,  # words per row
     P,  # peers
+    SPIN_LIMIT: tl.constexpr,
+    TRAP: tl.constexpr,
+    WAIT: tl.constexpr,
     PUSH: tl.constexpr,
     ALIGNED: tl.constexpr,  # peers' bases and rows 16-byte aligned: hint it for vector loads/stores
     ELEM: tl.constexpr,  # bytes per word
@@ -91,6 +97,8 @@ def _rows_kernel(
         src0 = tl.load(seg_ptr + 3 * p)
         dst0 = tl.load(seg_ptr + 3 * p + 1)
         n = tl.load(seg_ptr + 3 * p + 2)
+        if WAIT:  # this peer's rows are staged (every program checks before it reads them)
+            spin_until(flags_ptr + p, tl.load(epoch_ptr), SPIN_LIMIT, TRAP)
         for r0 in range(pid * BLOCK_R, n, nprog * BLOCK_R):
             r = r0 + tl.arange(0, BLOCK_R)
             row_ok = r < n
@@ -112,10 +120,19 @@ def _rows_kernel(
 _aligned_ok: dict = {}  # device type -> whether the ALIGNED variant compiled (else fall back once)
 
 
-def _launch(local: torch.Tensor, peers: PeerBuffers, seg_P3: torch.Tensor, push: bool, programs: int):
+def _launch(
+    local: torch.Tensor,
+    peers: PeerBuffers,
+    seg_P3: torch.Tensor,
+    push: bool,
+    programs: int,
+    signals: Signals | None = None,
+):
     rows, W = local.shape
     P = peers.table_P.numel()
     if rows == 0 or W == 0 or P == 0:
+        if signals is not None:  # nothing to read, but this is still my wait for every peer
+            wait(signals)
         return
     if programs < 1:
         raise ValueError(f"programs={programs}: must be >= 1 (the CTAs that communicate).")
@@ -127,8 +144,18 @@ def _launch(local: torch.Tensor, peers: PeerBuffers, seg_P3: torch.Tensor, push:
         row_bytes % 16 == 0 and local.data_ptr() % 16 == 0 and all(b.data_ptr() % 16 == 0 for b in peers.bufs)
     )
     key = local.device.type
-    args = (local, peers.table_P, seg_P3, W, P)
-    meta = dict(PUSH=push, ELEM=local.element_size(), BLOCK_R=block_r, BLOCK_W=block_w, num_warps=8)
+    flags, epoch, limit, trap = wait_args(signals)
+    args = (local, peers.table_P, seg_P3, flags, epoch, W, P)
+    meta = dict(
+        SPIN_LIMIT=limit,
+        TRAP=trap,
+        WAIT=signals is not None,
+        PUSH=push,
+        ELEM=local.element_size(),
+        BLOCK_R=block_r,
+        BLOCK_W=block_w,
+        num_warps=8,
+    )
     if aligned and _aligned_ok.get(key, True):
         try:
             _rows_kernel[grid](*args, ALIGNED=True, **meta)
@@ -142,10 +169,15 @@ def _launch(local: torch.Tensor, peers: PeerBuffers, seg_P3: torch.Tensor, push:
 
 
 def pull_rows(
-    out_RW: torch.Tensor, peers: PeerBuffers, seg_P3: torch.Tensor, programs: int = DEFAULT_PROGRAMS
+    out_RW: torch.Tensor,
+    peers: PeerBuffers,
+    seg_P3: torch.Tensor,
+    programs: int = DEFAULT_PROGRAMS,
+    signals: Signals | None = None,
 ):
-    """Dispatch: this rank reads, from every peer's buffer, the rows addressed to it (Triton)."""
-    _launch(out_RW, peers, seg_P3, False, programs)
+    """Dispatch: this rank reads, from every peer's buffer, the rows addressed to it (Triton). With
+    ``signals``: each peer's rows once that peer's ready flag reaches my epoch (``nvlink.signals``)."""
+    _launch(out_RW, peers, seg_P3, False, programs, signals)
     return out_RW
 
 
@@ -156,9 +188,15 @@ def push_rows(x_NW: torch.Tensor, peers: PeerBuffers, seg_P3: torch.Tensor, prog
 
 
 def pull_rows_reference(
-    out_RW: torch.Tensor, peers: PeerBuffers, seg_P3: torch.Tensor, programs: int = DEFAULT_PROGRAMS
+    out_RW: torch.Tensor,
+    peers: PeerBuffers,
+    seg_P3: torch.Tensor,
+    programs: int = DEFAULT_PROGRAMS,
+    signals: Signals | None = None,
 ):
-    """``pull_rows`` in torch (``programs`` is ignored)."""
+    """``pull_rows`` in torch (``programs`` is ignored; with ``signals`` it waits for every peer first)."""
+    if signals is not None:
+        wait_reference(signals)
     for p, (s0, d0, n) in enumerate(seg_P3.tolist()):
         if n:
             out_RW[d0 : d0 + n].copy_(peers.bufs[p][s0 : s0 + n])

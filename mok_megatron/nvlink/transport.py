@@ -4,8 +4,9 @@ Same interface as ``mok_megatron.functional.transport`` (``move(x, mb, direction
 (each destination rank's kernel reads its rows from every source's symmetric buffer), COMBINE pushes
 (each expert rank's kernel writes its output rows into the source ranks' buffers). The backward of a
 dispatch is a combine and vice versa, so backward uses both kernels too. ``programs`` bounds the CTAs
-that communicate. One NVLink domain only (the workspace checks it); across nodes the collective
-transport stays.
+that communicate; ``sync`` how the ranks signal each exchange: 'barrier' (symmetric memory's barrier)
+or 'flags' (per-peer ready flags, ``nvlink.signals``). One NVLink domain only (the workspace checks it);
+across nodes the collective transport stays.
 """
 
 from __future__ import annotations
@@ -34,11 +35,12 @@ def split_matrix(mb: SendPlan, direction: int, ep: int) -> list[list[int]]:
 class NVLinkTransport:
     name = "nvlink"
 
-    def __init__(self, group, programs: int = DEFAULT_PROGRAMS):
+    def __init__(self, group, programs: int = DEFAULT_PROGRAMS, sync: str = "barrier"):
         self.group = group
         self.ep = group_size(group)
         self.rank = 0 if group is None else dist.get_rank(group)
         self.programs = programs
+        self.sync = sync
 
     def move(self, x: torch.Tensor, mb: SendPlan, direction: int) -> torch.Tensor:
         if self.ep == 1:
@@ -47,4 +49,4 @@ class NVLinkTransport:
         m = split_matrix(mb, direction, self.ep)
         push = direction == COMBINE
         # CPU tensors (tests with a shared-memory workspace) take the torch references.
-        return exchange_rows(ws, x, m, self.rank, push, self.programs, use_triton=x.is_cuda)
+        return exchange_rows(ws, x, m, self.rank, push, self.programs, use_triton=x.is_cuda, sync=self.sync)

@@ -9,6 +9,9 @@ Creating one checks, and raises ``MoKConfigError`` naming the fix, that: CUDA an
 there, symmetric memory imports, and every rank of the group is on this host with peer access to this
 GPU (one NVLink domain; across nodes use the collective transport).
 
+``signals(me)`` gives a rank's ready flags (``nvlink.signals``: one symmetric int64 word per peer and a
+device epoch counter) for exchanges signalled per peer instead of by a barrier.
+
 ``LoopbackWorkspace(n, device)`` is the same interface for N emulated ranks in one process: N plain
 buffers per format on one device, the same pointer tables and kernels; ``barrier`` is stream order.
 
@@ -25,6 +28,7 @@ import torch.distributed as dist
 from mok_megatron.config import MoKConfigError
 from mok_megatron.functional.comm import group_size
 from mok_megatron.nvlink.kernels import PeerBuffers
+from mok_megatron.nvlink.signals import Signals
 
 _FIX = "use --mok-transport collective (or copy_engine inside one node)"
 
@@ -42,6 +46,7 @@ class LoopbackWorkspace:
         self.size = num_ranks
         self.device = torch.device(device)
         self._bufs: dict = {}  # (word dtype, W, role) -> PeerBuffers
+        self._sig = None  # (every rank's flag words, every rank's epoch counter)
 
     def buffers(self, word: torch.dtype, W: int, rows: int, role=None) -> PeerBuffers:
         key = (word, W, role)
@@ -57,8 +62,21 @@ class LoopbackWorkspace:
     def barrier(self) -> None:
         """One process, one stream: program order already orders the emulated ranks."""
 
+    def signals(self, me: int) -> Signals:
+        """Emulated rank ``me``'s ready flags (``nvlink.signals``): N flag arrays, N epoch counters."""
+        if self._sig is None:
+            n, dev = self.size, self.device
+            flags = tuple(torch.zeros(n, dtype=torch.int64, device=dev) for _ in range(n))
+            table = torch.tensor([f.data_ptr() for f in flags], dtype=torch.int64, device=dev)
+            self._sig = (
+                PeerBuffers(flags, table),
+                [torch.zeros(1, dtype=torch.int64, device=dev) for _ in flags],
+            )
+        return Signals(self._sig[0], self._sig[1][me], me)
+
     def close(self) -> None:
         self._bufs.clear()
+        self._sig = None
 
 
 def check_nvlink_group(group) -> None:
@@ -118,6 +136,7 @@ class NVLinkWorkspace:
         self.device = torch.device(device)
         self._bufs: dict = {}  # (word dtype, W, role) -> (PeerBuffers, handle, local buffer)
         self._hdl = None  # the handle of the newest buffer: its signal pad carries the barriers
+        self._sig: Signals | None = None  # ready flags (--mok-nvlink-sync flags), created on first use
         self._retired: list = []  # grown-out buffers: kept until close() (frees need not be stream-ordered)
 
     def buffers(self, word: torch.dtype, W: int, rows: int, role=None) -> PeerBuffers:
@@ -142,6 +161,28 @@ class NVLinkWorkspace:
         """Every rank's queued work on this stream is done before any rank's next (device-side)."""
         self._hdl.barrier(channel=0)
 
+    def signals(self, me: int) -> Signals:
+        """This rank's ready flags: one int64 word per peer in symmetric memory (peers publish into it),
+        zeroed on every rank before any rank can publish; the epoch counter on this device."""
+        if me != self.rank:
+            raise ValueError(
+                f"signals(me={me}) on rank {self.rank}'s workspace: a rank has its own flags only"
+            )
+        if self._sig is None:
+            n = self.size
+            buf = self.symm_mem.empty((n,), dtype=torch.int64, device=self.device)
+            buf.zero_()
+            hdl = self.symm_mem.rendezvous(buf, self.group_name)
+            flags = tuple(
+                buf if p == self.rank else hdl.get_buffer(p, (n,), torch.int64, 0) for p in range(n)
+            )
+            table = torch.tensor([f.data_ptr() for f in flags], dtype=torch.int64, device=self.device)
+            hdl.barrier(channel=0)  # (stream-ordered after the zeroing, on every rank)
+            epoch = torch.zeros(1, dtype=torch.int64, device=self.device)
+            self._sig = Signals(PeerBuffers(flags, table), epoch, self.rank)
+            self._retired.append((buf, hdl))
+        return self._sig
+
     def close(self) -> None:
         """Free the buffers (call on every rank, after the last exchange) and forget this workspace."""
         if self._bufs:
@@ -149,6 +190,7 @@ class NVLinkWorkspace:
         self._bufs.clear()
         self._retired.clear()
         self._hdl = None
+        self._sig = None
         for k, v in list(_cache.items()):
             if v is self:
                 del _cache[k]
