@@ -51,8 +51,8 @@ def tile_table(ends_E: torch.Tensor, rows: int, bm: int):
 
 @jit
 def _grouped_mm_kernel(
-    x_ptr,  # [R, K]
-    w_ptr,  # [E, N, K]
+    x_ptr,  # [R, K] (TMA: a descriptor of blocks [BM, BK])
+    w_ptr,  # [E, N, K] (TMA: a descriptor of [E * N, K] in blocks [BN, BK])
     y_ptr,  # [R, N]
     tile_e_ptr,  # [T] int32 expert (-1: none)
     tile_m0_ptr,  # [T] int32 first row
@@ -69,6 +69,7 @@ def _grouped_mm_kernel(
     BM: tl.constexpr,
     BN: tl.constexpr,
     BK: tl.constexpr,
+    TMA: tl.constexpr,
 ):
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
@@ -92,12 +93,18 @@ def _grouped_mm_kernel(
             a_ptrs = x_ptr + rm[:, None].to(tl.int64) * K + rk[None, :]
             b_ptrs = w_ptr + e.to(tl.int64) * N * K + rn[:, None].to(tl.int64) * K + rk[None, :]
             acc = tl.zeros((BM, BN), dtype=tl.float32)
-            for _k in range(0, K, BK):
-                a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
-                b = tl.load(b_ptrs, mask=col_ok[:, None], other=0.0)
-                acc = tl.dot(a, tl.trans(b), acc)
-                a_ptrs += BK
-                b_ptrs += BK
+            if TMA:  # whole blocks (rows past the expert's end are computed and not stored)
+                for k in range(0, K, BK):
+                    a = x_ptr.load([m0, k])
+                    b = w_ptr.load([e * N + nb * BN, k])
+                    acc = tl.dot(a, b.T, acc)
+            else:
+                for _k in range(0, K, BK):
+                    a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
+                    b = tl.load(b_ptrs, mask=col_ok[:, None], other=0.0)
+                    acc = tl.dot(a, tl.trans(b), acc)
+                    a_ptrs += BK
+                    b_ptrs += BK
             y_ptrs = y_ptr + rm[:, None].to(tl.int64) * N + rn[None, :]
             tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
 
@@ -147,6 +154,14 @@ def _land_kernel(
         tl.atomic_xchg(landed_ptr + c, ep, sem="release", scope="gpu")
 
 
+def use_tma(x_RK: torch.Tensor, w_ENK: torch.Tensor, bn: int) -> bool:
+    """TMA descriptors: a compiled GPU of sm_90+, contiguous operands, N a multiple of BN (a weight block
+    must not reach into the next expert's rows)."""
+    if INTERPRETED or not x_RK.is_cuda or torch.cuda.get_device_capability(x_RK.device)[0] < 9:
+        return False
+    return x_RK.is_contiguous() and w_ENK.is_contiguous() and w_ENK.shape[1] % bn == 0
+
+
 def _check(x_RK, w_ENK, ends_E, bk):
     if x_RK.dim() != 2 or w_ENK.dim() != 3 or x_RK.shape[1] != w_ENK.shape[2]:
         raise ValueError(
@@ -167,9 +182,11 @@ def grouped_mm_landed(
     chunk: int = 128,
     programs: int | None = None,
     tile=DEFAULT_TILE,
+    tma: bool | None = None,
 ) -> torch.Tensor:
     """``y_RN``: each expert's rows times its weight's transpose; with ``landed_C`` each tile first waits
-    until the chunks holding its rows have landed (``landed_C[c] >= epoch_1``)."""
+    until the chunks holding its rows have landed (``landed_C[c] >= epoch_1``). ``tma``: load the operands
+    with Hopper's tensor memory accelerator (default: on sm_90+ when the shapes allow, ``use_tma``)."""
     bm, bn, bk, warps, stages = tile
     _check(x_RK, w_ENK, ends_E, bk)
     R, K = x_RK.shape
@@ -184,9 +201,16 @@ def grouped_mm_landed(
     grid = (max(1, min(programs, T * triton.cdiv(N, bn))),)
     wait = landed_C is not None
     ends = ends_E.to(torch.int32)
+    tma = use_tma(x_RK, w_ENK, bn) if tma is None else tma
+    x_arg, w_arg = x_RK, w_ENK
+    if tma:
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
+        x_arg = TensorDescriptor.from_tensor(x_RK, [bm, bk])
+        w_arg = TensorDescriptor.from_tensor(w_ENK.view(E * N, K), [bn, bk])
     _grouped_mm_kernel[grid](
-        x_RK,
-        w_ENK,
+        x_arg,
+        w_arg,
         y,
         tile_e,
         tile_m0,
@@ -203,6 +227,7 @@ def grouped_mm_landed(
         BM=bm,
         BN=bn,
         BK=bk,
+        TMA=tma,
         num_warps=warps,
         num_stages=stages,
     )
