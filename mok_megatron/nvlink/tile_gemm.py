@@ -87,11 +87,8 @@ def _grouped_mm_kernel(
                     spin_until(landed_ptr + c, ep, SPIN_LIMIT, TRAP)
             rm = m0 + tl.arange(0, BM)
             rn = nb * BN + tl.arange(0, BN)
-            rk = tl.arange(0, BK)
             row_ok = rm < m_end
             col_ok = rn < N
-            a_ptrs = x_ptr + rm[:, None].to(tl.int64) * K + rk[None, :]
-            b_ptrs = w_ptr + e.to(tl.int64) * N * K + rn[:, None].to(tl.int64) * K + rk[None, :]
             acc = tl.zeros((BM, BN), dtype=tl.float32)
             if TMA:  # whole blocks (rows past the expert's end are computed and not stored)
                 for k in range(0, K, BK):
@@ -99,6 +96,9 @@ def _grouped_mm_kernel(
                     b = w_ptr.load([e * N + nb * BN, k])
                     acc = tl.dot(a, b.T, acc)
             else:
+                rk = tl.arange(0, BK)
+                a_ptrs = x_ptr + rm[:, None].to(tl.int64) * K + rk[None, :]
+                b_ptrs = w_ptr + e.to(tl.int64) * N * K + rn[:, None].to(tl.int64) * K + rk[None, :]
                 for _k in range(0, K, BK):
                     a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
                     b = tl.load(b_ptrs, mask=col_ok[:, None], other=0.0)
