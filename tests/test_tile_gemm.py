@@ -35,6 +35,7 @@ def run_cases(device: str = "cpu") -> dict:
 
     res = {}
     g = torch.Generator().manual_seed(0)
+    tol = 1e-4 if device == "cpu" else 3e-2  # fp32 operands: TF32 tensor cores on a GPU
     for name, counts, K, N, tile in (
         ("uneven", [5, 0, 23, 9], 32, 40, (16, 16, 16, 4, 1)),
         ("one-expert", [17], 16, 16, (16, 16, 16, 4, 1)),
@@ -52,10 +53,10 @@ def run_cases(device: str = "cpu") -> dict:
         moved = land_rows(torch.zeros_like(src), src, landed, epoch, chunk=8, programs=2)
         waited = grouped_mm_landed(moved, w, ends, landed, epoch, chunk=8, programs=3, tile=tile)
         res[name] = dict(
-            plain=bool(torch.allclose(plain, ref, rtol=1e-4, atol=1e-4)),
+            plain=bool(torch.allclose(plain, ref, rtol=tol, atol=tol)),
             moved=bool(torch.equal(moved, src)),
             landed=landed.tolist() == [3] * landed.numel(),
-            waited=bool(torch.allclose(waited, grouped_mm_reference(src, w, ends), rtol=1e-4, atol=1e-4)),
+            waited=bool(torch.allclose(waited, grouped_mm_reference(src, w, ends), rtol=tol, atol=tol)),
         )
     return res
 
