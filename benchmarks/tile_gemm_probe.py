@@ -29,15 +29,13 @@ SHAPES = {  # name: (rows per expert, experts, K, N)
     "qwen3-fc1": (1024, 128, 2048, 1536),
     "qwen3-fc2": (1024, 128, 768, 2048),
 }
-TILES = [  # (BM, BN, BK, warps, stages), TMA, warp-specialized
-    ((128, 256, 64, 8, 3), False, False),
-    ((128, 256, 64, 8, 3), True, False),
-    ((128, 256, 64, 8, 4), True, False),
-    ((256, 128, 64, 8, 3), True, False),
-    ((128, 256, 64, 8, 3), True, True),
-    ((128, 256, 64, 8, 4), True, True),
-    ((128, 128, 64, 4, 4), True, True),
-    ((128, 256, 64, 4, 3), True, True),
+TILES = [  # (BM, BN, BK, warps, stages), TMA
+    ((128, 256, 64, 8, 3), False),
+    ((128, 256, 64, 8, 3), True),
+    ((128, 256, 64, 8, 4), True),
+    ((128, 128, 64, 8, 4), True),
+    ((256, 128, 64, 8, 3), True),
+    ((128, 256, 64, 4, 3), True),
 ]
 MOVER_PROGRAMS = 16
 
@@ -69,10 +67,10 @@ def probe(name, rows_e, E, K, N, iters, gbps_list):
         cublas()
     out["gemm_ms"]["cublas"] = timed(cublas, iters)
     best = None
-    for tile, tma, ws in TILES:
-        key = f"{tile}{' tma' if tma else ''}{' ws' if ws else ''}"
+    for tile, tma in TILES:
+        key = f"{tile}{' tma' if tma else ''}"
         try:
-            fn = lambda t=tile, m=tma, s=ws: grouped_mm_landed(x, w, ends, tile=t, tma=m, ws=s)  # noqa: E731
+            fn = lambda t=tile, m=tma: grouped_mm_landed(x, w, ends, tile=t, tma=m)  # noqa: E731
             for _ in range(2):
                 fn()
             ms = timed(fn, iters)
@@ -80,18 +78,18 @@ def probe(name, rows_e, E, K, N, iters, gbps_list):
             out["gemm_ms"][key] = repr(e)[:120]
             continue
         out["gemm_ms"][key] = ms
-        if best is None or ms < best[3]:
-            best = (tile, tma, ws, ms)
+        if best is None or ms < best[2]:
+            best = (tile, tma, ms)
     out["tflops"] = {k: flop / v / 1e9 for k, v in out["gemm_ms"].items() if isinstance(v, float)}
-    tile, tma, ws = best[0], best[1], best[2]
-    out["best_tile"] = [list(tile), tma, ws]
+    tile, tma = best[0], best[1]
+    out["best_tile"] = [list(tile), tma]
     landed = torch.zeros((R + 127) // 128, dtype=torch.int64, device=dev)
     epoch = torch.zeros(1, dtype=torch.int64, device=dev)
     dst = torch.empty_like(x)
     side = torch.cuda.Stream()
     main = torch.cuda.current_stream()
     out["arrival"] = {}
-    ref = grouped_mm_landed(x, w, ends, tile=tile, tma=tma, ws=ws)
+    ref = grouped_mm_landed(x, w, ends, tile=tile, tma=tma)
     for gbps in gbps_list:
 
         def mover(gbps=gbps):
@@ -107,9 +105,8 @@ def probe(name, rows_e, E, K, N, iters, gbps_list):
             side.wait_stream(main)
             with torch.cuda.stream(side):
                 mover()
-            programs = sms - MOVER_PROGRAMS
             grouped_mm_landed(
-                dst, w, ends, landed, epoch, chunk=128, programs=programs, tile=tile, tma=tma, ws=ws
+                dst, w, ends, landed, epoch, chunk=128, programs=sms - MOVER_PROGRAMS, tile=tile
             )
             main.wait_stream(side)
 
@@ -123,7 +120,7 @@ def probe(name, rows_e, E, K, N, iters, gbps_list):
             mover_ms=timed(mover_alone, iters), serial_ms=timed(serial, iters), tiles_ms=timed(tiles, iters)
         )
         r["hidden"] = (r["serial_ms"] - r["tiles_ms"]) / r["mover_ms"]
-        y = grouped_mm_landed(dst, w, ends, landed, epoch, chunk=128, tile=tile, tma=tma, ws=ws)
+        y = grouped_mm_landed(dst, w, ends, landed, epoch, chunk=128, tile=tile, tma=tma)
         r["equal"] = bool(torch.equal(y, ref))
         out["arrival"][str(gbps)] = r
     return out

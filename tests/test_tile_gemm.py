@@ -114,7 +114,7 @@ def test_kernels_compile_for_sm90():
     for wait in (False, True):
         p = ptx(
             G._grouped_mm_kernel,
-            dict(WAIT=wait, SPIN_LIMIT=1 << 26, TRAP=True, BM=128, BN=256, BK=64, TMA=False, WS=False),
+            dict(WAIT=wait, SPIN_LIMIT=1 << 26, TRAP=True, BM=128, BN=256, BK=64, TMA=False),
             types,
         )
         assert "wgmma.mma_async" in p  # Hopper tensor cores

@@ -70,7 +70,6 @@ def _grouped_mm_kernel(
     BN: tl.constexpr,
     BK: tl.constexpr,
     TMA: tl.constexpr,
-    WS: tl.constexpr,  # TMA path: warp-specialized K loop (producer / consumer warps)
 ):
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
@@ -92,7 +91,7 @@ def _grouped_mm_kernel(
             col_ok = rn < N
             acc = tl.zeros((BM, BN), dtype=tl.float32)
             if TMA:  # whole blocks (rows past the expert's end are computed and not stored)
-                for k in tl.range(0, K, BK, warp_specialize=WS):
+                for k in range(0, K, BK):
                     a = x_ptr.load([m0, k])
                     b = w_ptr.load([e * N + nb * BN, k])
                     acc = tl.dot(a, b.T, acc)
@@ -184,7 +183,6 @@ def grouped_mm_landed(
     programs: int | None = None,
     tile=DEFAULT_TILE,
     tma: bool | None = None,
-    ws: bool = False,
 ) -> torch.Tensor:
     """``y_RN``: each expert's rows times its weight's transpose; with ``landed_C`` each tile first waits
     until the chunks holding its rows have landed (``landed_C[c] >= epoch_1``). ``tma``: load the operands
@@ -230,7 +228,6 @@ def grouped_mm_landed(
         BN=bn,
         BK=bk,
         TMA=tma,
-        WS=bool(tma and ws),
         num_warps=warps,
         num_stages=stages,
     )
