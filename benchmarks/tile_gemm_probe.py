@@ -105,9 +105,8 @@ def probe(name, rows_e, E, K, N, iters, gbps_list):
             side.wait_stream(main)
             with torch.cuda.stream(side):
                 mover()
-            grouped_mm_landed(
-                dst, w, ends, landed, epoch, chunk=128, programs=sms - MOVER_PROGRAMS, tile=tile
-            )
+            programs = sms - MOVER_PROGRAMS
+            grouped_mm_landed(dst, w, ends, landed, epoch, chunk=128, programs=programs, tile=tile, tma=tma)
             main.wait_stream(side)
 
         def mover_alone():
