@@ -295,6 +295,41 @@ def test_loopback_on_gpu_equals_reference(P, sync):
 
 @pytest.mark.gpu
 @needs_cuda
+def test_flags_make_a_running_pull_wait_for_a_late_peer():
+    """The flags on real hardware, not just in program order: rank 0's pull kernel is already running on one
+    stream when rank 1, on another stream, sleeps, then stages its rows and publishes. The pull must spin
+    until then and read the rows rank 1 staged after the kernel started (acquire/release across streams)."""
+    from mok_megatron.nvlink import kernels as K
+    from mok_megatron.nvlink.exchange import _segment_table, buffer_rows
+    from mok_megatron.nvlink.signals import publish
+
+    P, H = 2, 7168
+    m = [[300, 500], [700, 200]]
+    ws = LoopbackWorkspace(P, "cuda")
+    xs = [torch.randn(sum(m[s]), H, device="cuda").bfloat16() for s in range(P)]
+    word = K.word_dtype(H * 2)
+    peers = ws.buffers(word, H * 2 // word.itemsize, buffer_rows(m), "test")
+    for b in peers.bufs:
+        b.fill_(-1)  # stale rows: what a pull that did not wait would read
+    out = torch.empty(sum(m[s][0] for s in range(P)), H, device="cuda", dtype=torch.bfloat16)
+    seg = _segment_table(m, 0, False, "cuda")
+    late, puller = torch.cuda.Stream(), torch.cuda.Stream()
+    torch.cuda.synchronize()
+    with torch.cuda.stream(puller):
+        peers.bufs[0][: xs[0].shape[0]].copy_(K.as_words(xs[0], word))
+        publish(ws.signals(0))
+        K.pull_rows(K.as_words(out, word), peers, seg, programs=8, signals=ws.signals(0))
+    with torch.cuda.stream(late):
+        torch.cuda._sleep(50_000_000)  # ~25 ms: the pull is spinning by then
+        peers.bufs[1][: xs[1].shape[0]].copy_(K.as_words(xs[1], word))
+        publish(ws.signals(1))
+    torch.cuda.synchronize()
+    assert torch.equal(out, all_to_all_reference(xs, m)[0])
+    assert ws.signals(0).flags.bufs[0].tolist() == [1, 1]
+
+
+@pytest.mark.gpu
+@needs_cuda
 def test_loopback_on_gpu_real_rows():
     """DeepSeek-V3 rows (H 7168 bf16) and the routing metadata rows (fp32, 2L wide), 8 emulated ranks."""
     P = 8
