@@ -298,7 +298,9 @@ def test_loopback_on_gpu_equals_reference(P, sync):
 def test_flags_make_a_running_pull_wait_for_a_late_peer():
     """The flags on real hardware, not just in program order: rank 0's pull kernel is already running on one
     stream when rank 1, on another stream, sleeps, then stages its rows and publishes. The pull must spin
-    until then and read the rows rank 1 staged after the kernel started (acquire/release across streams)."""
+    until then and read the rows rank 1 staged after the kernel started (acquire/release across streams).
+    Round 0 runs rank 1 first and loads every kernel: a spinning kernel blocks CUDA's lazy module loading in
+    its process (``nvlink.signals``), so a first launch on the late stream would wait for the spin forever."""
     from mok_megatron.nvlink import kernels as K
     from mok_megatron.nvlink.exchange import _segment_table, buffer_rows
     from mok_megatron.nvlink.signals import publish
@@ -306,26 +308,39 @@ def test_flags_make_a_running_pull_wait_for_a_late_peer():
     P, H = 2, 7168
     m = [[300, 500], [700, 200]]
     ws = LoopbackWorkspace(P, "cuda")
-    xs = [torch.randn(sum(m[s]), H, device="cuda").bfloat16() for s in range(P)]
     word = K.word_dtype(H * 2)
     peers = ws.buffers(word, H * 2 // word.itemsize, buffer_rows(m), "test")
-    for b in peers.bufs:
-        b.fill_(-1)  # stale rows: what a pull that did not wait would read
-    out = torch.empty(sum(m[s][0] for s in range(P)), H, device="cuda", dtype=torch.bfloat16)
     seg = _segment_table(m, 0, False, "cuda")
     late, puller = torch.cuda.Stream(), torch.cuda.Stream()
-    torch.cuda.synchronize()
-    with torch.cuda.stream(puller):
-        peers.bufs[0][: xs[0].shape[0]].copy_(K.as_words(xs[0], word))
-        publish(ws.signals(0))
-        K.pull_rows(K.as_words(out, word), peers, seg, programs=8, signals=ws.signals(0))
-    with torch.cuda.stream(late):
-        torch.cuda._sleep(50_000_000)  # ~25 ms: the pull is spinning by then
-        peers.bufs[1][: xs[1].shape[0]].copy_(K.as_words(xs[1], word))
-        publish(ws.signals(1))
-    torch.cuda.synchronize()
-    assert torch.equal(out, all_to_all_reference(xs, m)[0])
-    assert ws.signals(0).flags.bufs[0].tolist() == [1, 1]
+    s0, s1 = ws.signals(0), ws.signals(1)
+
+    def rank0(xs, out):
+        with torch.cuda.stream(puller):
+            peers.bufs[0][: xs[0].shape[0]].copy_(K.as_words(xs[0], word))
+            publish(s0)
+            K.pull_rows(K.as_words(out, word), peers, seg, programs=8, signals=s0)
+
+    def rank1(xs):
+        with torch.cuda.stream(late):
+            torch.cuda._sleep(50_000_000)  # ~25 ms: rank 0's pull is spinning by then
+            peers.bufs[1][: xs[1].shape[0]].copy_(K.as_words(xs[1], word))
+            publish(s1)
+
+    for rnd in range(3):
+        xs = [torch.randn(sum(m[s]), H, device="cuda").bfloat16() for s in range(P)]
+        out = torch.empty(sum(m[s][0] for s in range(P)), H, device="cuda", dtype=torch.bfloat16)
+        for b in peers.bufs:
+            b.fill_(-1)  # stale rows (NaN): what a pull that did not wait would read
+        torch.cuda.synchronize()
+        if rnd == 0:
+            rank1(xs)
+            rank0(xs, out)
+        else:
+            rank0(xs, out)
+            rank1(xs)
+        torch.cuda.synchronize()
+        assert torch.equal(out, all_to_all_reference(xs, m)[0]), rnd
+        assert s0.flags.bufs[0].tolist() == [rnd + 1, rnd + 1]
 
 
 @pytest.mark.gpu

@@ -19,6 +19,12 @@ previous exchanges (stream order). Each row format keeps two buffers used altern
 for every peer's flag of exchange n+1 on that format, which each peer published after reading
 exchange n's rows.
 
+A spinning kernel blocks CUDA's lazy module loading in its process: the first launch of any other kernel
+there (on any stream) waits until the spin ends. The exchange orders each rank's own publish before its
+own waits, so no rank's progress depends on a load in a process that is spinning; one process that makes
+two of its streams wait on each other (the loopback probes and tests) must launch every kernel once
+before (or run with ``CUDA_MODULE_LOADING=EAGER``): run s9f measured the deadlock otherwise.
+
 A wait that sees no progress for ``SPIN_LIMIT`` polls (about ten seconds or more) traps: the CUDA
 error names an illegal instruction instead of a hang (a peer died, or ranks ran different exchange
 sequences). The torch references (CPU, tests) raise ``RuntimeError`` naming the late ranks.
