@@ -3,7 +3,8 @@
 #   OUT=<dir> bash benchmarks/nvlink_h200.sh [all|tests|bench|layer]
 #   all (default, <= 115 s): GPU tests of tests/test_nvlink.py (loopback N=2,4,8 on one GPU; the EP=2 layer,
 #       bitwise vs the collective transport, when 2 GPUs) + on 2 GPUs the dispatch/combine bandwidth bench.
-#   layer (optional, longer): bench_overlap ep with the nvlink transport beside collective/copy_engine/Megatron.
+#   layer (optional, longer): bench_overlap ep with the nvlink transport (barrier and per-peer flags) beside
+#       collective/copy_engine/Megatron. The bench (2 GPUs) times the nvlink exchanges with both signallings.
 set -u
 out=${OUT:-/tmp/mok-nvlink}
 mkdir -p "$out"
@@ -23,7 +24,7 @@ if { [ "$phase" = all ] || [ "$phase" = bench ]; } && [ "$ngpu" -ge 2 ]; then
   echo "== nvlink bench rc=$?"; grep -E "GB/s|Error|error" "$out/nvlink_bench.txt" | head -20
 fi
 if [ "$phase" = layer ] && [ "$ngpu" -ge 2 ]; then
-  timeout 500 torchrun --nproc-per-node 2 -m mok_megatron.bench_overlap ep --transports collective,copy_engine,nvlink \
+  timeout 500 torchrun --nproc-per-node 2 -m mok_megatron.bench_overlap ep --transports collective,copy_engine,nvlink,nvlink-flags \
     --chunks 1,2 --iters 12 --warmup 3 --json "$out/ep_nvlink.json" > "$out/ep_nvlink.txt" 2>&1
   echo "== bench_overlap ep rc=$?"; grep -E "^\||ms" "$out/ep_nvlink.txt" | head -30
 fi

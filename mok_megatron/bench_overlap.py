@@ -462,9 +462,12 @@ def _bench_ep(
                 opts = MoKOptions(engine="plain", expert_backend=expert_backend)
                 if tr is not None:
                     lr = "fused" if label.endswith("fused") else "overlap"
+                    # "nvlink-flags": the nvlink transport signalled by per-peer ready flags
+                    tr_opt, sync = ("nvlink", "flags") if tr == "nvlink-flags" else (tr, "barrier")
                     opts = MoKOptions(
                         minibatch_size=math.ceil(s["tokens"] / chunks),
-                        transport=tr,
+                        transport=tr_opt,
+                        nvlink_sync=sync,
                         local_rows=lr,
                         expert_backend=expert_backend,
                         **extra,
@@ -585,7 +588,11 @@ def main(argv: list[str] | None = None) -> int:
         "--gbps", default="0,900,450,50", help="overlap: emulated link GB/s per direction (0 = infinite)"
     )
     p.add_argument("--chunks", default="1,2,4,8", help="minibatches per layer call to sweep")
-    p.add_argument("--transports", default="collective,copy_engine", help="ep: MoK transports (also nvlink)")
+    p.add_argument(
+        "--transports",
+        default="collective,copy_engine",
+        help="ep: MoK transports (also nvlink, nvlink-flags)",
+    )
     p.add_argument("--modes", default="exact", help=f"comma list of {', '.join(MODES)}")
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--warmup", type=int, default=5)

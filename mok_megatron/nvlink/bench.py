@@ -11,7 +11,8 @@ slowest rank's. Times are per exchange as the layer pays them: nvlink dispatch =
 pull kernel + barrier; combine = barrier + push kernel + barrier + copy-out. Every exchange's result is
 checked bitwise against all_to_all_single's. Timing one direction repeatedly reuses one buffer, so
 nvlink pays two barriers per exchange there; ``both`` (dispatch then combine, the pipeline's pattern)
-pays one per exchange.
+pays one per exchange. ``--syncs barrier,flags``: also the per-peer ready flags (``nvlink.signals``: publish +
+a pull that waits per source; no barrier).
 
 Legend: T tokens per rank, H hidden, K top-k, E experts, P ranks.
 """
@@ -132,31 +133,25 @@ def _bench_shape(name, ns, rank, P, device, slowest, smallest) -> list[dict]:
         slowest(_time(lambda: (ce.move(x_NH, mb, 0), ce.move(ref_R, mb, 1)), ns.iters, ns.warmup)),
     )
     ws = workspace(dist.group.WORLD, device)
-    for progs in [int(v) for v in ns.programs.split(",")]:
-        d_out = exchange_rows(ws, x_NH, m, rank, push=False, programs=progs)
-        c_out = exchange_rows(ws, ref_R, mt, rank, push=True, programs=progs)
-        ok = torch.equal(d_out, ref_R) and torch.equal(c_out, ref_N)
-        td = slowest(_time(lambda g=progs: exchange_rows(ws, x_NH, m, rank, False, g), ns.iters, ns.warmup))
-        tc = slowest(_time(lambda g=progs: exchange_rows(ws, ref_R, mt, rank, True, g), ns.iters, ns.warmup))
-        tb = slowest(
-            _time(
-                lambda g=progs: (
-                    exchange_rows(ws, x_NH, m, rank, False, g),
-                    exchange_rows(ws, ref_R, mt, rank, True, g),
-                ),
-                ns.iters,
-                ns.warmup,
-            )
-        )
-        results[f"nvlink programs={progs}"] = (td, tc, ok, tb)
-        # The kernels alone (no staging, no barriers): re-reading the same staged rows and re-writing
-        # the same rows is race-free, so this is the raw NVLink rate of the pull and push kernels.
-        exchange_rows(ws, x_NH, m, rank, push=False, programs=progs)  # stage the rows once
-        torch.cuda.synchronize()
-        dist.barrier()
-        kd = kernel_time(ws, x_NH, m, rank, False, progs, ns)
-        kc = kernel_time(ws, ref_R, mt, rank, True, progs, ns)
-        results[f"nvlink kernels only p={progs}"] = (kd, kc, ok, kd + kc)
+    for sync in ns.syncs.split(","):
+        for progs in [int(v) for v in ns.programs.split(",")]:
+            exch = lambda x, mm, push, g=progs, sy=sync: exchange_rows(ws, x, mm, rank, push, g, sync=sy)  # noqa: E731
+            ok = torch.equal(exch(x_NH, m, False), ref_R) and torch.equal(exch(ref_R, mt, True), ref_N)
+            td = slowest(_time(lambda f=exch: f(x_NH, m, False), ns.iters, ns.warmup))
+            tc = slowest(_time(lambda f=exch: f(ref_R, mt, True), ns.iters, ns.warmup))
+            tb = slowest(_time(lambda f=exch: (f(x_NH, m, False), f(ref_R, mt, True)), ns.iters, ns.warmup))
+            label = f"nvlink programs={progs}" if sync == "barrier" else f"nvlink {sync} p={progs}"
+            results[label] = (td, tc, ok, tb)
+            if sync != "barrier":
+                continue
+            # The kernels alone (no staging, no barriers): re-reading the same staged rows and re-writing
+            # the same rows is race-free, so this is the raw NVLink rate of the pull and push kernels.
+            exchange_rows(ws, x_NH, m, rank, push=False, programs=progs)  # stage the rows once
+            torch.cuda.synchronize()
+            dist.barrier()
+            kd = kernel_time(ws, x_NH, m, rank, False, progs, ns)
+            kc = kernel_time(ws, ref_R, mt, rank, True, progs, ns)
+            results[f"nvlink kernels only p={progs}"] = (kd, kc, ok, kd + kc)
     for label, (td, tc, ok, tb) in results.items():
         row = dict(
             shape=name,
@@ -186,6 +181,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m mok_megatron.nvlink.bench", description=__doc__)
     p.add_argument("--shapes", default="dsv3,qwen3")
     p.add_argument("--programs", default="16,32,64,128", help="CTAs that communicate, comma list")
+    p.add_argument("--syncs", default="barrier,flags", help="nvlink signalling: barrier, flags (comma list)")
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--json", default=None)
