@@ -4,8 +4,12 @@
                each beside its torch reference
     workspace  symmetric buffers per EP group and row format, cached, with ``close()``; the loopback
                workspace (N emulated ranks on one device) has the same interface
-    exchange   one exchange: segment tables from the split matrix, staging, barriers
+    signals    per-peer ready flags (publish / wait, device epochs): the exchanges without a barrier
+    exchange   one exchange: segment tables from the split matrix, staging, a barrier or ready flags
     transport  ``NVLinkTransport``: the overlap pipeline's ``--mok-transport nvlink``
+    hierarchical  NVLink inside each domain, the collective between domains (``--mok-transport nvlink``)
+    tile_gemm  a grouped GEMM whose tiles start as their rows land (landed flags per chunk), and a paced
+               chunk mover: measured on one GPU, not used by the layer
     bench      dispatch/combine bandwidth vs NCCL all_to_all_single (torchrun --nproc-per-node 2)
 
 Legend: P ranks/peers, N rows sent, R rows received, W words per row.
