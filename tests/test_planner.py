@@ -673,7 +673,11 @@ def test_overlap_local_rows_use_the_fused_loopback_overhead():
     assert fit.oe(over) == (0.3, 0.2) and fit.oe(fused) == (0.3, 0.2)
     assert fit.oe(("qwen3", 1, "exact")) == (0.5, 0.4)
     measured_too = dataclasses.replace(fit, o_measured=fit.o_measured | {over})
-    assert measured_too.oe(over) == (0.0, 0.9)
+    # a measured O below the loopback's noise (here 0: the pipelined layer tied the plain one) is floored,
+    # in kappa's fit and in every prediction alike (s9: overlapped local rows beat plain at an infinite link)
+    assert measured_too.oe(over) == (calibrate.O_FLOOR, 0.9)
+    negative = dataclasses.replace(measured_too, overhead={**fit.overhead, over: -0.03})
+    assert negative.oe(over) == (calibrate.O_FLOOR, 0.9)
 
 
 def test_plain_transport_is_compared_with_exact_fused_once_modes_carry_local_rows():

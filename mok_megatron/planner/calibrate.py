@@ -399,6 +399,13 @@ class EngineFit:
     points: int
 
 
+# The loopback overhead O used by kappa (real-EP overhead / O) and by every prediction is at least the
+# loopback's run-to-run noise, ~2 % of the plain layer (s9i vs s9j): a mode whose pipelined layer ties or
+# beats the plain one at an infinite link (s9: overlapped local rows) would otherwise divide by ~0 (kappa
+# in the hundreds) or predict a negative overhead. Fitting and prediction use the same floored O.
+O_FLOOR = 0.02
+
+
 @dataclass(frozen=True)
 class OverlapFit:
     """Loopback tables per (loopback shape, minibatch count, mode): overhead fraction O and exposed
@@ -420,8 +427,8 @@ class OverlapFit:
             gen = next((g for g in reversed(GENERATIONS) if key in self.by_gen.get(g, ({}, {}))[0]), None)
         over, expo = self.by_gen.get(gen, ({}, {}))
         if key in over and key in expo:
-            return over[key], expo[key]
-        return self.overhead[key], self.exposed[key]
+            return max(over[key], O_FLOOR), expo[key]
+        return max(self.overhead[key], O_FLOOR), self.exposed[key]
 
     def _measured_key(self, key: tuple) -> tuple:
         """A labelled mode whose O no loopback row measured at infinite link (every "overlap" mode: its
