@@ -32,6 +32,7 @@ group exists. argparse has no post-parse hook, so ``extra_args_provider`` wraps 
     --mok-local-rows R          local_rows            auto (fused in one NVLink domain, else overlap)
     --mok-fp8-dispatch          fp8_dispatch          off (e4m3 dispatch rows, rowwise scales)
     --mok-fp8-combine           fp8_combine           off (opt-in: e4m3 expert output rows back too)
+    --mok-late-wgrad            late_wgrad            on (--no-mok-late-wgrad: weight gradients in place)
 """
 
 from __future__ import annotations
@@ -148,6 +149,13 @@ def add_mok_flags(parser) -> None:
         "row; the combine's bytes halved, up to 2^-4 relative error per route); gradients stay bf16",
     )
     g.add_argument(
+        "--mok-late-wgrad",
+        action=argparse.BooleanOptionalAction,
+        default=d.late_wgrad,
+        help="pipeline: the experts' weight gradients wait until the last dispatch-backward exchange "
+        "flies and hide it (bitwise the same gradients; default: on)",
+    )
+    g.add_argument(
         "--mok-nvlink-programs",
         type=int,
         default=d.nvlink_programs,
@@ -241,6 +249,7 @@ def options_from_args(args) -> MoKOptions:
         local_rows=getattr(args, "mok_local_rows", MoKOptions().local_rows),
         fp8_dispatch=getattr(args, "mok_fp8_dispatch", False),
         fp8_combine=getattr(args, "mok_fp8_combine", False),
+        late_wgrad=getattr(args, "mok_late_wgrad", MoKOptions().late_wgrad),
     )
 
 
@@ -262,6 +271,7 @@ def _given_mok_flags(args) -> list[str]:
             "local_rows",
             "fp8_dispatch",
             "fp8_combine",
+            "late_wgrad",
         )
         if getattr(given, f) != getattr(d, f)
     ]

@@ -341,3 +341,106 @@ def fp8_token_rows_case(rank, world, *, ep=2, topk=4, wgrad="fp8", opts=None, **
         "max_rel_err": max(errs),
         "min_rel_err": min(errs),
     }
+
+
+class _LogBackward(torch.autograd.Function):
+    """Identity that logs ``event`` when its backward runs."""
+
+    @staticmethod
+    def forward(ctx, x, log, event):
+        ctx.log, ctx.event = log, event
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        ctx.log.append(ctx.event)
+        return g, None, None
+
+
+def late_wgrad_case(rank, world, *, ep=2, opts=None, steps=2, **cfg_kw):
+    """The MoK layer through the pipeline with late weight gradients (``mcore.late_wgrad``) against the
+    same layer without (``late_wgrad=False``): output, input and weight gradients bitwise equal over
+    ``steps`` backward passes accumulating into ``.grad``; each weight's post-accumulate hook fires once
+    per backward; and in the late layer's backward every queued weight gradient is computed after the
+    last dispatch-backward exchange is launched and before the packs' backward (which waits for it)."""
+    from mok_megatron.functional import pipeline as pipeline_module
+    from mok_megatron.mcore import expert_schedule
+    from tests.cases import build_mok_only, make_config, setup_parallel
+
+    setup_parallel(ep=ep)
+    cfg = make_config(ep=ep, **cfg_kw)
+    base = dict(engine="pipeline", **(opts or {}))
+    if ep == 1:
+        base.update(transport="loopback", loopback_ep=4)
+    layers, logs = [], []
+    for late in (True, False):
+        torch.manual_seed(0)
+        layer = build_mok_only(cfg, dict(base, late_wgrad=late))
+        if layers:
+            layer.load_state_dict(layers[0][0].state_dict())
+        layer.train()
+        log: list = []
+        layer.token_dispatcher.transport = Recording(layer.token_dispatcher.transport, log)
+        hooks = {}
+        for name, p in layer.experts.named_parameters():
+            p.register_post_accumulate_grad_hook(lambda p, n=name, h=hooks: h.__setitem__(n, h.get(n, 0) + 1))
+        layers.append((layer, log, hooks))
+        logs.append(log)
+    sums, pack = expert_schedule.WgradQueue.sums, pipeline_module._pack
+
+    res = {"steps": []}
+    for step in range(steps):
+        g = torch.Generator().manual_seed(10 * rank + step)
+        x0 = torch.randn(16, 2, cfg.hidden_size, generator=g)
+        dout = torch.randn(16, 2, cfg.hidden_size, generator=g)
+        outs = []
+        for i, (layer, log, hooks) in enumerate(layers):
+            log.clear()
+            hooks.clear()
+
+            def logged_sums(queue, log=log):
+                log.append(("wgrad", len(queue)))
+                return sums(queue)
+
+            def logged_pack(*args, log=log):
+                x_NH, meta_NW = pack(*args)
+                return _LogBackward.apply(x_NH, log, ("pack_bwd",)), meta_NW
+
+            expert_schedule.WgradQueue.sums = logged_sums
+            pipeline_module._pack = logged_pack
+            try:
+                x = x0.clone().requires_grad_(True)
+                out, _ = layer(x)
+                x.register_hook(lambda gx, log=log: log.append(("x_grad",)))
+                log.append(("forward_done",))
+                out.backward(dout)
+            finally:
+                expert_schedule.WgradQueue.sums = sums
+                pipeline_module._pack = pack
+            grads = {n: p.grad.clone() for n, p in layer.named_parameters() if p.grad is not None}
+            outs.append((out.detach(), x.grad.clone(), grads, dict(hooks), list(log)))
+        (o1, dx1, g1, h1, log1), (o2, dx2, g2, h2, log2) = outs
+        bwd = log1[log1.index(("forward_done",)) + 1 :]
+        moves = [i for i, e in enumerate(bwd) if e[0] == "move" and e[1] == 0]  # dispatch-backward
+        wg = [i for i, e in enumerate(bwd) if e[0] == "wgrad"]
+        res["steps"].append(
+            dict(
+                bitwise=bool(
+                    torch.equal(o1, o2)
+                    and torch.equal(dx1, dx2)
+                    and g1.keys() == g2.keys()
+                    and all(torch.equal(g1[k], g2[k]) for k in g1)
+                ),
+                expert_grads=sorted(k for k in g1 if "experts" in k),
+                hooks_late=h1,
+                hooks_plain=h2,
+                late_wgrad_runs=len(wg),
+                queued=[bwd[i][1] for i in wg],
+                after_last_dispatch_back=bool(wg and moves and wg[0] > moves[-1]),
+                before_x_grad=bool(wg and ("x_grad",) in bwd and wg[-1] < bwd.index(("x_grad",))),
+                # the packs' backward waits for the dispatch-backward exchanges: the queue runs before it
+                before_pack_backward=bool(wg and ("pack_bwd",) in bwd and wg[-1] < bwd.index(("pack_bwd",))),
+                plain_wgrad_runs=sum(1 for e in log2 if e[0] == "wgrad"),
+            )
+        )
+    return res

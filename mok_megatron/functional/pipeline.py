@@ -262,6 +262,7 @@ def run_pipeline(
     fp8_combine: bool = False,
     token_rows_fn: TokenRowsFn | None = None,
     routing_kernels: bool = False,
+    before_experts: Callable[[], None] | None = None,
 ) -> torch.Tensor:
     """The routed experts' output ``[T, H]`` (probability-weighted sum over each token's experts).
 
@@ -275,7 +276,10 @@ def run_pipeline(
     ``row_alignment`` > 1): experts that permute / combine inside their own operands (``_experts_aligned``).
     ``routing_kernels``: every expert call plans its rows with the routing kernels and moves them with the
     Triton permute / combine (``_experts_aligned`` at ``row_alignment``, 1 included) instead of a sort and
-    row gathers; for experts that take device counts (MoK's)."""
+    row gathers; for experts that take device counts (MoK's). ``before_experts``: called once, after
+    every minibatch is packed and before any expert call or dispatch-exchange autograd node is created
+    (``mcore.late_wgrad.LateWgrad.open``: its node then runs in backward after every dispatch-backward
+    exchange is launched and before the packs' backward waits for them)."""
     T, H = x_TH.shape
     ep, L = plan.ep_size, plan.num_local_experts
     if T == 0:
@@ -313,6 +317,9 @@ def run_pipeline(
                 x_RH = tr.move(x_NH.detach(), mb, DISPATCH)
             moved = (x_RH, tr.move(meta_NW.detach(), mb, DISPATCH))
             flights.append((tr, x_NH, meta_NW, moved, st.event("comm")))
+
+    if before_experts is not None:
+        before_experts()
 
     # 2. Per minibatch: region A's experts (the dispatch flies), the received rows' experts and
     #    their combine, region B's experts (the combine flies).

@@ -183,10 +183,16 @@ class MoKTokenDispatcher(MoETokenDispatcher):
         )
 
     def run_pipeline(
-        self, hidden_states: torch.Tensor, probs: torch.Tensor, expert_fn, token_rows_fn=None
+        self,
+        hidden_states: torch.Tensor,
+        probs: torch.Tensor,
+        expert_fn,
+        token_rows_fn=None,
+        before_experts=None,
     ) -> torch.Tensor:
         """Pipelined dispatch -> experts -> combine of the call in flight: ``[T, H]``. ``token_rows_fn``:
-        experts that fuse the per-call permute / combine into their operands (``row_alignment`` > 1)."""
+        experts that fuse the per-call permute / combine into their operands (``row_alignment`` > 1).
+        ``before_experts``: see ``functional.pipeline.run_pipeline`` (``LateWgrad.open``)."""
         call = self.plan
         o = self.options
         args = (
@@ -198,6 +204,7 @@ class MoKTokenDispatcher(MoETokenDispatcher):
             o.fp8_combine,
             token_rows_fn if self.row_alignment > 1 else None,
             self.routing_kernel_calls,
+            before_experts,
         )
         with profiling.phase("pipeline", hidden_states.device):
             out = _run_pipeline(hidden_states, probs, call.routing_map_TE, call.plan, expert_fn, *args)

@@ -52,12 +52,11 @@ class WgradQueue:
     def push(self, weight: torch.nn.Parameter, compute: Callable[[], torch.Tensor]) -> None:
         self.tasks.append(WgradTask(weight, compute))
 
-    def run(self) -> list[torch.nn.Parameter]:
-        """Compute every queued weight gradient and accumulate it into ``param.grad``, as autograd's
-        engine does: per parameter, sum in production order, then add to the existing gradient.
-        Returns the parameters that received a gradient."""
+    def sums(self) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+        """Compute every queued weight gradient and empty the queue: ``{id(weight): (weight, sum)}``,
+        each weight's gradients summed in production order (as autograd's engine sums them)."""
         tasks, self.tasks = self.tasks, []
-        sums: dict[int, tuple[torch.nn.Parameter, torch.Tensor]] = {}
+        sums: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         for task in tasks:
             dw = task.compute()
             key = id(task.weight)
@@ -65,6 +64,13 @@ class WgradQueue:
                 sums[key] = (task.weight, sums[key][1] + dw)
             else:
                 sums[key] = (task.weight, dw)
+        return sums
+
+    def run(self) -> list[torch.nn.Parameter]:
+        """Compute every queued weight gradient and accumulate it into ``param.grad``, as autograd's
+        engine does: per parameter, sum in production order, then add to the existing gradient.
+        Returns the parameters that received a gradient."""
+        sums = self.sums()
         with torch.no_grad():
             for weight, dw in sums.values():
                 if weight.grad is None:

@@ -177,14 +177,38 @@ class MoKGroupedMLP(MegatronModule):
         buffer exactly: one host read instead of the static bound's spare rows)."""
         return False
 
-    def forward(self, permuted_local_hidden_states, tokens_per_expert, permuted_probs):
+    def late_wgrad(self):
+        """A ``mcore.late_wgrad.LateWgrad`` gate for one pipelined layer call, or None where the weight
+        gradients are computed as usual: Megatron's ``delay_wgrad_compute`` (its queue defers them
+        further), the FP8 / TE backends (other GEMMs), or no gradient wanted. (``--no-mok-late-wgrad``
+        is the layer's to check: ``MoKMoELayer.routed_experts_compute``.)"""
+        from mok_megatron.mcore.late_wgrad import LateWgrad
+
+        weights = (self.fc1_weight, self.fc2_weight)
+        if (
+            self.expert_backend != "torch"
+            or self.wgrad_queue is not None
+            or not torch.is_grad_enabled()
+            or not all(w.requires_grad for w in weights)
+        ):
+            return None
+        return LateWgrad(weights)
+
+    def forward(self, permuted_local_hidden_states, tokens_per_expert, permuted_probs, late=None):
+        """Megatron's experts call. ``late`` (an open ``LateWgrad`` of this module, pipeline only): the
+        GEMMs use its stand-in weights and queue their weight gradients in it."""
         cfg = self.mok_config
+        w1, w2, queue = self.fc1_weight, self.fc2_weight, self.wgrad_queue
+        if late is not None:
+            if late.weights is None or late.params[0] is not self.fc1_weight:
+                raise RuntimeError("MoKGroupedMLP.forward: late= must be this module's LateWgrad, opened")
+            (w1, w2), queue = late.weights, late.queue
         args = (
             permuted_local_hidden_states,
             permuted_probs,
             tokens_per_expert,
-            self.fc1_weight,
-            self.fc2_weight,
+            w1,
+            w2,
             cfg.activation,
         )
         if self.expert_backend == "torch-fp8":
@@ -197,7 +221,7 @@ class MoKGroupedMLP(MegatronModule):
             *args,
             apply_probs_on_input=cfg.apply_probs_on_input,
             recompute_activation=cfg.recompute_activation,
-            wgrad_queue=self.wgrad_queue,
+            wgrad_queue=queue,
         )
         return out, None
 

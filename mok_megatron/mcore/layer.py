@@ -122,15 +122,18 @@ class MoKMoELayer(MoELayer):
             return super().routed_experts_compute(hidden_states, probs)
         experts = self.experts
         device_counts = isinstance(experts, MoKGroupedMLP)
+        # MoK's bf16 experts: weight gradients late, hiding the last dispatch-backward (mcore.late_wgrad)
+        late = experts.late_wgrad() if device_counts and self.mok_options.late_wgrad else None
 
         def expert_fn(x_MH, tpe_dev, tpe_host, probs_M):
             # Megatron's own experts read the counts on the host (tolist): give them host counts.
             tpe = tpe_dev if device_counts or tpe_host is None else torch.tensor(tpe_host)
-            y, bias = experts(x_MH, tpe, probs_M)
+            y, bias = experts(x_MH, tpe, probs_M) if late is None else experts(x_MH, tpe, probs_M, late=late)
             if bias is not None:
                 raise MoKConfigError("the pipelined MoK layer needs experts without an output bias")
             return y
 
         # Native FP8 experts fuse each call's permute / combine into their FP8 operands (fp8.token_experts).
         token_rows = experts.token_rows_forward if device_counts and experts.fuses_permute() else None
-        return self.token_dispatcher.run_pipeline(hidden_states, probs, expert_fn, token_rows), None
+        opener = late.open if late is not None else None
+        return self.token_dispatcher.run_pipeline(hidden_states, probs, expert_fn, token_rows, opener), None

@@ -1,0 +1,73 @@
+"""Late weight gradients: inside one pipelined layer call, the experts' weight gradients wait until the
+last dispatch-backward exchange is in flight, and fill the time it flies.
+
+Why: a pipelined layer's backward ends with the dispatch-backward exchange (each received row's input
+gradient going home). With the weight gradients computed beside the input gradients (autograd's
+default), the last expert call's backward ends with its weight-gradient GEMMs and only then hands its
+input gradient to that exchange, so nothing is left to hide it: at one minibatch a whole exchange is
+exposed. Here every expert GEMM's backward computes only its input gradient and queues its weight
+gradient (``expert_schedule.WgradQueue``); the queue runs after the last dispatch-backward exchange
+has been launched, on the compute stream, while the exchange flies on the communication stream.
+
+How: ``LateWgrad.open()``, called by the pipeline after it packs every minibatch and before it creates
+any expert call or dispatch-exchange autograd node, passes the experts' weights through one autograd
+node (``_Gate``); the layer call's expert GEMMs use its outputs and queue their weight gradients in
+``LateWgrad.queue``. Autograd runs ready nodes most recently created first, so ``_Gate``'s backward
+runs after every dispatch-backward node (created later) has launched its exchange and before the
+packs' backward (created earlier), which waits for those exchanges. It computes the queued gradients
+in the order backward produced them, sums them per weight in that order and returns the sums through
+autograd: ``AccumulateGrad`` and every hook on the weights (Megatron's DDP) run as without it, and the
+gradients are bitwise the same (the same GEMMs, the same summation order; tested).
+
+Cost: each expert GEMM's output gradient lives until ``_Gate`` runs (DeepSeek-V3's slice at 4096
+tokens, 8 local experts: ~0.7 GB more at the peak). Off: ``--no-mok-late-wgrad``. Not with Megatron's
+``delay_wgrad_compute`` (its ``backward_dw`` already defers them further) nor with the FP8 / TE
+experts (their GEMMs are not ``expert_schedule``'s); ``MoKGroupedMLP.late_wgrad`` decides.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mok_megatron.mcore.expert_schedule import WgradQueue
+
+
+class LateWgrad:
+    """The weight-gradient gate of one layer call. ``open()`` makes ``weights`` (stand-ins for the
+    parameters, to use in this call's expert GEMMs) and an empty ``queue``; each call of ``open``
+    starts over (an overflow redo runs the pipeline again)."""
+
+    def __init__(self, params: tuple[torch.nn.Parameter, ...]):
+        self.params = params
+        self.queue = WgradQueue()
+        self.weights: tuple[torch.Tensor, ...] | None = None
+
+    def open(self) -> None:
+        self.queue = WgradQueue()
+        self.weights = _Gate.apply(self, *self.params)
+
+
+class _Gate(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, gate: LateWgrad, *params):
+        ctx.set_materialize_grads(False)  # the outputs' gradients are None: the queue holds them
+        ctx.gate = gate
+        return tuple(p.view_as(p) for p in params)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        gate = ctx.gate
+        stand_ins = {id(w): i for i, w in enumerate(gate.weights)}
+        out: list[torch.Tensor | None] = [None] * len(gate.params)
+        for key, (weight, dw) in gate.queue.sums().items():
+            if key not in stand_ins:
+                raise RuntimeError(
+                    "late weight gradients: a queued gradient belongs to no weight of this gate "
+                    f"(shape {tuple(weight.shape)}); expert GEMMs must use LateWgrad.weights"
+                )
+            out[stand_ins[key]] = dw
+        for i, g in enumerate(grads):  # a stand-in used outside the queue (never in MoK's experts)
+            if g is not None:
+                out[i] = g if out[i] is None else out[i] + g
+        gate.weights = None  # the stand-ins' graph is done; the queue is empty
+        return (None, *out)

@@ -1,0 +1,67 @@
+"""Late weight gradients (``mcore.late_wgrad``): the pipelined layer's expert weight gradients wait until
+the last dispatch-backward exchange is launched, then run while it flies.
+
+gloo on CPU: EP=2 over the real pipeline (one and three minibatches, local rows overlapped and fused,
+exact and sync-free) and one process per rank with the loopback transport (EP=4 emulated): bitwise the
+gradients of the same layer without it over two accumulating backward passes, each weight's
+post-accumulate hook (where Megatron's DDP hooks in) fired once per backward, and the queue run after
+the last dispatch-backward exchange and before the packs' backward (which waits for the exchanges). The gate alone: its sums, and a
+stranger's gradient rejected.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mok_megatron.mcore.expert_schedule import WgradQueue
+from mok_megatron.mcore.late_wgrad import LateWgrad
+
+CASE = "tests.pipeline_cases:late_wgrad_case"
+
+
+def _check(results, calls_per_step):
+    for rank, r in enumerate(results):
+        for step, s in enumerate(r["steps"]):
+            where = (rank, step, s)
+            assert s["bitwise"], where
+            assert s["expert_grads"] == ["experts.fc1_weight", "experts.fc2_weight"], where
+            assert s["hooks_late"] == {"fc1_weight": 1, "fc2_weight": 1} == s["hooks_plain"], where
+            assert s["late_wgrad_runs"] == 1 and s["plain_wgrad_runs"] == 0, where
+            # two GEMMs (fc1, fc2) per expert call
+            assert s["queued"] == [2 * calls_per_step], where
+            assert s["after_last_dispatch_back"] and s["before_pack_backward"] and s["before_x_grad"], where
+
+
+@pytest.mark.parametrize(
+    "chunks,local_rows,sync_free,calls",
+    [(1, "fused", False, 1), (1, "overlap", True, 2), (3, "overlap", False, 6), (3, "fused", True, 3)],
+)
+def test_late_wgrad_bitwise_and_ordered_ep2(pool, chunks, local_rows, sync_free, calls):
+    opts = dict(minibatch_size=-(-32 // chunks), local_rows=local_rows, sync_free=sync_free)
+    # overlap: region A (dispatch in flight) + the received rows; region B stays empty at these sizes
+    _check(pool.run(CASE, ep=2, opts=opts, topk=4), calls)
+
+
+def test_late_wgrad_loopback_one_rank(pool):
+    _check(pool.run(CASE, ep=1, opts=dict(minibatch_size=16, local_rows="fused"), topk=4), 2)
+
+
+def test_gate_sums_in_production_order_and_rejects_strangers():
+    w1 = torch.nn.Parameter(torch.randn(2, 3, 4))
+    w2 = torch.nn.Parameter(torch.randn(2, 4, 3))
+    late = LateWgrad((w1, w2))
+    late.open()
+    s1, s2 = late.weights
+    parts = [torch.randn(2, 3, 4) for _ in range(3)]
+    for p in parts:
+        late.queue.push(s1, lambda p=p: p)
+    y = (s1.sum() + s2.sum()) * 0  # the stand-ins' own (zero) gradients add to the queued ones
+    y.backward()
+    assert torch.equal(w1.grad, (parts[0] + parts[1]) + parts[2])
+    assert torch.equal(w2.grad, torch.zeros_like(w2))
+    late.open()
+    late.queue.push(torch.nn.Parameter(torch.zeros(1)), lambda: torch.zeros(1))
+    with pytest.raises(RuntimeError, match="belongs to no weight of this gate"):
+        (late.weights[0].sum() * 0).backward()
+    assert isinstance(late.queue, WgradQueue)
