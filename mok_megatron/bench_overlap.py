@@ -221,7 +221,9 @@ def _bench_overlap(
             try:
                 t0g = _time(_graphed(base, x, dout), iters, warmup)
                 rows.append(dict(shape=name, gbps=None, chunks=0, ms=1e3 * t0g, comm_ms=0.0, graph=True))
-                print(f"{name} [{expert_backend}]: no communication, CUDA graph: {1e3 * t0g:.2f} ms", flush=True)
+                print(
+                    f"{name} [{expert_backend}]: no communication, CUDA graph: {1e3 * t0g:.2f} ms", flush=True
+                )
                 t0 = min(t0, t0g)
             except Exception as e:  # report, never hide
                 print(f"{name}: plain layer CUDA graph capture failed: {e!r}"[:300], flush=True)

@@ -372,7 +372,7 @@ def late_wgrad_case(rank, world, *, ep=2, opts=None, steps=2, **cfg_kw):
     base = dict(engine="pipeline", **(opts or {}))
     if ep == 1:
         base.update(transport="loopback", loopback_ep=4)
-    layers, logs = [], []
+    layers = []
     for late in (True, False):
         torch.manual_seed(0)
         layer = build_mok_only(cfg, dict(base, late_wgrad=late))
@@ -385,7 +385,6 @@ def late_wgrad_case(rank, world, *, ep=2, opts=None, steps=2, **cfg_kw):
         for name, p in layer.experts.named_parameters():
             p.register_post_accumulate_grad_hook(lambda p, n=name, h=hooks: h.__setitem__(n, h.get(n, 0) + 1))
         layers.append((layer, log, hooks))
-        logs.append(log)
     sums, pack = expert_schedule.WgradQueue.sums, pipeline_module._pack
 
     res = {"steps": []}
@@ -394,7 +393,7 @@ def late_wgrad_case(rank, world, *, ep=2, opts=None, steps=2, **cfg_kw):
         x0 = torch.randn(16, 2, cfg.hidden_size, generator=g)
         dout = torch.randn(16, 2, cfg.hidden_size, generator=g)
         outs = []
-        for i, (layer, log, hooks) in enumerate(layers):
+        for layer, log, hooks in layers:
             log.clear()
             hooks.clear()
 
