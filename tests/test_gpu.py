@@ -457,3 +457,38 @@ def test_router_gemm_on_gpu_matches_fp32_router():
     ):
         err = (got.double() - truth).abs()
         assert (err <= 2**-7 * truth.abs() + 2**-15 * terms).all(), f"{name}: max error {err.max():.3e}"
+
+
+def test_link_delay_spins_wall_time_at_any_sm_clock():
+    # The loopback's emulated link time: a wall-clock spin, the same alone (clock idle or boosted) and beside
+    # a GEMM that power-caps the SM clock (the old cycle-count sleep drifted up to ~2x, s10b).
+    from mok_megatron.functional.transport import LoopbackTransport
+    from mok_megatron.kernels.link_delay import spin_ns
+
+    dev = torch.device("cuda")
+    side = torch.cuda.Stream()
+    a = torch.randn(8192, 8192, device=dev, dtype=torch.bfloat16)
+
+    def timed(fn):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        fn()
+        e.record()
+        e.synchronize()
+        return s.elapsed_time(e)
+
+    spin_ns(1000, dev)  # compile
+    torch.cuda.synchronize()
+    assert timed(lambda: spin_ns(2_000_000, dev)) == pytest.approx(2.0, rel=0.05)
+    with torch.cuda.stream(side):
+        for _ in range(30):
+            a @ a  # ~40 ms of GEMMs: the SM clock drops under them
+    assert timed(lambda: spin_ns(5_000_000, dev)) == pytest.approx(5.0, rel=0.05)
+    torch.cuda.synchronize()
+    # an exchange of 64 MiB at 32 GB/s takes its link time (the copies are far shorter)
+    tr = LoopbackTransport(emulated_ep=2, num_local_experts=1, topk=1, gbps=32.0)
+    x = torch.empty(64 << 20, dtype=torch.uint8, device=dev)
+    tr.move(x, None, 0)
+    torch.cuda.synchronize()
+    link_ms = 1e3 * x.numel() * tr.factor / 32e9
+    assert timed(lambda: tr.move(x, None, 0)) == pytest.approx(link_ms, rel=0.05)

@@ -65,3 +65,22 @@ def test_gate_sums_in_production_order_and_rejects_strangers():
     with pytest.raises(RuntimeError, match="belongs to no weight of this gate"):
         (late.weights[0].sum() * 0).backward()
     assert isinstance(late.queue, WgradQueue)
+
+
+def test_gate_keeps_no_reference_cycle():
+    # A forward without backward must free its graph at once (no garbage-collector run needed).
+    import gc
+    import weakref
+
+    w = torch.nn.Parameter(torch.randn(4, 4))
+    late = LateWgrad((w,))
+    late.open()
+    saved = torch.randn(4, 4)
+    y = late.weights[0] * saved  # the graph keeps `saved` for backward
+    ref = weakref.ref(saved)
+    del saved, y, late
+    gc.disable()
+    try:
+        assert ref() is None
+    finally:
+        gc.enable()

@@ -156,7 +156,10 @@ def expected_remote_ranks(ep: int, num_local_experts: int, topk: int) -> float:
 
 
 class LoopbackTransport:
-    """One GPU plays one rank of an EP group: same bytes on the copy engine, link time emulated."""
+    """One GPU plays one rank of an EP group: same bytes on the copy engine, link time emulated.
+
+    The link time (``bytes / gbps``) runs on a delay stream as a wall-clock spin
+    (``kernels.link_delay.spin_ns``) beside the copies; the exchange ends when both have."""
 
     name = "loopback"
 
@@ -164,18 +167,7 @@ class LoopbackTransport:
         self.factor = expected_remote_ranks(emulated_ep, num_local_experts, topk)
         self.gbps = gbps
         self._delay_stream = None
-        self._cycles_per_s = None
         self.bytes_moved = 0  # emulated link bytes so far (benchmarks read it)
-
-    def _calibrate(self):
-        # torch.cuda._sleep spins for a number of clock cycles; measure cycles per second once.
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        torch.cuda._sleep(1000)
-        s.record()
-        torch.cuda._sleep(2_000_000)
-        e.record()
-        e.synchronize()
-        self._cycles_per_s = 2_000_000 / (s.elapsed_time(e) / 1e3)
 
     def move(self, x: torch.Tensor, mb: SendPlan, direction: int) -> torch.Tensor:
         out = torch.empty_like(x)
@@ -186,13 +178,13 @@ class LoopbackTransport:
             return out
         cur = torch.cuda.current_stream()
         if self.gbps > 0:
-            if self._cycles_per_s is None:
-                self._calibrate()
+            from mok_megatron.kernels.link_delay import spin_ns
+
             if self._delay_stream is None:
                 self._delay_stream = torch.cuda.Stream(device=x.device)
             self._delay_stream.wait_stream(cur)
             with torch.cuda.stream(self._delay_stream):
-                torch.cuda._sleep(int(nbytes / (self.gbps * 1e9) * self._cycles_per_s))
+                spin_ns(round(nbytes / self.gbps), x.device)  # bytes / (GB/s) = ns
         # The emulated rank pulls `factor` rows per token: copy that many bytes (at least once).
         for _ in range(max(1, round(self.factor))):
             out.copy_(x)

@@ -35,7 +35,12 @@ from mok_megatron.mcore.expert_schedule import WgradQueue
 class LateWgrad:
     """The weight-gradient gate of one layer call. ``open()`` makes ``weights`` (stand-ins for the
     parameters, to use in this call's expert GEMMs) and an empty ``queue``; each call of ``open``
-    starts over (an overflow redo runs the pipeline again)."""
+    starts over (an overflow redo runs the pipeline again).
+
+    The autograd node keeps the queue and the stand-ins' ids, never this object: a forward whose output
+    is dropped without backward frees its graph at once (a reference cycle would keep the saved
+    activations until Python's garbage collector runs, possibly inside a later CUDA graph capture,
+    where freeing stream-recorded memory invalidates the capture: seen in s10a)."""
 
     def __init__(self, params: tuple[torch.nn.Parameter, ...]):
         self.params = params
@@ -44,30 +49,30 @@ class LateWgrad:
 
     def open(self) -> None:
         self.queue = WgradQueue()
-        self.weights = _Gate.apply(self, *self.params)
+        stand_in_ids: list[int] = []
+        self.weights = _Gate.apply(self.queue, stand_in_ids, *self.params)
+        stand_in_ids.extend(id(w) for w in self.weights)
 
 
 class _Gate(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, gate: LateWgrad, *params):
+    def forward(ctx, queue: WgradQueue, stand_in_ids: list[int], *params):
         ctx.set_materialize_grads(False)  # the outputs' gradients are None: the queue holds them
-        ctx.gate = gate
+        ctx.queue, ctx.stand_in_ids = queue, stand_in_ids
         return tuple(p.view_as(p) for p in params)
 
     @staticmethod
     def backward(ctx, *grads):
-        gate = ctx.gate
-        stand_ins = {id(w): i for i, w in enumerate(gate.weights)}
-        out: list[torch.Tensor | None] = [None] * len(gate.params)
-        for key, (weight, dw) in gate.queue.sums().items():
-            if key not in stand_ins:
+        index = {key: i for i, key in enumerate(ctx.stand_in_ids)}
+        out: list[torch.Tensor | None] = [None] * len(grads)
+        for key, (weight, dw) in ctx.queue.sums().items():
+            if key not in index:
                 raise RuntimeError(
                     "late weight gradients: a queued gradient belongs to no weight of this gate "
                     f"(shape {tuple(weight.shape)}); expert GEMMs must use LateWgrad.weights"
                 )
-            out[stand_ins[key]] = dw
+            out[index[key]] = dw
         for i, g in enumerate(grads):  # a stand-in used outside the queue (never in MoK's experts)
             if g is not None:
                 out[i] = g if out[i] is None else out[i] + g
-        gate.weights = None  # the stand-ins' graph is done; the queue is empty
-        return (None, *out)
+        return (None, None, *out)

@@ -1,0 +1,48 @@
+"""The loopback transport's link time: a one-thread kernel that spins on the GPU's wall clock.
+
+    spin_ns(ns, device)   on the current stream: busy for ``ns`` nanoseconds of ``%globaltimer`` (wall
+                          time, independent of the SM clock), on one warp of one SM
+    spin_ns_reference     the host-side stand-in (``time.sleep``; not stream-ordered: CPU and tests only)
+
+Why not ``torch.cuda._sleep(cycles)``: it counts SM clock cycles, and the loopback used to convert a
+link time into cycles from one calibration. The H200's SM clock moves between ~345 MHz (idle), 1.98 GHz
+(boost) and 1.47-1.75 GHz (power-capped under GEMMs), so the emulated link ran up to ~2x faster or
+slower than asked (s10b: a 1.84 ms step of link time took 0.84 ms on the delay stream). The wall clock
+does not move. A CUDA graph captures the kernel with its duration as an argument.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from mok_megatron.kernels import INTERPRETED, jit, tl, triton
+
+
+@jit
+def _spin_ns_kernel(ns):
+    t0 = tl.inline_asm_elementwise(
+        "mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False, pack=1
+    )
+    now = t0
+    while now - t0 < ns:
+        now = tl.inline_asm_elementwise(
+            "mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False, pack=1
+        )
+
+
+def spin_ns(ns: int, device: torch.device) -> None:
+    """Occupy the current CUDA stream of ``device`` for ``ns`` nanoseconds of wall time."""
+    if device.type != "cuda" or INTERPRETED or triton is None:
+        raise ValueError(
+            f"spin_ns: a CUDA device with compiled Triton kernels is needed (got {device}, interpreted="
+            f"{INTERPRETED}); use spin_ns_reference on CPU"
+        )
+    if ns > 0:
+        with torch.cuda.device(device):
+            _spin_ns_kernel[(1,)](int(ns), num_warps=1)
+
+
+def spin_ns_reference(ns: int) -> None:
+    time.sleep(max(ns, 0) / 1e9)
