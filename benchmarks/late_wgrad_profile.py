@@ -43,7 +43,12 @@ def main():
         step = _stepper(layer, x, dout)
         for _ in range(3):
             step()
+        tr = layer.token_dispatcher.transport
+        b0 = tr.bytes_moved
         print(f"late={late}: {stream_overlap(step, x.device)}", flush=True)
+        print(
+            f"late={late}: link ms per step {1e3 * (tr.bytes_moved - b0) / (gbps * 1e9):.3f}" if gbps else ""
+        )
         torch.cuda.synchronize()
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             step()
@@ -54,6 +59,8 @@ def main():
         )
         t0 = ev[0].time_range.start
         print(f"late={late}: last GPU operations (start us from the step's first, duration us, stream, name)")
+        spins = [e for e in ev if "spin" in e.name]
+        print(f"late={late}: spins (us): {[round(e.time_range.elapsed_us()) for e in spins]}")
         for e in ev[-28:]:
             stream = getattr(e, "stream", None) or getattr(e, "device_resource_id", 0)
             print(

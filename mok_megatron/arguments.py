@@ -32,7 +32,7 @@ group exists. argparse has no post-parse hook, so ``extra_args_provider`` wraps 
     --mok-local-rows R          local_rows            auto (fused in one NVLink domain, else overlap)
     --mok-fp8-dispatch          fp8_dispatch          off (e4m3 dispatch rows, rowwise scales)
     --mok-fp8-combine           fp8_combine           off (opt-in: e4m3 expert output rows back too)
-    --mok-late-wgrad            late_wgrad            on (--no-mok-late-wgrad: weight gradients in place)
+    --mok-late-wgrad            late_wgrad            off (opt-in: weight gradients after the last exchange)
 """
 
 from __future__ import annotations
@@ -152,8 +152,8 @@ def add_mok_flags(parser) -> None:
         "--mok-late-wgrad",
         action=argparse.BooleanOptionalAction,
         default=d.late_wgrad,
-        help="pipeline: the experts' weight gradients wait until the last dispatch-backward exchange "
-        "flies and hide it (bitwise the same gradients; default: on)",
+        help="pipeline, opt-in: the experts' weight gradients wait until the last dispatch-backward "
+        "exchange flies and hide it (bitwise the same gradients; default: off, measured no gain on one GPU)",
     )
     g.add_argument(
         "--mok-nvlink-programs",

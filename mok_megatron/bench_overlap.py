@@ -89,8 +89,10 @@ MODES = {  # label: (MoKOptions overrides, capture in a CUDA graph)
     "sync-free+graph+fp8": (dict(sync_free=True, fp8_dispatch=True), True),
     # --mok-fp8-dispatch --mok-fp8-combine: both exchanges' rows in e4m3 (gradients bf16)
     "sync-free+graph+fp8-both": (dict(sync_free=True, fp8_dispatch=True, fp8_combine=True), True),
-    # --no-mok-late-wgrad: weight gradients beside the input gradients (autograd's order), for A/B runs
-    "sync-free+graph+early-wgrad": (dict(sync_free=True, late_wgrad=False), True),
+    # --mok-late-wgrad: weight gradients after the last dispatch-backward exchange (A/B against the default)
+    "sync-free+graph+late-wgrad": (dict(sync_free=True, late_wgrad=True), True),
+    # no option: the layer as built, replayed from a CUDA graph (the no-communication baselines)
+    "graph": ({}, True),
 }
 
 
@@ -484,6 +486,11 @@ def _bench_ep(
             del ref
             mok_sd = convert_state_dict(sd, "mok")
             variants = [("plain", None, 1, "exact")]
+            if ep == 1 and cuda:
+                # the same work replayed from a CUDA graph: the fair baseline of graphed MoK rows (s10c:
+                # the one-GPU layer is 1.3-2.1 ms faster so); timed after every EP=N row (a plain capture
+                # before pipelined ones made their captures fail, s10a)
+                variants += [("plain+graph", None, 1, "graph")]
             if ep > 1:
                 variants += [
                     (f"{tr} {lr}", tr, c, m)

@@ -44,9 +44,11 @@ the flags set (``set_default_options``). Frozen and validated at construction.
                          per row too (the combine's bytes halved; each token's output then carries up to
                          2^-4 relative error per route, which is why DeepEP and TE keep it bf16);
                          gradients stay bf16
-    late_wgrad           pipeline, MoK's bf16 experts: the weight gradients of a layer call wait until the
-                         last dispatch-backward exchange flies and hide it (``mcore.late_wgrad``; default
-                         on; bitwise the same gradients, ~0.7 GB more peak memory on DeepSeek-V3's slice)
+    late_wgrad           pipeline, MoK's bf16 experts, opt-in: the weight gradients of a layer call wait until
+                         the last dispatch-backward exchange is launched and run while it flies
+                         (``mcore.late_wgrad``; bitwise the same gradients, ~0.7 GB more peak memory on
+                         DeepSeek-V3's slice). Off by default: on one H200's loopback it gained nothing
+                         consistent and lost 1-1.2 ms with two minibatches (s10c/s10d)
 """
 
 from __future__ import annotations
@@ -80,7 +82,7 @@ class MoKOptions:
     local_rows: str = "auto"
     fp8_dispatch: bool = False
     fp8_combine: bool = False
-    late_wgrad: bool = True
+    late_wgrad: bool = False
 
     def __post_init__(self):
         if self.minibatch_size is not None and (

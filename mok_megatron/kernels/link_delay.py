@@ -4,11 +4,12 @@
                           time, independent of the SM clock), on one warp of one SM
     spin_ns_reference     the host-side stand-in (``time.sleep``; not stream-ordered: CPU and tests only)
 
-Why not ``torch.cuda._sleep(cycles)``: it counts SM clock cycles, and the loopback used to convert a
-link time into cycles from one calibration. The H200's SM clock moves between ~345 MHz (idle), 1.98 GHz
-(boost) and 1.47-1.75 GHz (power-capped under GEMMs), so the emulated link ran up to ~2x faster or
-slower than asked (s10b: a 1.84 ms step of link time took 0.84 ms on the delay stream). The wall clock
-does not move. A CUDA graph captures the kernel with its duration as an argument.
+Why not ``torch.cuda._sleep(cycles)`` (what the loopback used until session 10): it counts SM clock
+cycles, converted from a link time by one calibration, and the H200's SM clock moves between ~345 MHz
+(idle), 1.98 GHz (boost) and 1.47-1.75 GHz (power-capped under GEMMs), so the emulated link could run
+faster or slower than asked (how much it did in earlier runs was not measured). The wall clock does not
+move: s10e measured 460 us per 0.46 ms exchange inside the layer. A CUDA graph captures the kernel with
+its duration as an argument.
 """
 
 from __future__ import annotations
@@ -20,7 +21,13 @@ import torch
 from mok_megatron.kernels import INTERPRETED, jit, tl, triton
 
 
-@jit
+def _jit_unspecialized(fn):
+    # one compiled kernel for every duration (Triton would specialise an int argument on 1 and on
+    # divisibility by 16: a first launch of another duration would compile for ~1 s)
+    return triton.jit(do_not_specialize=["ns"])(fn) if triton is not None else jit(fn)
+
+
+@_jit_unspecialized
 def _spin_ns_kernel(ns):
     t0 = tl.inline_asm_elementwise(
         "mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False, pack=1

@@ -180,7 +180,7 @@ class MoKGroupedMLP(MegatronModule):
     def late_wgrad(self):
         """A ``mcore.late_wgrad.LateWgrad`` gate for one pipelined layer call, or None where the weight
         gradients are computed as usual: Megatron's ``delay_wgrad_compute`` (its queue defers them
-        further), the FP8 / TE backends (other GEMMs), or no gradient wanted. (``--no-mok-late-wgrad``
+        further), the FP8 / TE backends (other GEMMs), or no gradient wanted. (``--mok-late-wgrad``
         is the layer's to check: ``MoKMoELayer.routed_experts_compute``.)"""
         from mok_megatron.mcore.late_wgrad import LateWgrad
 

@@ -20,7 +20,9 @@ autograd: ``AccumulateGrad`` and every hook on the weights (Megatron's DDP) run 
 gradients are bitwise the same (the same GEMMs, the same summation order; tested).
 
 Cost: each expert GEMM's output gradient lives until ``_Gate`` runs (DeepSeek-V3's slice at 4096
-tokens, 8 local experts: ~0.7 GB more at the peak). Off: ``--no-mok-late-wgrad``. Not with Megatron's
+tokens, 8 local experts: ~0.7 GB more at the peak). Opt-in (``--mok-late-wgrad``): on one H200 with the
+loopback transport it gained nothing consistent at one minibatch and lost 1-1.2 ms at two (s10c, s10d;
+docs/benchmarks.md, "Tenth session"); a real link (copy engine, NVLink) is where it could pay. Not with Megatron's
 ``delay_wgrad_compute`` (its ``backward_dw`` already defers them further) nor with the FP8 / TE
 experts (their GEMMs are not ``expert_schedule``'s); ``MoKGroupedMLP.late_wgrad`` decides.
 """

@@ -149,6 +149,8 @@ def ep_results(run: Path) -> tuple[list[Layer1], list[EPPoint]]:
     for r in json.loads(f.read_text()):
         if "ms" not in r or r["shape"] not in EP_SHAPES or r["shape"] == "tiny" or not _bf16_experts(r):
             continue
+        if r.get("transport") == "plain+graph":  # a CUDA-graph replay of EP=1 (a baseline): not fitted
+            continue
         moe, tokens = _ep_moe(r["shape"], r["ep"])
         if r["ep"] == 1:
             ones.append(Layer1(run.name, r["impl"], r["shape"], moe, tokens, r["ms"]))
