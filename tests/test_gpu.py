@@ -499,4 +499,5 @@ def test_link_delay_spins_wall_time_at_any_sm_clock():
     tr.move(x, None, 0)
     torch.cuda.synchronize()
     link_ms = 1e3 * x.numel() * tr.factor / 32e9
-    assert timed(lambda: tr.move(x, None, 0)) - launch == pytest.approx(link_ms, rel=0.05)
+    # (the move's own host work before its spin starts, ~0.1 ms eagerly, is timed too)
+    assert link_ms <= timed(lambda: tr.move(x, None, 0)) - launch <= link_ms + 0.2
