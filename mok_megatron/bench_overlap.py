@@ -321,9 +321,9 @@ def _bench_overlap(
 
 def _graphed_baselines(rows, shapes, iters, warmup, expert_backend, dtype, device) -> None:
     """The graphed rows' fair baseline: the no-communication layer's step replayed from a CUDA graph
-    too (no host launch gaps; s10a: DeepSeek's slice 13.62 vs 14.66 ms eager). Timed after every
-    pipelined row (capturing the plain layer first made the pipelined captures after it fail, s10a);
-    each row's exposed time is then taken against the faster baseline (``t0_ms``)."""
+    too (no host launch gaps; s10a-s10e: 0.7-2.3 ms faster than eager). Timed after every pipelined
+    row, so that no graph of it is alive while they capture; each row's exposed time is then taken
+    against the faster baseline (``t0_ms``)."""
     import torch
 
     from mok_megatron.bench import _config, build
@@ -487,9 +487,8 @@ def _bench_ep(
             mok_sd = convert_state_dict(sd, "mok")
             variants = [("plain", None, 1, "exact")]
             if ep == 1 and cuda:
-                # the same work replayed from a CUDA graph: the fair baseline of graphed MoK rows (s10c:
-                # the one-GPU layer is 1.3-2.1 ms faster so); timed after every EP=N row (a plain capture
-                # before pipelined ones made their captures fail, s10a)
+                # the same work replayed from a CUDA graph: the fair baseline of graphed MoK rows (s10a-s10e:
+                # the one-GPU layer runs 0.7-2.3 ms faster so); after every EP=N row
                 variants += [("plain+graph", None, 1, "graph")]
             if ep > 1:
                 variants += [
