@@ -166,6 +166,12 @@ def ep_results(run: Path) -> tuple[list[Layer1], list[EPPoint]]:
     return ones, twos
 
 
+def _unmodelled_mode(mode: str) -> bool:
+    """Loopback modes the model leaves out: FP8 dispatch (a label ending "+fp8": fewer bytes per row) and
+    the opt-in weight-gradient order A/B ("+late-wgrad" / "+early-wgrad", session 10)."""
+    return mode.endswith("+fp8") or (bool(mode) and mode.split()[0].endswith("-wgrad"))
+
+
 def overlap_results(run: Path) -> tuple[list[Layer1], list[LoopRow]]:
     f = _one(run, "overlap.json")
     if f is None:
@@ -203,7 +209,7 @@ def overlap_results(run: Path) -> tuple[list[Layer1], list[LoopRow]]:
             r["bytes_per_step"],
         )
         for r in rows
-        if r["gbps"] is not None and not r.get("mode", "").endswith("+fp8")  # FP8 dispatch: not modelled
+        if r["gbps"] is not None and not _unmodelled_mode(r.get("mode", ""))
     ]
     return ones, loops
 
