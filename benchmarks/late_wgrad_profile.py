@@ -59,8 +59,18 @@ def main():
         )
         t0 = ev[0].time_range.start
         print(f"late={late}: last GPU operations (start us from the step's first, duration us, stream, name)")
+        t0 = ev[0].time_range.start
         spins = [e for e in ev if "spin" in e.name]
         print(f"late={late}: spins (us): {[round(e.time_range.elapsed_us()) for e in spins]}")
+        print(
+            f"late={late}: spins' stream attributes: "
+            f"{[(getattr(e, 'stream', None), getattr(e, 'device_resource_id', None)) for e in spins]}"
+        )
+        big = [e for e in ev if e.time_range.elapsed_us() > 100]
+        print(
+            f"late={late}: ops over 100 us (start, us, stream, resource, name): "
+            f"{[(e.time_range.start - t0, round(e.time_range.elapsed_us()), getattr(e, 'stream', None), getattr(e, 'device_resource_id', None), e.name[:24]) for e in big]}"
+        )
         for e in ev[-28:]:
             stream = getattr(e, "stream", None) or getattr(e, "device_resource_id", 0)
             print(
