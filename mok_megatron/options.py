@@ -48,7 +48,7 @@ the flags set (``set_default_options``). Frozen and validated at construction.
                          the last dispatch-backward exchange is launched and run while it flies
                          (``mcore.late_wgrad``; bitwise the same gradients, ~0.7 GB more peak memory on
                          DeepSeek-V3's slice). Off by default: on one H200's loopback it gained nothing
-                         consistent and lost 1-1.2 ms with two minibatches (s10c/s10d)
+                         consistent (s10c-s10e)
 """
 
 from __future__ import annotations

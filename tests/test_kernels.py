@@ -297,3 +297,10 @@ def test_gpu_kernels_fwd_bwd_need_no_host_sync():
         step()
     finally:
         torch.cuda.set_sync_debug_mode("default")
+
+
+def test_link_delay_needs_a_gpu_and_says_so():
+    from mok_megatron.kernels.link_delay import spin_ns
+
+    with pytest.raises(ValueError, match="CUDA device.*got cpu"):
+        spin_ns(1000, torch.device("cpu"))

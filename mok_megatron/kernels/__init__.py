@@ -13,6 +13,7 @@ Modules:
     fp8_quant    e4m3 rowwise / per-(expert, column) transposed quantization (the native FP8 GEMMs' operands)
     fp8_permute  the permute with rowwise e4m3 quantization fused in (each token quantized once)
     topk     the router's top-k selection, one pass per row (ties to the lower index)
+    link_delay   the loopback transport's emulated link time: a one-warp wall-clock spin (GPU only)
 
 Every public op takes ``impl``: ``Impl.AUTO`` runs Triton on CUDA tensors when Triton is installed and the
 torch reference otherwise; ``Impl.TRITON`` / ``Impl.TORCH`` force one (the tests hold them against each other).

@@ -2,7 +2,8 @@
 
     spin_ns(ns, device)   on the current stream: busy for ``ns`` nanoseconds of ``%globaltimer`` (wall
                           time, independent of the SM clock), on one warp of one SM
-    spin_ns_reference     the host-side stand-in (``time.sleep``; not stream-ordered: CPU and tests only)
+
+No torch reference: on CPU the loopback moves its rows without a link delay (nothing to emulate there).
 
 Why not ``torch.cuda._sleep(cycles)`` (what the loopback used until session 10): it counts SM clock
 cycles, converted from a link time by one calibration, and the H200's SM clock moves between ~345 MHz
@@ -15,8 +16,6 @@ the loopback's 400 MB copy there: 0.30 ms alone, 0.23-0.45 ms beside them).
 """
 
 from __future__ import annotations
-
-import time
 
 import torch
 
@@ -46,12 +45,8 @@ def spin_ns(ns: int, device: torch.device) -> None:
     if device.type != "cuda" or INTERPRETED or triton is None:
         raise ValueError(
             f"spin_ns: a CUDA device with compiled Triton kernels is needed (got {device}, interpreted="
-            f"{INTERPRETED}); use spin_ns_reference on CPU"
+            f"{INTERPRETED}); the loopback adds no link delay on CPU"
         )
     if ns > 0:
         with torch.cuda.device(device):
             _spin_ns_kernel[(1,)](int(ns), num_warps=1)
-
-
-def spin_ns_reference(ns: int) -> None:
-    time.sleep(max(ns, 0) / 1e9)

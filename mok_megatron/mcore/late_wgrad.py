@@ -21,8 +21,9 @@ gradients are bitwise the same (the same GEMMs, the same summation order; tested
 
 Cost: each expert GEMM's output gradient lives until ``_Gate`` runs (DeepSeek-V3's slice at 4096
 tokens, 8 local experts: ~0.7 GB more at the peak). Opt-in (``--mok-late-wgrad``): on one H200 with the
-loopback transport it gained nothing consistent at one minibatch and lost 1-1.2 ms at two (s10c, s10d;
-docs/benchmarks.md, "Tenth session"); a real link (copy engine, NVLink) is where it could pay. Not with Megatron's
+loopback transport it gained nothing consistent (±1.2 ms both ways between runs, s10c-s10e): the exchange
+does move beside the weight gradients, but its copies' HBM traffic slows them by about their own time
+(s10g; docs/benchmarks.md, "Tenth session"). A real link is where it could pay: not measured. Not with Megatron's
 ``delay_wgrad_compute`` (its ``backward_dw`` already defers them further) nor with the FP8 / TE
 experts (their GEMMs are not ``expert_schedule``'s); ``MoKGroupedMLP.late_wgrad`` decides.
 """
@@ -39,10 +40,9 @@ class LateWgrad:
     parameters, to use in this call's expert GEMMs) and an empty ``queue``; each call of ``open``
     starts over (an overflow redo runs the pipeline again).
 
-    The autograd node keeps the queue and the stand-ins' ids, never this object: a forward whose output
-    is dropped without backward frees its graph at once (a reference cycle would keep the saved
-    activations until Python's garbage collector runs, possibly inside a later CUDA graph capture,
-    where freeing stream-recorded memory invalidates the capture: seen in s10a)."""
+    The autograd node keeps the queue and the stand-ins' ids, never this object: with a reference cycle
+    (gate -> stand-ins -> node -> gate) a forward dropped without backward left the node to Python's
+    garbage collector, which then ran inside a later CUDA graph capture and invalidated it (s10a)."""
 
     def __init__(self, params: tuple[torch.nn.Parameter, ...]):
         self.params = params
