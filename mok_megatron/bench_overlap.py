@@ -24,6 +24,7 @@ import math
 import os
 import statistics
 import sys
+import traceback
 
 OVERLAP_SHAPES = {
     # name: per-rank slice (L local experts), emulated EP size
@@ -255,8 +256,6 @@ def _bench_overlap(
                         try:
                             step = _graphed(layer, x, dout)
                         except Exception as e:  # report, never hide
-                            import traceback
-
                             traceback.print_exc()
                             print(f"{name} {mode}: CUDA graph capture failed: {e!r}"[:3000], flush=True)
                             continue
@@ -322,8 +321,8 @@ def _bench_overlap(
 def _graphed_baselines(rows, shapes, iters, warmup, expert_backend, dtype, device) -> None:
     """The graphed rows' fair baseline: the no-communication layer's step replayed from a CUDA graph
     too (no host launch gaps; s10a-s10e: 0.7-2.3 ms faster than eager). Timed after every pipelined
-    row, so that no graph of it is alive while they capture; each row's exposed time is then taken
-    against the faster baseline (``t0_ms``)."""
+    row, so that no graph of it is alive while they capture; each graphed row's exposed time is then
+    taken against the faster baseline (``t0_ms``); eager rows keep the eager one."""
     import torch
 
     from mok_megatron.bench import _config, build
@@ -345,7 +344,8 @@ def _graphed_baselines(rows, shapes, iters, warmup, expert_backend, dtype, devic
         print(f"{name} [{expert_backend}]: no communication, CUDA graph: {1e3 * t0g:.2f} ms", flush=True)
         t0 = min(r["ms"] for r in rows if r["shape"] == name and r.get("gbps", 0) is None)
         for r in rows:
-            if r["shape"] == name and r.get("gbps") is not None and "profile" not in r:
+            graphed = r.get("mode") is not None and MODES[r["mode"].split()[0]][1]
+            if r["shape"] == name and r.get("gbps") is not None and "profile" not in r and graphed:
                 r["t0_ms"] = t0
                 r["exposed_ms"] = r["ms"] - t0
                 r["exposed_frac"] = (r["exposed_ms"] / r["comm_ms"]) if r["comm_ms"] else None
