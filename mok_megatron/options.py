@@ -22,6 +22,12 @@ the flags set (``set_default_options``). Frozen and validated at construction.
                          'loopback' (one GPU stands in for EP peers; benchmarks only)
     loopback_gbps        loopback transport: emulated per-direction link bandwidth (0 = infinite)
     loopback_ep          loopback transport: the EP size whose traffic is emulated
+    loopback_bytes       loopback transport: 'copy' (default) moves the emulated rank's bytes with
+                         device-to-device copies beside the link time; 'link' emulates the link time only
+                         (one copy lands the rows). On one H200 those copies make almost no progress while
+                         the grouped GEMMs run (they are SM work, not a copy engine: s11), so 'copy' charges
+                         the bytes after the GEMMs; 'link' stands for a transport whose bytes move beside
+                         them (a copy engine that nothing starves): the schedule's hiding on its own.
     expert_backend       the experts' GEMMs: 'torch' (bf16 grouped_mm, default) | 'torch-fp8' (native
                          rowwise-scaled ``torch._scaled_grouped_mm``, Hopper+, no TE) | 'te' (Transformer
                          Engine GroupedLinear under Megatron's --fp8-format/--fp8-recipe; bf16 without it).
@@ -58,6 +64,7 @@ from dataclasses import dataclass
 TRANSPORTS = ("auto", "collective", "copy_engine", "loopback", "nvlink")
 ENGINES = ("auto", "pipeline", "plain")
 LOCAL_ROWS = ("auto", "overlap", "fused")
+LOOPBACK_BYTES = ("copy", "link")
 NVLINK_SYNCS = ("barrier", "flags")
 EXPERT_BACKENDS = ("torch", "torch-fp8", "te")
 
@@ -76,6 +83,7 @@ class MoKOptions:
     transport: str = "auto"
     loopback_gbps: float = 0.0
     loopback_ep: int = 2
+    loopback_bytes: str = "copy"
     expert_backend: str = "torch"
     nvlink_programs: int = 64
     nvlink_sync: str = "barrier"
@@ -124,6 +132,11 @@ class MoKOptions:
             )
         if self.loopback_gbps < 0:
             raise MoKOptionsError(f"loopback_gbps={self.loopback_gbps}: must be >= 0 (0 = infinite).")
+        if self.loopback_bytes not in LOOPBACK_BYTES:
+            raise MoKOptionsError(
+                f"loopback_bytes={self.loopback_bytes!r}: choose one of {', '.join(LOOPBACK_BYTES)} "
+                "(copy: the emulated bytes as device copies; link: the link time only)."
+            )
         if self.loopback_ep < 1:
             raise MoKOptionsError(f"loopback_ep={self.loopback_ep}: must be >= 1.")
         if self.expert_backend not in EXPERT_BACKENDS:

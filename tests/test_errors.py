@@ -118,6 +118,7 @@ def test_mok_config_validation(kwargs, pattern):
         (dict(capacity_multiplier=1.5), "--mok-capacity-multiplier=1.5"),
         (dict(transport="nvshmem"), "--mok-transport='nvshmem'"),
         (dict(loopback_ep=0), "loopback_ep=0"),
+        (dict(loopback_bytes="none"), "loopback_bytes='none'"),
         (dict(local_rows="split"), "--mok-local-rows='split'"),
         (dict(engine="plain", fp8_dispatch=True), "--mok-fp8-dispatch"),
         (dict(fp8_dispatch=True, transport="nvlink"), "--mok-fp8-dispatch with --mok-transport nvlink"),

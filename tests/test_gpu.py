@@ -271,7 +271,12 @@ def _loopback_layer(dtype, opts, tokens=2048, hidden=512, experts=16, topk=4, ro
 
 @pytest.mark.usefixtures("single_rank")
 @pytest.mark.parametrize(
-    "opts", [dict(minibatch_size=700), dict(minibatch_size=512, sync_free=True, loopback_gbps=450.0)]
+    "opts",
+    [
+        dict(minibatch_size=700),
+        dict(minibatch_size=512, sync_free=True, loopback_gbps=450.0),
+        dict(minibatch_size=512, sync_free=True, loopback_gbps=450.0, loopback_bytes="link"),
+    ],
 )
 def test_pipeline_loopback_parity_on_gpu(opts):
     ref, mok = _loopback_layer(torch.float32, opts)

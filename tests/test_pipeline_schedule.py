@@ -152,3 +152,25 @@ def test_fp8_dispatch_halves_the_dispatched_bytes():
     # The loopback charges region R's rows as the minibatch's whole exchange (x Tc / r): all 64 tokens.
     saved = 64 * (pc.H * 4 - 32) * full["factor"]
     assert abs((full["bytes_moved"] - fp8["bytes_moved"]) - saved) < 1e-6 * full["bytes_moved"]
+
+
+@pytest.mark.parametrize("loopback_bytes", ["copy", "link"])
+def test_loopback_bytes_option_keeps_the_link_bytes(loopback_bytes):
+    # 'link' drops the emulated rank's extra copies (GPU only; the rows still land once), never the
+    # bytes the link time is charged for: both settings count the same bytes and return the same rows.
+    import torch
+
+    from mok_megatron.config import MoKConfig
+    from mok_megatron.mcore.engine import select_transport
+    from mok_megatron.ops.activation import Activation, ActivationSpec
+    from mok_megatron.options import MoKOptions
+
+    swiglu = ActivationSpec(kind=Activation.SILU, gated=True)
+    cfg = MoKConfig(hidden_size=16, ffn_hidden_size=8, activation=swiglu, num_experts=8, topk=2)
+    opts = MoKOptions(transport="loopback", loopback_ep=8, loopback_gbps=900.0, loopback_bytes=loopback_bytes)
+    tr = select_transport(cfg, opts, None)
+    assert tr.copies is (loopback_bytes == "copy")
+    x = torch.randn(12, 16)
+    out = tr.move(x, None, DISPATCH)
+    assert torch.equal(out, x) and out.data_ptr() != x.data_ptr()
+    assert tr.bytes_moved == pytest.approx(x.numel() * 4 * tr.factor) and tr.factor > 1

@@ -12,9 +12,10 @@ It runs on whatever stream is current, so the pipeline puts it on its communicat
                  symmetric-memory buffer, a device barrier, then every rank pulls its rows from its
                  peers' buffers with ``copy_`` (cudaMemcpyAsync over NVLink: the copy engine, no SMs),
                  and a second barrier before the buffer is reused. No host synchronisation.
-    loopback     one GPU standing in for EP ranks (benchmarks): the rows are copied with the copy
-                 engine as many times as the emulated rank would move them, and a delay stream
-                 waits for ``bytes / bandwidth``; the exchange ends when both are done.
+    loopback     one GPU standing in for EP ranks (benchmarks): the rows are copied (device to device)
+                 as many times as the emulated rank would move them, and a delay stream waits for
+                 ``bytes / bandwidth``; the exchange ends when both are done. ``copies=False``: one
+                 copy lands the rows and only the link time is emulated.
 
 Legend: N rows sent, R rows received, EP ranks.
 """
@@ -156,15 +157,22 @@ def expected_remote_ranks(ep: int, num_local_experts: int, topk: int) -> float:
 
 
 class LoopbackTransport:
-    """One GPU plays one rank of an EP group: same bytes on the copy engine, link time emulated.
+    """One GPU plays one rank of an EP group: the same bytes copied, the link time emulated.
 
     The link time (``bytes / gbps``) runs on a delay stream as a wall-clock spin
-    (``kernels.link_delay.spin_ns``) beside the copies; the exchange ends when both have."""
+    (``kernels.link_delay.spin_ns``) beside the copies; the exchange ends when both have.
+
+    ``copies``: copy the rows as many times as the emulated rank moves them (its HBM traffic). These
+    device-to-device copies run on SMs (~3.6 TB/s of traffic, a copy engine's rate is far lower) and,
+    on one H200, make almost no progress while a grouped GEMM holds the SMs: they finish after it
+    (``benchmarks/paced_copy_probe.py``, s11). ``copies=False``: one copy lands the rows and the link
+    time alone stands for the exchange: a transport whose bytes move beside the GEMMs unhindered."""
 
     name = "loopback"
 
-    def __init__(self, emulated_ep: int, num_local_experts: int, topk: int, gbps: float):
+    def __init__(self, emulated_ep: int, num_local_experts: int, topk: int, gbps: float, copies: bool = True):
         self.factor = expected_remote_ranks(emulated_ep, num_local_experts, topk)
+        self.copies = copies
         self.gbps = gbps
         self._delay_stream = None
         self.bytes_moved = 0  # emulated link bytes so far (benchmarks read it)
@@ -185,8 +193,9 @@ class LoopbackTransport:
             self._delay_stream.wait_stream(cur)
             with torch.cuda.stream(self._delay_stream):
                 spin_ns(round(nbytes / self.gbps), x.device)  # bytes / (GB/s) = ns
-        # The emulated rank pulls `factor` rows per token: copy that many bytes (at least once).
-        for _ in range(max(1, round(self.factor))):
+        # The emulated rank pulls `factor` rows per token: copy that many bytes (at least once;
+        # only once without `copies`).
+        for _ in range(max(1, round(self.factor)) if self.copies else 1):
             out.copy_(x)
         if self.gbps > 0:
             cur.wait_stream(self._delay_stream)

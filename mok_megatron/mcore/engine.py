@@ -84,7 +84,13 @@ def select_transport(cfg: MoKConfig, options: MoKOptions, ep_group):
                 f"--mok-transport loopback emulates expert parallelism on one rank; this layer has "
                 f"EP={cfg.ep_size}. Use collective or copy_engine with real EP ranks."
             )
-        return LoopbackTransport(options.loopback_ep, cfg.num_local_experts, cfg.topk, options.loopback_gbps)
+        return LoopbackTransport(
+            options.loopback_ep,
+            cfg.num_local_experts,
+            cfg.topk,
+            options.loopback_gbps,
+            copies=options.loopback_bytes == "copy",
+        )
     if cfg.ep_size == 1:
         return None  # nothing to move, nothing to overlap
     if options.transport == "nvlink":

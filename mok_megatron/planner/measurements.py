@@ -168,8 +168,10 @@ def ep_results(run: Path) -> tuple[list[Layer1], list[EPPoint]]:
 
 def _unmodelled_mode(mode: str) -> bool:
     """Loopback modes the model leaves out: FP8 dispatch (a label ending "+fp8": fewer bytes per row) and
-    the opt-in weight-gradient order A/B ("+late-wgrad" / "+early-wgrad", session 10)."""
-    return mode.endswith("+fp8") or (bool(mode) and mode.split()[0].endswith("-wgrad"))
+    the opt-in weight-gradient order A/B ("+late-wgrad" / "+early-wgrad", session 10) and the loopback's
+    link time without its bytes ("+link-only", session 11)."""
+    head = mode.split()[0] if mode else ""
+    return mode.endswith("+fp8") or head.endswith("-wgrad") or head.endswith("+link-only")
 
 
 def overlap_results(run: Path) -> tuple[list[Layer1], list[LoopRow]]:
