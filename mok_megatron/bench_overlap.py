@@ -92,9 +92,13 @@ MODES = {  # label: (MoKOptions overrides, capture in a CUDA graph)
     "sync-free+graph+fp8-both": (dict(sync_free=True, fp8_dispatch=True, fp8_combine=True), True),
     # --mok-late-wgrad: weight gradients after the last dispatch-backward exchange (A/B against the default)
     "sync-free+graph+late-wgrad": (dict(sync_free=True, late_wgrad=True), True),
-    # the loopback's link time only, its bytes not copied (one copy lands the rows): the schedule's hiding
+    # the loopback's link time only, its bytes not copied (received rows = sent rows): the schedule's hiding
     # when the bytes move beside the GEMMs (they do not on one GPU: benchmarks/paced_copy_probe.py)
     "sync-free+graph+link-only": (dict(sync_free=True, loopback_bytes="link"), True),
+    "sync-free+graph+late-wgrad+link-only": (
+        dict(sync_free=True, late_wgrad=True, loopback_bytes="link"),
+        True,
+    ),
     # no option: the layer as built, replayed from a CUDA graph (the no-communication baselines)
     "graph": ({}, True),
 }

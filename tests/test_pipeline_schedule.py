@@ -156,7 +156,7 @@ def test_fp8_dispatch_halves_the_dispatched_bytes():
 
 @pytest.mark.parametrize("loopback_bytes", ["copy", "link"])
 def test_loopback_bytes_option_keeps_the_link_bytes(loopback_bytes):
-    # 'link' drops the emulated rank's extra copies (GPU only; the rows still land once), never the
+    # 'link' drops the emulated rank's copies (GPU only: the received rows are the sent ones), never the
     # bytes the link time is charged for: both settings count the same bytes and return the same rows.
     import torch
 

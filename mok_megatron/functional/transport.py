@@ -14,8 +14,8 @@ It runs on whatever stream is current, so the pipeline puts it on its communicat
                  and a second barrier before the buffer is reused. No host synchronisation.
     loopback     one GPU standing in for EP ranks (benchmarks): the rows are copied (device to device)
                  as many times as the emulated rank would move them, and a delay stream waits for
-                 ``bytes / bandwidth``; the exchange ends when both are done. ``copies=False``: one
-                 copy lands the rows and only the link time is emulated.
+                 ``bytes / bandwidth``; the exchange ends when both are done. ``copies=False``: no
+                 copy (the received rows are the sent ones), only the link time is emulated.
 
 Legend: N rows sent, R rows received, EP ranks.
 """
@@ -165,8 +165,9 @@ class LoopbackTransport:
     ``copies``: copy the rows as many times as the emulated rank moves them (its HBM traffic). These
     device-to-device copies run on SMs (~3.6 TB/s of traffic, a copy engine's rate is far lower) and,
     on one H200, make almost no progress while a grouped GEMM holds the SMs: they finish after it
-    (``benchmarks/paced_copy_probe.py``, s11). ``copies=False``: one copy lands the rows and the link
-    time alone stands for the exchange: a transport whose bytes move beside the GEMMs unhindered."""
+    (``benchmarks/paced_copy_probe.py``, s11). ``copies=False``: the link time alone stands for the
+    exchange; on GPUs the received rows *are* the sent rows (no copy at all; on CPU a clone): an ideal
+    transport whose bytes land beside the GEMMs unhindered, the schedule's own bound."""
 
     name = "loopback"
 
@@ -178,12 +179,11 @@ class LoopbackTransport:
         self.bytes_moved = 0  # emulated link bytes so far (benchmarks read it)
 
     def move(self, x: torch.Tensor, mb: SendPlan, direction: int) -> torch.Tensor:
-        out = torch.empty_like(x)
         nbytes = x.numel() * x.element_size() * self.factor
         self.bytes_moved += nbytes
         if x.device.type != "cuda":
-            out.copy_(x)
-            return out
+            return x.clone()
+        out = torch.empty_like(x) if self.copies else x
         cur = torch.cuda.current_stream()
         if self.gbps > 0:
             from mok_megatron.kernels.link_delay import spin_ns
@@ -193,9 +193,10 @@ class LoopbackTransport:
             self._delay_stream.wait_stream(cur)
             with torch.cuda.stream(self._delay_stream):
                 spin_ns(round(nbytes / self.gbps), x.device)  # bytes / (GB/s) = ns
-        # The emulated rank pulls `factor` rows per token: copy that many bytes (at least once;
-        # only once without `copies`).
-        for _ in range(max(1, round(self.factor)) if self.copies else 1):
+        # The emulated rank pulls `factor` rows per token: copy that many bytes (at least once). Without
+        # `copies` the rows are not copied at all: the received rows are the sent ones (a copy, even one,
+        # would wait for the GEMMs beside it and hold the exchange until they end, s11).
+        for _ in range(max(1, round(self.factor)) if self.copies else 0):
             out.copy_(x)
         if self.gbps > 0:
             cur.wait_stream(self._delay_stream)
