@@ -113,6 +113,9 @@ def _config(shape: dict, dtype):
         bf16=dtype == torch.bfloat16,
         use_cpu_initialization=not torch.cuda.is_available(),
         init_method_std=0.02,
+        # optional: a shared expert of this FFN width, run beside the routed experts (DeepSeek-V3: 2048)
+        moe_shared_expert_intermediate_size=shape.get("shared"),
+        moe_shared_expert_overlap=bool(shape.get("shared")),
     )
 
 

@@ -30,8 +30,12 @@ OVERLAP_SHAPES = {
     # name: per-rank slice (L local experts), emulated EP size
     "dsv3-4k": dict(hidden=7168, ffn=2048, experts=8, topk=8, tokens=4096, ep=32),
     "dsv3-16k": dict(hidden=7168, ffn=2048, experts=8, topk=8, tokens=16384, ep=32),
+    # the same slice with DeepSeek-V3's shared expert (ffn 2048), overlapped as Megatron's
+    # --moe-shared-expert-overlap does: its GEMMs run on a side stream beside the exchanges
+    "dsv3-4k-shared": dict(hidden=7168, ffn=2048, experts=8, topk=8, tokens=4096, ep=32, shared=2048),
     "qwen3-ep8": dict(hidden=2048, ffn=768, experts=16, topk=8, tokens=16384, ep=8),
     "tiny": dict(hidden=64, ffn=64, experts=4, topk=2, tokens=256, ep=4),
+    "tiny-shared": dict(hidden=64, ffn=64, experts=4, topk=2, tokens=256, ep=4, shared=64),
 }
 EP_SHAPES = {  # per-rank: local experts, tokens
     "dsv3": dict(hidden=7168, ffn=2048, local=8, topk=8, tokens=4096),

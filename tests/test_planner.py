@@ -660,6 +660,24 @@ def test_fp8_expert_rows_of_ep_and_overlap_runs_are_not_fitted(tmp_path):
     assert [o.ms for o in ones] == [15.0] and [(lp.ms, lp.t0_ms) for lp in loops] == [(19.0, 15.0)]
 
 
+def test_link_only_rows_and_shared_expert_shapes_are_not_fitted(tmp_path):
+    # the loopback without its copies (an ideal transport) and a slice with a shared expert (the model has
+    # none) are measured for the docs, not for the planner
+    base = {"chunks": 1, "comm_ms": 1.0, "bytes_per_step": 10, "expert_backend": "torch"}
+    overlap = [
+        {**base, "shape": "dsv3-4k", "gbps": None, "chunks": 0, "ms": 15.0, "comm_ms": 0.0},
+        {**base, "shape": "dsv3-4k", "gbps": 900.0, "ms": 16.0, "mode": "sync-free+graph overlap"},
+        {**base, "shape": "dsv3-4k", "gbps": 900.0, "ms": 15.5, "mode": "sync-free+graph+link-only overlap"},
+        {**base, "shape": "dsv3-4k", "gbps": 900.0, "ms": 15.4, "mode": "sync-free+graph+late-wgrad+link-only fused"},
+        {**base, "shape": "dsv3-4k-shared", "gbps": None, "chunks": 0, "ms": 17.0, "comm_ms": 0.0},
+        {**base, "shape": "dsv3-4k-shared", "gbps": 900.0, "ms": 18.0, "mode": "sync-free+graph overlap"},
+    ]  # fmt: skip
+    (tmp_path / "overlap.json").write_text(json.dumps(overlap))
+    ones, loops = measurements.overlap_results(tmp_path)
+    assert [(o.shape, o.ms) for o in ones] == [("dsv3-4k", 15.0)]
+    assert [(lp.mode, lp.ms) for lp in loops] == [("sync-free+graph overlap", 16.0)]
+
+
 def test_overlap_local_rows_use_the_fused_loopback_overhead():
     """No loopback row measured an "overlap" mode at infinite link (its O would be fitted jointly with e and
     clamp to 0): such a mode takes the fused mode's O and e; kappa, fitted per mode on real EP, carries the

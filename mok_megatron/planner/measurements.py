@@ -181,7 +181,10 @@ def overlap_results(run: Path) -> tuple[list[Layer1], list[LoopRow]]:
     rows = [
         r
         for r in json.loads(f.read_text())
-        if "profile" not in r and r["shape"] in OVERLAP_SHAPES and _bf16_experts(r)
+        if "profile" not in r
+        and r["shape"] in OVERLAP_SHAPES
+        and not OVERLAP_SHAPES[r["shape"]].get("shared")  # the model has no shared expert
+        and _bf16_experts(r)
     ]
     # the eager no-communication layer (a "graph" row is the same layer replayed from a CUDA graph)
     t0 = {r["shape"]: r["ms"] for r in rows if r["gbps"] is None and not r.get("graph")}
