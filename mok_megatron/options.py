@@ -25,8 +25,8 @@ the flags set (``set_default_options``). Frozen and validated at construction.
     loopback_bytes       loopback transport: 'copy' (default) moves the emulated rank's bytes with
                          device-to-device copies beside the link time; 'link' emulates the link time only
                          (on GPUs the received rows are the sent rows, no copy). On one H200 the copies
-                         make almost no progress while the grouped GEMMs run (SM work, not a copy
-                         engine: s11), so 'copy' charges the bytes after the GEMMs; 'link' stands for a
+                         make almost no progress while the grouped GEMMs run (they behave like SM
+                         work: s11), so 'copy' charges the bytes after the GEMMs; 'link' stands for a
                          transport whose bytes land beside them unhindered: the schedule's own bound.
     expert_backend       the experts' GEMMs: 'torch' (bf16 grouped_mm, default) | 'torch-fp8' (native
                          rowwise-scaled ``torch._scaled_grouped_mm``, Hopper+, no TE) | 'te' (Transformer

@@ -163,9 +163,9 @@ class LoopbackTransport:
     (``kernels.link_delay.spin_ns``) beside the copies; the exchange ends when both have.
 
     ``copies``: copy the rows as many times as the emulated rank moves them (its HBM traffic). These
-    device-to-device copies run on SMs (~3.6 TB/s of traffic, a copy engine's rate is far lower) and,
-    on one H200, make almost no progress while a grouped GEMM holds the SMs: they finish after it
-    (``benchmarks/paced_copy_probe.py``, s11). ``copies=False``: the link time alone stands for the
+    device-to-device copies (~3.6 TB/s of traffic) behave like SM work: on one H200 they make almost no
+    progress while a grouped GEMM holds the SMs and finish after it (``benchmarks/paced_copy_probe.py``,
+    s11). ``copies=False``: the link time alone stands for the
     exchange; on GPUs the received rows *are* the sent rows (no copy at all; on CPU a clone): an ideal
     transport whose bytes land beside the GEMMs unhindered, the schedule's own bound."""
 

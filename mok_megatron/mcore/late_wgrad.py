@@ -22,7 +22,7 @@ gradients are bitwise the same (the same GEMMs, the same summation order; tested
 Cost: each expert GEMM's output gradient lives until ``_Gate`` runs (DeepSeek-V3's slice at 4096
 tokens, 8 local experts: ~0.7 GB more at the peak). Opt-in (``--mok-late-wgrad``): on one H200 with the
 loopback transport it gained nothing consistent (±1.2 ms both ways between runs, s10c-s10e, s11e): the
-exchange's spin does run beside the weight gradients, but its copies (SM work) wait for them to finish (s11a).
+exchange's spin does run beside the weight gradients, but its copies wait for them to finish (s11a).
 With the loopback's link time alone (``loopback_bytes='link'``, no copies) it was faster at most points, by
 about the run-to-run spread (DeepSeek's slice at 900 GB/s: 14.85 vs 15.03 ms; s11f; docs/benchmarks.md,
 "Eleventh session"). A real link is where it could pay: not measured. Not with Megatron's
