@@ -25,6 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
+import probe_timing  # benchmarks/probe_timing.py (this script's directory is on sys.path)
 from mok_megatron.gpu_clocks import ClockSampler
 from mok_megatron.kernels.link_delay import spin_ns
 
@@ -144,27 +145,7 @@ def main():
 
         return run
 
-    def graphed(fn):
-        """Capture fn (which may fork onto `side`) in a CUDA graph: the host's launch cost is not timed."""
-        fn()
-        torch.cuda.synchronize()
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            fn()
-        return g.replay
-
-    def timed(fn, reps=9):
-        out = []
-        for _ in range(reps):
-            torch.cuda.synchronize()
-            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            s.record()
-            fn()
-            e.record()
-            e.synchronize()
-            out.append(s.elapsed_time(e))
-        out.sort()
-        return out[len(out) // 2]
+    graphed, timed = probe_timing.graphed, probe_timing.median_ms
 
     def beside(side_work, gemms=1):
         def run():
@@ -248,21 +229,13 @@ def main():
         for _ in range(args.copies):
             dst.copy_(src)
 
-    for name, fn in (
+    rows = [
         ("spin alone (one warp, tight)", lambda: spin_ns(link_ns, dev)),
         ("spin with nanosleep 200 ns", lambda: nap_ns(link_ns, 200)),
         ("spin with nanosleep 1000 ns", lambda: nap_ns(link_ns, 1000)),
         ("copies alone (no spin)", copies),
-    ):
-        alone = timed(graphed(fn))
-        pair = timed(graphed(beside(fn)))
-        pair2 = timed(graphed(beside(twice(fn), gemms=2)))
-        print(
-            f"{name:36s} alone {alone:.3f} | with the GEMM {pair:.3f} ms (+{pair - g1:.3f}) | "
-            f"two of each {pair2:.3f} ms (+{pair2 - g2:.3f})",
-            flush=True,
-        )
-    rows = [("burst (copies + spin beside)", burst)]
+        ("burst (copies + spin beside)", burst),
+    ]
     for k in (1, 4, 16):
         rows.append((f"paced, {args.copies * k} pieces of {args.mb / k:.1f} MB", paced(k)))
     for name, fn in rows:

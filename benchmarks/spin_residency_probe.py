@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import torch
 
+import probe_timing  # benchmarks/probe_timing.py (this script's directory is on sys.path)
 from mok_megatron.kernels.link_delay import spin_ns
 
 SPIN_NS = 460_000
@@ -42,31 +43,12 @@ def main():
     tiny = torch.zeros(1, device=dev)
     lo, hi = torch.cuda.Stream(), torch.cuda.Stream(priority=-1)
 
-    def graphed(fn):
-        fn()
-        torch.cuda.synchronize()
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            fn()
-        return g
-
-    def timed(fn, reps=7):
-        out = []
-        for _ in range(reps):
-            torch.cuda.synchronize()
-            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            s.record()
-            fn()
-            e.record()
-            e.synchronize()
-            out.append(s.elapsed_time(e))
-        out.sort()
-        return out[len(out) // 2]
+    graphed, timed = probe_timing.graphed, probe_timing.median_ms
 
     def case(gemm, side):
         """GEMMs on the current stream; the spin on `side` once the first GEMM has started. Returns
         (chain alone ms, chain with the spin ms, the side stream's ready-to-done ms)."""
-        chain = graphed(lambda: [gemm() for _ in range(3)])
+        chain = graphed(lambda: [gemm() for _ in range(3)])  # its replay
         started = torch.cuda.Event()
         ev = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
 
@@ -81,8 +63,7 @@ def main():
             gemm()
             torch.cuda.current_stream().wait_stream(side)
 
-        g = graphed(with_spin)
-        both = timed(g.replay)
+        both = timed(graphed(with_spin))
         # the side stream's ready-to-done time, eager (timing events cannot be captured): launch the
         # GEMMs, then the spin behind an event that fires when the first GEMM starts
         waits = []
@@ -101,7 +82,7 @@ def main():
             torch.cuda.synchronize()
             waits.append(ev[0].elapsed_time(ev[1]))
         waits.sort()
-        return timed(chain.replay), both, waits[2]
+        return timed(chain), both, waits[2]
 
     spin_ns(1000, dev)
     for name, gemm in gemms.items():
