@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+import probe_timing  # benchmarks/probe_timing.py (this script's directory is on sys.path)
 from mok_megatron.kernels.link_delay import spin_ns
 
 
@@ -29,16 +30,7 @@ def main():
         return torch.bmm(dy, a)
 
     def timed(fn, reps=5):
-        out = []
-        for _ in range(reps):
-            torch.cuda.synchronize()
-            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            s.record()
-            fn()
-            e.record()
-            e.synchronize()
-            out.append(s.elapsed_time(e))
-        return min(out)
+        return min(probe_timing.times_ms(fn, reps))
 
     for _ in range(3):
         gemm()

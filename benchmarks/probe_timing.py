@@ -20,8 +20,8 @@ def graphed(fn):
     return g.replay
 
 
-def median_ms(fn, reps: int = 9) -> float:
-    """Median of ``reps`` timings of ``fn`` (each synced before and after), in milliseconds."""
+def times_ms(fn, reps: int = 9) -> list[float]:
+    """``reps`` timings of ``fn`` (each synced before and after), in milliseconds, in run order."""
     out = []
     for _ in range(reps):
         torch.cuda.synchronize()
@@ -31,5 +31,10 @@ def median_ms(fn, reps: int = 9) -> float:
         e.record()
         e.synchronize()
         out.append(s.elapsed_time(e))
-    out.sort()
+    return out
+
+
+def median_ms(fn, reps: int = 9) -> float:
+    """Median of ``reps`` timings of ``fn``, in milliseconds."""
+    out = sorted(times_ms(fn, reps))
     return out[len(out) // 2]
