@@ -1,6 +1,7 @@
 """Where does the pipeline's time go? One GPU, loopback transport at infinite bandwidth vs the plain layer.
 
-python benchmarks/profile_pipeline.py [shape] [--chunks 1,4] [--local-rows auto] [--sync-free] [--det True,False]
+python benchmarks/profile_pipeline.py [shape] [--chunks 1,4] [--local-rows auto] [--sync-free] [--link-only]
+[--det True,False]
 : per configuration, wall ms, GPU kernel ms (sum), host ms to enqueue one step, kernel count, and the
 top kernels. Default: minibatches 1 and 4, deterministic on and off (``--det True``: on only).
 """
@@ -22,6 +23,7 @@ ap.add_argument("shape", nargs="?", default="dsv3-4k")
 ap.add_argument("--chunks", default="1,4")
 ap.add_argument("--local-rows", default="auto")
 ap.add_argument("--sync-free", action="store_true")
+ap.add_argument("--link-only", action="store_true", help="loopback_bytes='link': no copies (an ideal transport)")
 ap.add_argument("--det", default="True,False")
 ap.add_argument("--top", type=int, default=14)
 args = ap.parse_args()
@@ -41,6 +43,7 @@ for chunks in (int(c) for c in args.chunks.split(",")):
             deterministic=det,
             local_rows=args.local_rows,
             sync_free=args.sync_free,
+            loopback_bytes="link" if args.link_only else "copy",
         )
 for label, opts in configs.items():
     torch.manual_seed(0)

@@ -226,6 +226,7 @@ def _schedule_case(
                 deterministic=True,
                 fp8_dispatch=fp8,
                 row_alignment=align,
+                after_combines=lambda: log.append(("after_combines",)),
             )
         log.append(("forward_done",))
         with bwd:

@@ -55,13 +55,17 @@ def test_sync_free_matches_megatron(pool, ep, chunks):
 
 
 def test_sync_free_overflow_is_redone_not_dropped(pool):
-    # Every token to expert 0 (rank 0): a capacity of 1/8 of a minibatch must overflow.
+    # Every token to expert 0 (rank 0): a capacity of 1/8 of a minibatch must overflow. With the
+    # overlapped shared expert: its fc2 runs once per layer call, the redo included (Megatron's
+    # SharedExpertMLP asserts its overlap state machine: a second fc2 or a missing one would raise).
     opts = dict(minibatch_size=_mbs(2), sync_free=True, capacity_multiplier=0.125)
     res = pool.run(
         "tests.cases:pipeline_case",
         ep=4,
         topk=2,
         opts=opts,
+        shared=True,
+        shared_overlap=True,
         score="sigmoid",
         moe_router_enable_expert_bias=True,
         router_bias={0: 100.0},

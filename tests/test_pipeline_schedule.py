@@ -20,7 +20,7 @@ MAX_FWD_OPS, MAX_BWD_OPS = 210, 105
 
 
 def _expected_log(chunks: int) -> list:
-    """Per minibatch forward: dispatch x + meta, A, remote, combine, B. Backward: every minibatch's
+    """Per minibatch forward: dispatch x + meta, A, remote, combine, B; then ``after_combines``. Backward: every minibatch's
     combine-backward exchange first (last minibatch first), then per minibatch in reverse: B,
     remote, its dispatch-backward (x + meta), A."""
     fwd = [("move", DISPATCH)] * 2 * chunks
@@ -29,6 +29,7 @@ def _expected_log(chunks: int) -> list:
         a, remote, b = 3 * c, 3 * c + 1, 3 * c + 2
         fwd += [("fwd", a), ("fwd", remote), ("move", COMBINE), ("fwd", b)]
         bwd = [("bwd", b), ("bwd", remote), ("move", COMBINE), ("move", COMBINE), ("bwd", a)] + bwd
+    fwd += [("after_combines",)]  # the hook (the shared expert's fc2) sees every combine launched
     return fwd + [("forward_done",)] + [("move", DISPATCH)] * chunks + bwd
 
 
@@ -90,6 +91,30 @@ def test_region_labels_follow_the_host_rule(emulated_ep):
                     expect += [3 * c] * r + [3 * c + 1] * a + [3 * c + 2] * b
                 got = P._labels(T, bounds[1] - bounds[0], emulated_ep, "cpu")
                 assert got.tolist() == expect, (T, size, min_half)
+
+
+@pytest.mark.parametrize("emulated_ep,ep", [(1, 1), (1, 3), (4, 1), (32, 1)])
+def test_region_counts_are_the_host_rules_region_sums(emulated_ep, ep):
+    # Counts by segment sums (no atomics) = each region's rows per (destination, local expert) and
+    # token rows per destination, summed on the host from the host rule's regions; empty regions 0.
+    import torch
+
+    import mok_megatron.functional.pipeline_plan as P
+
+    L = 3
+    g = torch.Generator().manual_seed(emulated_ep * 10 + ep)
+    for split_local in (True, False):
+        for T, size in ((1, 1), (7, 3), (600, 600), (1100, 256), (2049, 700)):
+            rm = torch.rand(T, ep * L, generator=g) < 0.3
+            bounds = P.minibatch_bounds(T, size)
+            got = P._counts(rm, bounds, ep, L, emulated_ep, split_local)
+            for c in range(len(bounds) - 1):
+                lo = bounds[c]
+                for k, n in enumerate(P.regions(bounds[c + 1] - lo, emulated_ep, split_local)):
+                    rows = rm[lo : lo + n].view(n, ep, L)
+                    expect = torch.cat([rows.sum(0), rows.any(-1).sum(0, keepdim=True).t()], 1)
+                    assert torch.equal(got[3 * c + k], expect), (T, size, c, k, split_local)
+                    lo += n
 
 
 def test_sync_free_local_rows_need_no_capacity(pool):

@@ -7,6 +7,7 @@ neither exchange waits on an idle GPU and no GEMM is cut finer than in halves:
 
     main stream   pack | A experts (c=0) | remote experts (c=0) | B experts (c=0) | A (c=1) ... | sums
     comm stream        | dispatch c=0, 1, ...  (launched at once) | combine c=0    | combine c=1 ...
+    side stream   (optional, ``after_combines``: e.g. the shared expert's fc2)        | beside the last combines
 
 With ``plan.fuse_local`` (``--mok-local-rows fused``, the default inside one NVLink domain) there is
 no region B and region A's rows run in the same expert call as the received rows, after the dispatch
@@ -263,6 +264,7 @@ def run_pipeline(
     token_rows_fn: TokenRowsFn | None = None,
     routing_kernels: bool = False,
     before_experts: Callable[[], None] | None = None,
+    after_combines: Callable[[], None] | None = None,
 ) -> torch.Tensor:
     """The routed experts' output ``[T, H]`` (probability-weighted sum over each token's experts).
 
@@ -279,10 +281,15 @@ def run_pipeline(
     row gathers; for experts that take device counts (MoK's). ``before_experts``: called once, after
     every minibatch is packed and before any expert call or dispatch-exchange autograd node is created
     (``mcore.late_wgrad.LateWgrad.open``: its node then runs in backward after every dispatch-backward
-    exchange is launched and before the packs' backward waits for them)."""
+    exchange is launched and before the packs' backward waits for them). ``after_combines``: called once,
+    after every minibatch's expert calls are enqueued and its combine exchange launched, before the
+    compute stream waits for any combine (work on a side stream that waits for the compute stream
+    there, e.g. the shared expert's second GEMM, then runs while the combines fly)."""
     T, H = x_TH.shape
     ep, L = plan.ep_size, plan.num_local_experts
     if T == 0:
+        if after_combines is not None:
+            after_combines()
         return x_TH.new_zeros((0, H)) + 0 * x_TH.sum()
     st = _Streams(x_TH.device)
     me = 0 if ep == 1 else torch.distributed.get_rank(plan.ep_group)
@@ -355,6 +362,9 @@ def run_pipeline(
             ev_back = st.event("comm")
         z_b = _experts(x_loc[2], meta_loc[2], lp.part_b, *run, local=True)
         pending.append((z_RH, back_raw, tr, z_a, z_b, ev_back))
+
+    if after_combines is not None:
+        after_combines()
 
     # 3. The combines' autograd nodes, created after every expert call: backward then launches every
     #    combine-backward exchange before any expert backward, the last minibatch's first (the order

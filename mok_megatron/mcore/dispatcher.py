@@ -12,7 +12,8 @@ runs dispatch -> experts -> combine as one minibatch pipeline (``run_pipeline`` 
 
 With ``moe_shared_expert_overlap`` the dispatcher drives ``SharedExpertMLP``'s overlap hooks in the
 same order as Megatron's alltoall dispatcher (pre_forward_comm -> fc1 -> fc2 -> post_forward_comm ->
-get_output), and adds the shared output in ``combine_postprocess``: it is never dropped.
+get_output), and adds the shared output in ``combine_postprocess``: it is never dropped. Pipelined, fc1
+runs beside the dispatches and fc2 beside the last combines (the pipeline's ``after_combines``).
 """
 
 from __future__ import annotations
@@ -205,6 +206,7 @@ class MoKTokenDispatcher(MoETokenDispatcher):
             token_rows_fn if self.row_alignment > 1 else None,
             self.routing_kernel_calls,
             before_experts,
+            self._shared_fc2_once(),
         )
         with profiling.phase("pipeline", hidden_states.device):
             out = _run_pipeline(hidden_states, probs, call.routing_map_TE, call.plan, expert_fn, *args)
@@ -217,6 +219,25 @@ class MoKTokenDispatcher(MoETokenDispatcher):
                 exact = self._pipeline_plan(plan.hidden_shape, call.routing_map_TE, sync_free=False)
                 out = _run_pipeline(hidden_states, probs, call.routing_map_TE, exact, expert_fn, *args)
         return out
+
+    def _shared_fc2_once(self):
+        """The shared expert's fc2 (+ its TP reduction) for the pipeline's ``after_combines``: on the
+        shared expert's side stream, after it waits for the compute stream, so it runs while the last
+        combines fly instead of after them (``token_combine`` then has nothing left to launch). Once
+        per layer call, an overflow redo included. None without an overlapped shared expert."""
+        shared = self.shared_experts
+        if shared is None:
+            return None
+        done: list[bool] = []
+
+        def fc2() -> None:
+            if not done:
+                done.append(True)
+                shared.wait_current_stream()
+                shared.linear_fc2_forward(None)
+                shared.post_forward_comm()
+
+        return fc2
 
     def run_fused(self, hidden_states: torch.Tensor, probs: torch.Tensor, experts_fn) -> torch.Tensor:
         """The fused experts on the call in flight: ``experts_fn(x_TH, probs_TK, meta, counts_L) -> [T, H]``."""
@@ -264,15 +285,16 @@ class MoKTokenDispatcher(MoETokenDispatcher):
 
     def token_combine(self, hidden_states: torch.Tensor):
         with profiling.phase("combine", hidden_states.device):
-            if self.shared_experts is not None:
-                self.shared_experts.wait_current_stream()
+            shared = None if self.pipelined else self.shared_experts  # pipelined: fc2 ran beside the combines
+            if shared is not None:
+                shared.wait_current_stream()
             if self.folded_phase:
                 y = hidden_states
             else:
                 y = F.token_combine(hidden_states, self.plan)
-            if self.shared_experts is not None:
-                self.shared_experts.linear_fc2_forward(y)
-                self.shared_experts.post_forward_comm()
+            if shared is not None:
+                shared.linear_fc2_forward(y)
+                shared.post_forward_comm()
             return y
 
     def combine_postprocess(self, hidden_states: torch.Tensor):
