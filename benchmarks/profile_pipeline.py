@@ -23,7 +23,9 @@ ap.add_argument("shape", nargs="?", default="dsv3-4k")
 ap.add_argument("--chunks", default="1,4")
 ap.add_argument("--local-rows", default="auto")
 ap.add_argument("--sync-free", action="store_true")
-ap.add_argument("--link-only", action="store_true", help="loopback_bytes='link': no copies (an ideal transport)")
+ap.add_argument(
+    "--link-only", action="store_true", help="loopback_bytes='link': no copies (an ideal transport)"
+)
 ap.add_argument("--det", default="True,False")
 ap.add_argument("--top", type=int, default=14)
 args = ap.parse_args()

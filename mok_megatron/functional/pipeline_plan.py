@@ -181,7 +181,9 @@ def _region_labels(T: int, size: int, emulated_ep: int, device, split_local: boo
     return _LABELS[key]
 
 
-def _region_starts(T: int, size: int, C: int, emulated_ep: int, device, split_local: bool = True) -> torch.Tensor:
+def _region_starts(
+    T: int, size: int, C: int, emulated_ep: int, device, split_local: bool = True
+) -> torch.Tensor:
     """``[3C+1]`` first token of each region ``3c + {R, A, B}``, then T: device arithmetic on the
     (cached) labels, cached the same way."""
     key = ("starts", T, size, C, emulated_ep, MIN_LOCAL_HALF, split_local, str(device))
