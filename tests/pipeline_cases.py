@@ -403,8 +403,8 @@ def late_wgrad_case(rank, world, *, ep=2, opts=None, steps=2, **cfg_kw):
                 return sums(queue)
 
             def logged_pack(*args, log=log):
-                x_NH, meta_NW = pack(*args)
-                return _LogBackward.apply(x_NH, log, ("pack_bwd",)), meta_NW
+                x_NH, meta_NW, x_ab = pack(*args)
+                return _LogBackward.apply(x_NH, log, ("pack_bwd",)), meta_NW, x_ab
 
             expert_schedule.WgradQueue.sums = logged_sums
             pipeline_module._pack = logged_pack

@@ -254,11 +254,12 @@ def test_mok_layer_is_bitwise_deterministic_on_gpu():
     assert all(torch.equal(a, b) for a, b in zip(g1, g2, strict=True))
 
 
-def _loopback_layer(dtype, opts, tokens=2048, hidden=512, experts=16, topk=4, router="aux_loss"):
+def _loopback_layer(dtype, opts, tokens=2048, hidden=512, experts=16, topk=4, router="aux_loss", shared=None):
     from mok_megatron.bench import _config, build
     from mok_megatron.options import MoKOptions
 
-    cfg = _config(dict(hidden=hidden, ffn=256, experts=experts, topk=topk, tokens=tokens), dtype)
+    shape = dict(hidden=hidden, ffn=256, experts=experts, topk=topk, tokens=tokens, shared=shared)
+    cfg = _config(shape, dtype)
     cfg.moe_router_load_balancing_type = router
     torch.manual_seed(0)
     ref = build("megatron", cfg).cuda()
@@ -278,8 +279,11 @@ def _loopback_layer(dtype, opts, tokens=2048, hidden=512, experts=16, topk=4, ro
         dict(minibatch_size=512, sync_free=True, loopback_gbps=450.0, loopback_bytes="link"),
     ],
 )
-def test_pipeline_loopback_parity_on_gpu(opts):
-    ref, mok = _loopback_layer(torch.float32, opts)
+@pytest.mark.parametrize("shared", [None, 384])
+def test_pipeline_loopback_parity_on_gpu(opts, shared):
+    # shared: Megatron's overlapped shared expert on its side stream (fc1 beside the dispatches, fc2
+    # beside the last combines), its output added to the routed experts'.
+    ref, mok = _loopback_layer(torch.float32, opts, shared=shared)
     x = torch.randn(2048, 1, 512, device="cuda")
     (o1, dx1, g1), (o2, dx2, g2) = _run_both(ref, mok, x, torch.randn_like(x))
     assert _rel(o1, o2) < 1e-4 and _rel(dx1, dx2) < 1e-4

@@ -17,6 +17,7 @@ from mok_megatron.ops.permute import (
     combine_tokens_reference,
     permute_tokens,
     permute_tokens_reference,
+    permute_tokens_with_ranges,
 )
 from mok_megatron.ops.routing import capacity_order, dropless_order, slot_map
 
@@ -139,6 +140,26 @@ def test_permute_and_combine_match_references(num_tokens, num_experts, topk):
     (gr,) = torch.autograd.grad(out, rows, dout)
     (gr_ref,) = torch.autograd.grad(combine_tokens_reference(rows, tok, num_tokens), rows, dout)
     torch.testing.assert_close(gr, gr_ref)
+
+
+@pytest.mark.parametrize("ranges", [((0, 5), (5, 17)), ((3, 3), (3, 9)), ((10, 17),)])
+def test_permute_with_ranges_equals_permute_and_slices(ranges):
+    # The pipeline's pack: the permuted rows plus views of the local regions, one gradient buffer;
+    # equal to permute_tokens and plain slices, bitwise (the same adds in the same order per element).
+    rm, probs = _random_routing(17, 8, 2, seed=5)
+    tok, exp = dropless_order(rm, int(rm.sum()))
+    slots = slot_map(tok, probs[tok, exp] != 0, 17, 2)
+    x = torch.randn(17, 8, requires_grad=True)
+    got = permute_tokens_with_ranges(x, tok, slots, ranges)
+    ref = (permute_tokens(x, tok, slots), *(x[lo:hi] for lo, hi in ranges))
+    for a, b in zip(got, ref, strict=True):
+        assert torch.equal(a, b)
+    douts = [torch.randn_like(t) for t in ref]
+    (g,) = torch.autograd.grad(sum((t * d).sum() for t, d in zip(got, douts, strict=True)), x)
+    (g_ref,) = torch.autograd.grad(sum((t * d).sum() for t, d in zip(ref, douts, strict=True)), x)
+    torch.testing.assert_close(g, g_ref, rtol=0, atol=1e-6)
+    with pytest.raises(ValueError, match=r"range \(4, 18\) is outside the 17 rows"):
+        permute_tokens_with_ranges(x, tok, slots, ((4, 18),))
 
 
 def test_combine_is_deterministic_in_bf16():

@@ -53,7 +53,7 @@ import torch
 from mok_megatron.fp8.dispatch_pack import PackLayout, dequantize, pack, unpack
 from mok_megatron.functional.pipeline_plan import ExpertPart, PipelinePlan, SendPlan
 from mok_megatron.functional.transport import COMBINE, DISPATCH
-from mok_megatron.ops.permute import combine_tokens, permute_tokens
+from mok_megatron.ops.permute import combine_tokens, permute_tokens, permute_tokens_with_ranges
 from mok_megatron.ops.routing import SlotMap, slot_map
 
 ExpertFn = Callable[[torch.Tensor, torch.Tensor, tuple | None, torch.Tensor], torch.Tensor]
@@ -115,11 +115,16 @@ def _sum_rows(
 
 
 def _pack(x_c, meta_cPW, mb: SendPlan, ep: int):
-    x_NH = permute_tokens(x_c, mb.token_idx_N, mb.slots)
+    """The minibatch's sent rows and their routing metadata, and its local regions A and B (views of
+    ``x_c``; one gradient buffer for all three: ``permute_tokens_with_ranges``)."""
+    r, a, b = mb.local.regions
+    x_NH, x_a, x_b = permute_tokens_with_ranges(
+        x_c, mb.token_idx_N, mb.slots, ((r, r + a), (r + a, r + a + b))
+    )
     meta_NW = meta_cPW.reshape(-1, meta_cPW.shape[-1]).index_select(0, mb.token_idx_N * ep + mb.dest_N)
     if mb.valid_N is not None:
         meta_NW = torch.where(mb.valid_N.unsqueeze(-1), meta_NW, 0)
-    return x_NH, meta_NW
+    return x_NH, meta_NW, (x_a, x_b)
 
 
 def _experts_aligned(
@@ -311,7 +316,7 @@ def run_pipeline(
         r = mb.local.regions[0]
         if plan.emulated_ep > 1 and r:
             tr = _ScaledLoopback(transport, mb.num_tokens / r)
-        x_NH, meta_NW = _pack(x_parts[c], meta_parts[c], mb, ep)
+        x_NH, meta_NW, x_ab = _pack(x_parts[c], meta_parts[c], mb, ep)
         ev = st.event("main")
         with torch.no_grad(), st.on("comm"):
             st.wait("comm", ev)
@@ -323,7 +328,7 @@ def run_pipeline(
             else:
                 x_RH = tr.move(x_NH.detach(), mb, DISPATCH)
             moved = (x_RH, tr.move(meta_NW.detach(), mb, DISPATCH))
-            flights.append((tr, x_NH, meta_NW, moved, st.event("comm")))
+            flights.append((tr, x_NH, meta_NW, x_ab, moved, st.event("comm")))
 
     if before_experts is not None:
         before_experts()
@@ -333,11 +338,10 @@ def run_pipeline(
     pending = []
     for c, mb in enumerate(plan.minibatches):
         lp = mb.local
-        tr, x_NH, meta_NW, (x_raw, meta_raw), ev_recv = flights[c]
-        x_loc = x_parts[c].split(list(lp.regions))
+        tr, x_NH, meta_NW, (x_a, x_b), (x_raw, meta_raw), ev_recv = flights[c]
         meta_loc = meta_parts[c].select(1, me).split(list(lp.regions))
         if not plan.fuse_local:
-            z_a = _experts(x_loc[1], meta_loc[1], lp.part_a, *run, local=True)
+            z_a = _experts(x_a, meta_loc[1], lp.part_a, *run, local=True)
         with st.on("comm"):  # created after A: A's backward hides the dispatch-backward
             x_RH = _Arrived.apply(x_NH, x_raw, tr, mb, DISPATCH)
             meta_RW = _Arrived.apply(meta_NW, meta_raw, tr, mb, DISPATCH)
@@ -346,8 +350,10 @@ def run_pipeline(
         if plan.fuse_local:  # local rows join the received rows: one expert call
             R = x_RH.shape[0]
             both = _merged(lp.remote, lp.part_a)
-            z_all = _experts(torch.cat([x_RH, x_loc[1]]), torch.cat([meta_RW, meta_loc[1]]), both, *run)
-            z_RH, z_a = z_all[:R], z_all[R:]
+            z_all = _experts(torch.cat([x_RH, x_a]), torch.cat([meta_RW, meta_loc[1]]), both, *run)
+            # One split (its backward is one concatenation), not two slices (each slice's backward is a
+            # zero-filled [R + A, H] gradient, then summed).
+            z_RH, z_a = z_all.split([R, z_all.shape[0] - R])
         else:
             z_RH = _experts(x_RH, meta_RW, lp.remote, *run)
         ev = st.event("main")
@@ -360,7 +366,7 @@ def run_pipeline(
             else:
                 back_raw = tr.move(z_RH.detach(), mb, COMBINE)
             ev_back = st.event("comm")
-        z_b = _experts(x_loc[2], meta_loc[2], lp.part_b, *run, local=True)
+        z_b = _experts(x_b, meta_loc[2], lp.part_b, *run, local=True)
         pending.append((z_RH, back_raw, tr, z_a, z_b, ev_back))
 
     if after_combines is not None:

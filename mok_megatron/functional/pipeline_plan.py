@@ -181,19 +181,6 @@ def _region_labels(T: int, size: int, emulated_ep: int, device, split_local: boo
     return _LABELS[key]
 
 
-def _region_starts(
-    T: int, size: int, C: int, emulated_ep: int, device, split_local: bool = True
-) -> torch.Tensor:
-    """``[3C+1]`` first token of each region ``3c + {R, A, B}``, then T: device arithmetic on the
-    (cached) labels, cached the same way."""
-    key = ("starts", T, size, C, emulated_ep, MIN_LOCAL_HALF, split_local, str(device))
-    if key not in _LABELS:
-        label_T = _region_labels(T, size, emulated_ep, device, split_local)
-        g = torch.arange(3 * C + 1, device=device)
-        _LABELS[key] = torch.searchsorted(label_T, g)  # an empty region starts where the next one does
-    return _LABELS[key]
-
-
 def _labels(T: int, size: int, emulated_ep: int, device, split_local: bool = True) -> torch.Tensor:
     t = torch.arange(T, device=device)
     c = t // size
@@ -213,14 +200,14 @@ def _counts(routing_map_TE, bounds, ep, L, emulated_ep, split_local=True):
     T = routing_map_TE.shape[0]
     C = len(bounds) - 1
     size = bounds[1] - bounds[0] if C else 1  # equal minibatches but the last
-    starts_G = _region_starts(T, max(size, 1), C, emulated_ep, routing_map_TE.device, split_local)
+    label_T = _region_labels(T, max(size, 1), emulated_ep, routing_map_TE.device, split_local)
     rm = routing_map_TE.view(T, ep, L)
     per = torch.cat([rm, rm.any(-1, keepdim=True)], -1).to(torch.int64).view(T, -1)  # [T, EP*(L+1)]
-    # Regions are consecutive token ranges (labels never decrease): segment sums of a running sum,
-    # not an index_add_ whose atomics all hit the same 3C rows.
-    cs = torch.cat([per.new_zeros((1, per.shape[1])), per.cumsum(0)])  # [T+1, EP*(L+1)]
-    ends = cs.index_select(0, starts_G)
-    return (ends[1:] - ends[:-1]).view(3 * C, ep, L + 1)
+    out = torch.zeros((3 * C, ep * (L + 1)), dtype=torch.int64, device=routing_map_TE.device)
+    # Integer sums: exact in any order. (Segment sums of a running sum were no faster on an H200:
+    # benchmarks/counts_probe.py, session 12.)
+    out.index_add_(0, label_T, per)
+    return out.view(3 * C, ep, L + 1)
 
 
 def build_pipeline_plan(

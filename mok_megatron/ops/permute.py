@@ -117,6 +117,39 @@ class _Combine(torch.autograd.Function):
         return _scatter_copy(dout_TH.contiguous(), ctx.slots, ctx.num_rows), None
 
 
+class _PermuteWithRegions(torch.autograd.Function):
+    """``_Permute`` that also hands out consecutive row ranges of ``x_TH`` (views), with one gradient:
+    the permute's gather-sum, each range's gradient added into its rows in place (no zero-filled
+    gradient per range, no concatenation, no full-size sum)."""
+
+    @staticmethod
+    def forward(ctx, x_TH, token_idx_N, slots, ranges):
+        ctx.slots, ctx.ranges = slots, ranges
+        x_NH = _Permute.forward(ctx, x_TH, token_idx_N, slots)
+        return (x_NH, *(x_TH[lo:hi] for lo, hi in ranges))
+
+    @staticmethod
+    def backward(ctx, dx_NH, *d_ranges):
+        if dx_NH is None:
+            raise RuntimeError("permute_tokens_with_ranges: the permuted rows must be used")
+        dx_TH = _gather_sum(dx_NH.contiguous(), ctx.slots)
+        for (lo, hi), d in zip(ctx.ranges, d_ranges, strict=True):
+            if d is not None and hi > lo:
+                dx_TH[lo:hi].add_(d)
+        return dx_TH, None, None, None
+
+
+def permute_tokens_with_ranges(
+    x_TH: torch.Tensor, token_idx_N: torch.Tensor, slots: SlotMap, ranges: tuple[tuple[int, int], ...]
+) -> tuple[torch.Tensor, ...]:
+    """``(permute_tokens(x_TH, token_idx_N, slots), x_TH[lo:hi] for (lo, hi) in ranges)``, differentiable,
+    with the gradient built in one buffer (the pipeline's packed rows and its local regions)."""
+    for lo, hi in ranges:
+        if not 0 <= lo <= hi <= x_TH.shape[0]:
+            raise ValueError(f"range ({lo}, {hi}) is outside the {x_TH.shape[0]} rows of x_TH")
+    return _PermuteWithRegions.apply(x_TH, token_idx_N, slots, tuple(ranges))
+
+
 def permute_tokens(x_TH: torch.Tensor, token_idx_N: torch.Tensor, slots: SlotMap) -> torch.Tensor:
     """Inputs: x_TH [T, H]; token_idx_N [N] int64; slots (row_TK, valid_TK). Output: x_NH [N, H]."""
     return _Permute.apply(x_TH, token_idx_N, slots)
