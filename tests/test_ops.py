@@ -158,6 +158,13 @@ def test_permute_with_ranges_equals_permute_and_slices(ranges):
     (g,) = torch.autograd.grad(sum((t * d).sum() for t, d in zip(got, douts, strict=True)), x)
     (g_ref,) = torch.autograd.grad(sum((t * d).sum() for t, d in zip(ref, douts, strict=True)), x)
     torch.testing.assert_close(g, g_ref, rtol=0, atol=1e-6)
+    # Only some outputs used: the unused ones add nothing (the permuted rows unused included).
+    for used in ([0], [1], list(range(1, len(got)))):
+        outs = permute_tokens_with_ranges(x, tok, slots, ranges)
+        ref = (permute_tokens(x, tok, slots), *(x[lo:hi] for lo, hi in ranges))
+        (g,) = torch.autograd.grad(sum((outs[i] * douts[i]).sum() for i in used), x)
+        (g_ref,) = torch.autograd.grad(sum((ref[i] * douts[i]).sum() for i in used), x)
+        torch.testing.assert_close(g, g_ref, rtol=0, atol=1e-6)
     with pytest.raises(ValueError, match=r"range \(4, 18\) is outside the 17 rows"):
         permute_tokens_with_ranges(x, tok, slots, ((4, 18),))
 

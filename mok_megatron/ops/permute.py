@@ -124,15 +124,18 @@ class _PermuteWithRegions(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x_TH, token_idx_N, slots, ranges):
-        ctx.slots, ctx.ranges = slots, ranges
+        ctx.set_materialize_grads(False)  # an unused range adds nothing (no zero-filled gradient)
+        ctx.slots, ctx.ranges, ctx.x_like = slots, ranges, (x_TH.shape, x_TH.dtype, x_TH.device)
         x_NH = _Permute.forward(ctx, x_TH, token_idx_N, slots)
         return (x_NH, *(x_TH[lo:hi] for lo, hi in ranges))
 
     @staticmethod
     def backward(ctx, dx_NH, *d_ranges):
-        if dx_NH is None:
-            raise RuntimeError("permute_tokens_with_ranges: the permuted rows must be used")
-        dx_TH = _gather_sum(dx_NH.contiguous(), ctx.slots)
+        if dx_NH is None:  # the permuted rows fed nothing that needs a gradient
+            shape, dtype, device = ctx.x_like
+            dx_TH = torch.zeros(shape, dtype=dtype, device=device)
+        else:
+            dx_TH = _gather_sum(dx_NH.contiguous(), ctx.slots)
         for (lo, hi), d in zip(ctx.ranges, d_ranges, strict=True):
             if d is not None and hi > lo:
                 dx_TH[lo:hi].add_(d)
