@@ -7,14 +7,13 @@ on and off: busy time per CUDA stream, time two streams run at once, and the ste
 
 from __future__ import annotations
 
-import math
 import sys
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
 from mok_megatron.bench import _config, _init_single_process, build
-from mok_megatron.bench_overlap import OVERLAP_SHAPES, _inputs, _stepper, stream_overlap
+from mok_megatron.bench_overlap import OVERLAP_SHAPES, _inputs, _stepper, loopback_options, stream_overlap
 
 
 def main():
@@ -22,18 +21,16 @@ def main():
     gbps = float(sys.argv[2]) if len(sys.argv) > 2 else 900.0
     chunks = int(sys.argv[3]) if len(sys.argv) > 3 else 1
     local_rows = sys.argv[4] if len(sys.argv) > 4 else "fused"
-    from mok_megatron.options import MoKOptions
 
     _init_single_process()
     s = OVERLAP_SHAPES[shape]
     cfg = _config(s, torch.bfloat16)
     x, dout = _inputs(s["tokens"], s["hidden"], torch.bfloat16, torch.device("cuda"))
     for late in (True, False):
-        opts = MoKOptions(
-            minibatch_size=math.ceil(s["tokens"] / chunks),
-            transport="loopback",
-            loopback_ep=s["ep"],
-            loopback_gbps=gbps,
+        opts = loopback_options(
+            s,
+            chunks,
+            gbps,
             local_rows=local_rows,
             sync_free=True,
             late_wgrad=late,

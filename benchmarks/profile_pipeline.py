@@ -7,16 +7,14 @@ top kernels. Default: minibatches 1 and 4, deterministic on and off (``--det Tru
 """
 
 import argparse
-import math
 import warnings
 
 import torch
 
 warnings.filterwarnings("ignore")
 from mok_megatron.bench import _config, _init_single_process, build  # noqa: E402
-from mok_megatron.bench_overlap import OVERLAP_SHAPES, _inputs, _stepper, _time  # noqa: E402
+from mok_megatron.bench_overlap import OVERLAP_SHAPES, _inputs, _stepper, _time, loopback_options  # noqa: E402
 from mok_megatron.kernel_profile import kernel_summary  # noqa: E402
-from mok_megatron.options import MoKOptions  # noqa: E402
 
 ap = argparse.ArgumentParser()
 ap.add_argument("shape", nargs="?", default="dsv3-4k")
@@ -37,11 +35,10 @@ x, dout = _inputs(s["tokens"], s["hidden"], torch.bfloat16, torch.device("cuda")
 configs = {"plain": None}
 for chunks in (int(c) for c in args.chunks.split(",")):
     for det in (d == "True" for d in args.det.split(",")):
-        configs[f"pipe C={chunks} det={det}"] = MoKOptions(
-            minibatch_size=math.ceil(s["tokens"] / chunks),
-            transport="loopback",
-            loopback_ep=s["ep"],
-            loopback_gbps=0.0,
+        configs[f"pipe C={chunks} det={det}"] = loopback_options(
+            s,
+            chunks,
+            0.0,
             deterministic=det,
             local_rows=args.local_rows,
             sync_free=args.sync_free,

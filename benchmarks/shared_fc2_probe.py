@@ -19,8 +19,7 @@ import probe_timing  # benchmarks/probe_timing.py (this script's directory is on
 
 warnings.filterwarnings("ignore")
 from mok_megatron.bench import _config, _init_single_process, build  # noqa: E402
-from mok_megatron.bench_overlap import OVERLAP_SHAPES, _graphed, _inputs  # noqa: E402
-from mok_megatron.options import MoKOptions  # noqa: E402
+from mok_megatron.bench_overlap import OVERLAP_SHAPES, _graphed, _inputs, loopback_options  # noqa: E402
 
 
 def fc2_after_combine(layer) -> None:
@@ -50,11 +49,10 @@ cfg = _config(s, torch.bfloat16)
 x, dout = _inputs(s["tokens"], s["hidden"], torch.bfloat16, torch.device("cuda"))
 for gbps in (float(g) for g in args.gbps.split(",")):
     for nbytes in args.bytes.split(","):
-        opts = MoKOptions(
-            minibatch_size=s["tokens"],
-            transport="loopback",
-            loopback_ep=s["ep"],
-            loopback_gbps=gbps,
+        opts = loopback_options(
+            s,
+            1,
+            gbps,
             local_rows="overlap",
             sync_free=True,
             loopback_bytes=nbytes,

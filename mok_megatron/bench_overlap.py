@@ -108,6 +108,21 @@ MODES = {  # label: (MoKOptions overrides, capture in a CUDA graph)
 }
 
 
+def loopback_options(shape: dict, chunks: int, gbps: float, **overrides):
+    """``MoKOptions`` for one loopback point of an ``OVERLAP_SHAPES`` entry: ``chunks`` minibatches over its
+    tokens, the loopback standing in for its EP size at ``gbps`` per direction (0 = infinite); other
+    ``MoKOptions`` fields as ``overrides``."""
+    from mok_megatron.options import MoKOptions
+
+    return MoKOptions(
+        minibatch_size=math.ceil(shape["tokens"] / chunks),
+        transport="loopback",
+        loopback_ep=shape["ep"],
+        loopback_gbps=gbps,
+        **overrides,
+    )
+
+
 def _inputs(tokens, hidden, dtype, device, seed=0):
     import torch
 
@@ -236,14 +251,8 @@ def _bench_overlap(
                     extra, graph = MODES[mode]
                     if graph and device.type != "cuda":
                         continue
-                    opts = MoKOptions(
-                        minibatch_size=math.ceil(s["tokens"] / chunks),
-                        transport="loopback",
-                        loopback_ep=s["ep"],
-                        loopback_gbps=gbps,
-                        local_rows=lr,
-                        expert_backend=expert_backend,
-                        **extra,
+                    opts = loopback_options(
+                        s, chunks, gbps, local_rows=lr, expert_backend=expert_backend, **extra
                     )
                     mode = mode if lr == "auto" else f"{mode} {lr}"
                     layer = build("mok", cfg, options=opts).to(device)
@@ -312,13 +321,7 @@ def _bench_overlap(
         )
         if best:
             cfg = _config(s, dtype)
-            opts = MoKOptions(
-                minibatch_size=best["minibatch"],
-                transport="loopback",
-                loopback_ep=s["ep"],
-                loopback_gbps=best["gbps"],
-                expert_backend=expert_backend,
-            )
+            opts = loopback_options(s, best["chunks"], best["gbps"], expert_backend=expert_backend)
             layer = build("mok", cfg, options=opts).to(device)
             x, dout = _inputs(s["tokens"], s["hidden"], dtype, device)
             step = _stepper(layer, x, dout)
