@@ -11,7 +11,7 @@ segment-sum version scanned along dim 0 of ``[T, few]`` (CUDA scans each column 
 import torch
 
 from probe_timing import graphed, median_ms
-from mok_megatron.functional import pipeline_plan as pp
+from mok_megatron.engine import pipeline_plan as pp
 
 
 def segment_counts(routing_map_TE, bounds, ep, L, emulated_ep, split_local=True):

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from mok_megatron.bench import _config, _init_single_process, build
-from mok_megatron.bench_overlap import EP_SHAPES, _graphed, _inputs, _stepper, _time
+from mok_megatron.bench.layer import _config, _init_single_process, build
+from mok_megatron.bench.overlap import EP_SHAPES, _graphed, _inputs, _stepper, _time
 
 
 def main():

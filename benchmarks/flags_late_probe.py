@@ -25,11 +25,11 @@ VARIANTS = [
 
 CHILD = r"""
 import json, sys, time, torch
-from mok_megatron.nvlink import signals as S
+from mok_megatron.transport.nvlink import signals as S
 S.SPIN_LIMIT = 1 << 21
-from mok_megatron.nvlink import kernels as K
-from mok_megatron.nvlink.exchange import _segment_table, buffer_rows, all_to_all_reference
-from mok_megatron.nvlink.workspace import LoopbackWorkspace
+from mok_megatron.transport.nvlink import kernels as K
+from mok_megatron.transport.nvlink.exchange import _segment_table, buffer_rows, all_to_all_reference
+from mok_megatron.transport.nvlink.workspace import LoopbackWorkspace
 v = sys.argv[1]
 P, H = 2, 7168
 m = [[300, 500], [700, 200]]

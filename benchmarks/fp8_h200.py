@@ -10,7 +10,7 @@ need sm_100 and are reported as such on Hopper.
 1. Accuracy (H 1024, F 512, 16 experts, top-4, 2048 tokens, bf16 weights): layer output, input gradient and
    expert weight gradients of each variant vs the bf16 layer with the same weights and input, relative
    Frobenius error ||a - b|| / ||b||, after 2 warm-up steps (delayed scaling needs an amax history).
-   Bound ``REL_BOUND`` = 0.1: e4m3 rounds each operand with relative error <= 2^-4 (``fp8.quantize``),
+   Bound ``REL_BOUND`` = 0.1: e4m3 rounds each operand with relative error <= 2^-4 (``ops.fp8_quantize``),
    ~2^-4/sqrt(3) = 0.036 RMS; two chained GEMMs plus the activation give ~0.05-0.07.
 2. Time: fwd+bwd medians (CUDA events, 10 iterations after 3) on the DeepSeek-V3 slice and Qwen3-30B-A3B.
 3. Tiny-model loss: examples/tiny_moe.sh (launch command from DRY_RUN=1, widened to H 128 / F 128 so every
@@ -63,21 +63,21 @@ def variants() -> list[tuple[str, str, str | None]]:
 
 
 def skip_reason(backend: str, recipe: str | None) -> str | None:
-    from mok_megatron.fp8.layers import unavailable
+    from mok_megatron.bench.fp8_layers import unavailable
 
     return unavailable(backend, recipe)
 
 
 def layer_config(shape: dict, recipe: str | None):
-    from mok_megatron.bench import _config
-    from mok_megatron.fp8.layers import fp8_config
+    from mok_megatron.bench.layer import _config
+    from mok_megatron.bench.fp8_layers import fp8_config
 
     return fp8_config(_config(shape, torch.bfloat16), recipe)
 
 
 def build_layer(backend: str, cfg, state: dict | None):
-    from mok_megatron.checkpoint import convert_state_dict
-    from mok_megatron.fp8.layers import build_mok_layer
+    from mok_megatron.experts.checkpoint import convert_state_dict
+    from mok_megatron.bench.fp8_layers import build_mok_layer
 
     torch.manual_seed(0)
     layer = build_mok_layer(backend, cfg).to(DEV)
@@ -106,7 +106,7 @@ def fwd_bwd(layer, cfg, x, dout):
 
 
 def expert_grads(layer) -> dict:
-    from mok_megatron.checkpoint import convert_state_dict
+    from mok_megatron.experts.checkpoint import convert_state_dict
 
     g = {n: p.grad.float() for n, p in layer.named_parameters() if p.grad is not None and "experts" in n}
     return convert_state_dict(g, "mok")
@@ -149,7 +149,7 @@ def accuracy(results: dict, shape: dict = ACC_SHAPE) -> None:
 
 
 def timing(results: dict, shapes=TIME_SHAPES, iters: int = 10, warmup: int = 3) -> None:
-    from mok_megatron.bench import SHAPES, time_steps
+    from mok_megatron.bench.layer import SHAPES, time_steps
 
     for shape_name in shapes:
         shape = SHAPES[shape_name]
@@ -313,7 +313,7 @@ def main(argv=None) -> int:
     p.add_argument("--with-tests", action="store_true", help="also run tests/test_fp8_gpu.py (before timing)")
     a = p.parse_args(argv)
     os.makedirs(a.out, exist_ok=True)
-    from mok_megatron.bench import _init_single_process
+    from mok_megatron.bench.layer import _init_single_process
     from mok_megatron.compat import te_version
 
     t0 = time.time()

@@ -20,8 +20,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 def main() -> None:
     from fp8_h200 import build_layer, fwd_bwd, layer_config
 
-    from mok_megatron.bench import SHAPES, _init_single_process, time_steps
-    from mok_megatron.kernel_profile import kernel_summary
+    from mok_megatron.bench.layer import SHAPES, _init_single_process, time_steps
+    from mok_megatron.bench.kernel_profile import kernel_summary
 
     p = argparse.ArgumentParser()
     p.add_argument("--shapes", default="deepseek-v3-ep32,qwen3-30b-a3b")

@@ -12,7 +12,7 @@ import statistics
 import torch
 
 import mok_megatron.kernels.fp8_quant as Q
-from mok_megatron.bench import time_steps
+from mok_megatron.bench.layer import time_steps
 
 
 def _ms(fn):

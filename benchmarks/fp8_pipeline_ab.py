@@ -1,5 +1,5 @@
 """A/B in one process: the overlap pipeline with native FP8 experts, each expert call's permute / combine
-fused into the experts' FP8 operands (``fp8.token_experts``, session 8) vs the unfused call (permute into
+fused into the experts' FP8 operands (``experts.fp8_mlp``, session 8) vs the unfused call (permute into
 the padded layout, experts, combine), on the loopback transport (one GPU standing in for EP ranks).
 Fused, unfused, fused again (clock drift shows). Same table as ``mok bench overlap``.
 
@@ -14,8 +14,8 @@ import warnings
 
 def main() -> None:
     warnings.filterwarnings("ignore")
-    from mok_megatron.bench_overlap import bench_overlap, format_overlap
-    from mok_megatron.mcore.experts import MoKGroupedMLP
+    from mok_megatron.bench.overlap import bench_overlap, format_overlap
+    from mok_megatron.experts.grouped_mlp import MoKGroupedMLP
 
     p = argparse.ArgumentParser()
     p.add_argument("--shapes", default="dsv3-4k")

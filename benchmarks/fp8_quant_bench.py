@@ -37,7 +37,7 @@ DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # CPU: --smo
 
 
 def _median_ms(fn, iters: int, warmup: int = 2) -> float:
-    from mok_megatron.bench import time_steps
+    from mok_megatron.bench.layer import time_steps
 
     return 1e3 * statistics.median(time_steps(fn, iters, warmup))
 
@@ -100,8 +100,8 @@ def bench_kernels(shape: dict, device) -> dict:
 def bench_layers(shape_name: str) -> dict:
     from fp8_h200 import build_layer_sharing_weights, fwd_bwd, layer_config
 
-    from mok_megatron.bench import SHAPES
-    from mok_megatron.fp8 import native
+    from mok_megatron.bench.layer import SHAPES
+    from mok_megatron.ops import fp8_grouped_gemm as native
 
     shape = SHAPES[shape_name]
     g = torch.Generator().manual_seed(0)
@@ -215,7 +215,7 @@ def main(argv=None) -> int:
     os.makedirs(ARGS.out, exist_ok=True)
     if ARGS.smoke:
         ARGS.shapes = "tiny"
-    from mok_megatron.bench import SHAPES, _init_single_process
+    from mok_megatron.bench.layer import SHAPES, _init_single_process
 
     t0 = time.time()
     _init_single_process()

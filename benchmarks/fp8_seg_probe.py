@@ -13,13 +13,13 @@ import statistics
 
 import torch
 
-from mok_megatron.bench import time_steps
+from mok_megatron.bench.layer import time_steps
 
 import mok_megatron.kernels.fp8_quant as Q
 
 
 def _time(fn, iters=30, warmup=3):
-    """Median ms per call (CUDA events: ``mok_megatron.bench.time_steps``)."""
+    """Median ms per call (CUDA events: ``mok_megatron.bench.layer.time_steps``)."""
     return statistics.median(time_steps(fn, iters, warmup)) * 1e3
 
 

@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 
 import mok_megatron.kernels.fp8_quant as Q
-from mok_megatron.bench import time_steps
+from mok_megatron.bench.layer import time_steps
 from mok_megatron.kernels.fp8_quant import _segment_bounds
 
 

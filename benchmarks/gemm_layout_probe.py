@@ -17,12 +17,12 @@ import statistics
 
 import torch
 
-from mok_megatron.bench import SHAPES, time_steps
+from mok_megatron.bench.layer import SHAPES, time_steps
 from mok_megatron.compat import grouped_mm_fn
 
 
 def _time(fn, iters=20, warmup=3):
-    """Median ms per call (CUDA events: ``mok_megatron.bench.time_steps``)."""
+    """Median ms per call (CUDA events: ``mok_megatron.bench.layer.time_steps``)."""
     return statistics.median(time_steps(fn, iters, warmup)) * 1e3
 
 

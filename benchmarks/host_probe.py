@@ -19,7 +19,7 @@ import warnings
 import torch
 
 warnings.filterwarnings("ignore")
-from mok_megatron.bench import SHAPES, _config, _init_single_process, build  # noqa: E402
+from mok_megatron.bench.layer import SHAPES, _config, _init_single_process, build  # noqa: E402
 
 
 def phases(layer, x, dout, reps=10):
@@ -69,7 +69,7 @@ def phases(layer, x, dout, reps=10):
 
 def router_parts(router, x, reps=20):
     """Median host ms of each step of ``router.forward`` (methods wrapped with a timer; GPU kept busy)."""
-    import mok_megatron.mcore.router as mok_router
+    import mok_megatron.adapter.router as mok_router
 
     names = [
         "gating",
@@ -122,7 +122,7 @@ def main():
             if backend == "torch":
                 layer = build("mok", cfg).cuda()
             else:
-                from mok_megatron.fp8.layers import build_mok_layer
+                from mok_megatron.bench.fp8_layers import build_mok_layer
 
                 layer = build_mok_layer(backend, cfg).cuda()
             x = torch.randn(s["tokens"], 1, s["hidden"], device="cuda", dtype=torch.bfloat16)

@@ -12,8 +12,8 @@ import sys
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from mok_megatron.bench import _config, _init_single_process, build
-from mok_megatron.bench_overlap import OVERLAP_SHAPES, _inputs, _stepper, loopback_options, stream_overlap
+from mok_megatron.bench.layer import _config, _init_single_process, build
+from mok_megatron.bench.overlap import OVERLAP_SHAPES, _inputs, _stepper, loopback_options, stream_overlap
 
 
 def main():

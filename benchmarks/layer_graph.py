@@ -4,7 +4,7 @@ At EP=1 the dropless layer never reads the device from the host, so the whole st
 the graph removes the host's kernel-launch time, which is what separates wall time from GPU-busy time
 in ``benchmarks/profile_layer.py``. Median of 20 CUDA-event-timed steps after 3 warm-up steps.
 
-    python benchmarks/layer_graph.py [--router-fusion] [shape ...]   (shapes from mok_megatron.bench.SHAPES;
+    python benchmarks/layer_graph.py [--router-fusion] [shape ...]   (shapes from mok_megatron.bench.layer.SHAPES;
                                                    --router-fusion: TE's fused top-k, moe_router_fusion)
     MOK_EXPERT_BACKEND=torch-fp8 python benchmarks/layer_graph.py ...   (the native FP8 experts; the
                                                                        graph re-quantizes the weights)
@@ -19,8 +19,8 @@ import warnings
 import torch
 
 warnings.filterwarnings("ignore")
-from mok_megatron.bench import SHAPES, _config, _init_single_process, build, time_steps  # noqa: E402
-from mok_megatron.bench_overlap import _graphed, _inputs  # noqa: E402
+from mok_megatron.bench.layer import SHAPES, _config, _init_single_process, build, time_steps  # noqa: E402
+from mok_megatron.bench.overlap import _graphed, _inputs  # noqa: E402
 
 _init_single_process()
 args = sys.argv[1:]
@@ -34,7 +34,7 @@ for name in names:
     if backend == "torch":
         layer = build("mok", cfg).cuda()
     else:
-        from mok_megatron.fp8.layers import build_mok_layer
+        from mok_megatron.bench.fp8_layers import build_mok_layer
 
         layer = build_mok_layer(backend, cfg).cuda()
     x, dout = _inputs(s["tokens"], s["hidden"], torch.bfloat16, torch.device("cuda"))

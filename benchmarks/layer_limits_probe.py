@@ -7,7 +7,7 @@ For each shape and expert backend (bf16 ``torch``, native FP8 ``torch-fp8``):
   median of 20: a lower bound for the layer at the clocks it runs at;
 - ``timeline``: one synced step under the profiler: GPU busy ms, idle ms inside the step, the largest idle
   gaps and the kernel that ends each (the host was launching it);
-- clocks (``mok_megatron.gpu_clocks``, printed at the end): per phase the median SM clock, power draw and
+- clocks (``mok_megatron.bench.clocks``, printed at the end): per phase the median SM clock, power draw and
   the clock-event reasons (throttling) seen. (s7a/s7b ran an earlier reader that placed samples by the
   time their piped output arrived: indicative only.)
 
@@ -24,9 +24,9 @@ import warnings
 import torch
 
 warnings.filterwarnings("ignore")
-from mok_megatron.bench import SHAPES, _config, _init_single_process, build, time_steps  # noqa: E402
-from mok_megatron.bench_bound import gemm_steps  # noqa: E402
-from mok_megatron.gpu_clocks import ClockSampler, format_summary  # noqa: E402
+from mok_megatron.bench.layer import SHAPES, _config, _init_single_process, build, time_steps  # noqa: E402
+from mok_megatron.bench.bound import gemm_steps  # noqa: E402
+from mok_megatron.bench.clocks import ClockSampler, format_summary  # noqa: E402
 
 DGRAD_DEFAULT = 2048
 WINDOWS: list[tuple[str, float, float]] = []  # (label, t0, t1) of each timed phase, for the clock summary
@@ -103,7 +103,7 @@ def gemms_only(s, fp8: bool):
     )
     a, dy = torch.randn(rows, f, device=dev, dtype=bf), torch.randn(rows, h, device=dev, dtype=bf)
     dh = torch.randn(rows, 2 * f, device=dev, dtype=bf)
-    from mok_megatron.fp8 import native
+    from mok_megatron.ops import fp8_grouped_gemm as native
 
     q = {k: native.quantize_rowwise(v) for k, v in dict(x=x, a=a, dy=dy, dh=dh).items()}
     qt = {k: native.quantize_segments_t(v, offs) for k, v in dict(x=x, a=a, dy=dy, dh=dh).items()}
@@ -145,7 +145,7 @@ def _run(names):
         # "unfused": the EP=1 FP8 layer without the permute / combine fused into the experts' FP8 operands
         # (the path before session 8); the fused one runs before and after it (clock drift shows).
         for backend in ("torch", "torch-fp8", "torch-fp8 unfused", "torch-fp8 again"):
-            from mok_megatron.fp8 import native
+            from mok_megatron.ops import fp8_grouped_gemm as native
 
             native.DGRAD_FAST_ACCUM_MAX_N = (1 << 30) if backend.endswith("dgrad-fast") else DGRAD_DEFAULT
             torch.manual_seed(0)
@@ -154,7 +154,7 @@ def _run(names):
                 layer = build("mok", cfg).cuda()
                 state = {k: v.clone() for k, v in layer.state_dict().items() if torch.is_tensor(v)}
             else:
-                from mok_megatron.fp8.layers import build_mok_layer
+                from mok_megatron.bench.fp8_layers import build_mok_layer
 
                 layer = build_mok_layer("torch-fp8", cfg).cuda()
                 layer.load_state_dict(

@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 
 import probe_timing  # benchmarks/probe_timing.py (this script's directory is on sys.path)
-from mok_megatron.gpu_clocks import ClockSampler
+from mok_megatron.bench.clocks import ClockSampler
 from mok_megatron.kernels.link_delay import spin_ns
 
 

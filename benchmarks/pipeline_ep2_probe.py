@@ -12,9 +12,9 @@ import warnings
 import torch
 
 warnings.filterwarnings("ignore")
-from mok_megatron.bench import _config, _init_single_process, build  # noqa: E402
-from mok_megatron.bench_overlap import _graphed, _inputs, _stepper, _time  # noqa: E402
-from mok_megatron.kernel_profile import kernel_summary  # noqa: E402
+from mok_megatron.bench.layer import _config, _init_single_process, build  # noqa: E402
+from mok_megatron.bench.overlap import _graphed, _inputs, _stepper, _time  # noqa: E402
+from mok_megatron.bench.kernel_profile import kernel_summary  # noqa: E402
 from mok_megatron.options import MoKOptions  # noqa: E402
 
 SHAPE = dict(hidden=7168, ffn=2048, experts=8, topk=8, tokens=4096)

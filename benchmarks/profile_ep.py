@@ -15,9 +15,9 @@ import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile
 
 warnings.filterwarnings("ignore")
-from mok_megatron.bench import build  # noqa: E402
-from mok_megatron.bench_overlap import EP_SHAPES, _ep_config, _inputs, _reinit, _stepper, _time  # noqa: E402
-from mok_megatron.checkpoint import convert_state_dict  # noqa: E402
+from mok_megatron.bench.layer import build  # noqa: E402
+from mok_megatron.bench.overlap import EP_SHAPES, _ep_config, _inputs, _reinit, _stepper, _time  # noqa: E402
+from mok_megatron.experts.checkpoint import convert_state_dict  # noqa: E402
 from mok_megatron.compat import have_te  # noqa: E402
 from mok_megatron.options import MoKOptions  # noqa: E402
 

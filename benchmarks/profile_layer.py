@@ -5,7 +5,7 @@ Each step starts with cleared gradients and a fresh input leaf, as in ``mok benc
 three of the step's "bf16 add" kernels are ``.grad`` accumulation of fc1, fc2 and the router weight, and an
 ``add_`` accumulates the input's gradient: profiling artifacts, not layer work).
 
-    python benchmarks/profile_layer.py [shape ...]     (shapes from mok_megatron.bench.SHAPES)
+    python benchmarks/profile_layer.py [shape ...]     (shapes from mok_megatron.bench.layer.SHAPES)
 """
 
 import sys
@@ -14,8 +14,8 @@ import warnings
 import torch
 
 warnings.filterwarnings("ignore")
-from mok_megatron.bench import SHAPES, _config, _init_single_process, build, time_steps  # noqa: E402
-from mok_megatron.kernel_profile import kernel_summary  # noqa: E402
+from mok_megatron.bench.layer import SHAPES, _config, _init_single_process, build, time_steps  # noqa: E402
+from mok_megatron.bench.kernel_profile import kernel_summary  # noqa: E402
 
 _init_single_process()
 for name in sys.argv[1:] or ["qwen3-30b-a3b", "deepseek-v3-ep32"]:

@@ -12,9 +12,9 @@ import warnings
 import torch
 
 warnings.filterwarnings("ignore")
-from mok_megatron.bench import _config, _init_single_process, build  # noqa: E402
-from mok_megatron.bench_overlap import OVERLAP_SHAPES, _inputs, _stepper, _time, loopback_options  # noqa: E402
-from mok_megatron.kernel_profile import kernel_summary  # noqa: E402
+from mok_megatron.bench.layer import _config, _init_single_process, build  # noqa: E402
+from mok_megatron.bench.overlap import OVERLAP_SHAPES, _inputs, _stepper, _time, loopback_options  # noqa: E402
+from mok_megatron.bench.kernel_profile import kernel_summary  # noqa: E402
 
 ap = argparse.ArgumentParser()
 ap.add_argument("shape", nargs="?", default="dsv3-4k")

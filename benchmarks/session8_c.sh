@@ -6,7 +6,7 @@
 set -u
 out=${OUT:-/tmp/mok-s8c}; mkdir -p "$out"
 for backend in torch torch-fp8; do
-  timeout ${T_LB:-200} python -m mok_megatron.bench_overlap overlap --shapes dsv3-4k --gbps 0,450,50 --chunks 1 \
+  timeout ${T_LB:-200} python -m mok_megatron.bench.overlap overlap --shapes dsv3-4k --gbps 0,450,50 --chunks 1 \
     --modes sync-free+graph,sync-free+graph+fp8,sync-free+graph+fp8-both --expert-backend $backend \
     --iters 10 --warmup 3 --json "$out/overlap-$backend.json" > "$out/overlap-$backend.txt" 2>&1
   echo "== bench overlap ($backend experts) rc=$?"; grep -E "^\||fail|Error" "$out/overlap-$backend.txt" | cut -c1-200

@@ -18,8 +18,8 @@ import torch
 import probe_timing  # benchmarks/probe_timing.py (this script's directory is on sys.path)
 
 warnings.filterwarnings("ignore")
-from mok_megatron.bench import _config, _init_single_process, build  # noqa: E402
-from mok_megatron.bench_overlap import OVERLAP_SHAPES, _graphed, _inputs, loopback_options  # noqa: E402
+from mok_megatron.bench.layer import _config, _init_single_process, build  # noqa: E402
+from mok_megatron.bench.overlap import OVERLAP_SHAPES, _graphed, _inputs, loopback_options  # noqa: E402
 
 
 def fc2_after_combine(layer) -> None:

@@ -10,13 +10,13 @@ import statistics
 
 import torch
 
-from mok_megatron.bench import time_steps
+from mok_megatron.bench.layer import time_steps
 
 from mok_megatron.kernels.topk import topk_indices, topk_indices_reference
 
 
 def _time(fn, iters=50, warmup=5):
-    """Median us per call (CUDA events: ``mok_megatron.bench.time_steps``)."""
+    """Median us per call (CUDA events: ``mok_megatron.bench.layer.time_steps``)."""
     return statistics.median(time_steps(fn, iters, warmup)) * 1e6
 
 

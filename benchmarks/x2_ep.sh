@@ -14,7 +14,7 @@ case "${1:?phase: bf16 or fp8}" in
   bf16)
     OUT=$out bash benchmarks/session4_b.sh ;;
   fp8)
-    timeout ${T_EP:-330} torchrun --nproc-per-node 2 -m mok_megatron.bench_overlap ep --shapes dsv3,qwen3 \
+    timeout ${T_EP:-330} torchrun --nproc-per-node 2 -m mok_megatron.bench.overlap ep --shapes dsv3,qwen3 \
       --transports ${TRANSPORTS:-collective,copy_engine} --local-rows fused --chunks 1 \
       --modes ${MODES:-exact,sync-free+graph,sync-free+graph+fp8-both} --expert-backend torch-fp8 --iters 10 --warmup 3 \
       --json "$out/ep-torch-fp8.json" > "$out/ep-torch-fp8.txt" 2>&1

@@ -22,7 +22,7 @@ MOE_ARGS=(--num-experts 8 --moe-ffn-hidden-size 64 --moe-router-topk 2
 MOK_ARGS=()
 PARALLEL_ARGS=(--expert-model-parallel-size "$NPROC")    # every process holds 8 / NPROC experts
 if [ "$DEVICE" = cpu ]; then
-  # What mok_megatron.cpu_training.CPU_FLAGS lists: gloo, no GPU-only fused kernels, fp32.
+  # What mok_megatron.training.cpu_training.CPU_FLAGS lists: gloo, no GPU-only fused kernels, fp32.
   PRECISION_ARGS=(--distributed-backend gloo --transformer-impl local --no-gradient-accumulation-fusion
     --no-masked-softmax-fusion --no-bias-swiglu-fusion --no-bias-dropout-fusion --no-rope-fusion
     --no-persist-layer-norm)

@@ -2,7 +2,7 @@
 
 Importing the package is cheap (no Megatron import); the public names below load on first use:
 
-    MoKMoELayer, MoKGroupedMLP, MoKTokenDispatcher   Megatron adapter (mok_megatron.mcore)
+    MoKMoELayer, MoKGroupedMLP, MoKTokenDispatcher   Megatron adapter (mok_megatron.adapter)
     MoKConfig, MoKConfigError                        frozen layer config (mok_megatron.config)
     get_gpt_layer_with_mok_spec, get_gpt_decoder_block_spec_with_mok, mokify   (mok_megatron.spec)
 """
@@ -10,9 +10,9 @@ Importing the package is cheap (no Megatron import); the public names below load
 __version__ = "0.1.0"
 
 _LAZY = {
-    "MoKMoELayer": "mok_megatron.mcore.layer",
-    "MoKGroupedMLP": "mok_megatron.mcore.experts",
-    "MoKTokenDispatcher": "mok_megatron.mcore.dispatcher",
+    "MoKMoELayer": "mok_megatron.adapter.layer",
+    "MoKGroupedMLP": "mok_megatron.experts.grouped_mlp",
+    "MoKTokenDispatcher": "mok_megatron.adapter.dispatcher",
     "MoKConfig": "mok_megatron.config",
     "MoKConfigError": "mok_megatron.config",
     "get_gpt_layer_with_mok_spec": "mok_megatron.spec",

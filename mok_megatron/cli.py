@@ -14,7 +14,7 @@ def _env(argv) -> int:
     )
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     ns = p.parse_args(argv)
-    from mok_megatron.env import format_report, report
+    from mok_megatron.tools.env import format_report, report
 
     r = report()
     print(json.dumps(r, indent=2) if ns.json else format_report(r))
@@ -35,7 +35,7 @@ def _convert(argv) -> int:
     ns = p.parse_args(argv)
     import torch
 
-    from mok_megatron.checkpoint import convert_state_dict, expert_prefixes
+    from mok_megatron.experts.checkpoint import convert_state_dict, expert_prefixes
 
     obj = torch.load(ns.src, map_location="cpu", weights_only=False)
     sd = obj[ns.key] if ns.key else obj
@@ -58,15 +58,15 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     commands = {
         "env": _env,
-        "demo": lambda rest: __import__("mok_megatron.demo", fromlist=["main"]).main(rest),
+        "demo": lambda rest: __import__("mok_megatron.tools.demo", fromlist=["main"]).main(rest),
         "convert": _convert,
         "bench": lambda rest: __import__(
-            "mok_megatron.bench_overlap" if rest[:1] in (["overlap"], ["ep"]) else "mok_megatron.bench",
+            "mok_megatron.bench.overlap" if rest[:1] in (["overlap"], ["ep"]) else "mok_megatron.bench.layer",
             fromlist=["main"],
         ).main(rest),
-        "patches": lambda rest: __import__("mok_megatron.patches", fromlist=["main"]).main(rest),
-        "recipe": lambda rest: __import__("mok_megatron.recipes", fromlist=["main"]).main(rest),
-        "plan": lambda rest: __import__("mok_megatron.planner.main", fromlist=["main"]).main(rest),
+        "patches": lambda rest: __import__("mok_megatron.training.patches", fromlist=["main"]).main(rest),
+        "recipe": lambda rest: __import__("mok_megatron.tools.recipe.check", fromlist=["main"]).main(rest),
+        "plan": lambda rest: __import__("mok_megatron.tools.planner.main", fromlist=["main"]).main(rest),
     }
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in commands:
         print(
@@ -75,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
             "  demo     pretrain a tiny MoE GPT with the MoK layer (the main job)\n"
             "  bench    layer: one MoE layer fwd+bwd, MoK vs Megatron, checked then timed;\n"
             "           overlap: communication hidden by the pipeline (one GPU, emulated link);\n"
-            "           ep: real expert parallelism (torchrun -m mok_megatron.bench_overlap ep)\n"
+            "           ep: real expert parallelism (torchrun -m mok_megatron.bench.overlap ep)\n"
             "  convert  move expert weights of a saved state dict between MoK / Megatron layouts\n"
             "  patches  check|apply|revert DIR: make a Megatron-LM checkout accept --moe-token-dispatcher-type mok\n"
             "  recipe   check SCRIPT...: a recipe's parallel layout and memory per GPU, from its DRY_RUN command\n"

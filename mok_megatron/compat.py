@@ -117,7 +117,7 @@ def use_prebuilt_dataset_helpers() -> bool:
     return True
 
 
-# ---- Transformer Engine expert GEMMs (mok_megatron.mcore.te_experts) ---------------------------
+# ---- Transformer Engine expert GEMMs (mok_megatron.experts.te) ---------------------------
 
 
 def te_grouped_linear_classes():

@@ -46,7 +46,7 @@ class MoKConfig:
     delay_wgrad: bool = False  # delay_wgrad_compute: experts' weight gradients wait for backward_dw()
     recompute_activation: bool = False  # recompute_modules has 'moe_act': activation redone in backward
     # Megatron flags on this layer that schedule its phases themselves (cross-micro-batch EP overlap);
-    # with any of them the layer keeps the six-phase path (see mok_megatron.mcore.engine).
+    # with any of them the layer keeps the six-phase path (see mok_megatron.engine.select).
     megatron_overlap_flags: tuple[str, ...] = ()
 
     def __post_init__(self):

@@ -1,14 +1,14 @@
 """``MoKOptions``: the MoK-only knobs that Megatron's ``TransformerConfig`` has no field for.
 
-They come from the ``--mok-*`` command-line flags (``mok_megatron.arguments``), from a spec
+They come from the ``--mok-*`` command-line flags (``mok_megatron.training.arguments``), from a spec
 (``get_gpt_layer_with_mok_spec(..., options=MoKOptions(...))``), or from the process default that
 the flags set (``set_default_options``). Frozen and validated at construction.
 
     engine               'auto' | 'pipeline' (the overlap engine) | 'plain' (one dispatch, experts and
                          combine per layer call, Megatron's row layout); auto = see
-                         ``mok_megatron.mcore.engine.select_transport``
+                         ``mok_megatron.engine.select.select_transport``
     minibatch_size       tokens per pipelined minibatch (None: the automatic rule in
-                         ``mok_megatron.functional.pipeline_plan.auto_minibatch_size``)
+                         ``mok_megatron.engine.pipeline_plan.auto_minibatch_size``)
     capacity_multiplier  sync-free mode: receive buffer per source rank, as a fraction of that
                          rank's tokens (1.0 can never overflow; smaller saves memory; overflow is
                          detected and the step's exchange is redone in exact mode, never dropped)
@@ -31,28 +31,28 @@ the flags set (``set_default_options``). Frozen and validated at construction.
     expert_backend       the experts' GEMMs: 'torch' (bf16 grouped_mm, default) | 'torch-fp8' (native
                          rowwise-scaled ``torch._scaled_grouped_mm``, Hopper+, no TE) | 'te' (Transformer
                          Engine GroupedLinear under Megatron's --fp8-format/--fp8-recipe; bf16 without it).
-                         Device/TE checks run at layer build: ``mok_megatron.fp8.backend``
+                         Device/TE checks run at layer build: ``mok_megatron.experts.backend``
     transport 'nvlink'   device-initiated peer reads (dispatch) and writes (combine) by Triton kernels
-                         over symmetric memory, one NVLink domain (``mok_megatron.nvlink``)
+                         over symmetric memory, one NVLink domain (``mok_megatron.transport.nvlink``)
     nvlink_programs      nvlink transport: CTAs (SMs) that communicate
     nvlink_sync          nvlink transport: how ranks signal an exchange. 'barrier' (symmetric memory's
                          device barrier, default: run on two H200) | 'flags' (per-peer ready flags, no
                          barrier: a destination reads each source as soon as it has staged;
-                         ``nvlink.signals``)
+                         ``transport.nvlink.signals``)
     local_rows           pipeline: the rows whose expert is on this rank. 'overlap': computed in two
                          halves while the dispatch and the combine fly (three expert calls); 'fused':
                          in the received rows' expert call (one call, nothing local hidden); 'auto':
                          fused inside one NVLink domain (EP exchange cheaper than splitting the
-                         GEMMs), overlap across nodes (``functional.pipeline_plan.fuse_local_rows``)
+                         GEMMs), overlap across nodes (``engine.pipeline_plan.fuse_local_rows``)
     fp8_dispatch         pipeline: dispatched token rows travel as e4m3 + one fp32 scale per row (about
-                         half the bytes; ``fp8.dispatch_pack``); combine and gradients stay bf16
+                         half the bytes; ``transport.fp8_rows``); combine and gradients stay bf16
     fp8_combine          pipeline, opt-in: the expert output rows travel back as e4m3 + one fp32 scale
                          per row too (the combine's bytes halved; each token's output then carries up to
                          2^-4 relative error per route, which is why DeepEP and TE keep it bf16);
                          gradients stay bf16
     late_wgrad           pipeline, MoK's bf16 experts, opt-in: the weight gradients of a layer call wait until
                          the last dispatch-backward exchange is launched and run while it flies
-                         (``mcore.late_wgrad``; bitwise the same gradients, ~0.7 GB more peak memory on
+                         (``experts.late_wgrad``; bitwise the same gradients, ~0.7 GB more peak memory on
                          DeepSeek-V3's slice). Off by default: on one H200's loopback it gained nothing
                          consistent (s10c-s10e)
 """

@@ -35,9 +35,9 @@ from megatron.core.transformer.transformer_block import TransformerBlockSubmodul
 
 from mok_megatron.compat import have_te
 from mok_megatron.config import MoKConfigError
-from mok_megatron.mcore.experts import MoKGroupedMLP
-from mok_megatron.mcore.layer import MoKMoELayer
-from mok_megatron.mcore.router import MoKTopKRouter
+from mok_megatron.experts.grouped_mlp import MoKGroupedMLP
+from mok_megatron.adapter.layer import MoKMoELayer
+from mok_megatron.adapter.router import MoKTopKRouter
 
 
 def _require_te(what: str) -> None:

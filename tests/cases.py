@@ -199,7 +199,7 @@ def _maxdiff(a, b) -> float:
 
 def compare(ref_res, mok_res) -> dict:
     """Largest absolute differences (and the scale of the reference) between two run_layer results."""
-    from mok_megatron.checkpoint import convert_state_dict
+    from mok_megatron.experts.checkpoint import convert_state_dict
 
     (o1, gx1, g1, a1), (o2, gx2, g2, a2) = ref_res, mok_res
     g1 = convert_state_dict(g1, "mok")
@@ -309,7 +309,7 @@ def _gather_experts(layer, ep_group, tp_group, gated: bool = True) -> dict:
     """Full global expert weights of a MoK or Megatron layer, identical on every rank."""
     import torch.distributed as dist
 
-    from mok_megatron.checkpoint import convert_state_dict
+    from mok_megatron.experts.checkpoint import convert_state_dict
 
     sd = convert_state_dict(
         {k: v.detach() for k, v in layer.state_dict().items() if torch.is_tensor(v)}, "mok"
@@ -447,8 +447,8 @@ def build_gpt(cfg, mok: bool, vocab=64, seq=16, mtp=False):
 def gpt_parity_case(rank, world, *, tp=1, ep=1, etp=1, steps=2, mtp=False):
     """Megatron GPTModel with Megatron's MoE layers vs the same model with MoK's: loss and every
     parameter gradient over a few steps of plain SGD."""
-    from mok_megatron.checkpoint import convert_state_dict
-    from mok_megatron.mcore.layer import MoKMoELayer
+    from mok_megatron.experts.checkpoint import convert_state_dict
+    from mok_megatron.adapter.layer import MoKMoELayer
 
     setup_parallel(tp=tp, ep=ep, etp=etp)
     extra = dict(mtp_num_layers=1, mtp_loss_scaling_factor=0.1) if mtp else {}
@@ -491,7 +491,7 @@ def gpt_parity_case(rank, world, *, tp=1, ep=1, etp=1, steps=2, mtp=False):
 def pipeline_case(rank, world, *, ep=2, repeat=False, **kw):
     """``parity_case`` through the overlap pipeline; also reports sync-free overflow redos and, with
     ``repeat``, whether a second identical run is bitwise equal to the first."""
-    from mok_megatron.mcore.dispatcher import PipelineStats
+    from mok_megatron.adapter.dispatcher import PipelineStats
 
     before = PipelineStats.overflow_redos
     calls = PipelineStats.calls

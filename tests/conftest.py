@@ -60,10 +60,10 @@ def single_rank():
         if torch.cuda.is_available():
             torch.cuda.set_device(0)
         dist.init_process_group(backend, rank=0, world_size=1, timeout=timedelta(seconds=60))
-    import mok_megatron.cpu
+    import mok_megatron.training.cpu
 
     if not torch.cuda.is_available():
-        mok_megatron.cpu.enable()
+        mok_megatron.training.cpu.enable()
     from tests.cases import setup_parallel
 
     setup_parallel()

@@ -28,7 +28,7 @@ class _Recording:
     """CollectiveTransport that records what crossed the wire (dtype, bytes) per call."""
 
     def __init__(self, group):
-        from mok_megatron.functional.transport import CollectiveTransport
+        from mok_megatron.transport.collective import CollectiveTransport
 
         self.inner = CollectiveTransport(group)
         self.calls = []
@@ -39,8 +39,8 @@ class _Recording:
 
 
 def fp8_exchange_case(rank, world, *, block=0):
-    from mok_megatron.fp8.dispatch_pack import PackLayout, dequantize, fp8_dispatch, pack, unpack
-    from mok_megatron.functional.pipeline_plan import SendPlan
+    from mok_megatron.transport.fp8_rows import PackLayout, dequantize, fp8_dispatch, pack, unpack
+    from mok_megatron.engine.pipeline_plan import SendPlan
     from mok_megatron.ops.routing import SlotMap
 
     group = dist.new_group([0, 1])  # every rank must call new_group

@@ -146,7 +146,7 @@ def check_swiglu(device, M, F, dtype, with_probs=True):
 
 def check_bench_cases(device, alignment):
     """The benchmark's own correctness gate (Triton vs reference on every kernel it times), on a tiny shape."""
-    from mok_megatron.kernels.bench import Shape, _cases, _check
+    from mok_megatron.bench.kernels import Shape, _cases, _check
 
     for name, nbytes, fn in _cases(
         Shape("tiny", tokens=37, hidden=24, ffn=20, experts=6, topk=3), alignment, device
@@ -200,7 +200,7 @@ def check_wired_swiglu(device, M, F, dtype, recompute=False):
     """The experts' MLP with the fused SwiGLU against the same MLP on the torch activation (Megatron's ops),
     gradients of x, both weights and the probabilities; ``recompute``: the moe_act recompute path."""
     import mok_megatron.ops.activation as A
-    from mok_megatron.mcore.expert_schedule import scheduled_expert_mlp
+    from mok_megatron.experts.torch_mlp import scheduled_expert_mlp
 
     spec = A.ActivationSpec(A.Activation.SILU, gated=True)
     L, H = 3, 16
@@ -268,9 +268,9 @@ def _single_rank(device):
         backend = "nccl" if device == "cuda" else "gloo"
         dist.init_process_group(backend, rank=0, world_size=1, timeout=timedelta(seconds=60))
     if device != "cuda":
-        import mok_megatron.cpu
+        import mok_megatron.training.cpu
 
-        mok_megatron.cpu.enable(force=True)  # CPU tensors even where a GPU exists (interpreted cases)
+        mok_megatron.training.cpu.enable(force=True)  # CPU tensors even where a GPU exists (interpreted cases)
     from tests.cases import setup_parallel
 
     setup_parallel()
@@ -286,7 +286,7 @@ def check_router(
     from megatron.core.transformer.moe.router import TopKRouter
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    from mok_megatron.mcore.router import MoKTopKRouter
+    from mok_megatron.adapter.router import MoKTopKRouter
 
     _single_rank(device)
     E, K, H, S, B = 24, 4, 32, 9, 2

@@ -110,7 +110,7 @@ def main() -> None:
     warnings.filterwarnings("ignore")
     import mok_megatron.ops.activation as act_ops
     import mok_megatron.ops.permute as permute_ops
-    from mok_megatron.bench import _config, _init_single_process, build
+    from mok_megatron.bench.layer import _config, _init_single_process, build
 
     _init_single_process()
     torch.manual_seed(0)

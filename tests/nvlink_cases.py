@@ -8,8 +8,8 @@ import os
 
 import torch
 
-from mok_megatron.nvlink.exchange import all_to_all_reference, loopback_exchange
-from mok_megatron.nvlink.workspace import LoopbackWorkspace
+from mok_megatron.transport.nvlink.exchange import all_to_all_reference, loopback_exchange
+from mok_megatron.transport.nvlink.workspace import LoopbackWorkspace
 
 
 def random_matrix(P: int, seed: int, most: int = 5) -> list[list[int]]:
@@ -112,7 +112,7 @@ class SharedFileWorkspace:
         self._sig = None
 
     def buffers(self, word, W, rows, role=None):
-        from mok_megatron.nvlink.kernels import PeerBuffers
+        from mok_megatron.transport.nvlink.kernels import PeerBuffers
 
         key = (word, W, role)
         have = self._bufs.get(key)
@@ -139,8 +139,8 @@ class SharedFileWorkspace:
 
     def signals(self, me):
         """Every rank's flag words in shared files (peers publish into them), zeroed before any publish."""
-        from mok_megatron.nvlink.kernels import PeerBuffers
-        from mok_megatron.nvlink.signals import Signals
+        from mok_megatron.transport.nvlink.kernels import PeerBuffers
+        from mok_megatron.transport.nvlink.signals import Signals
 
         if self._sig is None:
             self._n += 1
@@ -179,7 +179,7 @@ def nvlink_layer_case(rank, world, *, ep=2, topk=2, opts=None, sync="barrier"):
     """The MoK layer through the overlap pipeline with NVLinkTransport (its exchanges on a shared-memory
     workspace across the gloo ranks, signalled by ``sync``) against the same layer with the collective
     transport."""
-    from mok_megatron.nvlink import transport as NT
+    from mok_megatron.transport.nvlink import transport as NT
     from tests.cases import run_layer
 
     cfg, coll, nvl, group = _two_collective_layers(ep, topk, opts)
@@ -211,8 +211,8 @@ def hierarchical_layer_case(rank, world, *, names, ep=4, topk=4, opts=None, sync
     """The MoK layer through the overlap pipeline with HierarchicalTransport (``names``: each EP rank's
     NVLink domain; inside a domain the rows move on a shared-memory workspace across the gloo ranks,
     between domains through the collective) against the same layer with the collective transport."""
-    from mok_megatron.nvlink import hierarchical as HT
-    from mok_megatron.nvlink import transport as NT
+    from mok_megatron.transport.nvlink import hierarchical as HT
+    from mok_megatron.transport.nvlink import transport as NT
     from tests.cases import run_layer
 
     cfg, coll, hier, group = _two_collective_layers(ep, topk, opts)

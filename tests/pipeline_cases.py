@@ -11,10 +11,11 @@ import torch.distributed as dist
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-import mok_megatron.functional.pipeline_plan as plan_module
-from mok_megatron.functional.pipeline import run_pipeline
-from mok_megatron.functional.pipeline_plan import build_pipeline_plan
-from mok_megatron.functional.transport import CollectiveTransport, LoopbackTransport
+import mok_megatron.engine.pipeline_plan as plan_module
+from mok_megatron.engine.pipeline import run_pipeline
+from mok_megatron.engine.pipeline_plan import build_pipeline_plan
+from mok_megatron.transport.collective import CollectiveTransport
+from mok_megatron.transport.loopback import LoopbackTransport
 
 H, L, TOPK = 16, 4, 4
 
@@ -263,7 +264,7 @@ def aligned_case(rank, world, *, align=16, **kw):
     """``megatron_case`` with the MoK layer's dispatcher padding every expert call's rows to ``align`` (what
     the native FP8 experts get); MoK's torch experts take any layout, so parity with Megatron must hold.
     Reports how many expert calls ran on the padded layout (``aligned_calls``)."""
-    import mok_megatron.functional.pipeline as P
+    import mok_megatron.engine.pipeline as P
     import tests.cases as C
 
     real_build, real_aligned = C.build_layers, P._experts_aligned
@@ -294,9 +295,9 @@ def fp8_token_rows_case(rank, world, *, ep=2, topk=4, wgrad="fp8", opts=None, **
     experts, combine). Returns whether the two runs are bitwise equal, how many fused calls ran, and the
     largest relative (Frobenius) error of either against Megatron's layer."""
     import mok_megatron.options as O
-    from mok_megatron.checkpoint import convert_state_dict
-    from mok_megatron.fp8 import native
-    from mok_megatron.mcore.experts import MoKGroupedMLP
+    from mok_megatron.experts.checkpoint import convert_state_dict
+    from mok_megatron.ops import fp8_grouped_gemm as native
+    from mok_megatron.experts.grouped_mlp import MoKGroupedMLP
     from mok_megatron.options import MoKOptions
     from tests.cases import build_layers, make_config, run_layer, setup_parallel
     from tests.test_fp8 import _fake_scaled_grouped_mm
@@ -359,13 +360,13 @@ class _LogBackward(torch.autograd.Function):
 
 
 def late_wgrad_case(rank, world, *, ep=2, opts=None, steps=2, **cfg_kw):
-    """The MoK layer through the pipeline with late weight gradients (``mcore.late_wgrad``) against the
+    """The MoK layer through the pipeline with late weight gradients (``experts.late_wgrad``) against the
     same layer without (``late_wgrad=False``): output, input and weight gradients bitwise equal over
     ``steps`` backward passes accumulating into ``.grad``; each weight's post-accumulate hook fires once
     per backward; and in the late layer's backward every queued weight gradient is computed after the
     last dispatch-backward exchange is launched and before the packs' backward (which waits for it)."""
-    from mok_megatron.functional import pipeline as pipeline_module
-    from mok_megatron.mcore import expert_schedule
+    from mok_megatron.engine import pipeline as pipeline_module
+    from mok_megatron.experts import torch_mlp as expert_schedule
     from tests.cases import build_mok_only, make_config, setup_parallel
 
     setup_parallel(ep=ep)

@@ -50,9 +50,9 @@ def _worker(rank: int, world: int, port: int, tasks, results) -> None:
         dist.init_process_group(
             "gloo", rank=rank, world_size=world, timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S)
         )
-        import mok_megatron.cpu
+        import mok_megatron.training.cpu
 
-        mok_megatron.cpu.enable()
+        mok_megatron.training.cpu.enable()
         import megatron.core  # noqa: F401  (warm the import once)
     except Exception:
         results.put((rank, "error", traceback.format_exc()))

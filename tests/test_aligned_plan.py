@@ -1,4 +1,4 @@
-"""The aligned EP=1 plan (``functional.plan.build_aligned_plan``): the permute writes every expert's rows
+"""The aligned EP=1 plan (``engine.plan.build_aligned_plan``): the permute writes every expert's rows
 padded to the experts' alignment (padding rows zero, probability 0), so the native FP8 experts run on the
 buffer as it is. On CPU the plan drives Megatron-style bf16/fp32 experts (which accept any layout), so
 the layer must equal Megatron's alltoall MoELayer exactly as the unaligned plan does."""
@@ -22,7 +22,7 @@ def _inputs(cfg, seq=16, batch=2, seed=0):
 @pytest.mark.parametrize("alignment", [1, 4, 16])  # 1: what every EP=1 MoK layer runs by default
 @pytest.mark.parametrize("topk,experts", [(2, 8), (1, 5), (4, 6)])
 def test_aligned_plan_layer_equals_megatron(alignment, topk, experts, monkeypatch):
-    import mok_megatron.mcore.dispatcher as D
+    import mok_megatron.adapter.dispatcher as D
 
     built = []
     real = D.build_aligned_plan
@@ -41,9 +41,9 @@ def test_aligned_plan_layer_equals_megatron(alignment, topk, experts, monkeypatc
 
 
 def test_aligned_plan_layout():
-    from mok_megatron.functional.plan import EPGroups, build_aligned_plan
+    from mok_megatron.engine.plan import EPGroups, build_aligned_plan
     from mok_megatron.config import MoKConfig
-    from mok_megatron.functional import dispatch as F
+    from mok_megatron.engine import plain as F
 
     cfg = make_config(topk=2, num_experts=5)
     mc = MoKConfig.from_megatron(cfg, ep_size=1, etp_size=1)
@@ -79,7 +79,7 @@ def test_aligned_plan_layout():
 
 def test_exact_rows_size_the_buffer_to_the_padded_total():
     from mok_megatron.config import MoKConfig
-    from mok_megatron.functional.plan import EPGroups, build_aligned_plan
+    from mok_megatron.engine.plan import EPGroups, build_aligned_plan
 
     mc = MoKConfig.from_megatron(make_config(topk=2, num_experts=5), ep_size=1, etp_size=1)
     g = torch.Generator().manual_seed(4)
@@ -107,7 +107,7 @@ def test_layer_with_exact_rows_equals_megatron(exact):
 
 def test_aligned_plan_refuses_ep_or_drops():
     from mok_megatron.config import MoKConfig
-    from mok_megatron.functional.plan import EPGroups, aligned_plan_applies, build_aligned_plan
+    from mok_megatron.engine.plan import EPGroups, aligned_plan_applies, build_aligned_plan
 
     drop = MoKConfig.from_megatron(make_config(mode="drop_probs"), ep_size=1, etp_size=1)
     assert not aligned_plan_applies(drop)
@@ -119,7 +119,7 @@ def test_aligned_plan_refuses_ep_or_drops():
 def test_fp8_experts_pick_the_mlp_for_their_input(monkeypatch):
     """torch-fp8 experts run the aligned MLP on rows the dispatcher padded, the padding MLP otherwise
     (the FP8 MLPs themselves need a GPU: tests/test_fp8_gpu.py)."""
-    import mok_megatron.mcore.padded_experts as P
+    import mok_megatron.experts.fp8_mlp as P
 
     calls = []
     for name in ("native_expert_mlp", "native_expert_mlp_aligned"):
@@ -139,13 +139,13 @@ def test_fp8_experts_pick_the_mlp_for_their_input(monkeypatch):
 @pytest.mark.parametrize("topk,experts", [(2, 8), (4, 6)])
 def test_fp8_layer_fuses_permute_into_the_experts(wgrad, topk, experts, monkeypatch):
     """With native FP8 experts at EP = 1 the layer hands the token rows and the aligned plan to the
-    experts (``MoKTokenDispatcher.run_fused`` -> ``fp8.token_experts.fp8_token_mlp``): output, input and
+    experts (``MoKTokenDispatcher.run_fused`` -> ``experts.fp8_mlp.fp8_token_mlp``): output, input and
     weight gradients equal the unfused aligned path's bitwise (FP8 GEMM emulated in fp32: CPU has none),
     and stay within FP8's error of Megatron's layer."""
-    import mok_megatron.fp8.token_experts as TE
+    import mok_megatron.experts.fp8_mlp as TE
     import mok_megatron.options as O
-    from mok_megatron.checkpoint import convert_state_dict
-    from mok_megatron.fp8 import native
+    from mok_megatron.experts.checkpoint import convert_state_dict
+    from mok_megatron.ops import fp8_grouped_gemm as native
     from mok_megatron.options import MoKOptions
     from tests.test_fp8 import _fake_scaled_grouped_mm
 

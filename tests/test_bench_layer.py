@@ -12,8 +12,8 @@ import sys
 import pytest
 import torch
 
-from mok_megatron.bench_routing import ROUTINGS, expert_load, expert_order, forced_logits, routed_input
-from mok_megatron.bench_timing import PHASES
+from mok_megatron.bench.routing import ROUTINGS, expert_load, expert_order, forced_logits, routed_input
+from mok_megatron.bench.timing import PHASES
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV = {
@@ -118,7 +118,7 @@ def test_png_written_or_its_absence_explained(bench_run, monkeypatch, tmp_path):
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and f"PNG written: {png}" in out
     else:
         assert not png.exists() and "PNG not written: matplotlib is not installed" in out
-    from mok_megatron.bench_report import write_png
+    from mok_megatron.bench.report import write_png
 
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import now fails: the CI-without-matplotlib path
     msg = write_png(str(tmp_path / "x.png"), doc["cases"])
@@ -147,7 +147,7 @@ def test_bad_values_are_named():
         expert_order("skew", 4, 4)
     with pytest.raises(ValueError, match="hidden=8 < experts=16"):
         routed_input("uniform", 4, 8, 16)
-    from mok_megatron.bench_suite import check_impls
+    from mok_megatron.bench.suite import check_impls
 
     with pytest.raises(ValueError, match=r"unknown implementation\(s\) \['titan'\]"):
         check_impls(["mok", "titan"])
@@ -156,7 +156,7 @@ def test_bad_values_are_named():
 
 
 def test_plain_pytorch_matches_a_per_token_loop():
-    from mok_megatron.bench_peers import PlainMoE
+    from mok_megatron.bench.peers import PlainMoE
 
     g = torch.Generator().manual_seed(0)
     t, h, f, e, k = 24, 16, 8, 4, 2
@@ -234,8 +234,8 @@ class MoE(nn.Module):
 def test_torchtitan_adapter_copies_the_weights_in(tmp_path, monkeypatch):
     """Against a stand-in for torchtitan's older ``models.moe`` API (the real one is installed only on
     the GPU machine): the adapter's output must equal the plain-PyTorch layer's on the same weights."""
-    from mok_megatron.bench_peers import PlainMoE
-    from mok_megatron.bench_torchtitan import PeerUnavailable, TorchtitanMoE
+    from mok_megatron.bench.peers import PlainMoE
+    from mok_megatron.bench.torchtitan import PeerUnavailable, TorchtitanMoE
 
     (tmp_path / "torchtitan" / "models").mkdir(parents=True)
     (tmp_path / "torchtitan" / "__init__.py").write_text("")
@@ -260,8 +260,8 @@ def test_torchtitan_adapter_against_the_installed_package(monkeypatch):
     backward, and torch.compile failures reported in the note while the layer still runs eager."""
     if importlib.util.find_spec("torchtitan") is None:
         pytest.skip("torchtitan not installed (CPU: unzip its wheel and put it on PYTHONPATH)")
-    from mok_megatron.bench_peers import PlainMoE
-    from mok_megatron.bench_torchtitan import TorchtitanMoE
+    from mok_megatron.bench.peers import PlainMoE
+    from mok_megatron.bench.torchtitan import TorchtitanMoE
 
     g = torch.Generator().manual_seed(1)
     t, h, f, e, k = 24, 16, 8, 4, 2
@@ -288,7 +288,7 @@ def test_torchtitan_adapter_against_the_installed_package(monkeypatch):
 
 
 def test_back_to_back_timing_runs_every_step_and_times_each():
-    from mok_megatron.bench_timing import _timed_back_to_back
+    from mok_megatron.bench.timing import _timed_back_to_back
 
     calls = []
     times = _timed_back_to_back(lambda: calls.append(1), iters=5, warmup=2)

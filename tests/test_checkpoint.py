@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mok_megatron.checkpoint import LAYOUTS, convert_state_dict, detect_layout, expert_prefixes
+from mok_megatron.experts.checkpoint import LAYOUTS, convert_state_dict, detect_layout, expert_prefixes
 
 # (kind, tp, ep, etp)
 RESHARD = [
@@ -98,7 +98,7 @@ def test_state_dict_conversion_round_trips_exactly():
 
 
 def test_conversion_refuses_a_wrong_expert_count():
-    from mok_megatron.checkpoint import to_mok_layout
+    from mok_megatron.experts.checkpoint import to_mok_layout
 
     sd = _model_sd(num_layers=1)
     with pytest.raises(ValueError, match=r"has 4 experts in the sequential layout, this MoK layer holds 2"):

@@ -111,7 +111,7 @@ def test_bench_ep_under_torchrun_compares_with_megatron(tmp_path):
             "--master-port",
             str(free_port()),
             "-m",
-            "mok_megatron.bench_overlap",
+            "mok_megatron.bench.overlap",
             "ep",
             "--shapes",
             "tiny",

@@ -8,7 +8,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mok_megatron.fp8 import align, dispatch_pack, native, quantize, recipes
+from mok_megatron.ops import align, fp8_grouped_gemm as native, fp8_quantize as quantize
+from mok_megatron.transport import fp8_rows as dispatch_pack
+from mok_megatron.experts import recipes
 from mok_megatron.kernels.routing import routing_metadata_reference
 
 # ---- recipes ------------------------------------------------------------------------------------------------
@@ -49,7 +51,7 @@ def test_available_recipes_reasons():
 
 def test_mok_env_reports_recipes():
     from mok_megatron.compat import cuda_capability, have_te
-    from mok_megatron.env import format_report, report
+    from mok_megatron.tools.env import format_report, report
 
     rep = report()
     want = recipes.available_recipes(cuda_capability(), have_te())
@@ -212,7 +214,7 @@ def test_pack_round_trip(block):
 
 
 def test_fp8_dispatch_autograd_in_process():
-    from mok_megatron.functional.transport import LoopbackTransport
+    from mok_megatron.transport.loopback import LoopbackTransport
 
     transport = LoopbackTransport(emulated_ep=1, num_local_experts=1, topk=1, gbps=0)
     x = _wide(10, 128, 4).to(torch.bfloat16).requires_grad_(True)
@@ -261,7 +263,7 @@ def test_native_fp8_refuses_cpu():
         native.fp8_grouped_linear(torch.randn(32, 16), torch.randn(2, 16, 16), offs)
     with pytest.raises(MoKConfigError, match="this device is cpu"):
         native.check_native_fp8("cpu")
-    from mok_megatron.env import report
+    from mok_megatron.tools.env import report
 
     reason = native.unavailable_reason("cuda:0" if torch.cuda.is_available() else "cpu")
     assert report()["fp8_native"] == ("yes" if reason is None else f"no: {reason}")
@@ -360,7 +362,7 @@ def test_native_math_emulated_within_bound():
 def test_expert_backend_option_and_flag():
     import argparse
 
-    from mok_megatron.arguments import add_mok_flags, options_from_args
+    from mok_megatron.training.arguments import add_mok_flags, options_from_args
     from mok_megatron.options import MoKOptions, MoKOptionsError
 
     assert MoKOptions().expert_backend == "torch"
@@ -391,7 +393,7 @@ def test_expert_alignment_per_backend_and_recipe():
     from megatron.core.fp4_utils import get_fp4_align_size
     from megatron.core.fp8_utils import get_fp8_align_size
 
-    from mok_megatron.fp8.backend import expert_alignment
+    from mok_megatron.experts.backend import expert_alignment
 
     bf16 = _quant_config()
     assert expert_alignment("torch", bf16) == 1
@@ -408,7 +410,7 @@ def test_expert_alignment_per_backend_and_recipe():
 
 def test_check_expert_backend_errors():
     from mok_megatron.config import MoKConfigError
-    from mok_megatron.fp8.backend import check_expert_backend
+    from mok_megatron.experts.backend import check_expert_backend
 
     cfg = _quant_config()
     check_expert_backend("torch", cfg, "cpu", have_te=False)  # always fine
@@ -433,10 +435,11 @@ def test_check_expert_backend_errors():
 @pytest.mark.parametrize("alignment", [16, 32, 128])
 @pytest.mark.parametrize("probs_on_input", [False, True])
 def test_padded_expert_mlp_equals_unpadded(alignment, probs_on_input):
-    """The padded MLP (rows scattered by the fp8.align plan, probabilities 0 on padding rows) gives the
+    """The padded MLP (rows scattered by the ops.align plan, probabilities 0 on padding rows) gives the
     unpadded MLP's output and gradients, with any grouped GEMM; here torch's per-expert reference."""
-    from mok_megatron.functional.experts import expert_mlp
-    from mok_megatron.mcore.padded_experts import padded_counts_host, padded_expert_mlp
+    from mok_megatron.experts.torch_mlp import expert_mlp
+    from mok_megatron.experts.te import padded_counts_host
+    from mok_megatron.experts.common import padded_expert_mlp
     from mok_megatron.ops.activation import Activation, ActivationSpec
     from mok_megatron.ops.grouped_gemm import grouped_linear_reference
 
@@ -486,8 +489,9 @@ def test_native_static_buffer_plan_equals_unpadded(counts):
     """The native path's static-size buffer (``native_num_rows``; spare rows owned by the last expert,
     ``native_offsets``) gives the unpadded MLP's results with every group a multiple of 16 and the
     GEMM's offsets ending at the buffer's end; checked with torch's per-expert reference GEMM."""
-    from mok_megatron.functional.experts import expert_mlp
-    from mok_megatron.mcore.padded_experts import native_num_rows, native_offsets, padded_expert_mlp
+    from mok_megatron.experts.torch_mlp import expert_mlp
+    from mok_megatron.experts.fp8_mlp import native_num_rows, native_offsets
+    from mok_megatron.experts.common import padded_expert_mlp
     from mok_megatron.ops.activation import Activation, ActivationSpec
     from mok_megatron.ops.grouped_gemm import grouped_linear_reference
 
@@ -517,8 +521,8 @@ def test_native_static_buffer_plan_equals_unpadded(counts):
 
 
 def test_to_te_layout_key_mapping():
-    from mok_megatron.checkpoint import from_mok_layout, to_mok_layout
-    from mok_megatron.mcore.te_experts import to_te_layout
+    from mok_megatron.experts.checkpoint import from_mok_layout, to_mok_layout
+    from mok_megatron.experts.te import to_te_layout
 
     L, p = 3, "decoder.layers.0.mlp.experts."
     fc1, fc2 = torch.randn(L, 8, 4), torch.randn(L, 4, 4)
@@ -547,8 +551,8 @@ def test_moK_experts_refuse_fp8_backends_here():
     backend is chosen by MoKGroupedMLP itself (so Megatron's spec and MoKMoELayer need no change)."""
     from mok_megatron.compat import have_te
     from mok_megatron.config import MoKConfigError
-    from mok_megatron.mcore.experts import MoKGroupedMLP
-    from mok_megatron.mcore.te_experts import MoKTEGroupedMLP
+    from mok_megatron.experts.grouped_mlp import MoKGroupedMLP
+    from mok_megatron.experts.te import MoKTEGroupedMLP
     from mok_megatron.options import MoKOptions
     from tests.cases import make_config
 
@@ -573,7 +577,7 @@ def test_bench_layer_fp8_rows_skip_with_reasons_here(tmp_path):
     import subprocess
     import sys
 
-    from mok_megatron.bench_suite import FP8_IMPLS, check_impls
+    from mok_megatron.bench.suite import FP8_IMPLS, check_impls
 
     check_impls(["mok", *FP8_IMPLS])
     with pytest.raises(ValueError, match="mok-fp9"):
@@ -780,7 +784,7 @@ def test_native_mlp_fc1_quantized_into_padding_equals_pad_then_quantize(monkeypa
     the real rows and quantizes their gradient straight into it) gives the old path's (bf16 rows padded by
     ``pad_rows``, ``fp8_grouped_linear`` twice, ``unpad_rows``) output and gradients bitwise, with torch's
     FP8 GEMM emulated in fp32 (CPU has none)."""
-    from mok_megatron.mcore import padded_experts as pe
+    from mok_megatron.experts import common, fp8_mlp as pe
     from mok_megatron.ops.activation import Activation, ActivationSpec
 
     monkeypatch.setattr(native, "_gemm", _fake_scaled_grouped_mm([]))
@@ -806,7 +810,7 @@ def test_native_mlp_fc1_quantized_into_padding_equals_pad_then_quantize(monkeypa
             return lambda x_PK, plan: native._FP8GroupedLinear.apply(x_PK, w, pe.native_offsets(plan))
 
         P = pe.native_num_rows(R, L, native.ALIGNMENT)
-        return pe.padded_expert_mlp(x, p, counts, fc(w1), fc(w2), act, native.ALIGNMENT, num_rows=P)
+        return common.padded_expert_mlp(x, p, counts, fc(w1), fc(w2), act, native.ALIGNMENT, num_rows=P)
 
     want = run(old)
     got = run(lambda x, p, w1, w2: pe.native_expert_mlp(x, p, counts, w1, w2, act))
@@ -835,7 +839,7 @@ def test_native_expert_mlp_moves_no_host_data(monkeypatch):
     """No host read, tensor-from-Python, list index or ``t[int] = number`` in the native FP8 MLP: on a GPU
     each is a synchronising host-to-device copy or read (``offs[-1] = P`` in ``native_offsets`` was one:
     wall 15.3 vs GPU-busy 11.9 ms on the DeepSeek slice) and CUDA graph capture rejects it."""
-    from mok_megatron.mcore import padded_experts as pe
+    from mok_megatron.experts import fp8_mlp as pe
     from mok_megatron.ops.activation import Activation, ActivationSpec
     from tests.pipeline_cases import _HostData
 
@@ -859,16 +863,16 @@ def test_native_expert_mlp_moves_no_host_data(monkeypatch):
 @pytest.mark.parametrize("wgrad", ["fp8", "bf16"])
 @pytest.mark.parametrize("drop", ["none", "one-expert"])
 def test_fp8_token_mlp_equals_permute_experts_combine(monkeypatch, wgrad, drop):
-    """``fp8.token_experts.fp8_token_mlp`` (the permute quantizing each token once into fc1's FP8 operand,
+    """``experts.fp8_mlp.fp8_token_mlp`` (the permute quantizing each token once into fc1's FP8 operand,
     the combine's backward quantizing the output gradient into fc2's, the weight gradients' operands read
     through the rows' token map) gives the unfused EP = 1 path's (``kernels.permute`` ->
     ``native_expert_mlp_aligned`` -> ``kernels.combine``) output and gradients bitwise, FP8 GEMM emulated
     in fp32 (CPU has none), for the FP8 and the bf16 weight-gradient policy."""
-    from mok_megatron.fp8.token_experts import fp8_token_mlp
-    from mok_megatron.functional.plan import static_aligned_rows
+    from mok_megatron.experts.fp8_mlp import fp8_token_mlp
+    from mok_megatron.engine.plan import static_aligned_rows
     from mok_megatron.kernels.combine import combine
     from mok_megatron.kernels.permute import permute
-    from mok_megatron.mcore import padded_experts as pe
+    from mok_megatron.experts import fp8_mlp as pe
     from mok_megatron.ops.activation import Activation, ActivationSpec
     from tests.kernel_cases import topk_ids
 
@@ -904,8 +908,8 @@ def test_fp8_token_mlp_equals_permute_experts_combine(monkeypatch, wgrad, drop):
 
 
 def test_fp8_token_mlp_errors_name_the_value(monkeypatch):
-    from mok_megatron.fp8.token_experts import fp8_token_mlp
-    from mok_megatron.functional.plan import static_aligned_rows
+    from mok_megatron.experts.fp8_mlp import fp8_token_mlp
+    from mok_megatron.engine.plan import static_aligned_rows
     from mok_megatron.ops.activation import Activation, ActivationSpec
 
     act = ActivationSpec(kind=Activation.SILU, gated=True)
@@ -931,7 +935,7 @@ def test_fp8_dispatched_rows_requantize_to_the_same_operand(width, dtype):
     GEMMs consume the dispatched FP8 operand itself (the only cost is that pass, not a second rounding).
     Why: every dispatched value is q * s with q on the e4m3 grid; the row's largest |q| is 448, so the
     recomputed scale is s again and each q / s round-trips through bf16 (8 bits) to the same e4m3 value."""
-    from mok_megatron.fp8.dispatch_pack import PackLayout, dequantize, pack, unpack
+    from mok_megatron.transport.fp8_rows import PackLayout, dequantize, pack, unpack
 
     g = torch.Generator().manual_seed(width)
     mag = torch.logspace(-6, 5, 256)[torch.randperm(256, generator=g)]

@@ -26,22 +26,22 @@ SHAPE = dict(hidden=512, ffn=256, experts=8, topk=2, tokens=1024)
 
 
 def _config(recipe: str | None):
-    from mok_megatron.bench import _config
-    from mok_megatron.fp8.layers import fp8_config
+    from mok_megatron.bench.layer import _config
+    from mok_megatron.bench.fp8_layers import fp8_config
 
     return fp8_config(_config(SHAPE, torch.bfloat16), recipe)
 
 
 def _build(backend: str, cfg, impl: str = "mok"):
-    from mok_megatron.bench import build
-    from mok_megatron.fp8.layers import build_mok_layer
+    from mok_megatron.bench.layer import build
+    from mok_megatron.bench.fp8_layers import build_mok_layer
 
     torch.manual_seed(0)
     return (build_mok_layer(backend, cfg) if impl == "mok" else build(impl, cfg)).cuda()
 
 
 def _run(layer, cfg, x, dout, steps: int):
-    from mok_megatron.checkpoint import convert_state_dict
+    from mok_megatron.experts.checkpoint import convert_state_dict
     from mok_megatron.compat import quantization_context
 
     for _ in range(steps):
@@ -59,7 +59,7 @@ def _rel(a, b) -> float:
 
 
 def _compare(backend: str, recipe: str | None, bound: float):
-    from mok_megatron.checkpoint import convert_state_dict
+    from mok_megatron.experts.checkpoint import convert_state_dict
 
     g = torch.Generator().manual_seed(0)
     x = torch.randn(SHAPE["tokens"], 1, SHAPE["hidden"], generator=g).to("cuda", torch.bfloat16)
@@ -83,7 +83,7 @@ def _compare(backend: str, recipe: str | None, bound: float):
 
 @pytest.mark.usefixtures("single_rank")
 def test_torch_fp8_backend_layer_vs_bf16():
-    from mok_megatron.fp8.layers import unavailable
+    from mok_megatron.bench.fp8_layers import unavailable
 
     why = unavailable("torch-fp8", None)
     if why:
@@ -92,7 +92,7 @@ def test_torch_fp8_backend_layer_vs_bf16():
 
 
 def _recipe_skip(recipe):
-    from mok_megatron.fp8.layers import unavailable
+    from mok_megatron.bench.fp8_layers import unavailable
 
     return unavailable("te", recipe)
 
@@ -128,8 +128,8 @@ def test_te_backend_keys_and_dist_checkpoint_match_te_grouped_mlp(tmp_path):
     import torch.distributed as dist
     from megatron.core import dist_checkpointing
 
-    from mok_megatron.checkpoint import convert_state_dict
-    from mok_megatron.mcore.te_experts import MoKTEGroupedMLP
+    from mok_megatron.experts.checkpoint import convert_state_dict
+    from mok_megatron.experts.te import MoKTEGroupedMLP
 
     cfg = _config(None)
     te_layer = _build("te", cfg)
@@ -190,7 +190,7 @@ SAME = 1e-3
 
 
 def _native_or_skip():
-    from mok_megatron.fp8.native import unavailable_reason
+    from mok_megatron.ops.fp8_grouped_gemm import unavailable_reason
 
     why = unavailable_reason("cuda")
     if why:
@@ -207,7 +207,7 @@ def _linear_inputs(counts=(48, 0, 112, 96), k=256, n=384):
 
 
 def _fwd_bwd(x, w, dy, offs):
-    from mok_megatron.fp8.native import fp8_grouped_linear
+    from mok_megatron.ops.fp8_grouped_gemm import fp8_grouped_linear
 
     w.grad = None
     xi = x.detach().requires_grad_(True)
@@ -220,7 +220,7 @@ def test_native_fp8_weight_cache_follows_weight_updates():
     """Cached quantized weights give the uncached results, and an in-place update (optimizer-style) or a
     .data write followed by an optimizer step is seen by the next call. (Same results: relative difference
     < ``SAME`` -- exact unless the GEMM is run-to-run nondeterministic; a stale weight is off by O(1).)"""
-    from mok_megatron.fp8 import native
+    from mok_megatron.ops import fp8_grouped_gemm as native
 
     _native_or_skip()
     x, w, dy, offs = _linear_inputs()
@@ -260,7 +260,7 @@ def test_fp8_wgrad_scales_from_rowwise_partials_change_nothing(monkeypatch):
     dy keep 16-row block amaxes and the wgrad quantization takes its scales from them: output and
     gradients those of the separate amax pass (same operands bitwise: GPU_CASES "partials_*"; here within
     ``SAME``, the GEMMs' run-to-run bound)."""
-    from mok_megatron.fp8 import native
+    from mok_megatron.ops import fp8_grouped_gemm as native
 
     _native_or_skip()
     rows = native.WGRAD_FP8_MIN_ROWS
@@ -283,7 +283,7 @@ def test_native_fp8_linear_needs_no_host_sync():
     torch.cuda.set_sync_debug_mode("error")
     try:
         _fwd_bwd(x, w, dy, offs)
-        from mok_megatron.fp8 import native
+        from mok_megatron.ops import fp8_grouped_gemm as native
 
         native.invalidate_weight_cache()
         _fwd_bwd(x, w, dy, offs)  # with weight quantization
@@ -294,8 +294,8 @@ def test_native_fp8_linear_needs_no_host_sync():
 def test_native_mlp_quantized_into_padding_matches_pad_path_on_gpu():
     """The native MLP (fc1 input and fc2 output gradient quantized straight into the padded layout) gives
     the pad -> fp8_grouped_linear x2 -> unpad composition's output and gradients (same FP8 operands)."""
-    from mok_megatron.fp8 import native
-    from mok_megatron.mcore import padded_experts as pe
+    from mok_megatron.ops import fp8_grouped_gemm as native
+    from mok_megatron.experts import common, fp8_mlp as pe
     from mok_megatron.ops.activation import Activation, ActivationSpec
 
     _native_or_skip()
@@ -322,7 +322,7 @@ def test_native_mlp_quantized_into_padding_matches_pad_path_on_gpu():
             return lambda x_PK, plan: native.fp8_grouped_linear(x_PK, w, pe.native_offsets(plan))
 
         P = pe.native_num_rows(R, L, native.ALIGNMENT)
-        return pe.padded_expert_mlp(x, p, counts, fc(w1), fc(w2), act, native.ALIGNMENT, num_rows=P)
+        return common.padded_expert_mlp(x, p, counts, fc(w1), fc(w2), act, native.ALIGNMENT, num_rows=P)
 
     want = run(old)
     got = run(lambda x, p, w1, w2: pe.native_expert_mlp(x, p, counts, w1, w2, act))
@@ -337,7 +337,7 @@ def test_native_mlp_quantized_into_padding_matches_pad_path_on_gpu():
 def test_torch_fp8_layer_runs_on_the_aligned_plan_and_matches_the_pad_path():
     """At EP=1 the torch-fp8 layer's permute writes the padded layout (no pad/unpad copies); the
     result equals the padding experts' path (the same rows quantized the same way) closely."""
-    from mok_megatron.checkpoint import convert_state_dict
+    from mok_megatron.experts.checkpoint import convert_state_dict
 
     _native_or_skip()
     cfg = _config(None)
@@ -360,10 +360,10 @@ def test_torch_fp8_layer_runs_on_the_aligned_plan_and_matches_the_pad_path():
 
 @pytest.mark.usefixtures("single_rank")
 def test_torch_fp8_layer_fused_permute_equals_unfused_bitwise():
-    """At EP=1 the torch-fp8 layer hands token rows to the experts (``fp8.token_experts``: each token
+    """At EP=1 the torch-fp8 layer hands token rows to the experts (``experts.fp8_mlp``: each token
     quantized once into fc1's operand, the output gradient into fc2's, the weight gradients' operands read
     through the token map): output and every gradient equal the unfused aligned path's bitwise."""
-    from mok_megatron.checkpoint import convert_state_dict
+    from mok_megatron.experts.checkpoint import convert_state_dict
 
     _native_or_skip()
     cfg = _config(None)
@@ -384,9 +384,9 @@ def test_torch_fp8_layer_fused_permute_equals_unfused_bitwise():
 @pytest.mark.parametrize("wgrad", ["fp8", "bf16"])
 def test_fp8_token_mlp_needs_no_host_sync(wgrad, monkeypatch):
     """The fused FP8 experts (permute, GEMMs, combine, both weight-gradient policies) read nothing back."""
-    from mok_megatron.fp8 import native
-    from mok_megatron.fp8.token_experts import fp8_token_mlp
-    from mok_megatron.functional.plan import static_aligned_rows
+    from mok_megatron.ops import fp8_grouped_gemm as native
+    from mok_megatron.experts.fp8_mlp import fp8_token_mlp
+    from mok_megatron.engine.plan import static_aligned_rows
     from mok_megatron.kernels.routing import routing_metadata
     from mok_megatron.ops.activation import Activation, ActivationSpec
 
@@ -423,8 +423,8 @@ def test_torch_fp8_pipeline_expert_calls_take_padded_rows(sync_free):
     quantization), the gradients the bf16 layer within the FP8 bound."""
     import dataclasses
 
-    from mok_megatron.bench import build
-    from mok_megatron.checkpoint import convert_state_dict
+    from mok_megatron.bench.layer import build
+    from mok_megatron.experts.checkpoint import convert_state_dict
     from mok_megatron.options import default_options, set_default_options
 
     _native_or_skip()

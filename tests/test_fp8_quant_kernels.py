@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from mok_megatron.compat import have_triton
-from mok_megatron.fp8 import quantize
+from mok_megatron.ops import fp8_quantize as quantize
 from mok_megatron.kernels import INTERPRETED, Impl
 from mok_megatron.kernels import fp8_permute as FP
 from mok_megatron.kernels import fp8_quant as Q
@@ -88,7 +88,7 @@ def segments_case(counts, width, dtype, *, spare=0, zero_segment=None, device="c
     x, offs = _segmented(counts, width, dtype, spare, zero_segment, device, seed_mul=7)
     got = Q.quantize_segments_t(x, offs, Impl.TRITON)
     _bitwise("segments", got, Q.quantize_segments_t(x, offs, Impl.TORCH))
-    # the reference it stands for: fp8.quantize.quantize_segments on x^T
+    # the reference it stands for: ops.fp8_quantize.quantize_segments on x^T
     q_ref, s_ref = quantize.quantize_segments(x.t(), offs)
     _bitwise("segments vs quantize_segments", got, (q_ref.contiguous(), s_ref))
 
@@ -108,8 +108,8 @@ def scatter_case(counts, width, dtype, *, spare=0, zero_expert=None, device="cpu
     """Quantize straight into the native path's padded layout (16 rows per expert, static P, the last
     expert owning the spare rows): bitwise the unfused pad-then-quantize, both kernels. ``spare`` rows of x
     past the last offset are dropped by the segment kernel (the rowwise one gets them no destination)."""
-    from mok_megatron.fp8 import align
-    from mok_megatron.mcore.padded_experts import native_num_rows, native_offsets
+    from mok_megatron.ops import align
+    from mok_megatron.experts.fp8_mlp import native_num_rows, native_offsets
 
     real = sum(counts)
     x = _x(real + spare, width, DTYPES[dtype], real + width)
@@ -170,8 +170,8 @@ def packed_case(kind: str, device="cpu"):
                 "packed weight_t", Q.quantize_weight_t(w, Impl.TRITON), Q.quantize_weight_t(w, Impl.TORCH)
             )
         elif kind == "scatter":  # real rows (any counts) into the 16-aligned padded layout
-            from mok_megatron.fp8 import align
-            from mok_megatron.mcore.padded_experts import native_num_rows, native_offsets
+            from mok_megatron.ops import align
+            from mok_megatron.experts.fp8_mlp import native_num_rows, native_offsets
 
             counts = [5, 0, 17, 16, 33]
             starts = [0, 5, 5, 22, 38, 71]
@@ -200,7 +200,7 @@ def token_rows_case(tokens, topk, experts, width, dtype, *, drop="none", zero_to
     """The FP8 permute (each token quantized once, written to its K rows of the 16-aligned static-size
     layout) and the weight-gradient quantization reading those rows through ``src`` from the tokens:
     bitwise permute-then-quantize, and the rows' map is the permute's."""
-    from mok_megatron.functional.plan import static_aligned_rows
+    from mok_megatron.engine.plan import static_aligned_rows
     from mok_megatron.kernels import fp8_permute as FP
     from mok_megatron.kernels.permute import permute_reference
     from mok_megatron.kernels.routing import routing_metadata_reference
@@ -322,7 +322,7 @@ def test_reference_layouts_are_what_scaled_grouped_mm_takes():
     q_KM, s_GK = Q.quantize_segments_t(x, offs, Impl.TORCH)
     assert q_KM.shape == (32, 48) and q_KM.is_contiguous() and s_GK.shape == (3, 32)
     assert torch.all(s_GK[1] == 1)  # the empty expert
-    # dequantized per (segment, column) within the e4m3 bound of fp8.quantize (1/16 of the group amax)
+    # dequantized per (segment, column) within the e4m3 bound of ops.fp8_quantize (1/16 of the group amax)
     seg = quantize.segment_ids(offs, 48)
     deq = q_KM.float() * s_GK[seg].t()
     amax = torch.stack([x[a:b].float().abs().amax(0) for a, b in ((0, 16), (16, 48))])

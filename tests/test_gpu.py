@@ -39,8 +39,8 @@ def test_grouped_linear_on_gpu(dtype):
 
 
 def _parity(impl_ref: str, dtype, tokens=1024, experts=16, topk=4, hidden=512, ffn=256):
-    from mok_megatron.bench import _config, build
-    from mok_megatron.checkpoint import convert_state_dict
+    from mok_megatron.bench.layer import _config, build
+    from mok_megatron.experts.checkpoint import convert_state_dict
 
     cfg = _config(dict(hidden=hidden, ffn=ffn, experts=experts, topk=topk, tokens=tokens), dtype)
     torch.manual_seed(0)
@@ -53,7 +53,7 @@ def _parity(impl_ref: str, dtype, tokens=1024, experts=16, topk=4, hidden=512, f
 
 def _run_both(ref, mok, x, dout):
     """(output, input grad, parameter grads in MoK layout) of each layer, in fp32."""
-    from mok_megatron.checkpoint import convert_state_dict
+    from mok_megatron.experts.checkpoint import convert_state_dict
 
     res = []
     for layer in (ref, mok):
@@ -85,7 +85,7 @@ def test_layer_parity_vs_te_grouped_mlp_and_te_spec():
     assert _rel(o1, o2) < 3e-2 and _rel(dx1, dx2) < 3e-2
     for k in g1:
         assert _rel(g1[k], g2[k]) < 3e-2, k
-    from mok_megatron.mcore.layer import MoKMoELayer
+    from mok_megatron.adapter.layer import MoKMoELayer
     from mok_megatron.spec import get_gpt_layer_with_mok_spec
 
     spec = get_gpt_layer_with_mok_spec(use_te=True)
@@ -140,15 +140,15 @@ def _two_gpu_worker(rank, port, out_path, dtype_name):
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
-    from mok_megatron.bench import _config, build
-    from mok_megatron.checkpoint import convert_state_dict
+    from mok_megatron.bench.layer import _config, build
+    from mok_megatron.experts.checkpoint import convert_state_dict
 
     ps.initialize_model_parallel(expert_model_parallel_size=2)
     model_parallel_cuda_manual_seed(7)
     dtype = getattr(torch, dtype_name)
     cfg = _config(dict(hidden=512, ffn=256, experts=16, topk=4, tokens=2048), dtype)
     cfg.expert_model_parallel_size = 2
-    from mok_megatron.mcore.dispatcher import PipelineStats
+    from mok_megatron.adapter.dispatcher import PipelineStats
     from mok_megatron.options import MoKOptions
 
     ref = build("megatron", cfg).cuda()
@@ -203,8 +203,8 @@ def test_dist_checkpoint_between_te_grouped_mlp_and_mok(tmp_path):
     import torch.distributed as dist
     from megatron.core import dist_checkpointing
 
-    from mok_megatron.bench import _config, build
-    from mok_megatron.checkpoint import convert_state_dict
+    from mok_megatron.bench.layer import _config, build
+    from mok_megatron.experts.checkpoint import convert_state_dict
 
     cfg = _config(dict(hidden=256, ffn=128, experts=8, topk=2, tokens=64), torch.bfloat16)
 
@@ -235,7 +235,7 @@ def test_dist_checkpoint_between_te_grouped_mlp_and_mok(tmp_path):
 def test_mok_layer_is_bitwise_deterministic_on_gpu():
     """Same input twice: bitwise-equal output, input gradient and weight gradients (no atomics in
     permute/combine; grouped GEMMs are deterministic)."""
-    from mok_megatron.bench import _config, build
+    from mok_megatron.bench.layer import _config, build
 
     cfg = _config(dict(hidden=1024, ffn=512, experts=32, topk=8, tokens=4096), torch.bfloat16)
     torch.manual_seed(0)
@@ -255,7 +255,7 @@ def test_mok_layer_is_bitwise_deterministic_on_gpu():
 
 
 def _loopback_layer(dtype, opts, tokens=2048, hidden=512, experts=16, topk=4, router="aux_loss", shared=None):
-    from mok_megatron.bench import _config, build
+    from mok_megatron.bench.layer import _config, build
     from mok_megatron.options import MoKOptions
 
     shape = dict(hidden=hidden, ffn=256, experts=experts, topk=topk, tokens=tokens, shared=shared)
@@ -264,7 +264,7 @@ def _loopback_layer(dtype, opts, tokens=2048, hidden=512, experts=16, topk=4, ro
     torch.manual_seed(0)
     ref = build("megatron", cfg).cuda()
     mok = build("mok", cfg, options=MoKOptions(transport="loopback", loopback_ep=8, **opts)).cuda()
-    from mok_megatron.checkpoint import convert_state_dict
+    from mok_megatron.experts.checkpoint import convert_state_dict
 
     mok.load_state_dict(convert_state_dict(ref.state_dict(), "mok"), strict=False)
     return ref, mok
@@ -420,12 +420,12 @@ def test_preprocess_capture_needs_sync_free():
 def test_native_fp8_grouped_linear_on_gpu():
     """Native FP8 path vs the bf16 reference. Expected relative (Frobenius) error ~ 2^-4/sqrt(3) per
     operand, about 0.03-0.05 for the GEMMs; bound 0.08."""
-    from mok_megatron.fp8.native import MIN_CAPABILITY, fp8_grouped_linear
+    from mok_megatron.ops.fp8_grouped_gemm import MIN_CAPABILITY, fp8_grouped_linear
     from mok_megatron.ops.grouped_gemm import grouped_linear_reference
 
     if torch.cuda.get_device_capability() < MIN_CAPABILITY:
         pytest.skip("torch FP8 grouped GEMM needs sm_90+")
-    counts = [512, 0, 48, 1024, 0, 16, 256, 0]  # multiples of 16 (fp8.native.ALIGNMENT)
+    counts = [512, 0, 48, 1024, 0, 16, 256, 0]  # multiples of 16 (ops.fp8_grouped_gemm.ALIGNMENT)
     g = torch.Generator().manual_seed(0)
     x = torch.randn(sum(counts), 512, generator=g).to("cuda", torch.bfloat16).requires_grad_()
     w = (torch.randn(len(counts), 768, 512, generator=g) / 16).to("cuda", torch.bfloat16).requires_grad_()
@@ -471,7 +471,7 @@ def test_router_gemm_on_gpu_matches_fp32_router():
 def test_link_delay_spins_wall_time_at_any_sm_clock():
     # The loopback's emulated link time: a wall-clock spin, the same alone (clock idle or boosted) and beside
     # GEMMs that power-cap the SM clock.
-    from mok_megatron.functional.transport import LoopbackTransport
+    from mok_megatron.transport.loopback import LoopbackTransport
     from mok_megatron.kernels.link_delay import spin_ns
 
     dev = torch.device("cuda")

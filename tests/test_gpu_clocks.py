@@ -9,8 +9,8 @@ import time
 import pytest
 import torch
 
-from mok_megatron.bench_bound import gemm_bound
-from mok_megatron.gpu_clocks import ClockSampler, decode_reasons, format_summary, parse_line
+from mok_megatron.bench.bound import gemm_bound
+from mok_megatron.bench.clocks import ClockSampler, decode_reasons, format_summary, parse_line
 
 
 def _stamp(t: float) -> str:  # nvidia-smi's timestamp format, local time

@@ -4,7 +4,7 @@ import re
 
 import torch
 
-from mok_megatron.kernel_profile import kernel_summary
+from mok_megatron.bench.kernel_profile import kernel_summary
 
 
 def test_kernel_summary_header_and_host_ops():

@@ -1,4 +1,4 @@
-"""Late weight gradients (``mcore.late_wgrad``): the pipelined layer's expert weight gradients wait until
+"""Late weight gradients (``experts.late_wgrad``): the pipelined layer's expert weight gradients wait until
 the last dispatch-backward exchange is launched, then run while it flies.
 
 gloo on CPU: EP=2 over the real pipeline (one and three minibatches, local rows overlapped and fused,
@@ -14,8 +14,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mok_megatron.mcore.expert_schedule import WgradQueue
-from mok_megatron.mcore.late_wgrad import LateWgrad
+from mok_megatron.experts.torch_mlp import WgradQueue
+from mok_megatron.experts.late_wgrad import LateWgrad
 
 CASE = "tests.pipeline_cases:late_wgrad_case"
 

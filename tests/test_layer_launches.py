@@ -30,7 +30,7 @@ FUSED = Counter(
         "_swiglu_fwd_kernel": 1,
         "_swiglu_bwd_kernel": 1,
         # the router's top-k (routing and the aux-loss map: MoKTopKRouter) and the plan's expert ids
-        # from Megatron's dense routing map (functional.plan.build_aligned_plan)
+        # from Megatron's dense routing map (engine.plan.build_aligned_plan)
         "_topk_kernel": 3,
         # the plan's routing metadata (kernels.routing: no sort)
         "_rank_in_block_kernel": 1,
@@ -89,7 +89,7 @@ MAX_CUDA_KERNELS_PER_STEP = 120
 
 
 def _gpu_layer():
-    from mok_megatron.bench import _config, build
+    from mok_megatron.bench.layer import _config, build
 
     shape = dict(hidden=2048, ffn=768, experts=128, topk=8, tokens=4096)
     torch.manual_seed(0)

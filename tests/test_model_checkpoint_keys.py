@@ -24,7 +24,7 @@ def test_gpt_expert_keys_match_megatron_and_follow_optimizer_prefix():
     import torch
     from megatron.core.dist_checkpointing.optimizer import make_sharded_optimizer_tensor
 
-    from mok_megatron.demo import DemoArgs, build_model
+    from mok_megatron.tools.demo import DemoArgs, build_model
 
     # every layer MoE: TransformerBlock folds `layers.{i}.` into a layer axis of the sharded tensors
     _, mok = build_model(DemoArgs(nproc=1, layers=2, hidden=32, experts=4, layer="mok"), ep=1)

@@ -1,4 +1,4 @@
-"""The NVLink transport (mok_megatron.nvlink): segment tables, the loopback workspace of N emulated ranks
+"""The NVLink transport (mok_megatron.transport.nvlink): segment tables, the loopback workspace of N emulated ranks
 with the torch references and (under TRITON_INTERPRET=1, in a subprocess) the Triton kernels, options and
 transport selection, the kernels compiled for sm_90 without a GPU; on CUDA the loopback N=2,4,8 and real
 sizes, and on two GPUs the MoK layer with --mok-transport nvlink bitwise equal to the collective transport."""
@@ -17,8 +17,8 @@ import pytest
 import torch
 
 from mok_megatron.compat import have_triton
-from mok_megatron.nvlink.exchange import all_to_all_reference, exchange_rows, pull_segments, push_segments
-from mok_megatron.nvlink.workspace import LoopbackWorkspace
+from mok_megatron.transport.nvlink.exchange import all_to_all_reference, exchange_rows, pull_segments, push_segments
+from mok_megatron.transport.nvlink.workspace import LoopbackWorkspace
 from tests.nvlink_cases import check_exchanges, loopback_moe, random_matrix
 
 REPO = Path(__file__).resolve().parent.parent
@@ -51,7 +51,7 @@ def test_loopback_moe_references_equal_single_rank(P, sync):
 
 def test_flag_wait_names_the_late_rank_instead_of_hanging():
     """A rank whose peer never publishes: the wait gives up with an error naming that peer."""
-    from mok_megatron.nvlink.signals import publish_reference, wait_reference
+    from mok_megatron.transport.nvlink.signals import publish_reference, wait_reference
 
     ws = LoopbackWorkspace(3, "cpu")
     for r in (0, 1):  # rank 2 never publishes
@@ -95,7 +95,7 @@ def test_exchange_rows_per_rank_threads_equal_all_to_all(P, sync, monkeypatch):
     Each step uses one buffer twice in a row with different rows, and rank 0 reads slowly: a write that
     skipped its barrier (or, with flags, reused a buffer a peer may still read) would overwrite rows that
     rank has not read yet."""
-    from mok_megatron.nvlink import kernels as K
+    from mok_megatron.transport.nvlink import kernels as K
 
     shared = LoopbackWorkspace(P, "cpu")
     lock = threading.Lock()
@@ -193,7 +193,7 @@ def test_rows_kernel_compiles_for_sm90_and_vectorizes_when_aligned(aligned):
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from mok_megatron.nvlink.kernels import _rows_kernel as fn
+    from mok_megatron.transport.nvlink.kernels import _rows_kernel as fn
 
     if not (Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas").exists():
         pytest.skip("this Triton has no bundled ptxas")
@@ -229,7 +229,7 @@ def test_signal_kernels_compile_for_sm90_with_system_scope_ordering():
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from mok_megatron.nvlink import signals as S
+    from mok_megatron.transport.nvlink import signals as S
 
     if not (Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas").exists():
         pytest.skip("this Triton has no bundled ptxas")
@@ -254,7 +254,7 @@ def test_signal_kernels_compile_for_sm90_with_system_scope_ordering():
 def test_options_and_flags_accept_nvlink():
     import argparse
 
-    from mok_megatron.arguments import add_mok_flags, options_from_args
+    from mok_megatron.training.arguments import add_mok_flags, options_from_args
     from mok_megatron.options import MoKOptions, MoKOptionsError
 
     assert MoKOptions(transport="nvlink", nvlink_programs=16).nvlink_programs == 16
@@ -273,7 +273,7 @@ def test_options_and_flags_accept_nvlink():
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only error")
 def test_nvlink_without_cuda_is_a_config_error():
     from mok_megatron.config import MoKConfigError
-    from mok_megatron.nvlink.workspace import check_nvlink_group
+    from mok_megatron.transport.nvlink.workspace import check_nvlink_group
 
     with pytest.raises(MoKConfigError, match="collective"):
         check_nvlink_group(None)
@@ -300,10 +300,10 @@ def test_flags_make_a_running_pull_wait_for_a_late_peer():
     stream when rank 1, on another stream, sleeps, then stages its rows and publishes. The pull must spin
     until then and read the rows rank 1 staged after the kernel started (acquire/release across streams).
     Round 0 runs rank 1 first and loads every kernel: a spinning kernel blocks CUDA's lazy module loading in
-    its process (``nvlink.signals``), so a first launch on the late stream would wait for the spin forever."""
-    from mok_megatron.nvlink import kernels as K
-    from mok_megatron.nvlink.exchange import _segment_table, buffer_rows
-    from mok_megatron.nvlink.signals import publish
+    its process (``transport.nvlink.signals``), so a first launch on the late stream would wait for the spin forever."""
+    from mok_megatron.transport.nvlink import kernels as K
+    from mok_megatron.transport.nvlink.exchange import _segment_table, buffer_rows
+    from mok_megatron.transport.nvlink.signals import publish
 
     P, H = 2, 7168
     m = [[300, 500], [700, 200]]
@@ -349,7 +349,7 @@ def test_loopback_on_gpu_real_rows():
     """DeepSeek-V3 rows (H 7168 bf16) and the routing metadata rows (fp32, 2L wide), 8 emulated ranks."""
     P = 8
     ws = LoopbackWorkspace(P, "cuda")
-    from mok_megatron.nvlink.exchange import loopback_exchange
+    from mok_megatron.transport.nvlink.exchange import loopback_exchange
 
     for dtype, H in ((torch.bfloat16, 7168), (torch.float32, 32)):
         m = random_matrix(P, seed=H, most=700)
@@ -386,7 +386,7 @@ def _nvlink_worker(rank, port, out_path):
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
-    from mok_megatron.bench import _config, build
+    from mok_megatron.bench.layer import _config, build
     from mok_megatron.options import MoKOptions
     from tests.test_gpu import _run_both
 
@@ -432,7 +432,7 @@ def _nvlink_worker(rank, port, out_path):
                 "collective": _no_host_sync(coll, x, dout),
                 "nvlink": _no_host_sync(nvl, x, dout),
             }
-    from mok_megatron.nvlink.workspace import close_all
+    from mok_megatron.transport.nvlink.workspace import close_all
 
     close_all()
     with open(f"{out_path}.{rank}", "w") as f:
@@ -494,7 +494,7 @@ class _FakeDist:
 )
 def test_nvlink_group_checks_name_the_problem_and_the_fix(monkeypatch, fake, match):
     from mok_megatron.config import MoKConfigError
-    from mok_megatron.nvlink import workspace as W
+    from mok_megatron.transport.nvlink import workspace as W
 
     monkeypatch.setattr(W, "dist", fake)
     monkeypatch.setattr(W, "group_size", lambda g: len(fake.ranks))
@@ -507,7 +507,7 @@ def test_nvlink_group_checks_name_the_problem_and_the_fix(monkeypatch, fake, mat
 
 
 def test_nvlink_group_check_passes_one_host_with_peer_access(monkeypatch):
-    from mok_megatron.nvlink import workspace as W
+    from mok_megatron.transport.nvlink import workspace as W
 
     fake = _FakeDist([("a", 0), ("a", 1)])
     monkeypatch.setattr(W, "dist", fake)
@@ -568,7 +568,7 @@ def test_hierarchical_transport_bitwise_equals_collective(pool, names, opts):
 def test_nvlink_transport_choice_follows_the_domains(monkeypatch):
     """--mok-transport nvlink: one domain -> NVLinkTransport; several -> HierarchicalTransport; the domain
     name is the host name unless MOK_NVLINK_DOMAIN is set."""
-    from mok_megatron.nvlink import hierarchical as HT
+    from mok_megatron.transport.nvlink import hierarchical as HT
 
     monkeypatch.setenv(HT.DOMAIN_ENV, "rack7")
     assert HT.node_name() == "rack7"
@@ -590,7 +590,7 @@ def test_hierarchical_transport_without_domain_groups_says_how(monkeypatch):
     """An EP group across domains whose domain groups were not created on every rank: a clear error naming
     the call that creates them (torch requires every rank to take part in every group creation)."""
     from mok_megatron.config import MoKConfigError
-    from mok_megatron.nvlink import hierarchical as HT
+    from mok_megatron.transport.nvlink import hierarchical as HT
 
     monkeypatch.setattr(HT.dist, "get_process_group_ranks", lambda g: [5, 6, 7, 8])
     with pytest.raises(

@@ -7,9 +7,9 @@ import torch
 import torch.nn.functional as F
 
 from mok_megatron.config import MoKConfig
-from mok_megatron.functional.dispatch import combine, dispatch
-from mok_megatron.functional.experts import expert_mlp
-from mok_megatron.functional.plan import EPGroups, _chunk_sort_index, build_plan
+from mok_megatron.engine.plain import combine, dispatch
+from mok_megatron.experts.torch_mlp import expert_mlp
+from mok_megatron.engine.plan import EPGroups, _chunk_sort_index, build_plan
 from mok_megatron.ops.activation import Activation, ActivationSpec, apply_activation
 from mok_megatron.ops.grouped_gemm import grouped_linear, grouped_linear_reference, offsets_from_counts
 from mok_megatron.ops.permute import (

@@ -147,7 +147,7 @@ def test_expert_rows_padded_by_the_permute_match_megatron(pool, ep, mode):
 )
 def test_fp8_experts_fuse_each_calls_permute_bitwise(pool, ep, wgrad, opts):
     # Native FP8 experts in the pipeline: each expert call's permute into the padded layout and its
-    # combine run inside the experts' FP8 operands (fp8.token_experts), bitwise the unfused call, and
+    # combine run inside the experts' FP8 operands (experts.fp8_mlp), bitwise the unfused call, and
     # within FP8's error of Megatron's layer (GEMMs emulated in fp32 on CPU).
     for r in pool.run("tests.pipeline_cases:fp8_token_rows_case", ep=ep, wgrad=wgrad, opts=opts):
         assert r["bitwise"], r

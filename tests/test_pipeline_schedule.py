@@ -79,7 +79,7 @@ def test_loopback_moves_the_emulated_share_with_full_bytes():
 @pytest.mark.parametrize("emulated_ep", [1, 3, 32])
 def test_region_labels_follow_the_host_rule(emulated_ep):
     # The device labels (counts, capturable) and the host rule (sizes) must agree on every token.
-    import mok_megatron.functional.pipeline_plan as P
+    import mok_megatron.engine.pipeline_plan as P
 
     for min_half in (1, 4, 256):
         with pc._MinLocalHalf(min_half):
@@ -99,7 +99,7 @@ def test_region_counts_are_the_host_rules_region_sums(emulated_ep, ep):
     # token rows per destination, summed on the host from the host rule's regions; empty regions 0.
     import torch
 
-    import mok_megatron.functional.pipeline_plan as P
+    import mok_megatron.engine.pipeline_plan as P
 
     L = 3
     g = torch.Generator().manual_seed(emulated_ep * 10 + ep)
@@ -186,7 +186,7 @@ def test_loopback_bytes_option_keeps_the_link_bytes(loopback_bytes):
     import torch
 
     from mok_megatron.config import MoKConfig
-    from mok_megatron.mcore.engine import select_transport
+    from mok_megatron.engine.select import select_transport
     from mok_megatron.ops.activation import Activation, ActivationSpec
     from mok_megatron.options import MoKOptions
 

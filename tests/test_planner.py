@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-from mok_megatron.planner import (
+from mok_megatron.tools.planner import (
     calibrate,
     flops,
     hardware,
@@ -24,8 +24,8 @@ from mok_megatron.planner import (
     timeline,
     validate,
 )
-from mok_megatron.planner.links import LinkError, LinkModel
-from mok_megatron.planner.main import main
+from mok_megatron.tools.planner.links import LinkError, LinkModel
+from mok_megatron.tools.planner.main import main
 
 DSV3_SLICE = shapes.MoEShape(7168, 2048, 8, 8)
 
@@ -70,7 +70,7 @@ def test_remote_copies():
 
 def test_dedup_bytes_match_the_loopback_byte_counter(meas):
     """The planner's MoK bytes equal what the loopback transport counted in every overlap run."""
-    from mok_megatron.bench_overlap import OVERLAP_SHAPES
+    from mok_megatron.bench.overlap import OVERLAP_SHAPES
 
     rows = [r for r in meas.loop if r.shape != "tiny"]
     assert rows
@@ -285,7 +285,7 @@ def test_cli(capsys):
 
 
 def test_planner_does_not_import_torch():
-    code = "import sys, mok_megatron.planner.main; assert 'torch' not in sys.modules and 'megatron' not in sys.modules"
+    code = "import sys, mok_megatron.tools.planner.main; assert 'torch' not in sys.modules and 'megatron' not in sys.modules"
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
 
 

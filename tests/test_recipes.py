@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from mok_megatron import recipes
-from mok_megatron.recipe_layout import Parallel, stages
-from mok_megatron.recipe_memory import GIB, chunk_params, in_flight, padded_vocab
+from mok_megatron.tools.recipe import check as recipes
+from mok_megatron.tools.recipe.layout import Parallel, stages
+from mok_megatron.tools.recipe.memory import GIB, chunk_params, in_flight, padded_vocab
 
 ROOT = Path(__file__).resolve().parent.parent
 RECIPES = [r for r in sorted((ROOT / "examples").glob("*.sh")) if r.name != "common.sh"]

@@ -10,9 +10,9 @@ from megatron.core.transformer.moe.router import TopKRouter
 
 import mok_megatron
 from mok_megatron import spec as mok_spec
-from mok_megatron.mcore.experts import MoKGroupedMLP
-from mok_megatron.mcore.layer import MoKMoELayer
-from mok_megatron.mcore.router import MoKTopKRouter
+from mok_megatron.experts.grouped_mlp import MoKGroupedMLP
+from mok_megatron.adapter.layer import MoKMoELayer
+from mok_megatron.adapter.router import MoKTopKRouter
 
 
 def test_layer_spec_swaps_layer_and_experts_only():

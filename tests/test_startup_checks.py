@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from mok_megatron.consistency import describe_mismatch, moe_fingerprint
+from mok_megatron.training.consistency import describe_mismatch, moe_fingerprint
 from mok_megatron.testing.train_state import CheckpointError, check_checkpoint_files
 
 
@@ -25,7 +25,7 @@ def test_mismatch_names_each_setting_and_the_ranks_per_value():
 
 
 def test_fingerprint_reads_the_moe_fields_of_a_config():
-    from mok_megatron.demo import DemoArgs, model_config
+    from mok_megatron.tools.demo import DemoArgs, model_config
 
     fp = moe_fingerprint(model_config(DemoArgs(nproc=4, experts=8, topk=2), ep=4), extra={"layer": "mok"})
     assert (fp["num_moe_experts"], fp["moe_router_topk"], fp["expert_model_parallel_size"]) == ("8", "2", "4")

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from mok_megatron import patches
-from mok_megatron.arguments import MoKArgumentError, check_environment, extra_args_provider, install
+from mok_megatron.training import patches
+from mok_megatron.training.arguments import MoKArgumentError, check_environment, extra_args_provider, install
 from mok_megatron.options import MoKOptions
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -36,7 +36,7 @@ def parser():
 
 
 def test_mok_flags_map_onto_options(parser):
-    from mok_megatron.arguments import options_from_args
+    from mok_megatron.training.arguments import options_from_args
 
     a = parser.parse_args(
         BASE
@@ -200,8 +200,8 @@ def test_patch_set_on_a_megatron_lm_checkout(tmp_path):
 @pytest.mark.parametrize("recipe", RECIPES, ids=[r.stem for r in RECIPES])
 def test_recipe_dry_run_parses_and_its_layout_adds_up(parser, recipe):
     """The layout arithmetic is `mok recipe check`'s (tests/test_recipes.py covers its failures)."""
-    from mok_megatron import recipes
-    from mok_megatron.recipe_layout import parallel
+    from mok_megatron.tools.recipe import check as recipes
+    from mok_megatron.tools.recipe.layout import parallel
 
     r = recipes.dry_run(recipe)
     a = parser.parse_args(r.argv)

@@ -8,7 +8,7 @@ Backward: ``dy_RH[row_TK[t, k]] = p[t, k] * dout_TH[t]`` (rows no route reads ge
 ``dprobs_TK[t, k] = <dout_TH[t], y_RH[row_TK[t, k]]>`` in fp32 - one pass that reads each token's gradient
 once. Both are the row-movement kernels of ``kernels.permute``.
 
-How it plugs in: replaces ``ops.permute.combine_tokens`` in ``functional.dispatch.combine_postprocess``
+How it plugs in: replaces ``ops.permute.combine_tokens`` in ``engine.plain.combine_postprocess``
 (unweighted: MoK applies the probabilities inside the experts, as Megatron does); the weighted form is the
 torchtitan-style "score after experts" combine, which lets the expert MLP skip the probability multiply.
 """

@@ -23,14 +23,14 @@ Kernel:
                               its scale and the token index; extra programs fill the rows no route lands
                               on (``kernels.permute._fill_rows``)
 
-How it plugs in: ``fp8.token_experts`` (the native FP8 experts on token rows at EP = 1).
+How it plugs in: ``experts.fp8_mlp`` (the native FP8 experts on token rows at EP = 1).
 """
 
 from __future__ import annotations
 
 import torch
 
-from mok_megatron.fp8.quantize import _check_input
+from mok_megatron.ops.fp8_quantize import _check_input
 from mok_megatron.kernels import Impl, jit, next_pow2, tl, use_triton
 from mok_megatron.kernels.fp8_quant import ONE_PASS_MAX, TWO_PASS_BLOCK, _finish, _q_buffer, quantize_rowwise
 from mok_megatron.kernels.permute import (

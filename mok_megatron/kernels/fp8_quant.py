@@ -1,4 +1,4 @@
-"""E4M3 quantization kernels for the native FP8 expert GEMMs (``fp8.native``), each beside its torch reference.
+"""E4M3 quantization kernels for the native FP8 expert GEMMs (``ops.fp8_grouped_gemm``), each beside its torch reference.
 
 Legend: R rows, H row width (the scaled dimension), M rows split into G segments (inclusive int32 ends
 ``offs_G``, a device tensor), K columns, N rows of one expert's weight.
@@ -16,10 +16,10 @@ Legend: R rows, H row width (the scaled dimension), M rows split into G segments
                           ``quantize_segments_t`` with G segments of N rows and a per-expert output block
     quantize_rowwise_scatter      x_RH -> the rowwise q/scale of its per-expert padded layout [P, H]
     quantize_segments_t_scatter   x_RK -> the segment q^T/scale of its per-expert padded layout [K, P]
-                          bitwise ``fp8.align.pad_rows`` followed by the unpadded op, without the bf16 padded
+                          bitwise ``ops.align.pad_rows`` followed by the unpadded op, without the bf16 padded
                           copy (rows map by ``PadPlan.dest_R`` / shifted segment starts; padding stays 0)
 
-Numerics are the references' (``fp8.quantize``): ``scale = amax / 448`` (all-zero group: 1), ``q =
+Numerics are the references' (``ops.fp8_quantize``): ``scale = amax / 448`` (all-zero group: 1), ``q =
 e4m3(clamp(x / scale, +-448))``, both divisions IEEE round-to-nearest (``tl.math.fdiv(..., ieee_rounding=True)``;
 Triton's plain ``/`` is approximate on NVIDIA GPUs), the cast round-to-nearest-even. So the kernels are
 bitwise equal to the references (tests/test_fp8_quant_kernels.py holds them to that, on CPU interpreted and
@@ -47,16 +47,16 @@ Measured (H200, ``benchmarks/fp8_seg_probe2.py``, s6a): byte-wise transposed e4m
 to ~2 TB/s (0.347 ms on the DeepSeek-V3 x operand [32768, 7168]; the same pass writing untransposed: 0.196);
 packed words 0.225 ms. One program per (segment, BLOCK_K columns): a segment holding most rows runs on few SMs.
 
-How it plugs in: ``fp8.native`` calls these on CUDA tensors (``Impl.AUTO``), the references elsewhere.
+How it plugs in: ``ops.fp8_grouped_gemm`` calls these on CUDA tensors (``Impl.AUTO``), the references elsewhere.
 """
 
 from __future__ import annotations
 
 import torch
 
-from mok_megatron.fp8 import quantize
-from mok_megatron.fp8.quantize import E4M3, _check_input, quantize_segments
-from mok_megatron.fp8.quantize import quantize_rowwise as quantize_rowwise_reference
+from mok_megatron.ops import fp8_quantize as quantize
+from mok_megatron.ops.fp8_quantize import E4M3, _check_input, quantize_segments
+from mok_megatron.ops.fp8_quantize import quantize_rowwise as quantize_rowwise_reference
 from mok_megatron.kernels import INTERPRETED, Impl, jit, next_pow2, tl, use_triton
 
 ONE_PASS_MAX = 8192  # widest row read once into registers (DeepSeek-V3 H = 7168 fits)
@@ -618,7 +618,7 @@ def quantize_weight_t_reference(w_GNK: torch.Tensor):
 def quantize_rowwise_scatter(
     x_RH: torch.Tensor, dest_R: torch.Tensor, num_rows: int, impl: Impl = Impl.AUTO
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``quantize_rowwise`` of the padded buffer ``fp8.align.pad_rows(x_RH, plan)`` without building it.
+    """``quantize_rowwise`` of the padded buffer ``ops.align.pad_rows(x_RH, plan)`` without building it.
 
     Inputs: x fp32/bf16/fp16 [R, H]; dest int64 [R] (``PadPlan.dest_R``: distinct rows < ``num_rows``).
     Outputs: q e4m3 [P, H], scale fp32 [P]; rows no input lands on are 0 with scale 1 (what quantizing a
@@ -627,7 +627,7 @@ def quantize_rowwise_scatter(
     if x_RH.dim() != 2 or dest_R.shape != (x_RH.shape[0],) or dest_R.dtype != torch.int64:
         raise ValueError(
             f"quantize_rowwise_scatter: x {tuple(x_RH.shape)}, dest {tuple(dest_R.shape)} {dest_R.dtype}; "
-            "expected x [R, H] and dest [R] int64 (fp8.align.PadPlan.dest_R)"
+            "expected x [R, H] and dest [R] int64 (ops.align.PadPlan.dest_R)"
         )
     if not use_triton(impl, x_RH, "quantize_rowwise_scatter"):
         return quantize_rowwise_scatter_reference(x_RH, dest_R, num_rows)

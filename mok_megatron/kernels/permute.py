@@ -14,7 +14,7 @@ whose backward is the scatter):
                         extra programs zero the rows no route lands on
     _gather_sum_kernel  one program per (token, H block): sum the token's K rows (optionally weighted)
 
-How it plugs in: ``ops.permute.permute_tokens_with_probs`` (``functional.dispatch.dispatch_preprocess``) runs
+How it plugs in: ``ops.permute.permute_tokens_with_probs`` (``engine.plain.dispatch_preprocess``) runs
 ``permute`` for dropless layouts on CUDA, rows and probabilities in one pass, with a one-group ``RoutingMeta``
 built from the plan's slot map; ``scatter_rows`` is also the combine backward there, and ``gather_sum_rows``
 the combine forward and permute backward. ``kernels.routing.routing_metadata`` (aligned groups) is not yet

@@ -12,7 +12,7 @@ rounds once, so bf16 results may differ from ``ops.activation.apply_activation``
 
 How it plugs in: ``ops.activation.apply_activation`` runs it for ``ActivationSpec(SILU, gated=True)`` with
 no clamp, no linear offset and no fc1 interleave on CUDA (the other specs keep the torch op), between the two
-grouped GEMMs of ``functional.experts.expert_mlp`` and in its delayed-wgrad / recompute variants.
+grouped GEMMs of ``experts.torch_mlp.expert_mlp`` and in its delayed-wgrad / recompute variants.
 """
 
 from __future__ import annotations

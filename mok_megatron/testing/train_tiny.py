@@ -13,7 +13,7 @@ data-parallel size is world / EP):
     skew            --skew-steps steps where every token goes to one expert (one EP rank), counting
                     tokens in and out and the peak memory of every step
 
-Before the first job every rank's MoE settings are compared (``mok_megatron.consistency``): ranks
+Before the first job every rank's MoE settings are compared (``mok_megatron.training.consistency``): ranks
 started with different flags stop at once with the differing settings named. Any failure afterwards
 (a dead peer, a collective timeout, a bad checkpoint) prints one line naming the rank and the step
 and exits non-zero (``faults``). Rank 0 writes the results of all jobs to ``--out``/results.json.
@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 
 from mok_megatron.config import MoKConfigError
-from mok_megatron.consistency import MoEConfigMismatchError
+from mok_megatron.training.consistency import MoEConfigMismatchError
 from mok_megatron.testing import faults
 from mok_megatron.testing.train_state import CheckpointError
 
@@ -97,7 +97,7 @@ def jobs_from(a) -> list[Job]:
 
 
 def demo_args(a, job: Job):
-    from mok_megatron.demo import DemoArgs
+    from mok_megatron.tools.demo import DemoArgs
 
     return DemoArgs(
         nproc=int(os.environ["WORLD_SIZE"]),
@@ -162,7 +162,7 @@ def build(a, job: Job, device):
     import torch
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
-    from mok_megatron.demo import build_model
+    from mok_megatron.tools.demo import build_model
 
     da = demo_args(a, job)
     setup_parallel(job.ep, a.seed, a.timeout_s)
@@ -191,7 +191,7 @@ def run_job(a, job: Job, rank: int, device, clock) -> dict:
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
-    from mok_megatron.demo import batch_at, dataset, train_step
+    from mok_megatron.tools.demo import batch_at, dataset, train_step
     from mok_megatron.testing.skew import MemoryProbe, TokenCounter
     from mok_megatron.testing.train_state import load_train_state, save_train_state
 
@@ -253,9 +253,9 @@ def main(argv: list[str] | None = None) -> int:
     timeout = timedelta(seconds=a.timeout_s)
     dist.init_process_group("nccl" if cuda else "gloo", timeout=timeout)
     if not cuda:
-        import mok_megatron.cpu
+        import mok_megatron.training.cpu
 
-        mok_megatron.cpu.enable()
+        mok_megatron.training.cpu.enable()
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     jobs = jobs_from(a)
     results = {}
@@ -285,8 +285,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def check_settings(a, jobs: list[Job]) -> None:
     """Compare the settings of every job on every rank before any parallel state is built."""
-    from mok_megatron.consistency import check_moe_config_consistent
-    from mok_megatron.demo import model_config
+    from mok_megatron.training.consistency import check_moe_config_consistent
+    from mok_megatron.tools.demo import model_config
 
     for job in jobs:
         cfg = model_config(demo_args(a, job), job.ep, **config_overrides(job))

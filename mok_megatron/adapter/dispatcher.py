@@ -1,0 +1,314 @@
+"""``MoKTokenDispatcher``: Megatron's ``MoETokenDispatcher`` phases on top of ``mok_megatron.functional``.
+
+Megatron calls the six phases with tensors only, so the adapter keeps exactly one piece of state:
+the frozen ``DispatchPlan`` of the call in flight, set by ``dispatch_preprocess`` and dropped by
+``combine_postprocess``. Everything backward needs is captured by the autograd graph, so Megatron's
+schedules may interleave the backward of one micro-batch with the forward of the next.
+
+Pipelined mode (the overlap engine, ``mok_megatron.engine.pipeline``): when expert parallelism is
+on and the routing is dropless without expert-TP, ``dispatch_preprocess`` builds a ``PipelinePlan``,
+``token_dispatch`` / ``token_combine`` pass tensors through, and ``MoKMoELayer.routed_experts_compute``
+runs dispatch -> experts -> combine as one minibatch pipeline (``run_pipeline`` here).
+
+With ``moe_shared_expert_overlap`` the dispatcher drives ``SharedExpertMLP``'s overlap hooks in the
+same order as Megatron's alltoall dispatcher (pre_forward_comm -> fc1 -> fc2 -> post_forward_comm ->
+get_output), and adds the shared output in ``combine_postprocess``: it is never dropped. Pipelined, fc1
+runs beside the dispatches and fc2 beside the last combines (the pipeline's ``after_combines``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from megatron.core.transformer.moe.token_dispatcher import MoETokenDispatcher
+
+from mok_megatron.adapter import profiling
+from mok_megatron.config import MoKConfig
+from mok_megatron.engine import plain as F
+from mok_megatron.transport.comm import all_to_all_v
+from mok_megatron.engine.pipeline import run_pipeline as _run_pipeline
+from mok_megatron.engine.pipeline_plan import (
+    PipelinePlan,
+    auto_minibatch_size,
+    build_pipeline_plan,
+    fuse_local_rows,
+)
+from mok_megatron.engine.plan import DispatchPlan, EPGroups, build_aligned_plan, build_plan
+from mok_megatron.options import MoKOptions
+
+
+@dataclass(frozen=True)
+class PipelineCall:
+    """What the pipelined routed-experts phase needs: the plan and the routing it was built from."""
+
+    plan: PipelinePlan
+    routing_map_TE: torch.Tensor
+
+
+def _group_in_one_node(group) -> bool:
+    """Whether every rank of ``group`` runs on this host (torchrun's LOCAL_WORLD_SIZE blocks of ranks)."""
+    import os
+
+    import torch.distributed as dist
+
+    if group is None or dist.get_world_size(group) == 1:
+        return True
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
+    nodes = {r // max(local, 1) for r in dist.get_process_group_ranks(group)}
+    return len(nodes) == 1
+
+
+class PipelineStats:
+    """Process-wide counters of the overlap engine (sync-free overflows redone in exact mode)."""
+
+    overflow_redos = 0
+    calls = 0
+
+
+class MoKTokenDispatcher(MoETokenDispatcher):
+    def __init__(
+        self,
+        num_local_experts: int,
+        local_expert_indices,
+        config,
+        pg_collection,
+        mok_config: MoKConfig,
+        options: MoKOptions | None = None,
+        transport=None,
+    ):
+        super().__init__(config=config, pg_collection=pg_collection)
+        self.num_local_experts = num_local_experts
+        self.local_expert_indices = list(local_expert_indices)
+        self.mok_config = mok_config
+        self.groups = EPGroups.from_pg_collection(pg_collection)
+        self.options = options or MoKOptions()
+        self.transport = transport  # set: the overlap engine runs (see pipeline_supported)
+        self._plan: DispatchPlan | PipelineCall | None = None
+        self._ep_in_one_node = _group_in_one_node(self.groups.ep)
+        # > 1: the experts want every expert's rows padded to this (set by MoKMoELayer): the permute
+        # writes the padded layout directly (EP=1: ``build_aligned_plan``; pipeline: each expert call).
+        self.row_alignment = 1
+        self.exact_aligned_rows = False  # True: size that buffer exactly (experts read counts anyway)
+        # True (set by MoKMoELayer where ``aligned_plan_applies``, EP = 1): ``build_aligned_plan`` at
+        # ``row_alignment`` (1 included): routing metadata from the Triton routing kernels, no sort.
+        self.aligned_plan = False
+        # True (set by MoKMoELayer, EP = 1, aligned plan, experts with ``fuses_permute()``): the experts
+        # take the token rows and the plan and permute / combine inside their GEMM operands
+        # (``run_fused``; the native FP8 experts: ``experts.fp8_mlp``); the six phases pass rows through.
+        self.fused_experts = False
+        # True (set by MoKMoELayer for experts that take device counts): the pipeline's expert calls plan
+        # their rows with the routing kernels at any alignment (``engine.pipeline._experts_aligned``).
+        self.routing_kernel_calls = False
+
+    @property
+    def pipelined(self) -> bool:
+        return self.transport is not None
+
+    @property
+    def folded_phase(self) -> str | None:
+        """The one phase dispatch, experts and combine run in (``pipeline`` / ``experts``), or None."""
+        if self.pipelined:
+            return "pipeline"
+        return "experts" if self.fused_experts else None
+
+    @property
+    def plan(self) -> DispatchPlan:
+        if self._plan is None:
+            raise RuntimeError(
+                "MoKTokenDispatcher: no dispatch in flight; dispatch_preprocess must run before the "
+                "later phases."
+            )
+        return self._plan
+
+    # ---- dispatch ----------------------------------------------------------------------------
+
+    def dispatch_preprocess(
+        self, hidden_states: torch.Tensor, routing_map: torch.Tensor, probs: torch.Tensor
+    ):
+        if routing_map.dtype != torch.bool or routing_map.dim() != 2 or probs.dim() != 2:
+            raise ValueError(
+                f"dispatch_preprocess: expected routing_map [tokens, experts] bool and probs [tokens, "
+                f"experts], got {routing_map.dtype} {tuple(routing_map.shape)} and {tuple(probs.shape)}"
+            )
+        dev = hidden_states.device
+        # Pipelined: dispatch, experts and combine are one overlapped phase, timed as "pipeline"
+        # (fused experts: one phase "experts").
+        closes = self.folded_phase or "dispatch"
+        hidden_states = profiling.backward_mark(hidden_states, id(self), closes=closes, opens=None)
+        with profiling.phase("dispatch", dev):
+            hidden_shape = hidden_states.shape
+            if self.pipelined:
+                self._plan = PipelineCall(self._pipeline_plan(hidden_shape, routing_map), routing_map)
+            elif self.aligned_plan:
+                self._plan = build_aligned_plan(
+                    hidden_shape,
+                    routing_map,
+                    probs,
+                    self.mok_config,
+                    self.groups,
+                    self.row_alignment,
+                    exact_rows=self.exact_aligned_rows,
+                )
+            else:
+                self._plan = build_plan(hidden_shape, routing_map, probs, self.mok_config, self.groups)
+            if self.shared_experts is not None:
+                self.shared_experts.pre_forward_comm(hidden_states)
+            if self.folded_phase:
+                return hidden_states.reshape(-1, hidden_shape[-1]), probs
+            return F.dispatch_preprocess(hidden_states.reshape(-1, hidden_shape[-1]), probs, self._plan)
+
+    def _pipeline_plan(self, hidden_shape, routing_map, sync_free=None):
+        o, cfg = self.options, self.mok_config
+        T = routing_map.shape[0]
+        loopback = self.transport.name == "loopback"
+        slow_link = bool(o.loopback_gbps and o.loopback_gbps < 200) if loopback else not self._ep_in_one_node
+        mbs = o.minibatch_size or auto_minibatch_size(
+            T,
+            cfg.topk,
+            cfg.num_local_experts,
+            max(cfg.ep_size, o.loopback_ep if loopback else 1),
+            slow_link=slow_link,
+        )
+        return build_pipeline_plan(
+            hidden_shape,
+            routing_map,
+            cfg.num_local_experts,
+            cfg.topk,
+            self.groups.ep,
+            mbs,
+            sync_free=o.sync_free if sync_free is None else sync_free,
+            capacity_multiplier=o.capacity_multiplier,
+            emulated_ep=max(o.loopback_ep, 1) if loopback and cfg.ep_size == 1 else 1,
+            fuse_local=fuse_local_rows(o.local_rows, slow_link),
+        )
+
+    def run_pipeline(
+        self,
+        hidden_states: torch.Tensor,
+        probs: torch.Tensor,
+        expert_fn,
+        token_rows_fn=None,
+        before_experts=None,
+    ) -> torch.Tensor:
+        """Pipelined dispatch -> experts -> combine of the call in flight: ``[T, H]``. ``token_rows_fn``:
+        experts that fuse the per-call permute / combine into their operands (``row_alignment`` > 1).
+        ``before_experts``: see ``engine.pipeline.run_pipeline`` (``LateWgrad.open``)."""
+        call = self.plan
+        o = self.options
+        args = (
+            self.transport,
+            self.mok_config.topk,
+            o.deterministic,
+            o.fp8_dispatch,
+            self.row_alignment,
+            o.fp8_combine,
+            token_rows_fn if self.row_alignment > 1 else None,
+            self.routing_kernel_calls,
+            before_experts,
+            self._shared_fc2_once(),
+        )
+        with profiling.phase("pipeline", hidden_states.device):
+            out = _run_pipeline(hidden_states, probs, call.routing_map_TE, call.plan, expert_fn, *args)
+            PipelineStats.calls += 1
+            plan = call.plan
+            if plan.sync_free and self.options.capacity_multiplier < 1.0 and bool(plan.overflow):
+                # A destination got more tokens than its fixed buffers hold: nothing is dropped, the
+                # whole exchange is redone with exact sizes (one host read, counted).
+                PipelineStats.overflow_redos += 1
+                exact = self._pipeline_plan(plan.hidden_shape, call.routing_map_TE, sync_free=False)
+                out = _run_pipeline(hidden_states, probs, call.routing_map_TE, exact, expert_fn, *args)
+        return out
+
+    def _shared_fc2_once(self):
+        """The shared expert's fc2 (+ its TP reduction) for the pipeline's ``after_combines``: on the
+        shared expert's side stream, after it waits for the compute stream, so it runs while the last
+        combines fly instead of after them (``token_combine`` then has nothing left to launch). Once
+        per layer call, an overflow redo included. None without an overlapped shared expert."""
+        shared = self.shared_experts
+        if shared is None:
+            return None
+        done: list[bool] = []
+
+        def fc2() -> None:
+            if not done:
+                done.append(True)
+                shared.wait_current_stream()
+                shared.linear_fc2_forward(None)
+                shared.post_forward_comm()
+
+        return fc2
+
+    def run_fused(self, hidden_states: torch.Tensor, probs: torch.Tensor, experts_fn) -> torch.Tensor:
+        """The fused experts on the call in flight: ``experts_fn(x_TH, probs_TK, meta, counts_L) -> [T, H]``."""
+        plan = self.plan
+        with profiling.phase("experts", hidden_states.device):
+            probs_TK = probs.gather(1, plan.ids_TK)
+            return experts_fn(hidden_states, probs_TK, plan.meta, plan.tokens_per_expert_L)
+
+    def token_dispatch(self, hidden_states: torch.Tensor, probs: torch.Tensor):
+        with profiling.phase("dispatch", hidden_states.device):
+            if self.shared_experts is not None:
+                self.shared_experts.wait_current_stream()
+            plan = self.plan
+            if self.folded_phase:
+                if self.shared_experts is not None:
+                    self.shared_experts.linear_fc1_forward_and_act(hidden_states)
+                return hidden_states, probs
+            x = all_to_all_v(hidden_states, plan.recv_splits, plan.send_splits, plan.groups.ep)
+            if self.shared_experts is not None:
+                self.shared_experts.linear_fc1_forward_and_act(x)
+            p = all_to_all_v(probs, plan.recv_splits, plan.send_splits, plan.groups.ep)
+            return x, p
+
+    def dispatch_postprocess(self, hidden_states: torch.Tensor, probs: torch.Tensor):
+        dev = hidden_states.device
+        with profiling.phase("dispatch", dev):
+            x, tokens_per_expert, p = F.dispatch_postprocess(hidden_states, probs, self.plan)
+        x = profiling.backward_mark(x, id(self), closes="experts", opens="dispatch")
+        profiling.open_span(id(self), "experts", dev)
+        return x, tokens_per_expert, p
+
+    # ---- combine -----------------------------------------------------------------------------
+
+    def combine_preprocess(self, hidden_states: torch.Tensor):
+        if self.folded_phase:
+            raise RuntimeError(
+                f"combine_preprocess: this MoK layer combines inside its {self.folded_phase} phase "
+                "(run_pipeline / run_fused)"
+            )
+        dev = hidden_states.device
+        profiling.close_span(id(self), "experts", dev)
+        hidden_states = profiling.backward_mark(hidden_states, id(self), closes="combine", opens="experts")
+        with profiling.phase("combine", dev):
+            return F.combine_preprocess(hidden_states, self.plan)
+
+    def token_combine(self, hidden_states: torch.Tensor):
+        with profiling.phase("combine", hidden_states.device):
+            shared = None if self.pipelined else self.shared_experts  # pipelined: fc2 ran beside the combines
+            if shared is not None:
+                shared.wait_current_stream()
+            if self.folded_phase:
+                y = hidden_states
+            else:
+                y = F.token_combine(hidden_states, self.plan)
+            if shared is not None:
+                shared.linear_fc2_forward(y)
+                shared.post_forward_comm()
+            return y
+
+    def combine_postprocess(self, hidden_states: torch.Tensor):
+        with profiling.phase("combine", hidden_states.device):
+            plan = self.plan
+            if self.pipelined:
+                out = hidden_states.view(plan.plan.hidden_shape)
+            elif self.fused_experts:
+                out = hidden_states.view(plan.hidden_shape)
+            else:
+                out = F.combine_postprocess(hidden_states, plan)
+            self._plan = None
+        opens = self.folded_phase or "combine"
+        out = profiling.backward_mark(out, id(self), closes=None, opens=opens)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts.get_output()
+        return out

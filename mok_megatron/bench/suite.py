@@ -1,0 +1,319 @@
+"""``mok bench layer``'s grid: shapes x routing patterns x implementations, in one process and one run.
+
+For each (shape, routing) case every implementation gets the same weights (MoK / Megatron layouts through
+``convert_state_dict``; the peers take the stacked tensors), the same input and therefore the same routing
+(``bench_routing``), and no load-balancing loss. Its output and input gradient are checked against the
+first implementation before anything is timed; then forward, backward and forward+backward are timed
+(``bench_timing``). A peer that cannot run here is listed under ``skipped`` with the reason. Each case
+also times the six expert GEMMs alone (``bench_bound``: the floor of a layer on ``torch._grouped_mm``)
+and, where ``nvidia-smi`` runs, records the SM clock, power and slowdown reasons while each row was timed
+(``gpu_clocks``).
+
+Implementations:
+    mok            MoK's MoE layer (the spec's MLP submodule)
+    megatron       Megatron-Core MoELayer, local (non-TE) spec: SequentialMLP
+    megatron-te    Megatron-Core MoELayer, TE spec: TEGroupedMLP + moe_permute_fusion (needs TE and a GPU)
+    torchtitan     torchtitan's MoE (``bench_torchtitan``), when installed; torch.compile'd on CUDA when that works
+                   (eager otherwise: the row's note says which and why)
+    plain-pytorch  sort-based permute + torch._grouped_mm (``bench_peers``)
+
+FP8 rows (opt-in, ``--impl mok,mok-torch-fp8,...``; not in the default list): MoK's layer with an FP8 expert
+backend (``FP8_IMPLS``: --mok-expert-backend and Megatron's --fp8-recipe), checked against the reference
+with the looser ``FP8_TOLERANCE``; a path this machine cannot run is skipped with the reason.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+from mok_megatron.bench.bound import gemm_steps
+from mok_megatron.bench.routing import ROUTINGS, expert_load, routed_input, router_weight
+from mok_megatron.bench.timing import PHASES, peak_memory_mib, time_phases
+from mok_megatron.bench.torchtitan import PeerUnavailable
+from mok_megatron.bench.clocks import ClockSampler
+
+IMPLS = ("mok", "megatron", "megatron-te", "torchtitan", "plain-pytorch")
+MEGATRON_IMPLS = ("mok", "megatron", "megatron-te")
+# adapters written against another project's moving API: a failure there skips the peer, with its reason
+BEST_EFFORT = ("torchtitan",)
+# relative error (max |diff| / max |ref|) allowed against the reference implementation
+TOLERANCE = {"bf16": 5e-2, "fp32": 1e-4}
+# expert GEMM FLOPs per phase, in units of 2 * rows * 3 * H * F (forward: fc1 is 2F wide, fc2 F)
+PHASE_FLOP_FACTOR = {"fwd": 1, "bwd": 2, "fwd_bwd": 3, "steady": 3}
+# MoK with an FP8 expert backend: name -> (--mok-expert-backend, --fp8-recipe or None)
+FP8_IMPLS = {
+    "mok-torch-fp8": ("torch-fp8", None),
+    "mok-te-tensorwise": ("te", "tensorwise"),
+    "mok-te-blockwise": ("te", "blockwise"),
+    "mok-te-mxfp8": ("te", "mxfp8"),
+}
+# max |diff| / max |ref| of an FP8 path: e4m3 rounds each operand by up to 2^-4 relative, and the worst
+# element of two chained GEMMs can reach a few times that (the Frobenius error is ~0.05: tests/test_fp8_gpu.py)
+FP8_TOLERANCE = 0.25
+
+
+def check_impls(impls: list[str]) -> None:
+    bad = [i for i in impls if i not in IMPLS and i not in FP8_IMPLS]
+    if bad:
+        raise ValueError(f"unknown implementation(s) {bad}: choose from {', '.join(IMPLS)}")
+    if not any(i in MEGATRON_IMPLS for i in impls):
+        raise ValueError(
+            f"--impl {','.join(impls)}: include one of {', '.join(MEGATRON_IMPLS)} (weights come from it)"
+        )
+
+
+def _te_reason() -> str | None:
+    import torch
+
+    try:
+        import transformer_engine.pytorch  # noqa: F401
+    except Exception as e:  # ImportError, or TE's own load errors (missing .so, CUDA mismatch)
+        return f"Transformer Engine not importable ({type(e).__name__}: {e})"
+    if not torch.cuda.is_available():
+        return "Transformer Engine needs a CUDA GPU"
+    return None
+
+
+def _bench_config(shape: dict, dtype, impl: str, router_fusion: bool = False):
+    from mok_megatron.bench.layer import _config
+
+    cfg = dataclasses.replace(
+        _config(shape, dtype),
+        moe_router_load_balancing_type="none",
+        moe_aux_loss_coeff=0.0,
+        moe_router_fusion=router_fusion,
+    )
+    return dataclasses.replace(cfg, moe_permute_fusion=True) if impl == "megatron-te" else cfg
+
+
+def _weights(sd: dict):
+    from mok_megatron.experts.checkpoint import convert_state_dict
+
+    mok = convert_state_dict(sd, "mok")
+    pick = {
+        s: [v for k, v in mok.items() if k.endswith(s)] for s in ("router.weight", "fc1_weight", "fc2_weight")
+    }
+    for s, found in pick.items():
+        if len(found) != 1:
+            raise RuntimeError(f"reference state dict: {len(found)} tensors named *{s}, expected one")
+    return pick["router.weight"][0], pick["fc1_weight"][0], pick["fc2_weight"][0]
+
+
+def _build(impl: str, shape: dict, dtype, device, ref_sd: dict | None, router_fusion: bool = False):
+    """(layer, note) or PeerUnavailable."""
+    from mok_megatron.bench.layer import build
+    from mok_megatron.experts.checkpoint import convert_state_dict
+
+    if impl == "megatron-te" and (reason := _te_reason()):
+        raise PeerUnavailable(reason)
+    if impl in FP8_IMPLS:
+        return _build_fp8(impl, shape, dtype, device, ref_sd, router_fusion), ""
+    if impl in MEGATRON_IMPLS:
+        layer = build(impl, _bench_config(shape, dtype, impl, router_fusion)).to(device)
+        if ref_sd is None:
+            router = [p for n, p in layer.named_parameters() if n.endswith("router.weight")]
+            with __import__("torch").no_grad():
+                router[0].copy_(router_weight(shape["experts"], shape["hidden"]))
+        else:
+            target = {"mok": "mok", "megatron": "sequential", "megatron-te": "te_grouped"}[impl]
+            layer.load_state_dict(convert_state_dict(ref_sd, target), strict=True)
+        return layer, ""
+    weights = _weights(ref_sd)
+    if impl == "plain-pytorch":
+        from mok_megatron.bench.peers import PlainMoE
+
+        layer = PlainMoE(*weights, topk=shape["topk"])
+        return layer, f"expert GEMMs: {layer.gemm}"
+    from mok_megatron.bench.torchtitan import TorchtitanMoE
+
+    import os
+
+    import torch
+
+    layer = TorchtitanMoE(*weights, topk=shape["topk"])
+    if device.type != "cuda":
+        return layer, "eager (torch.compile is tried on CUDA only)"
+    if os.environ.get("MOK_BENCH_TORCHTITAN_COMPILE", "1") == "0":
+        return layer, "eager (MOK_BENCH_TORCHTITAN_COMPILE=0)"
+    x = torch.randn(shape["tokens"], 1, shape["hidden"], device=device, dtype=dtype)
+    return layer, layer.compile_moe(x)  # "torch.compile", or eager with the reason
+
+
+def _build_fp8(impl: str, shape: dict, dtype, device, ref_sd: dict, router_fusion: bool = False):
+    from mok_megatron.experts.checkpoint import convert_state_dict
+    from mok_megatron.bench.fp8_layers import InQuantContext, build_mok_layer, fp8_config, unavailable
+
+    backend, recipe = FP8_IMPLS[impl]
+    if reason := unavailable(backend, recipe):
+        raise PeerUnavailable(f"--mok-expert-backend {backend} {recipe or ''}: {reason}")
+    cfg = fp8_config(_bench_config(shape, dtype, "mok", router_fusion), recipe)
+    layer = build_mok_layer(backend, cfg).to(device)
+    layer.load_state_dict(convert_state_dict(ref_sd, "mok"), strict=True)
+    return InQuantContext(layer, cfg)
+
+
+def _rel_err(a, ref) -> float:
+    return (a.float() - ref).abs().max().item() / (ref.abs().max().item() or 1.0)
+
+
+def bench_case(
+    shape_name: str,
+    shape: dict,
+    routing: str,
+    impls: list[str],
+    dtype_name: str,
+    iters: int,
+    warmup: int,
+    router_fusion: bool = False,
+) -> dict:
+    import torch
+
+    check_impls(impls)
+    dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[dtype_name]
+    device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    t, h, e, k = shape["tokens"], shape["hidden"], shape["experts"], shape["topk"]
+    x = routed_input(routing, t, h, e).view(t, 1, h).to(device, dtype)
+    dout = (torch.randn(t, 1, h, generator=torch.Generator().manual_seed(2)) * 1e-2).to(device, dtype)
+    unit_flops = 2 * t * k * 3 * h * shape["ffn"]
+    windows = {}  # impl -> wall-time window of its timing, for the GPU clock summary
+    with ClockSampler() as clocks:
+        rows, skipped, ref_impl = _bench_impls(
+            shape,
+            impls,
+            dtype_name,
+            dtype,
+            device,
+            x,
+            dout,
+            unit_flops,
+            iters,
+            warmup,
+            router_fusion,
+            windows,
+        )
+        steps = gemm_steps(shape, expert_load(routing, t, e, k), dtype, device)
+        t0 = time.time()
+        bound = time_phases(*steps, lambda: None, iters, warmup)
+        windows[None] = (t0, time.time())
+        del steps
+    for row in rows:
+        row["gpu"] = clocks.summary(*windows[row["impl"]])
+    bound_gpu = clocks.summary(*windows[None])
+    expert_gemms = {f"{p}_ms": bound[p]["ms"] for p in PHASES}
+    expert_gemms |= {
+        f"{p}_tflops": PHASE_FLOP_FACTOR[p] * unit_flops / (bound[p]["ms"] / 1e3) / 1e12 for p in PHASES
+    }
+    rows.sort(key=lambda r: impls.index(r["impl"]))
+    return {
+        "shape": shape_name,
+        **shape,
+        "routing": routing,
+        "expert_rows": expert_load(routing, t, e, k),
+        "dtype": dtype_name,
+        "iters": iters,
+        "warmup": warmup,
+        "device": torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu",
+        "reference": ref_impl,
+        "peak_mem": "torch.cuda.max_memory_allocated delta over one fwd+bwd"
+        if device.type == "cuda"
+        else "n/a on CPU",
+        "rows": rows,
+        "skipped": skipped,
+        "expert_gemms": expert_gemms | {"gpu": bound_gpu},
+        "gpu_clocks": "nvidia-smi" if clocks.available else clocks.error,
+    }
+
+
+def _bench_impls(
+    shape, impls, dtype_name, dtype, device, x, dout, unit_flops, iters, warmup, router_fusion, windows
+):
+    """(rows, skipped, reference impl): every implementation checked against the first, then timed."""
+    import torch
+
+    rows, skipped, ref, ref_sd, ref_impl = [], [], None, None, None
+    order = sorted(impls, key=lambda i: i not in MEGATRON_IMPLS)  # weights come from a Megatron-type layer
+    for impl in order:
+        torch.manual_seed(0)
+        try:
+            layer, note = _build(impl, shape, dtype, device, ref_sd, router_fusion)
+        except PeerUnavailable as err:
+            skipped.append({"impl": impl, "reason": str(err)})
+            continue
+        if ref_sd is None:
+            ref_sd = {
+                n: v.detach().clone() if torch.is_tensor(v) else v for n, v in layer.state_dict().items()
+            }
+
+        def forward(layer=layer):
+            xi = x.detach().requires_grad_(True)
+            return layer(xi)[0], xi
+
+        def backward(res):
+            res[0].backward(dout)
+
+        def reset(layer=layer):
+            layer.zero_grad(set_to_none=True)
+
+        try:
+            out, xi = forward()
+            backward((out, xi))
+        except Exception as e:
+            if impl not in BEST_EFFORT:
+                raise
+            skipped.append({"impl": impl, "reason": f"first fwd+bwd failed: {type(e).__name__}: {e}"})
+            continue
+        if ref is None:
+            ref, ref_impl, err = (out.detach().float(), xi.grad.float()), impl, (0.0, 0.0)
+        else:
+            err = (_rel_err(out.detach(), ref[0]), _rel_err(xi.grad, ref[1]))
+            if max(err) > (FP8_TOLERANCE if impl in FP8_IMPLS else TOLERANCE[dtype_name]):
+                msg = f"{impl} disagrees with {ref_impl}: relative error out {err[0]:.3e}, dx {err[1]:.3e}"
+                if impl in BEST_EFFORT:
+                    skipped.append({"impl": impl, "reason": msg})
+                    continue
+                raise RuntimeError(msg)
+        del out, xi
+        t0 = time.time()
+        times = time_phases(forward, backward, reset, iters, warmup)
+        windows[impl] = (t0, time.time())
+        row = {"impl": impl, "note": note, "rel_err_out": err[0], "rel_err_dx": err[1]}
+        for p in PHASES:
+            row[f"{p}_ms"] = times[p]["ms"]
+            row[f"{p}_min_ms"] = times[p]["min_ms"]
+            row[f"{p}_tflops"] = PHASE_FLOP_FACTOR[p] * unit_flops / (times[p]["ms"] / 1e3) / 1e12
+        row |= {
+            "ms": row["fwd_bwd_ms"],
+            "min_ms": row["fwd_bwd_min_ms"],
+            "expert_tflops": row["fwd_bwd_tflops"],
+        }
+        row["peak_mem_mib"] = peak_memory_mib(forward, backward, reset)
+        rows.append(row)
+        del layer
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    return rows, skipped, ref_impl
+
+
+def bench_suite(
+    shapes: dict,
+    routings: list[str],
+    impls: list[str],
+    dtype_name: str = "bf16",
+    iters: int = 20,
+    warmup: int = 3,
+    router_fusion: bool = False,
+) -> list[dict]:
+    """One case per (shape, routing), all in this process."""
+    from mok_megatron.bench.layer import _init_single_process
+
+    check_impls(impls)
+    bad = [r for r in routings if r not in ROUTINGS]
+    if bad:
+        raise ValueError(f"unknown routing(s) {bad}: choose from {', '.join(ROUTINGS)}")
+    _init_single_process()
+    return [
+        bench_case(name, s, r, impls, dtype_name, iters, warmup, router_fusion)
+        for name, s in shapes.items()
+        for r in routings
+    ]

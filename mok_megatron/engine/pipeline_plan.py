@@ -1,0 +1,477 @@
+"""The pipeline plan: how one layer call's tokens flow through minibatches, computed once per call.
+
+The overlap engine moves *tokens*, not (token, expert) rows: a token goes at most once to each EP
+rank that holds one of its experts, with that rank's slice of its routing (probabilities + mask).
+The receiving rank expands tokens to (token, local expert) rows, runs its experts, sums each token's
+local expert outputs, and sends one row per token back (DeepEP's layout). With top-8 routing over
+two ranks this moves ~4x fewer bytes than one row per (token, expert) and never moves a row whose
+expert is local.
+
+Local rows never travel: each minibatch's tokens are cut into regions ``R | A | B``. The rows a
+token sends to *other* ranks (and, under the loopback stand-in for larger EP, the rows of region R,
+the emulated peers' share) form the remote exchange; the rows a token keeps on this rank are
+computed in place, region A while the dispatch flies and region B while the combine returns. The
+local regions are dense (every token of the region, masked by whether it routes here): they need no
+sort, no gather and no communication. With ``fuse_local`` (fast links: what is left to hide is
+smaller than what splitting costs) there is no region B and region A's rows join the received rows
+in one expert call after the dispatch lands (one grouped GEMM per weight, no weight-gradient sum).
+
+Legend:
+    T  local tokens             C  minibatches           EP expert-parallel ranks
+    E  global experts           L  local experts (E / EP)
+    N  token rows this rank sends in one minibatch (dest-major, token order inside a dest)
+    R  token rows this rank receives in one minibatch (source-major)
+    M  (token, local expert) rows of one minibatch, grouped by local expert
+    W  routing metadata width = 2L (probabilities of the L experts of the destination, then mask)
+
+Counts: one all-gather of ``[EP(dest), 3C, L+1]`` per rank (per region R, A, B) (rows per destination local expert, token
+rows per destination) gives every rank every count. Exact mode then reads it on the host once per
+layer call (split sizes, row counts); sync-free mode never does: buffers have a fixed capacity of
+``ceil(capacity_multiplier * minibatch tokens)`` token rows per (source, destination), and the
+overflow flag (identical on every rank) stays on the device until the caller decides.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from mok_megatron.transport.comm import group_size
+from mok_megatron.ops.routing import SlotMap, slot_map
+
+MAX_MINIBATCHES = 16  # bounds the counts exchange; larger splits only shrink the GEMMs further
+_MIN_ROWS_PER_EXPERT = 512  # auto rule: keep each local expert's GEMM at least this tall on average
+_AUTO_MAX_MINIBATCHES = 4
+MIN_LOCAL_HALF = 256  # tokens: a minibatch's local rows are split in halves A/B only above 2x this
+
+
+class PipelineError(ValueError):
+    """Inputs the pipeline cannot run on (named value, constraint, fix)."""
+
+
+def auto_minibatch_size(
+    num_tokens: int, topk: int, num_local_experts: int, ep_size: int, slow_link: bool = True
+) -> int:
+    """Default minibatch size, from the H200 measurements in docs/benchmarks.md.
+
+    Over fast links (every EP rank in one NVLink domain) splitting costs more than it hides: one
+    minibatch. Over slow links (EP across nodes, ~50 GB/s per GPU) as many minibatches (at most 4)
+    as keep every local expert's GEMM at least 512 rows tall on average (a rank receives ~T*K/L rows
+    per local expert when routing is balanced). Without expert parallelism there is nothing to hide."""
+    if ep_size == 1 or num_tokens == 0 or not slow_link:
+        return max(num_tokens, 1)
+    rows_per_expert = num_tokens * topk / num_local_experts
+    chunks = max(1, min(_AUTO_MAX_MINIBATCHES, int(rows_per_expert // _MIN_ROWS_PER_EXPERT)))
+    return math.ceil(num_tokens / chunks)
+
+
+def fuse_local_rows(local_rows: str, slow_link: bool) -> bool:
+    """``--mok-local-rows`` -> whether a rank's local rows join the received rows' expert call.
+
+    'auto': fused over fast links (every EP rank in one NVLink domain), where the exchanges are short
+    and splitting the local rows into two more expert calls costs more (smaller GEMMs, a weight-
+    gradient sum per call, launches) than it hides; overlapped over slow links."""
+    if local_rows == "auto":
+        return not slow_link
+    return local_rows == "fused"
+
+
+def minibatch_bounds(num_tokens: int, minibatch_size: int) -> tuple[int, ...]:
+    """Token boundaries ``(0, b1, ..., T)``; the last minibatch may be shorter. Capped at 16 minibatches."""
+    if minibatch_size < 1:
+        raise PipelineError(f"minibatch_size={minibatch_size}: must be >= 1.")
+    size = max(minibatch_size, math.ceil(num_tokens / MAX_MINIBATCHES))
+    if num_tokens == 0:
+        return (0, 0)
+    return tuple(range(0, num_tokens, size)) + (num_tokens,)
+
+
+@dataclass(frozen=True)
+class ExpertPart:
+    """One grouped-GEMM call's rows: the received remote rows, or a local region."""
+
+    rows_M: int  # (token, local expert) rows; sync-free (``padded``): an upper bound
+    tokens_per_expert_L: torch.Tensor  # [L] int64 on device (exact mode)
+    tokens_per_expert_host: tuple[int, ...] | None  # exact mode: the same on the host
+    padded: bool  # rows carry a mask; counts come from what arrived
+
+
+@dataclass(frozen=True)
+class LocalPlan:
+    """The rows of one minibatch that stay on this rank, and how the minibatch's output is summed."""
+
+    regions: tuple[int, int, int]  # (r, a, b): tokens [0, r) remote-only, [r, r+a) A, [r+a, r+a+b) B
+    here_T: torch.Tensor  # [Tc] bool: the token routes to a local expert (emulated: region A/B)
+    remote: ExpertPart  # the rows received from the other ranks
+    part_a: ExpertPart
+    part_b: ExpertPart
+    sum_slots: SlotMap  # [Tc, EP]: rows of cat(remote back, A, B) per token, fixed order
+    sum_index_N: torch.Tensor  # token of each row of cat(remote back, A, B)
+    sum_valid_N: torch.Tensor  # row carries a value
+
+
+@dataclass(frozen=True)
+class SendPlan:
+    """One minibatch's *remote* exchange (what a transport reads) plus, in ``local``, its local rows.
+    Sizes are Python ints; in sync-free mode they are the fixed capacities (no host read)."""
+
+    start: int  # first token of the minibatch
+    num_tokens: int  # Tc
+    token_idx_N: torch.Tensor  # [N] token (within the minibatch) of each sent row
+    dest_N: torch.Tensor  # [N] destination EP rank of each row
+    valid_N: torch.Tensor | None  # [N] row carries a token (sync-free padding: False)
+    slots: SlotMap  # [Tc, EP] each token's sent rows (gradient of the gather)
+    send_splits: tuple[int, ...] | None  # [EP] rows per destination (None: capacity each)
+    recv_splits: tuple[int, ...] | None  # [EP] rows per source
+    split_matrix: tuple[tuple[int, ...], ...] | None  # [EP(src)][EP(dest)] rows, every rank's sends
+    capacity: int | None  # token rows per (source, destination) when all peers get the same
+    rows_M: int  # expanded rows this rank's experts compute from received rows (upper bound if padded)
+    tokens_per_expert_L: torch.Tensor  # [L] int64 on device
+    tokens_per_expert_host: tuple[int, ...] | None  # exact mode: the same on the host
+    local: LocalPlan | None = None  # None: every row goes through the transport (hand-built plans)
+
+
+@dataclass(frozen=True)
+class PipelinePlan:
+    hidden_shape: torch.Size
+    num_tokens: int
+    minibatches: tuple[SendPlan, ...]
+    num_local_experts: int
+    ep_group: object
+    sync_free: bool
+    overflow: torch.Tensor | None  # sync-free: bool scalar on device, identical on every rank
+    emulated_ep: int = 1  # loopback: region R holds the emulated peers' share of the tokens
+    fuse_local: bool = False  # region A's rows join the received rows' expert call (no region B)
+
+    @property
+    def ep_size(self) -> int:
+        return group_size(self.ep_group)
+
+
+def regions(num_tokens: int, emulated_ep: int, split_local: bool = True) -> tuple[int, int, int]:
+    """``(r, a, b)`` of a minibatch of ``num_tokens``: R is the emulated peers' share (``1 - 1/EP``)
+    of the tokens (0 without emulation; all of them when the emulated local share is under
+    ``MIN_LOCAL_HALF`` tokens: too small to hide anything, it would only add an expert call); the
+    local rest is halved into A and B when it holds at least ``2 * MIN_LOCAL_HALF`` tokens, else it
+    is all A (halves that small would only add launches and a weight-gradient sum; ``split_local``
+    False: always all A)."""
+    r = num_tokens - (num_tokens + emulated_ep - 1) // emulated_ep
+    if emulated_ep > 1 and num_tokens - r < MIN_LOCAL_HALF:
+        r = num_tokens  # emulated local share too small to hide anything: it travels too
+    rest = num_tokens - r
+    a = (rest + 1) // 2 if split_local and rest >= 2 * MIN_LOCAL_HALF else rest
+    return r, a, rest - a
+
+
+_LABELS: dict = {}  # (T, size, emulated_ep, device) -> labels: read-only, reused by every call
+
+
+def _region_labels(T: int, size: int, emulated_ep: int, device, split_local: bool = True) -> torch.Tensor:
+    """``[T]`` region id ``3c + {0: R, 1: A, 2: B}`` of every token, by device arithmetic (the same
+    rule as ``regions``; no host tensors, so a CUDA graph can capture it). Cached per shape: later
+    calls launch nothing (a graph captured after the first call reads the cached tensor)."""
+    key = (T, size, emulated_ep, MIN_LOCAL_HALF, split_local, str(device))
+    if key not in _LABELS:
+        if len(_LABELS) > 64:
+            _LABELS.clear()
+        _LABELS[key] = _labels(T, size, emulated_ep, device, split_local)
+    return _LABELS[key]
+
+
+def _labels(T: int, size: int, emulated_ep: int, device, split_local: bool = True) -> torch.Tensor:
+    t = torch.arange(T, device=device)
+    c = t // size
+    o = t - c * size
+    tc = (T - c * size).clamp(max=size)
+    r = tc - (tc + emulated_ep - 1) // emulated_ep
+    if emulated_ep > 1:
+        r = torch.where(tc - r < MIN_LOCAL_HALF, tc, r)
+    rest = tc - r
+    half = 2 * MIN_LOCAL_HALF if split_local else T + 1
+    a = torch.where(rest >= half, (rest + 1) // 2, rest)
+    return 3 * c + (o >= r).to(torch.int64) + (o >= r + a).to(torch.int64)
+
+
+def _counts(routing_map_TE, bounds, ep, L, emulated_ep, split_local=True):
+    """``[3C, EP, L+1]``: rows per (region, destination local expert) and token rows per destination."""
+    T = routing_map_TE.shape[0]
+    C = len(bounds) - 1
+    size = bounds[1] - bounds[0] if C else 1  # equal minibatches but the last
+    label_T = _region_labels(T, max(size, 1), emulated_ep, routing_map_TE.device, split_local)
+    rm = routing_map_TE.view(T, ep, L)
+    per = torch.cat([rm, rm.any(-1, keepdim=True)], -1).to(torch.int64).view(T, -1)  # [T, EP*(L+1)]
+    out = torch.zeros((3 * C, ep * (L + 1)), dtype=torch.int64, device=routing_map_TE.device)
+    # Integer sums: exact in any order. (Segment sums of a running sum were no faster on an H200:
+    # benchmarks/counts_probe.py, session 12.)
+    out.index_add_(0, label_T, per)
+    return out.view(3 * C, ep, L + 1)
+
+
+def build_pipeline_plan(
+    hidden_shape: torch.Size,
+    routing_map_TE: torch.Tensor,
+    num_local_experts: int,
+    topk: int,
+    ep_group,
+    minibatch_size: int,
+    sync_free: bool = False,
+    capacity_multiplier: float = 1.0,
+    emulated_ep: int = 1,
+    fuse_local: bool = False,
+) -> PipelinePlan:
+    """Route this rank's tokens into minibatches: one all-gather of counts, at most one host read.
+
+    ``emulated_ep`` > 1 (loopback benchmarks, EP=1 only): region R of each minibatch, the share of
+    rows an EP rank would receive from its peers, goes through the transport as if remote.
+    ``fuse_local``: no region B; the local rows run in the received rows' expert call (see the
+    module docstring)."""
+    T, E = routing_map_TE.shape
+    ep = group_size(ep_group)
+    L = num_local_experts
+    if E != ep * L:
+        raise PipelineError(f"routing map has {E} experts; EP={ep} x {L} local experts = {ep * L}.")
+    if emulated_ep < 1 or (emulated_ep > 1 and ep > 1):
+        raise PipelineError(
+            f"emulated_ep={emulated_ep} with EP={ep}: emulation needs EP=1 and emulated_ep >= 1; "
+            "pass emulated_ep=1 for real expert parallelism."
+        )
+    device = routing_map_TE.device
+    bounds = minibatch_bounds(T, minibatch_size)
+    C = len(bounds) - 1
+    counts_GPW = _counts(routing_map_TE, bounds, ep, L, emulated_ep, not fuse_local)  # [3C, EP(dest), L+1]
+    # Every rank learns every count: [EP(src), EP(dest), 3C, L+1] (padded to 3*MAX_MINIBATCHES so
+    # the collective has the same size on every rank; T rides along to check that the ranks agree).
+    payload = torch.zeros((ep, 3 * MAX_MINIBATCHES, L + 1), dtype=torch.int64, device=device)
+    payload[:, : 3 * C] = counts_GPW.transpose(0, 1)
+    payload = torch.cat([payload.view(-1), torch.full((1,), T, dtype=torch.int64, device=device)])
+    if ep > 1:
+        gathered = payload.new_empty((ep * payload.numel(),))  # flat: gloo wants it so
+        dist.all_gather_into_tensor(gathered, payload, group=ep_group)
+        gathered = gathered.view(ep, -1)
+    else:
+        gathered = payload.view(1, -1)
+    me = 0 if ep == 1 else dist.get_rank(ep_group)
+    all_SDGW = gathered[:, :-1].view(ep, ep, 3 * MAX_MINIBATCHES, L + 1)
+    ctx = _Ctx(routing_map_TE, bounds, me, ep, L, topk, emulated_ep, all_SDGW, not fuse_local)
+    if sync_free:
+        tokens_S = gathered[:, -1]
+        overflow = (tokens_S != T).any()  # ranks disagree on T: flagged like an overflow, never silent
+        mbs = []
+        for c in range(C):
+            mb, over = _sync_free_minibatch(ctx, c, capacity_multiplier)
+            overflow = overflow | over
+            mbs.append(mb)
+        return PipelinePlan(hidden_shape, T, tuple(mbs), L, ep_group, True, overflow, emulated_ep, fuse_local)
+
+    host = gathered.cpu()  # the one host read of this call
+    tokens_host = host[:, -1].tolist()
+    if len(set(tokens_host)) != 1:
+        raise PipelineError(
+            f"EP ranks hold different token counts {tokens_host} in one MoE layer call; the MoK "
+            "pipeline needs the same number of tokens on every EP rank (Megatron's layout gives it)."
+        )
+    host_SDGW = host[:, :-1].view(ep, ep, 3 * MAX_MINIBATCHES, L + 1).tolist()
+    tpe = ctx.device_tpe(C)
+    mbs = tuple(_exact_minibatch(ctx, c, host_SDGW, [t[c] for t in tpe]) for c in range(C))
+    return PipelinePlan(hidden_shape, T, mbs, L, ep_group, False, None, emulated_ep, fuse_local)
+
+
+@dataclass(frozen=True)
+class _Ctx:
+    routing_map_TE: torch.Tensor
+    bounds: tuple[int, ...]
+    me: int
+    ep: int
+    L: int
+    topk: int
+    emulated_ep: int
+    all_SDGW: torch.Tensor  # device counts [EP(src), EP(dest), 3*MAX, L+1]
+    split_local: bool = True  # local rows in halves A/B (False: all A, fused with the received rows)
+
+    def minibatch(self, c):
+        start, stop = self.bounds[c], self.bounds[c + 1]
+        tc = stop - start
+        to_rank_TP = self.routing_map_TE[start:stop].view(tc, self.ep, self.L).any(-1)  # [Tc, EP]
+        return start, tc, to_rank_TP, regions(tc, self.emulated_ep, self.split_local)
+
+    def device_tpe(self, C):
+        """``[C, 3, L]`` rows per local expert arriving here per minibatch: (remote, A, B), device.
+        Views of two reductions for the whole call, not small ops per minibatch."""
+        mine_SGL = self.all_SDGW[:, self.me, : 3 * C, : self.L]
+        own_CRL = mine_SGL[self.me].view(C, 3, self.L)
+        if self.emulated_ep > 1:
+            remote_CL = own_CRL[:, 0]
+        else:
+            remote_CL = (mine_SGL.sum(0) - mine_SGL[self.me]).view(C, 3, self.L).sum(1)
+        return remote_CL, own_CRL[:, 1], own_CRL[:, 2]
+
+
+def _sum_map(tc, tok_N, valid_N, here_T, r, remote: SlotMap):
+    """The final per-token sum over ``cat(remote rows, region A and B rows)``: each token's remote
+    rows in destination order (the remote slot map), then its local row (a column appended)."""
+    dev = tok_N.device
+    n = tok_N.shape[0]
+    local_T = torch.arange(n - r, n - r + tc, device=dev)  # row of token t >= r: n + t - r
+    local_T = local_T * (local_T >= n)  # tokens of region R own no local row: 0, masked
+    row_TK = torch.cat([remote.row_TK, local_T.unsqueeze(1)], 1)
+    valid_rem = (
+        remote.valid_TK if remote.valid_TK is not None else torch.ones_like(remote.row_TK, dtype=torch.bool)
+    )
+    valid_TK = torch.cat([valid_rem, here_T.unsqueeze(1)], 1)
+    index = torch.cat([tok_N, torch.arange(r, tc, device=dev)])
+    valid = torch.cat(
+        [valid_N if valid_N is not None else torch.ones_like(tok_N, dtype=torch.bool), here_T[r:]]
+    )
+    return index, valid, SlotMap(row_TK, valid_TK)
+
+
+def _remote_sources(ctx):
+    """The ranks whose rows reach this rank through the transport (emulated: this rank itself)."""
+    return [s for s in range(ctx.ep) if s != ctx.me] or [ctx.me]
+
+
+def _here_T(ctx, to_rank_TP, r):
+    here = to_rank_TP[:, ctx.me]
+    if r:  # emulated: region R travels, so it is not "here"
+        here = here.clone()
+        here[:r] = False
+    return here
+
+
+def _exact_minibatch(ctx: _Ctx, c: int, host_SDGW, tpe_dev) -> SendPlan:
+    ep, me, L = ctx.ep, ctx.me, ctx.L
+    start, tc, to_rank_TP, (r, a, b) = ctx.minibatch(c)
+    G = (3 * c, 3 * c + 1, 3 * c + 2)
+
+    def rows(s, d, gs):  # token rows s sends d over regions gs
+        return sum(host_SDGW[s][d][g][L] for g in gs)
+
+    def tpe(s_list, d, gs):
+        return tuple(sum(host_SDGW[s][d][g][l] for s in s_list for g in gs) for l in range(L))
+
+    emulated = ctx.emulated_ep > 1
+    if emulated:  # one rank: region R is the exchange
+        split = ((rows(0, 0, G[:1]),),)
+        src_gs = G[:1]
+    else:
+        split = tuple(tuple(0 if s == d else rows(s, d, G) for d in range(ep)) for s in range(ep))
+        src_gs = G
+    send = split[me]
+    recv = tuple(split[s][me] for s in range(ep))
+    # Remote rows, dest-major (token order inside a destination); emulated: region R, dense.
+    if emulated:
+        tok = torch.arange(r, device=to_rank_TP.device)
+        dest = torch.zeros_like(tok)
+    else:
+        remote_TP = to_rank_TP.clone()
+        remote_TP[:, me] = False
+        flat = remote_TP.t().reshape(-1).argsort(descending=True, stable=True)[: sum(send)]
+        tok, dest = flat % tc, flat // tc
+    sources = _remote_sources(ctx)
+    tpe_remote = tpe(sources, me, src_gs)
+    here_T = _here_T(ctx, to_rank_TP, r)
+    slots = slot_map(tok, torch.ones_like(tok, dtype=torch.bool), tc, max(ep - 1, 1))
+    index, valid, sum_slots = _sum_map(tc, tok, None, here_T, r, slots)
+
+    def part(i, host):
+        return ExpertPart(sum(host), tpe_dev[i], host, False)
+
+    local = LocalPlan(
+        regions=(r, a, b),
+        here_T=here_T,
+        remote=part(0, tpe_remote),
+        part_a=part(1, tpe([me], me, G[1:2])),
+        part_b=part(2, tpe([me], me, G[2:3])),
+        sum_slots=sum_slots,
+        sum_index_N=index,
+        sum_valid_N=valid,
+    )
+    return SendPlan(
+        start=start,
+        num_tokens=tc,
+        token_idx_N=tok,
+        dest_N=dest,
+        valid_N=None,
+        slots=slots,
+        send_splits=send,
+        recv_splits=recv,
+        split_matrix=split,
+        capacity=None,
+        rows_M=local.remote.rows_M,
+        tokens_per_expert_L=local.remote.tokens_per_expert_L,
+        tokens_per_expert_host=tpe_remote,
+        local=local,
+    )
+
+
+def _sync_free_minibatch(ctx: _Ctx, c: int, multiplier: float):
+    ep, me, L = ctx.ep, ctx.me, ctx.L
+    start, tc, to_rank_TP, (r, a, b) = ctx.minibatch(c)
+    kk = min(ctx.topk, L)
+    dev = to_rank_TP.device
+    G = slice(3 * c, 3 * c + 3)
+    emulated = ctx.emulated_ep > 1
+    if emulated:
+        cap = r
+        tok = torch.arange(r, device=dev)
+        dest = torch.zeros_like(tok)
+        valid = to_rank_TP[:r, 0]
+        split = ((r,),)
+        over = torch.zeros((), dtype=torch.bool, device=dev)
+    else:
+        cap = max(1, math.ceil(multiplier * tc))
+        rows_SD = ctx.all_SDGW[:, :, G, L].sum(-1)  # [EP, EP] token rows per (source, dest)
+        off_diag = ~torch.eye(ep, dtype=torch.bool, device=dev)
+        over = ((rows_SD > cap) & off_diag).any()
+        # Peers = every rank but me, indexed on the device: a host index list would be a pageable
+        # host-to-device copy, which CUDA graph capture rejects.
+        p_idx = torch.arange(ep - 1, device=dev)
+        peer_idx = p_idx + (p_idx >= me).to(p_idx.dtype)
+        to_peer = to_rank_TP.index_select(1, peer_idx)  # [Tc, EP-1]
+        # For each peer, its tokens in order, then the rest: take `cap` slots per peer.
+        order_PT = (~to_peer).t().to(torch.int8).argsort(dim=1, stable=True)  # [EP-1, Tc]
+        if cap > tc:
+            order_PT = torch.cat([order_PT, order_PT[:, :1].expand(ep - 1, cap - tc)], 1)
+        tok_PC = order_PT[:, :cap]
+        n_P = to_peer.sum(0)
+        valid = (torch.arange(cap, device=dev).view(1, -1) < n_P.view(-1, 1)).reshape(-1)
+        tok = tok_PC.reshape(-1)
+        dest = peer_idx.repeat_interleave(cap)
+        split = tuple(tuple(0 if s == d else cap for d in range(ep)) for s in range(ep))
+    send = split[me]
+    recv = tuple(split[s][me] for s in range(len(split)))
+    here_T = _here_T(ctx, to_rank_TP, r)
+    slots = slot_map(tok, valid, tc, max(ep - 1, 1))
+    index, sum_valid, sum_slots = _sum_map(tc, tok, valid, here_T, r, slots)
+    nrecv = sum(recv)
+    zero = torch.zeros(L, dtype=torch.int64, device=dev)
+    local = LocalPlan(
+        regions=(r, a, b),
+        here_T=here_T,
+        remote=ExpertPart(nrecv * kk, zero, None, True),
+        part_a=ExpertPart(a * kk, zero, None, True),
+        part_b=ExpertPart(b * kk, zero, None, True),
+        sum_slots=sum_slots,
+        sum_index_N=index,
+        sum_valid_N=sum_valid,
+    )
+    mb = SendPlan(
+        start=start,
+        num_tokens=tc,
+        token_idx_N=tok,
+        dest_N=dest,
+        valid_N=valid,
+        slots=slots,
+        send_splits=send,
+        recv_splits=recv,
+        split_matrix=split,
+        capacity=None,
+        rows_M=nrecv * kk,
+        tokens_per_expert_L=zero,
+        tokens_per_expert_host=None,
+        local=local,
+    )
+    return mb, over

@@ -1,0 +1,91 @@
+"""The experts' GEMM backend (``--mok-expert-backend``): which one can run here, and its row alignment.
+
+    torch      bf16 ``torch`` grouped GEMM (``ops.grouped_gemm``); no padding
+    torch-fp8  native rowwise-scaled FP8 (``ops.fp8_grouped_gemm``); every expert's rows padded to 16
+    te         Transformer Engine ``GroupedLinear`` (Megatron's ``TEGroupedLinear`` wrappers), run under
+               Megatron's FP8 context when ``--fp8-format`` is given (every recipe Megatron exposes), bf16
+               otherwise; rows padded to the recipe's alignment (``experts.recipes.alignment_for``)
+
+``check_expert_backend`` runs once at layer build (before any GEMM), so a wrong GPU or a missing TE
+fails at start-up with the value, the constraint and the fix.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mok_megatron.config import MoKConfigError
+from mok_megatron.ops import fp8_grouped_gemm as native
+from mok_megatron.experts.recipes import alignment_for
+
+BACKENDS = ("torch", "torch-fp8", "te")
+
+
+def _fp8_recipe_name(config) -> str | None:
+    """Megatron's active quantization recipe name ('delayed', ..., 'nvfp4'), or None for bf16."""
+    if getattr(config, "fp4", None):
+        return str(getattr(config.fp4_recipe, "value", config.fp4_recipe))
+    if getattr(config, "fp8", None):
+        return str(getattr(config.fp8_recipe, "value", config.fp8_recipe))
+    return None
+
+
+def expert_alignment(backend: str, config) -> int:
+    """Rows per expert the backend's grouped GEMM needs (1 = no padding)."""
+    if backend == "torch":
+        return 1
+    if backend == "torch-fp8":
+        return native.ALIGNMENT
+    if backend == "te":
+        recipe = _fp8_recipe_name(config)
+        if recipe is None:
+            return 1
+        return alignment_for(recipe, bool(getattr(config, "use_transformer_engine_op_fuser", False)))
+    raise MoKConfigError(f"--mok-expert-backend={backend!r}: choose one of {', '.join(BACKENDS)}.")
+
+
+def check_expert_backend(
+    backend: str,
+    config,
+    device: torch.device | str,
+    *,
+    have_te: bool,
+    sync_free: bool = False,
+    recompute_activation: bool = False,
+    delay_wgrad: bool = False,
+) -> None:
+    """Raise ``MoKConfigError`` unless ``backend`` can run the experts of ``config`` on ``device``."""
+    if backend not in BACKENDS:
+        raise MoKConfigError(f"--mok-expert-backend={backend!r}: choose one of {', '.join(BACKENDS)}.")
+    if backend == "torch":
+        return
+    if recompute_activation:
+        raise MoKConfigError(
+            f"--mok-expert-backend {backend} does not recompute the activation yet "
+            "(--recompute-modules moe_act); drop moe_act from --recompute-modules or use the torch backend."
+        )
+    if backend == "torch-fp8":
+        native.check_native_fp8(device)
+        if delay_wgrad:
+            raise MoKConfigError(
+                "--mok-expert-backend torch-fp8 does not defer weight gradients (--delay-wgrad-compute / "
+                "--overlap-dispatch-backward-with-experts-wgrad); drop those flags or use --mok-expert-backend te."
+            )
+        return
+    # te
+    if not have_te:
+        raise MoKConfigError(
+            "--mok-expert-backend te needs Transformer Engine, which is not importable here. Install it "
+            "(pip install 'mok-megatron[te]'), or use --mok-expert-backend torch-fp8 (Hopper+, no TE) or torch."
+        )
+    if sync_free:
+        raise MoKConfigError(
+            "--mok-expert-backend te reads the per-expert row counts on the host (TE's GroupedLinear takes "
+            "m_splits as a list), which --mok-sync-free forbids. Drop --mok-sync-free, or use "
+            "--mok-expert-backend torch-fp8 (device-only)."
+        )
+    if torch.device(device).type != "cuda":
+        raise MoKConfigError(
+            f"--mok-expert-backend te runs Transformer Engine GEMMs on a CUDA GPU; this device is "
+            f"{torch.device(device).type}. Use --mok-expert-backend torch on CPU."
+        )

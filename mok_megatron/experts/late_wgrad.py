@@ -1,0 +1,82 @@
+"""Late weight gradients: inside one pipelined layer call, the experts' weight gradients wait until the
+last dispatch-backward exchange is in flight, and fill the time it flies.
+
+Why: a pipelined layer's backward ends with the dispatch-backward exchange (each received row's input
+gradient going home). With the weight gradients computed beside the input gradients (autograd's
+default), the last expert call's backward ends with its weight-gradient GEMMs and only then hands its
+input gradient to that exchange, so nothing is left to hide it: at one minibatch a whole exchange is
+exposed. Here every expert GEMM's backward computes only its input gradient and queues its weight
+gradient (``expert_schedule.WgradQueue``); the queue runs after the last dispatch-backward exchange
+has been launched, on the compute stream, while the exchange flies on the communication stream.
+
+How: ``LateWgrad.open()``, called by the pipeline after it packs every minibatch and before it creates
+any expert call or dispatch-exchange autograd node, passes the experts' weights through one autograd
+node (``_Gate``); the layer call's expert GEMMs use its outputs and queue their weight gradients in
+``LateWgrad.queue``. Autograd runs ready nodes most recently created first, so ``_Gate``'s backward
+runs after every dispatch-backward node (created later) has launched its exchange and before the
+packs' backward (created earlier), which waits for those exchanges. It computes the queued gradients
+in the order backward produced them, sums them per weight in that order and returns the sums through
+autograd: ``AccumulateGrad`` and every hook on the weights (Megatron's DDP) run as without it, and the
+gradients are bitwise the same (the same GEMMs, the same summation order; tested).
+
+Cost: each expert GEMM's output gradient lives until ``_Gate`` runs (DeepSeek-V3's slice at 4096
+tokens, 8 local experts: ~0.7 GB more at the peak). Opt-in (``--mok-late-wgrad``): on one H200 with the
+loopback transport it gained nothing consistent (±1.2 ms both ways between runs, s10c-s10e, s11e): the
+exchange's spin does run beside the weight gradients, but its copies wait for them to finish (s11a).
+With the loopback's link time alone (``loopback_bytes='link'``, no copies) it was faster at most points, by
+about the run-to-run spread (DeepSeek's slice at 900 GB/s: 14.85 vs 15.03 ms; s11f; docs/benchmarks.md,
+"Eleventh session"). A real link is where it could pay: not measured. Not with Megatron's
+``delay_wgrad_compute`` (its ``backward_dw`` already defers them further) nor with the FP8 / TE
+experts (their GEMMs are not ``expert_schedule``'s); ``MoKGroupedMLP.late_wgrad`` decides.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mok_megatron.experts.torch_mlp import WgradQueue
+
+
+class LateWgrad:
+    """The weight-gradient gate of one layer call. ``open()`` makes ``weights`` (stand-ins for the
+    parameters, to use in this call's expert GEMMs) and an empty ``queue``; each call of ``open``
+    starts over (an overflow redo runs the pipeline again).
+
+    The autograd node keeps the queue and the stand-ins' ids, never this object: with a reference cycle
+    (gate -> stand-ins -> node -> gate) a forward dropped without backward left the node to Python's
+    garbage collector, which then ran inside a later CUDA graph capture and invalidated it (s10a)."""
+
+    def __init__(self, params: tuple[torch.nn.Parameter, ...]):
+        self.params = params
+        self.queue = WgradQueue()
+        self.weights: tuple[torch.Tensor, ...] | None = None
+
+    def open(self) -> None:
+        self.queue = WgradQueue()
+        stand_in_ids: list[int] = []
+        self.weights = _Gate.apply(self.queue, stand_in_ids, *self.params)
+        stand_in_ids.extend(id(w) for w in self.weights)
+
+
+class _Gate(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, queue: WgradQueue, stand_in_ids: list[int], *params):
+        ctx.set_materialize_grads(False)  # the outputs' gradients are None: the queue holds them
+        ctx.queue, ctx.stand_in_ids = queue, stand_in_ids
+        return tuple(p.view_as(p) for p in params)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        index = {key: i for i, key in enumerate(ctx.stand_in_ids)}
+        out: list[torch.Tensor | None] = [None] * len(grads)
+        for key, (weight, dw) in ctx.queue.sums().items():
+            if key not in index:
+                raise RuntimeError(
+                    "late weight gradients: a queued gradient belongs to no weight of this gate "
+                    f"(shape {tuple(weight.shape)}); expert GEMMs must use LateWgrad.weights"
+                )
+            out[index[key]] = dw
+        for i, g in enumerate(grads):  # a stand-in used outside the queue (never in MoK's experts)
+            if g is not None:
+                out[i] = g if out[i] is None else out[i] + g
+        return (None, None, *out)

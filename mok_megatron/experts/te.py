@@ -1,0 +1,204 @@
+"""``MoKTEGroupedMLP``: MoK's experts with Transformer Engine GEMMs (``--mok-expert-backend te``).
+
+Legend: L local experts, R rows (expert-major), F1 fc1 rows (2F with a GLU), F FFN width, H hidden.
+
+The GEMMs are Megatron's own TE wrappers, built exactly as ``TEGroupedMLP`` builds them
+(``TEColumnParallelGroupedLinear`` for fc1, ``TERowParallelGroupedLinear`` for fc2, same constructor
+arguments), so parameters, ``state_dict`` keys (``linear_fc1.weight{i}``, ``linear_fc1._extra_state``),
+TE's FP8 metadata, delayed weight gradients (TE's ``delay_wgrad_compute``) and the distributed-checkpoint
+``sharded_state_dict`` (``TEGroupedMLP``'s method, the same keys as ``SequentialMLP``) are Megatron's. FP8
+comes from the context Megatron's ``TransformerBlock`` enters around every layer
+(``fp8_utils.get_fp8_context``: delayed, tensorwise, blockwise, mxfp8; ``fp4_utils`` for nvfp4); without
+``--fp8-format`` TE runs bf16.
+
+What MoK changes (``te_expert_mlp``): per-expert padding to the recipe's alignment
+is one device scatter of the rows by ``ops.align``'s plan (Megatron's ``Fp8Padding`` splits and
+concatenates per expert on the host's counts), the activation is MoK's (``ops.activation``), and plain
+(non-distributed) state dicts in MoK's stacked layout load too (``to_te_layout``).
+"""
+
+from __future__ import annotations
+
+import torch
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
+from megatron.core.utils import get_pg_size
+
+from mok_megatron.config import MoKConfig, MoKConfigError
+from mok_megatron.experts.common import padded_expert_mlp, scale_input
+from mok_megatron.experts.grouped_mlp import MoKGroupedMLP
+from mok_megatron.ops.activation import apply_activation
+
+
+def padded_counts_host(counts_L: torch.Tensor, alignment: int) -> list[int]:
+    """Per-expert padded row counts on the host (TE's ``m_splits``): one device-to-host read."""
+    from mok_megatron.compat import te_m_splits
+
+    counts_L = counts_L.long()
+    return te_m_splits((counts_L + alignment - 1) // alignment * alignment)
+
+
+def te_expert_mlp(
+    x_RH, probs_R, counts_L, linear_fc1, linear_fc2, act, alignment, *, apply_probs_on_input=False
+):
+    """The MLP through TE GroupedLinear modules (``module(x, m_splits) -> (y, bias)``, Megatron's
+    wrapper contract). Runs under whatever FP8 context the caller entered (Megatron's block does)."""
+    m_splits = padded_counts_host(counts_L, alignment)
+
+    def fc1(x_PH, plan):
+        return linear_fc1(x_PH, m_splits)[0]
+
+    def fc2(a_PF, plan):
+        return linear_fc2(a_PF, m_splits)[0]
+
+    if alignment == 1:  # nothing to pad (TE bf16): skip the scatter / gather
+        if apply_probs_on_input:
+            x_RH, probs_R = scale_input(x_RH, probs_R)
+        return fc2(apply_activation(fc1(x_RH, None), act, probs_R), None)
+    return padded_expert_mlp(
+        x_RH,
+        probs_R,
+        counts_L,
+        fc1,
+        fc2,
+        act,
+        alignment,
+        apply_probs_on_input=apply_probs_on_input,
+        num_rows=sum(m_splits),
+    )
+
+
+def to_te_layout(sd: dict, prefix: str, num_local_experts: int) -> None:
+    """In place: rewrite expert weights under ``prefix`` (MoK stacked or SequentialMLP layout) into TE
+    GroupedLinear's (``linear_fc{1,2}.weight{i}``, one ``_extra_state`` per linear). TE-layout dicts are
+    left as they are."""
+    from mok_megatron.experts.checkpoint import detect_layout, from_mok_layout, to_mok_layout
+
+    layout = detect_layout(sd, prefix)
+    if layout in (None, "te_grouped"):
+        return
+    to_mok_layout(sd, prefix, num_local_experts)
+    from_mok_layout(sd, prefix, "te_grouped")
+
+
+class MoKTEGroupedMLP(MoKGroupedMLP):
+    """Routed experts on TE GroupedLinear: ``forward(x, tokens_per_expert, permuted_probs) -> (out, None)``.
+
+    Built by ``MoKGroupedMLP(...)`` itself when the options ask for ``expert_backend='te'``."""
+
+    def __init__(
+        self,
+        num_local_experts: int,
+        config,
+        pg_collection=None,
+        name: str | None = None,
+        mok_config: MoKConfig | None = None,
+        options=None,
+    ):
+        from mok_megatron.compat import have_te, te_grouped_linear_classes
+        from mok_megatron.experts.backend import check_expert_backend, expert_alignment
+
+        MegatronModule.__init__(self, config=config)
+        pg = pg_collection if pg_collection is not None else get_default_pg_collection()
+        self.ep_group, self.tp_group, self.dp_group = pg.ep, pg.expt_tp, pg.expt_dp
+        self.mok_config = mok_config or MoKConfig.from_megatron(
+            config, ep_size=get_pg_size(self.ep_group), etp_size=get_pg_size(self.tp_group)
+        )
+        cfg = self.mok_config
+        if num_local_experts != cfg.num_local_experts:
+            raise MoKConfigError(
+                f"MoKTEGroupedMLP got num_local_experts={num_local_experts}, but num_moe_experts="
+                f"{cfg.num_experts} over EP={cfg.ep_size} gives {cfg.num_local_experts}."
+            )
+        self.options = self._resolve_options(options)
+        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
+        check_expert_backend(
+            "te",
+            config,
+            device,
+            have_te=have_te(),
+            sync_free=self.options.sync_free,
+            recompute_activation=cfg.recompute_activation,
+        )
+        self.expert_backend = "te"
+        self.expert_alignment = expert_alignment("te", config)
+        self.num_local_experts = num_local_experts
+        self.input_size = config.hidden_size
+        fc1_cls, fc2_cls = te_grouped_linear_classes()
+        # Exactly TEGroupedMLP.__init__'s calls (megatron/core/transformer/moe/experts.py, 0.19).
+        self.linear_fc1 = fc1_cls(
+            num_local_experts,
+            self.input_size if config.moe_latent_size is None else config.moe_latent_size,
+            cfg.activation.fc1_multiplier() * config.moe_ffn_hidden_size,
+            config=config,
+            init_method=config.init_method,
+            bias=False,
+            skip_bias_add=False,
+            is_expert=True,
+            tp_comm_buffer_name="fc1",
+            pg_collection=pg,
+            name=(name + ".linear_fc1") if name is not None else None,
+        )
+        self.linear_fc2 = fc2_cls(
+            num_local_experts,
+            config.moe_ffn_hidden_size,
+            config.hidden_size if config.moe_latent_size is None else config.moe_latent_size,
+            config=config,
+            init_method=config.output_layer_init_method,
+            bias=False,
+            skip_bias_add=True,
+            is_expert=True,
+            tp_comm_buffer_name="fc2",
+            pg_collection=pg,
+            name=(name + ".linear_fc2") if name is not None else None,
+        )
+        self.wgrad_queue = None  # TE defers weight gradients itself (delay_wgrad_compute)
+        self._wgrad_hooks = []
+
+    def reset_parameters(self) -> None:  # TE initialises its weights (config.init_method)
+        return None
+
+    def input_alignment(self) -> int:
+        """The FP8 recipe's rows per expert (16 / 32 / 128; 1 in bf16)."""
+        return self.expert_alignment
+
+    def reads_counts_on_host(self) -> bool:
+        return True  # TE's GroupedLinear takes m_splits as host ints
+
+    def forward(self, permuted_local_hidden_states, tokens_per_expert, permuted_probs):
+
+        cfg = self.mok_config
+        # Rows the dispatcher already padded (aligned plan) go straight to TE's GEMMs.
+        alignment = 1 if self.aligned_input >= self.expert_alignment else self.expert_alignment
+        out = te_expert_mlp(
+            permuted_local_hidden_states,
+            permuted_probs,
+            tokens_per_expert,
+            self.linear_fc1,
+            self.linear_fc2,
+            cfg.activation,
+            alignment,
+            apply_probs_on_input=cfg.apply_probs_on_input,
+        )
+        return out, None
+
+    def register_wgrad_accumulation_and_reduce_hooks(self, hook) -> None:
+        """Nothing here: Megatron's DDP visits every module holding the parameter, so it registers the
+        hook on the TE linears themselves (which fire it in their backward_dw), as for TEGroupedMLP
+        (which has no such method). Registering here as well would reduce the gradient twice."""
+        return None
+
+    def backward_dw(self) -> None:
+        """TE's deferred weight gradients (``delay_wgrad_compute``), fc2 then fc1 as ``TEGroupedMLP``."""
+        self.linear_fc2.backward_dw()
+        self.linear_fc1.backward_dw()
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        to_te_layout(state_dict, prefix, self.num_local_experts)
+        MegatronModule._load_from_state_dict(self, state_dict, prefix, *args, **kwargs)
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None):
+        """``TEGroupedMLP``'s own mapping (its keys are ``SequentialMLP``'s, so MoK's too)."""
+        from megatron.core.transformer.moe.experts import TEGroupedMLP
+
+        return TEGroupedMLP.sharded_state_dict(self, prefix, sharded_offsets, metadata)

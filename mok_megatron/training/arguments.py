@@ -1,0 +1,341 @@
+"""The ``--mok-*`` command-line flags for Megatron-LM's argument parser, and ``mok`` as a dispatcher.
+
+Use with any ``megatron.training`` entry point::
+
+    from mok_megatron.training.arguments import extra_args_provider, options_from_args
+    args = parse_and_validate_args(extra_args_provider=extra_args_provider)
+    set_default_options(options_from_args(args))
+
+``--moe-token-dispatcher-type mok`` selects the MoK MoE layer. Megatron-Core builds dispatchers from a
+hard-coded list and keys many checks off the string ``alltoall`` (config validation, shared-expert
+overlap, EP A2A overlap, ``should_free_input``); MoK reproduces the alltoall dispatcher's math, so
+the flag is an alias: after parsing, ``args.moe_token_dispatcher_type == "alltoall"`` and
+``args.mok == True``. Megatron's own checks then run unchanged, and the entry point picks the MoK
+layer spec from ``args.mok``. With any other dispatcher type the ``--mok-*`` flags are ignored
+(with a warning), so one command line A/B-compares the two layers by changing only the type.
+
+Validation runs right after parsing, before Megatron's ``validate_args`` and before any process
+group exists. argparse has no post-parse hook, so ``extra_args_provider`` wraps the parser's
+``parse_known_args`` (which ``parse_args`` calls); a bad combination exits like an argparse error
+(status 2, ``prog: error: <message naming the value and the fix>``).
+
+    flag                        MoKOptions field      default
+    --mok-engine E              engine                auto (pipeline when EP > 1 and supported)
+    --mok-minibatch-size N      minibatch_size        automatic
+    --mok-capacity-multiplier   capacity_multiplier   1.0 (never overflows)
+    --mok-sync-free             sync_free             off
+    --mok-deterministic         deterministic         on (--no-mok-deterministic: atomics)
+    --mok-transport T           transport             auto
+    --mok-expert-backend B      expert_backend        torch (bf16; torch-fp8 | te for FP8)
+    --mok-nvlink-programs N     nvlink_programs       64
+    --mok-nvlink-sync S         nvlink_sync           barrier (flags: per-peer ready flags)
+    --mok-local-rows R          local_rows            auto (fused in one NVLink domain, else overlap)
+    --mok-fp8-dispatch          fp8_dispatch          off (e4m3 dispatch rows, rowwise scales)
+    --mok-fp8-combine           fp8_combine           off (opt-in: e4m3 expert output rows back too)
+    --mok-late-wgrad            late_wgrad            off (opt-in: weight gradients after the last exchange)
+"""
+
+from __future__ import annotations
+
+import argparse
+import warnings
+
+from mok_megatron.options import (
+    ENGINES,
+    EXPERT_BACKENDS,
+    LOCAL_ROWS,
+    NVLINK_SYNCS,
+    TRANSPORTS,
+    MoKOptions,
+    MoKOptionsError,
+)
+
+DISPATCHER_FLAG = "--moe-token-dispatcher-type"
+MOK = "mok"
+# Megatron's dispatcher whose semantics MoK reproduces; `mok` is parsed into it.
+MOK_BASE_DISPATCHER = "alltoall"
+_MARK = "_mok_flags_added"
+
+
+class MoKArgumentError(ValueError):
+    """A command line MoK cannot run. The message names the value, the constraint and the fix."""
+
+
+class _DispatcherTypeAction(argparse._StoreAction):
+    """Stores ``--moe-token-dispatcher-type``; ``mok`` becomes ``alltoall`` plus ``args.mok = True``."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        use_mok = values == MOK
+        namespace.mok = use_mok
+        super().__call__(parser, namespace, MOK_BASE_DISPATCHER if use_mok else values, option_string)
+
+
+def _widen_dispatcher_choices(parser: argparse.ArgumentParser) -> None:
+    action = parser._option_string_actions.get(DISPATCHER_FLAG)
+    if action is None:
+        raise MoKArgumentError(
+            f"{DISPATCHER_FLAG} is not defined on this parser: call extra_args_provider on a parser that "
+            "already has Megatron's arguments (megatron.training.arguments.parse_args does this)."
+        )
+    if action.choices is not None and MOK not in action.choices:
+        action.choices = [*action.choices, MOK]
+    action.__class__ = _DispatcherTypeAction
+    action.help = (action.help or "") + f" '{MOK}': the MoK MoE layer (alltoall semantics)."
+    parser.set_defaults(mok=False)
+
+
+def add_mok_flags(parser) -> None:
+    """The ``--mok-*`` flags alone (no dispatcher widening), e.g. for a plain argparse parser."""
+    d = MoKOptions()
+    g = parser.add_argument_group(title="mok", description="MoK MoE layer (--moe-token-dispatcher-type mok)")
+    g.add_argument(
+        "--mok-engine",
+        choices=ENGINES,
+        default=d.engine,
+        help="pipeline: the minibatched overlap engine; plain: one dispatch/experts/combine per layer "
+        "call (Megatron's row layout); auto (default): pipeline when EP > 1 and routing allows",
+    )
+    g.add_argument(
+        "--mok-minibatch-size",
+        type=int,
+        default=d.minibatch_size,
+        help="tokens per pipelined dispatch/expert/combine minibatch (default: automatic)",
+    )
+    g.add_argument(
+        "--mok-capacity-multiplier",
+        type=float,
+        default=d.capacity_multiplier,
+        help="sync-free receive buffer per source rank as a fraction of its tokens, in (0, 1]; "
+        "overflow is detected and redone exactly, never dropped (default: %(default)s)",
+    )
+    g.add_argument(
+        "--mok-sync-free",
+        action="store_true",
+        help="exchange token counts on device: no host sync in the layer (CUDA-graph capturable)",
+    )
+    g.add_argument(
+        "--mok-deterministic",
+        action=argparse.BooleanOptionalAction,
+        default=d.deterministic,
+        help="fixed-order, atomic-free reductions: bitwise-identical runs (default: on; "
+        "--no-mok-deterministic uses index_add_ atomics)",
+    )
+    g.add_argument(
+        "--mok-transport",
+        choices=TRANSPORTS,
+        default=d.transport,
+        help="EP exchange: collective (NCCL/gloo all-to-all), copy_engine (symmetric-memory peer "
+        "pulls inside one NVLink domain), loopback (benchmarks only), auto (default)"
+        ", nvlink (Triton kernels read/write peer memory, one NVLink domain)",
+    )
+    g.add_argument(
+        "--mok-local-rows",
+        choices=LOCAL_ROWS,
+        default=d.local_rows,
+        help="pipeline: rows whose expert is local. overlap: two halves hidden behind dispatch and "
+        "combine; fused: one expert call with the received rows; auto (default): fused inside one "
+        "NVLink domain, overlap across nodes",
+    )
+    g.add_argument(
+        "--mok-fp8-dispatch",
+        action="store_true",
+        help="pipeline: dispatch token rows in FP8 (e4m3, one fp32 scale per row; about half the "
+        "bytes); combine and gradients stay bf16",
+    )
+    g.add_argument(
+        "--mok-fp8-combine",
+        action="store_true",
+        help="pipeline, opt-in: the expert output rows travel back in FP8 too (e4m3, one fp32 scale per "
+        "row; the combine's bytes halved, up to 2^-4 relative error per route); gradients stay bf16",
+    )
+    g.add_argument(
+        "--mok-late-wgrad",
+        action=argparse.BooleanOptionalAction,
+        default=d.late_wgrad,
+        help="pipeline, opt-in: the experts' weight gradients wait until the last dispatch-backward "
+        "exchange flies and hide it (bitwise the same gradients; default: off, measured no gain on one GPU)",
+    )
+    g.add_argument(
+        "--mok-nvlink-programs",
+        type=int,
+        default=d.nvlink_programs,
+        help="--mok-transport nvlink: CTAs (SMs) that communicate (default: %(default)s)",
+    )
+    g.add_argument(
+        "--mok-nvlink-sync",
+        choices=NVLINK_SYNCS,
+        default=d.nvlink_sync,
+        help="--mok-transport nvlink: signal each exchange with symmetric memory's barrier, or with "
+        "per-peer ready flags (a destination reads each source as soon as it has staged; default: %(default)s)",
+    )
+    g.add_argument(
+        "--mok-expert-backend",
+        choices=EXPERT_BACKENDS,
+        default=d.expert_backend,
+        help="experts' GEMMs: torch (bf16 grouped GEMM, default), torch-fp8 (native rowwise FP8, "
+        "Hopper+, no TE), te (Transformer Engine GroupedLinear under --fp8-format/--fp8-recipe)",
+    )
+
+
+def extra_args_provider(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Megatron ``extra_args_provider``: adds the MoK flags and validation. Idempotent."""
+    if getattr(parser, _MARK, False):
+        return parser
+    _widen_dispatcher_choices(parser)
+    add_mok_flags(parser)
+    parse_known = parser.parse_known_args
+
+    def parse_known_args(args=None, namespace=None):
+        ns, rest = parse_known(args, namespace)
+        try:
+            validate(ns)
+        except (MoKArgumentError, MoKOptionsError) as e:
+            # parser.error would print Megatron's ~600-flag usage first and bury the message.
+            parser.exit(2, f"{parser.prog}: error: {e}\n")
+        return ns, rest
+
+    parser.parse_known_args = parse_known_args
+    setattr(parser, _MARK, True)
+    return parser
+
+
+def install() -> None:
+    """Make every parser ``megatron.training.arguments`` builds in this process know the MoK flags.
+
+    Megatron re-parses ``sys.argv`` on its own during ``pretrain`` (``ft_integration.setup`` and
+    in-process restart call ``parse_args(ignore_unknown_args=True)`` without the entry point's
+    ``extra_args_provider``); unknown ``--mok-*`` flags are ignored there, but the value ``mok`` of a
+    known flag is not. The entry point calls this; the Megatron-LM patch set do the same inside Megatron-LM.
+    Idempotent.
+    """
+    from megatron.training import arguments as margs
+
+    add = margs.add_megatron_arguments
+    if getattr(add, "_mok", False):
+        return
+
+    def add_megatron_arguments(parser):
+        return extra_args_provider(add(parser))
+
+    add_megatron_arguments._mok = True
+    add_megatron_arguments.__wrapped__ = add
+    margs.add_megatron_arguments = add_megatron_arguments
+
+
+def combine(*providers):
+    """One ``extra_args_provider`` from several (``None`` entries skipped)."""
+
+    def provider(parser):
+        for p in providers:
+            if p is not None:
+                parser = p(parser)
+        return parser
+
+    return provider
+
+
+def options_from_args(args) -> MoKOptions:
+    """``MoKOptions`` from parsed flags (raises ``MoKOptionsError`` on bad values)."""
+    return MoKOptions(
+        engine=args.mok_engine,
+        minibatch_size=args.mok_minibatch_size,
+        capacity_multiplier=args.mok_capacity_multiplier,
+        sync_free=args.mok_sync_free,
+        deterministic=args.mok_deterministic,
+        transport=args.mok_transport,
+        expert_backend=getattr(args, "mok_expert_backend", "torch"),
+        nvlink_programs=getattr(args, "mok_nvlink_programs", MoKOptions().nvlink_programs),
+        nvlink_sync=getattr(args, "mok_nvlink_sync", MoKOptions().nvlink_sync),
+        local_rows=getattr(args, "mok_local_rows", MoKOptions().local_rows),
+        fp8_dispatch=getattr(args, "mok_fp8_dispatch", False),
+        fp8_combine=getattr(args, "mok_fp8_combine", False),
+        late_wgrad=getattr(args, "mok_late_wgrad", MoKOptions().late_wgrad),
+    )
+
+
+def _given_mok_flags(args) -> list[str]:
+    d = MoKOptions()
+    given = options_from_args(args)
+    return [
+        "--mok-" + f.replace("_", "-")
+        for f in (
+            "engine",
+            "minibatch_size",
+            "capacity_multiplier",
+            "sync_free",
+            "deterministic",
+            "transport",
+            "expert_backend",
+            "nvlink_programs",
+            "nvlink_sync",
+            "local_rows",
+            "fp8_dispatch",
+            "fp8_combine",
+            "late_wgrad",
+        )
+        if getattr(given, f) != getattr(d, f)
+    ]
+
+
+def validate(args) -> None:
+    """Checks that need only the command line (no process groups). Raises ``MoKArgumentError`` /
+    ``MoKOptionsError``; ``extra_args_provider`` turns them into ``parser.error``."""
+    options_from_args(args)  # value checks live in MoKOptions
+    if not getattr(args, "mok", False):
+        given = _given_mok_flags(args)
+        if given:
+            warnings.warn(
+                f"{', '.join(given)} given with {DISPATCHER_FLAG} {args.moe_token_dispatcher_type}: "
+                f"ignored (they apply to {DISPATCHER_FLAG} {MOK} only).",
+                stacklevel=2,
+            )
+        return
+    experts = args.num_experts
+    if not experts:
+        raise MoKArgumentError(
+            f"{DISPATCHER_FLAG} {MOK} needs an MoE model: --num-experts is {experts}. Add "
+            "--num-experts N (and --moe-router-topk K), or drop the dispatcher flag for a dense model."
+        )
+    ep = args.expert_model_parallel_size
+    if ep < 1 or experts % ep != 0:
+        divisors = [d for d in range(1, experts + 1) if experts % d == 0]
+        raise MoKArgumentError(
+            f"{DISPATCHER_FLAG} {MOK}: --num-experts {experts} is not divisible by "
+            f"--expert-model-parallel-size {ep}; every EP rank must hold the same number of experts. "
+            f"Use an EP size from {divisors}."
+        )
+    topk = args.moe_router_topk
+    if not 1 <= topk <= experts:
+        raise MoKArgumentError(f"--moe-router-topk {topk}: must be between 1 and --num-experts {experts}.")
+    if args.mok_transport == "loopback" and ep != 1:
+        raise MoKArgumentError(
+            f"--mok-transport loopback emulates EP peers on one GPU and needs "
+            f"--expert-model-parallel-size 1 (got {ep}); use collective or copy_engine for real EP."
+        )
+
+
+# Lowest CUDA compute capability with hardware support for each FP8 recipe (TE's requirements).
+FP8_MIN_CAPABILITY = {"delayed": (8, 9), "tensorwise": (8, 9), "blockwise": (9, 0), "mxfp8": (10, 0)}
+
+
+def check_environment(args) -> None:
+    """Checks against this machine (run by the entry point after parsing, not by the parser, so a
+    command line can be parsed and checked anywhere): FP8 needs TE and a GPU that has the recipe."""
+    if not getattr(args, "fp8", None):
+        return
+    from mok_megatron.compat import cuda_capability, have_te
+
+    recipe = getattr(args, "fp8_recipe", "delayed")
+    if not have_te():
+        raise MoKArgumentError(
+            f"--fp8-format {args.fp8} (recipe {recipe}) needs Transformer Engine, which is not installed "
+            "here. Install it (pip install 'mok-megatron[te]') or drop --fp8-format."
+        )
+    cap = cuda_capability()
+    need = FP8_MIN_CAPABILITY.get(recipe)
+    if cap is not None and need is not None and cap < need:
+        supported = [r for r, c in FP8_MIN_CAPABILITY.items() if cap >= c]
+        raise MoKArgumentError(
+            f"--fp8-recipe {recipe} needs compute capability {need[0]}.{need[1]}+, this GPU is "
+            f"{cap[0]}.{cap[1]}. Use one of {supported} here (Hopper: blockwise), or run on a newer GPU."
+        )

@@ -1,0 +1,176 @@
+"""CPU mode for Megatron's training loop (``megatron.training.pretrain``), on top of ``mok_megatron.training.cpu``.
+
+``mok_megatron.training.cpu.enable()`` makes Megatron-Core's *model* code run on a CPU. The training loop
+assumes a GPU in more places; ``enable()`` here adds, each seen failing without it (0.19.2):
+
+1. ``device="cuda"`` / ``.cuda()`` / ``.to("cuda")`` all over ``megatron.training`` and the DDP /
+   optimizer buffers (timestamps all-reduced as CUDA tensors, loss reductions, grad buffers):
+   a ``TorchFunctionMode`` (``CudaToCpu``) rewrites CUDA devices to the CPU for every torch call,
+   and ``Tensor.cuda`` returns the CPU tensor; ``Tensor.type()`` names CPU tensors as CUDA ones
+   (``clip_grads`` asserts ``grad.type() == "torch.cuda.FloatTensor"``). It is a per-thread mode: ``enable()`` pushes it on
+   the calling thread, which must be the thread that trains.
+2. ``torch.cuda`` memory statistics and device queries used for logging (``memory_allocated``,
+   ``max_memory_allocated``, ``memory_stats``, ``empty_cache``, ``set_device``, ...) report zeros /
+   do nothing.
+3. ``initialize_megatron`` calls ``torch.cuda.set_device(local_rank)`` only when GPUs exist; the
+   backend comes from ``--distributed-backend`` (use ``gloo``).
+
+What the command line must say on CPU (``CPU_FLAGS``; the tiny recipe passes them): gloo, no fused
+kernels (apex / TE are GPU-only), fp32, local transformer implementation, no gradient-accumulation
+fusion, and ``--no-check-for-nan-in-loss-and-grad`` is *not* needed. ``check_cpu_args`` names any
+flag that cannot work here.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+# Flags a CPU run needs (the tiny recipe adds them when DEVICE=cpu).
+CPU_FLAGS = (
+    "--distributed-backend",
+    "gloo",
+    "--transformer-impl",
+    "local",
+    "--no-gradient-accumulation-fusion",
+    "--no-masked-softmax-fusion",
+    "--no-bias-swiglu-fusion",
+    "--no-bias-dropout-fusion",
+    "--no-rope-fusion",
+    "--no-persist-layer-norm",
+    "--attention-backend",
+    "local",
+)
+
+_lock = threading.Lock()
+_state: dict[str, object] = {}
+
+
+def _is_cuda(dev) -> bool:
+    if isinstance(dev, torch.device):
+        return dev.type == "cuda"
+    if isinstance(dev, str):
+        return dev.startswith("cuda")
+    return False
+
+
+class CudaToCpu(TorchFunctionMode):
+    """Every torch call: a CUDA ``device`` argument becomes the CPU."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.Tensor.cuda:
+            return args[0]
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
+            # Megatron asserts e.g. grad.type() == "torch.cuda.FloatTensor" (clip_grads.py).
+            name = func(*args)
+            return name.replace("torch.", "torch.cuda.", 1) if not args[0].is_cuda else name
+        if func is torch.Tensor.to:
+            args = tuple("cpu" if _is_cuda(a) else a for a in args)
+        if _is_cuda(kwargs.get("device")):
+            kwargs = dict(kwargs, device="cpu")
+        return func(*args, **kwargs)
+
+
+class _MemoryStub:
+    """``torch.cuda`` memory queries used for logging: zeros on CPU."""
+
+    @staticmethod
+    def zero(*args, **kwargs) -> int:
+        return 0
+
+    @staticmethod
+    def nothing(*args, **kwargs) -> None:
+        return None
+
+
+_CUDA_STUBS = {
+    "memory_allocated": _MemoryStub.zero,
+    "max_memory_allocated": _MemoryStub.zero,
+    "memory_reserved": _MemoryStub.zero,
+    "max_memory_reserved": _MemoryStub.zero,
+    "memory_stats": lambda *a, **k: {},
+    "reset_peak_memory_stats": _MemoryStub.nothing,
+    "reset_max_memory_allocated": _MemoryStub.nothing,
+    "empty_cache": _MemoryStub.nothing,
+    "set_device": _MemoryStub.nothing,
+    "ipc_collect": _MemoryStub.nothing,
+}
+
+
+def _patch_megatron_training(saved: list) -> None:
+    import megatron.training.initialize as minit
+    import megatron.training.training as mtrain
+
+    def replace(obj, name, value):
+        saved.append((obj, name, getattr(obj, name)))
+        setattr(obj, name, value)
+
+    init = minit.initialize_megatron
+
+    def initialize_megatron(*args, **kwargs):
+        # pretrain() asserts CUDA unless allow_no_cuda; everything it guards is handled above.
+        kwargs["allow_no_cuda"] = True
+        return init(*args, **kwargs)
+
+    replace(mtrain, "initialize_megatron", initialize_megatron)
+    # _initialize_distributed creates Megatron's model-parallel groups, and _set_random_seed seeds
+    # the model-parallel RNG tracker, only `if torch.cuda.device_count() > 0`. Without the groups
+    # nothing runs; without the seeds every tracked fork (expert init, dropout) fails. In CPU mode the
+    # tracker's "CUDA" states are CPU generator states (mok_megatron.training.cpu), so both run as if one
+    # device were present (set_device is a no-op here; the device id is only used for NCCL).
+    for name in ("_initialize_distributed", "_set_random_seed"):
+        replace(minit, name, _as_if_one_device(getattr(minit, name)))
+
+
+def _as_if_one_device(fn):
+    def wrapper(*args, **kwargs):
+        count = torch.cuda.device_count
+        torch.cuda.device_count = lambda: 1
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            torch.cuda.device_count = count
+
+    wrapper.__wrapped__ = fn
+    return wrapper
+
+
+def enable() -> None:
+    """Switch this process (and this thread's torch calls) to CPU training. Idempotent."""
+    import mok_megatron.training.cpu as cpu
+
+    with _lock:
+        if _state:
+            return
+        cpu.enable()
+        saved = {name: getattr(torch.cuda, name) for name in _CUDA_STUBS}
+        for name, fn in _CUDA_STUBS.items():
+            setattr(torch.cuda, name, fn)
+        patched: list = []
+        _patch_megatron_training(patched)
+        mode = CudaToCpu()
+        mode.__enter__()
+        _state.update(saved=saved, patched=patched, mode=mode)
+
+
+def disable() -> None:
+    """Undo ``enable()`` (call from the thread that enabled it)."""
+    import mok_megatron.training.cpu as cpu
+
+    with _lock:
+        if not _state:
+            return
+        _state["mode"].__exit__(None, None, None)
+        for name, fn in _state["saved"].items():
+            setattr(torch.cuda, name, fn)
+        for obj, name, old in reversed(_state["patched"]):
+            setattr(obj, name, old)
+        _state.clear()
+        cpu.disable()
+
+
+def is_enabled() -> bool:
+    return bool(_state)

@@ -1,0 +1,70 @@
+"""``LoopbackTransport``: one GPU standing in for an EP rank (benchmarks, ``mok bench overlap``).
+
+The rows are copied (device to device) as many times as the emulated rank would move them, and a delay
+stream waits ``bytes / bandwidth``; the exchange ends when both are done. ``copies=False``: no copy
+(the received rows are the sent ones), only the link time is emulated.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mok_megatron.engine.pipeline_plan import SendPlan
+
+
+def expected_remote_ranks(ep: int, num_local_experts: int, topk: int) -> float:
+    """Expected number of *other* EP ranks one token visits (uniform top-k over ep * L experts)."""
+    if ep <= 1:
+        return 0.0
+    e = ep * num_local_experts
+    miss = 1.0
+    for i in range(topk):
+        miss *= max(e - num_local_experts - i, 0) / (e - i)
+    return ep * (1.0 - miss) * (ep - 1) / ep
+
+
+class LoopbackTransport:
+    """One GPU plays one rank of an EP group: the same bytes copied, the link time emulated.
+
+    The link time (``bytes / gbps``) runs on a delay stream as a wall-clock spin
+    (``kernels.link_delay.spin_ns``) beside the copies; the exchange ends when both have.
+
+    ``copies``: copy the rows as many times as the emulated rank moves them (its HBM traffic). These
+    device-to-device copies (~3.6 TB/s of traffic) behave like SM work: on one H200 they make almost no
+    progress while a grouped GEMM holds the SMs and finish after it (``benchmarks/paced_copy_probe.py``,
+    s11). ``copies=False``: the link time alone stands for the
+    exchange; on GPUs the received rows *are* the sent rows (no copy at all; on CPU a clone): an ideal
+    transport whose bytes land beside the GEMMs unhindered, the schedule's own bound."""
+
+    name = "loopback"
+
+    def __init__(self, emulated_ep: int, num_local_experts: int, topk: int, gbps: float, copies: bool = True):
+        self.factor = expected_remote_ranks(emulated_ep, num_local_experts, topk)
+        self.copies = copies
+        self.gbps = gbps
+        self._delay_stream = None
+        self.bytes_moved = 0  # emulated link bytes so far (benchmarks read it)
+
+    def move(self, x: torch.Tensor, mb: SendPlan, direction: int) -> torch.Tensor:
+        nbytes = x.numel() * x.element_size() * self.factor
+        self.bytes_moved += nbytes
+        if x.device.type != "cuda":
+            return x.clone()
+        out = torch.empty_like(x) if self.copies else x
+        cur = torch.cuda.current_stream()
+        if self.gbps > 0:
+            from mok_megatron.kernels.link_delay import spin_ns
+
+            if self._delay_stream is None:
+                self._delay_stream = torch.cuda.Stream(device=x.device)
+            self._delay_stream.wait_stream(cur)
+            with torch.cuda.stream(self._delay_stream):
+                spin_ns(round(nbytes / self.gbps), x.device)  # bytes / (GB/s) = ns
+        # The emulated rank pulls `factor` rows per token: copy that many bytes (at least once). Without
+        # `copies` the rows are not copied at all: the received rows are the sent ones (a copy, even one,
+        # would wait for the GEMMs beside it and hold the exchange until they end, s11).
+        for _ in range(max(1, round(self.factor)) if self.copies else 0):
+            out.copy_(x)
+        if self.gbps > 0:
+            cur.wait_stream(self._delay_stream)
+        return out

@@ -1,0 +1,52 @@
+"""``NVLinkTransport``: the overlap pipeline's exchanges as device-initiated peer reads and writes.
+
+Same interface as ``mok_megatron.transport.base`` (``move(x, mb, direction)``): DISPATCH pulls
+(each destination rank's kernel reads its rows from every source's symmetric buffer), COMBINE pushes
+(each expert rank's kernel writes its output rows into the source ranks' buffers). The backward of a
+dispatch is a combine and vice versa, so backward uses both kernels too. ``programs`` bounds the CTAs
+that communicate; ``sync`` how the ranks signal each exchange: 'barrier' (symmetric memory's barrier)
+or 'flags' (per-peer ready flags, ``transport.nvlink.signals``). One NVLink domain only (the workspace checks it);
+across nodes the collective transport stays.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from mok_megatron.transport.comm import group_size
+from mok_megatron.engine.pipeline_plan import SendPlan
+from mok_megatron.transport.base import COMBINE
+from mok_megatron.transport.nvlink.exchange import exchange_rows
+from mok_megatron.transport.nvlink.kernels import DEFAULT_PROGRAMS
+from mok_megatron.transport.nvlink.workspace import workspace
+
+
+def split_matrix(mb: SendPlan, direction: int, ep: int) -> list[list[int]]:
+    """``m[s][d]``: rows s sends to d in this direction (capacity per pair in sync-free mode)."""
+    if mb.capacity is not None:
+        return [[mb.capacity] * ep for _ in range(ep)]
+    m = [list(r) for r in mb.split_matrix]
+    if direction == COMBINE:
+        m = [list(r) for r in zip(*m, strict=True)]
+    return m
+
+
+class NVLinkTransport:
+    name = "nvlink"
+
+    def __init__(self, group, programs: int = DEFAULT_PROGRAMS, sync: str = "barrier"):
+        self.group = group
+        self.ep = group_size(group)
+        self.rank = 0 if group is None else dist.get_rank(group)
+        self.programs = programs
+        self.sync = sync
+
+    def move(self, x: torch.Tensor, mb: SendPlan, direction: int) -> torch.Tensor:
+        if self.ep == 1:
+            return x.clone()
+        ws = workspace(self.group, x.device)
+        m = split_matrix(mb, direction, self.ep)
+        push = direction == COMBINE
+        # CPU tensors (tests with a shared-memory workspace) take the torch references.
+        return exchange_rows(ws, x, m, self.rank, push, self.programs, use_triton=x.is_cuda, sync=self.sync)
