@@ -11,7 +11,7 @@
 #SBATCH --time=04:00:00
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")"
-source ./common.sh
+source ./lib/common.sh
 
 NNODES=128 GPUS_PER_NODE=4 NVLINK_DOMAIN_GPUS=64 GPU=GB300   # 64 of a rack's 72 GPUs per segment
 export CUDA_DEVICE_MAX_CONNECTIONS=32              # GB300: let TP/EP comm kernels run beside compute
@@ -42,6 +42,9 @@ MOK_ARGS=(
   --mok-sync-free                 # no host sync in the layer (needed for CUDA graphs around it)
   --mok-capacity-multiplier 0.5   # sync-free receive buffers at half a source's tokens; overflow redone exactly
 )
+# Megatron's own layer pads each expert's token count to the FP8 block itself; MoK's experts pad their
+# rows in their own permute, so only the alltoall A/B run gets the flag (it would keep MoK off its pipeline).
+ALLTOALL_ARGS=(--moe-router-padding-for-quantization)
 PARALLEL_ARGS=(
   --tensor-model-parallel-size 1               # MLA + 7168 hidden fits without TP on 288 GB
   --pipeline-model-parallel-size 8
@@ -55,7 +58,6 @@ PRECISION_ARGS=(
   --bf16
   --fp8-format e4m3 --fp8-recipe mxfp8         # MXFP8 needs sm_100+ (Blackwell) and TE >= 2.x
   --fp8-param-gather                           # all-gather parameters in FP8
-  --moe-router-padding-for-quantization        # align expert token counts to the MXFP8 block (32)
 )
 MEMORY_ARGS=(
   --recompute-granularity selective

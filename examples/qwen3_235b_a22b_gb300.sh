@@ -11,7 +11,7 @@
 #SBATCH --time=04:00:00
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")"
-source ./common.sh
+source ./lib/common.sh
 
 NNODES=128 GPUS_PER_NODE=4 NVLINK_DOMAIN_GPUS=32 GPU=GB300
 export CUDA_DEVICE_MAX_CONNECTIONS=32
@@ -33,6 +33,9 @@ MOK_ARGS=(
   --mok-transport copy_engine      # EP=32 inside one NVLink segment
   --mok-sync-free --mok-capacity-multiplier 0.5
 )
+# Megatron's own layer pads each expert's token count to the FP8 block itself; MoK's experts pad their
+# rows in their own permute, so only the alltoall A/B run gets the flag (it would keep MoK off its pipeline).
+ALLTOALL_ARGS=(--moe-router-padding-for-quantization)
 PARALLEL_ARGS=(
   --tensor-model-parallel-size 2 --sequence-parallel   # attention with 64 heads split over 2 GPUs
   --pipeline-model-parallel-size 8
@@ -43,7 +46,6 @@ PARALLEL_ARGS=(
 )
 PRECISION_ARGS=(
   --bf16 --fp8-format e4m3 --fp8-recipe mxfp8 --fp8-param-gather   # MXFP8: sm_100+ only
-  --moe-router-padding-for-quantization
 )
 MEMORY_ARGS=(
   --recompute-granularity selective --recompute-modules layernorm core_attn

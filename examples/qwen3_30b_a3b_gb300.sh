@@ -11,7 +11,7 @@
 #SBATCH --time=02:00:00
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")"
-source ./common.sh
+source ./lib/common.sh
 
 NNODES=128 GPUS_PER_NODE=4 NVLINK_DOMAIN_GPUS=32 GPU=GB300
 export CUDA_DEVICE_MAX_CONNECTIONS=32
@@ -28,12 +28,15 @@ MOE_ARGS=(
   --moe-router-load-balancing-type aux_loss --moe-aux-loss-coeff 1e-3 --moe-router-dtype fp32 --moe-grouped-gemm
 )
 MOK_ARGS=(--mok-transport copy_engine --mok-sync-free --mok-capacity-multiplier 0.5)
+# Megatron's own layer pads each expert's token count to the FP8 block itself; MoK's experts pad their
+# rows in their own permute, so only the alltoall A/B run gets the flag (it would keep MoK off its pipeline).
+ALLTOALL_ARGS=(--moe-router-padding-for-quantization)
 PARALLEL_ARGS=(
   --tensor-model-parallel-size 1 --pipeline-model-parallel-size 1   # 30B fits per GPU with EP + dist. optimizer
   --expert-model-parallel-size 32 --expert-tensor-parallel-size 1   # 4 experts per GPU
   --use-distributed-optimizer --overlap-grad-reduce --overlap-param-gather   # data parallel 512
 )
-PRECISION_ARGS=(--bf16 --fp8-format e4m3 --fp8-recipe mxfp8 --fp8-param-gather --moe-router-padding-for-quantization)
+PRECISION_ARGS=(--bf16 --fp8-format e4m3 --fp8-recipe mxfp8 --fp8-param-gather)
 MEMORY_ARGS=(
   # No recompute: activations of a 2048-wide model fit in 288 GB at micro-batch 2.
   --cuda-graph-impl transformer_engine --te-rng-tracker --cuda-graph-modules attn moe_router

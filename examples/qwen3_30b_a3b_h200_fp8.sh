@@ -10,7 +10,7 @@
 #SBATCH --time=02:00:00
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")"
-source ./common.sh
+source ./lib/common.sh
 
 NNODES=4 GPUS_PER_NODE=8 NVLINK_DOMAIN_GPUS=8      # NVLink ends at the node on Hopper: EP <= 8
 GPU=${GPU:-H100}                                   # checked against the smaller Hopper (80 GB); GPU=H200
@@ -28,6 +28,9 @@ MOE_ARGS=(
   --moe-router-load-balancing-type aux_loss --moe-aux-loss-coeff 1e-3 --moe-router-dtype fp32 --moe-grouped-gemm
 )
 MOK_ARGS=()   # defaults: NCCL transport, exact mode, 1 minibatch in a node (best measured on 2 x H200, docs/benchmarks.md)
+# Megatron's own layer pads each expert's token count to the FP8 block itself; MoK's experts pad their
+# rows in their own permute, so only the alltoall A/B run gets the flag (it would keep MoK off its pipeline).
+ALLTOALL_ARGS=(--moe-router-padding-for-quantization)
 PARALLEL_ARGS=(
   --tensor-model-parallel-size 1
   --pipeline-model-parallel-size 2 --num-virtual-stages-per-pipeline-rank 2   # 4 chunks of 12 layers
@@ -36,7 +39,6 @@ PARALLEL_ARGS=(
 )
 PRECISION_ARGS=(
   --bf16 --fp8-format e4m3 --fp8-recipe blockwise  # Hopper (sm_90) FP8 with block scaling
-  --moe-router-padding-for-quantization            # pad expert token counts to FP8 alignment (16)
 )
 MEMORY_ARGS=(
   --recompute-granularity selective --recompute-modules layernorm   # 80/141 GB: recompute norms only

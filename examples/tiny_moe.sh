@@ -5,7 +5,7 @@
 #   DRY_RUN=1 bash examples/tiny_moe.sh            ITERS=50 NPROC=2 bash examples/tiny_moe.sh
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")"
-source ./common.sh
+source ./lib/common.sh
 
 NPROC=${NPROC:-1} ITERS=${ITERS:-20}
 NNODES=1 GPUS_PER_NODE=$NPROC NVLINK_DOMAIN_GPUS=$NPROC GPU=${GPU:-H100}   # any GPU (or CPU) holds it
@@ -26,7 +26,7 @@ if [ "$DEVICE" = cpu ]; then
   PRECISION_ARGS=(--distributed-backend gloo --transformer-impl local --no-gradient-accumulation-fusion
     --no-masked-softmax-fusion --no-bias-swiglu-fusion --no-bias-dropout-fusion --no-rope-fusion
     --no-persist-layer-norm)
-  export TORCHDYNAMO_DISABLE=1 OMP_NUM_THREADS=1   # torch.compile only costs time at this size
+  export OMP_NUM_THREADS=1
 else
   PRECISION_ARGS=(--bf16 --no-gradient-accumulation-fusion)   # the fused wgrad needs apex's CUDA extension
   # Without Transformer Engine: Megatron-Core's own modules.

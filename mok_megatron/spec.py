@@ -16,10 +16,14 @@ Module-level specs for Megatron-LM's ``--spec mok_megatron.spec <name>`` (every 
     gpt_layer_te_qk_layernorm       same with QK layernorm (Qwen3)
     gpt_layer_te_mla                TE with multi-latent attention (DeepSeek-V3)
 
-``mokify(spec)`` turns any Megatron layer or block spec into its MoK twin: each MoE ``mlp`` builder
-keeps its shared-expert builder and gets ``MoKMoELayer`` + ``MoKGroupedMLP``; Megatron's stock
-``TopKRouter`` becomes ``MoKTopKRouter`` (same routing, fp32 gating GEMM on bf16 tensor cores), a custom
-router is kept.
+Megatron's loader reads them as module attributes (``vars(module)[name]``), so they are built when this
+module is imported; the TE ones only where Transformer Engine imports (elsewhere using one raises an
+error naming the fix).
+
+``mokify(spec, options=)`` turns any Megatron layer or block spec into its MoK twin: each MoE ``mlp``
+builder keeps its shared-expert builder and gets ``MoKMoELayer`` + ``MoKGroupedMLP`` with these
+``MoKOptions`` (the layer hands them to its experts and dispatcher); Megatron's stock ``TopKRouter``
+becomes ``MoKTopKRouter`` (same routing, fp32 gating GEMM on bf16 tensor cores), a custom router is kept.
 """
 
 from __future__ import annotations
@@ -33,11 +37,12 @@ from megatron.core.transformer.moe.router import TopKRouter
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
+from mok_megatron.adapter.layer import MoKMoELayer
+from mok_megatron.adapter.router import MoKTopKRouter
 from mok_megatron.compat import have_te
 from mok_megatron.config import MoKConfigError
 from mok_megatron.experts.grouped_mlp import MoKGroupedMLP
-from mok_megatron.adapter.layer import MoKMoELayer
-from mok_megatron.adapter.router import MoKTopKRouter
+from mok_megatron.options import MoKOptions
 
 
 def _require_te(what: str) -> None:
@@ -54,29 +59,37 @@ def _mok_submodules(sub: MoESubmodules) -> MoESubmodules:
     return dataclasses.replace(sub, experts=MoKGroupedMLP, router=router)
 
 
-def _mok_mlp(mlp):
-    """The MoK version of a Megatron MoE ``mlp`` builder (a partial of MoELayer or a ModuleSpec)."""
+def _mok_mlp(mlp, options: MoKOptions | None = None):
+    """The MoK version of a Megatron MoE ``mlp`` builder (a partial of MoELayer or a ModuleSpec); a MoK
+    one gets ``options`` (None keeps the options it has)."""
     if isinstance(mlp, partial) and isinstance(mlp.func, type) and issubclass(mlp.func, MoELayer):
         sub = mlp.keywords.get("submodules")
         new_sub = _mok_submodules(sub if sub is not None else MoESubmodules(experts=MoKGroupedMLP))
         kwargs = dict(mlp.keywords, submodules=new_sub)
+        if options is not None:
+            kwargs["options"] = options
         return partial(MoKMoELayer, *mlp.args, **kwargs)
     if isinstance(mlp, ModuleSpec) and isinstance(mlp.module, type) and issubclass(mlp.module, MoELayer):
         new = copy.copy(mlp)
         new.module = MoKMoELayer
         if isinstance(mlp.submodules, MoESubmodules):
             new.submodules = _mok_submodules(mlp.submodules)
+        if options is not None:
+            new.params = {**(mlp.params or {}), "options": options}
         return new
     return mlp
 
 
-def mokify(spec):
-    """Return a copy of a Megatron layer spec / block spec whose MoE layers are MoK layers."""
+def mokify(spec, options: MoKOptions | None = None):
+    """A copy of a Megatron layer spec / block spec whose MoE layers are MoK layers built with ``options``
+    (None: ``MoKOptions()``, or the options an already-MoK spec carries)."""
+    if options is not None and not isinstance(options, MoKOptions):
+        raise TypeError(f"mokify(options=...) takes MoKOptions, got {type(options).__name__}")
     if isinstance(spec, TransformerBlockSubmodules):
-        return dataclasses.replace(spec, layer_specs=[mokify(s) for s in spec.layer_specs])
+        return dataclasses.replace(spec, layer_specs=[mokify(s, options) for s in spec.layer_specs])
     if isinstance(spec, ModuleSpec) and spec.submodules is not None and hasattr(spec.submodules, "mlp"):
         new = copy.copy(spec)
-        new.submodules = dataclasses.replace(spec.submodules, mlp=_mok_mlp(spec.submodules.mlp))
+        new.submodules = dataclasses.replace(spec.submodules, mlp=_mok_mlp(spec.submodules.mlp, options))
         return new
     return spec
 
@@ -86,12 +99,12 @@ def get_gpt_layer_with_mok_spec(
     qk_layernorm: bool = False,
     multi_latent_attention: bool = False,
     normalization: str | None = None,
+    options: MoKOptions | None = None,
     **kwargs,
 ) -> ModuleSpec:
-    """A GPT transformer layer whose MLP is the MoK MoE layer (TE or Megatron-Core modules).
-
-    Extra keyword arguments go to Megatron's ``get_gpt_layer_with_transformer_engine_spec`` /
-    ``get_gpt_layer_local_spec``.
+    """A GPT transformer layer whose MLP is the MoK MoE layer (TE or Megatron-Core modules), built with
+    ``options``. Extra keyword arguments go to Megatron's ``get_gpt_layer_with_transformer_engine_spec``
+    / ``get_gpt_layer_local_spec``.
     """
     from megatron.core.models.gpt import gpt_layer_specs as g
 
@@ -112,41 +125,60 @@ def get_gpt_layer_with_mok_spec(
             normalization=normalization,
             **kwargs,
         )
-    return mokify(base)
+    return mokify(base, options)
 
 
 def get_gpt_decoder_block_spec_with_mok(
-    config, use_transformer_engine: bool, **kwargs
+    config, use_transformer_engine: bool, options: MoKOptions | None = None, **kwargs
 ) -> TransformerBlockSubmodules:
-    """Megatron's GPT decoder block spec (dense/MoE pattern from ``moe_layer_freq``) with MoK MoE layers."""
+    """Megatron's GPT decoder block spec (dense/MoE pattern from ``moe_layer_freq``) with MoK MoE layers
+    built with ``options``."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 
     if use_transformer_engine:
         _require_te("get_gpt_decoder_block_spec_with_mok(use_transformer_engine=True)")
-    return mokify(get_gpt_decoder_block_spec(config, use_transformer_engine, **kwargs))
+    return mokify(get_gpt_decoder_block_spec(config, use_transformer_engine, **kwargs), options)
 
 
 # ---- module-level specs for `--spec mok_megatron.spec <name>` ------------------------------------
 
-_LAZY = {
-    "gpt_layer_local": lambda: get_gpt_layer_with_mok_spec(use_te=False),
-    "gpt_layer_local_qk_layernorm": lambda: get_gpt_layer_with_mok_spec(use_te=False, qk_layernorm=True),
-    "gpt_layer_te": lambda: get_gpt_layer_with_mok_spec(use_te=True),
-    "gpt_layer_te_qk_layernorm": lambda: get_gpt_layer_with_mok_spec(use_te=True, qk_layernorm=True),
-    "gpt_layer_te_mla": lambda: get_gpt_layer_with_mok_spec(
+
+class _NeedsTE:
+    """Stands for a TE spec where Transformer Engine does not import: any use names the fix."""
+
+    def __init__(self, name: str):
+        self._name = name
+
+    def __getattr__(self, attr):
+        if attr.startswith("__"):
+            raise AttributeError(attr)
+        _require_te(f"--spec mok_megatron.spec {self._name}")
+
+    def __repr__(self) -> str:
+        return f"<{self._name}: needs Transformer Engine>"
+
+
+SPEC_NAMES = (
+    "gpt_layer_local",
+    "gpt_layer_local_qk_layernorm",
+    "gpt_layer_te",
+    "gpt_layer_te_qk_layernorm",
+    "gpt_layer_te_mla",
+)
+
+gpt_layer_local = get_gpt_layer_with_mok_spec(use_te=False)
+gpt_layer_local_qk_layernorm = get_gpt_layer_with_mok_spec(use_te=False, qk_layernorm=True)
+if have_te():
+    gpt_layer_te = get_gpt_layer_with_mok_spec(use_te=True)
+    gpt_layer_te_qk_layernorm = get_gpt_layer_with_mok_spec(use_te=True, qk_layernorm=True)
+    gpt_layer_te_mla = get_gpt_layer_with_mok_spec(
         use_te=True, multi_latent_attention=True, qk_layernorm=True
-    ),
-}
+    )
+else:
+    gpt_layer_te = _NeedsTE("gpt_layer_te")
+    gpt_layer_te_qk_layernorm = _NeedsTE("gpt_layer_te_qk_layernorm")
+    gpt_layer_te_mla = _NeedsTE("gpt_layer_te_mla")
 
 
 def __getattr__(name: str):
-    # Built on first access, so importing this module never needs TE.
-    if name in _LAZY:
-        spec = _LAZY[name]()
-        globals()[name] = spec
-        return spec
-    raise AttributeError(f"module 'mok_megatron.spec' has no attribute {name!r}; specs: {sorted(_LAZY)}")
-
-
-def __dir__():
-    return sorted(list(globals()) + list(_LAZY))
+    raise AttributeError(f"module 'mok_megatron.spec' has no attribute {name!r}; specs: {', '.join(SPEC_NAMES)}")

@@ -424,15 +424,18 @@ def tiny_gpt_config(tp=1, ep=1, etp=1, layers=3, moe_layer_freq=None, **extra):
     return TransformerConfig(**kw)
 
 
-def build_gpt(cfg, mok: bool, vocab=64, seq=16, mtp=False):
+def build_gpt(cfg, mok: bool, vocab=64, seq=16, mtp=False, options=None):
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_mtp_block_spec
     from megatron.core.models.gpt.gpt_model import GPTModel
 
     from mok_megatron.spec import get_gpt_decoder_block_spec_with_mok
 
-    block = (get_gpt_decoder_block_spec_with_mok if mok else get_gpt_decoder_block_spec)(
-        cfg, use_transformer_engine=False, normalization="RMSNorm"
-    )
+    if mok:
+        block = get_gpt_decoder_block_spec_with_mok(
+            cfg, use_transformer_engine=False, options=options, normalization="RMSNorm"
+        )
+    else:
+        block = get_gpt_decoder_block_spec(cfg, use_transformer_engine=False, normalization="RMSNorm")
     mtp_spec = get_gpt_mtp_block_spec(cfg, block, use_transformer_engine=False) if mtp else None
     return GPTModel(
         config=cfg,
@@ -513,3 +516,14 @@ def pipeline_case(rank, world, *, ep=2, repeat=False, **kw):
             torch.equal(o1, o2) and torch.equal(dx1, dx2) and all(torch.equal(g1[k], g2[k]) for k in g1)
         )
     return res
+
+
+def with_engine(layer, **changes) -> None:
+    """Rebuild ``layer``'s engine choice with ``changes`` (tests forcing another row layout or path than the
+    one the layer chose); ``row_alignment`` also goes to the experts, as the layer's builder does."""
+    import dataclasses
+
+    d = layer.token_dispatcher
+    d.engine = dataclasses.replace(d.engine, **changes)
+    if "row_alignment" in changes and hasattr(layer.experts, "aligned_input"):
+        layer.experts.aligned_input = changes["row_alignment"]

@@ -125,54 +125,46 @@ def gpt_recompute_case(rank, world, *, ep=2, modules=("moe",), steps=3, opts=Non
     """A tiny MoK GPT with ``--recompute-granularity selective --recompute-modules <modules>`` vs the
     same model without recompute: losses and every gradient over ``steps`` SGD steps, and the bytes
     saved for backward by one forward."""
-    from mok_megatron.options import MoKOptions, default_options, set_default_options
+    from mok_megatron.options import MoKOptions
 
     setup_parallel(ep=ep)
-    prev = default_options()
-    set_default_options(MoKOptions(**(opts or {})))
-    try:
-        models = []
-        for rec in (False, True):
-            extra = dict(recompute_granularity="selective", recompute_modules=list(modules)) if rec else {}
-            if rec and "moe_act" in modules:
-                extra["moe_grouped_gemm"] = True  # Megatron's rule; MoK's experts are grouped anyway
-            cfg = tiny_gpt_config(ep=ep, **extra)
-            torch.manual_seed(0)
-            models.append(build_gpt(cfg, mok=True))
-        models[1].load_state_dict(models[0].state_dict(), strict=True)
-        g = torch.Generator().manual_seed(rank)
-        losses, grads_equal, saved = [], True, []
-        for step in range(steps):
-            tokens = torch.randint(0, 64, (2, 16), generator=g)
-            labels = torch.roll(tokens, -1, 1)
-            pos = torch.arange(16).expand(2, -1)
-            out = []
+    options = MoKOptions(**(opts or {}))
+    models = []
+    for rec in (False, True):
+        extra = dict(recompute_granularity="selective", recompute_modules=list(modules)) if rec else {}
+        if rec and "moe_act" in modules:
+            extra["moe_grouped_gemm"] = True  # Megatron's rule; MoK's experts are grouped anyway
+        cfg = tiny_gpt_config(ep=ep, **extra)
+        torch.manual_seed(0)
+        models.append(build_gpt(cfg, mok=True, options=options))
+    models[1].load_state_dict(models[0].state_dict(), strict=True)
+    g = torch.Generator().manual_seed(rank)
+    losses, grads_equal, saved = [], True, []
+    for step in range(steps):
+        tokens = torch.randint(0, 64, (2, 16), generator=g)
+        labels = torch.roll(tokens, -1, 1)
+        pos = torch.arange(16).expand(2, -1)
+        out = []
+        for model in models:
+            model.zero_grad(set_to_none=True)
+            nbytes, loss = saved_bytes(
+                lambda model=model, t=tokens, pos=pos, y=labels: model(t, pos, None, labels=y).float().mean(),
+                model,
+            )
+            loss.backward()
+            if step == 0:
+                saved.append(nbytes)
+            out.append((loss.detach(), _grads(model)))
+        (l1, g1), (l2, g2) = out
+        losses.append((float(l1), float(l2)))
+        grads_equal &= bool(torch.equal(l1, l2)) and _same(g1, g2)
+        with torch.no_grad():
             for model in models:
-                model.zero_grad(set_to_none=True)
-                nbytes, loss = saved_bytes(
-                    lambda model=model, t=tokens, pos=pos, y=labels: (
-                        model(t, pos, None, labels=y).float().mean()
-                    ),
-                    model,
-                )
-                loss.backward()
-                if step == 0:
-                    saved.append(nbytes)
-                out.append((loss.detach(), _grads(model)))
-            (l1, g1), (l2, g2) = out
-            losses.append((float(l1), float(l2)))
-            grads_equal &= bool(torch.equal(l1, l2)) and _same(g1, g2)
-            with torch.no_grad():
-                for model in models:
-                    for p in model.parameters():
-                        if p.grad is not None:
-                            p -= 0.1 * p.grad
-        pipelined = [
-            m.token_dispatcher.pipelined for m in models[1].modules() if hasattr(m, "token_dispatcher")
-        ]
-        return {"losses": losses, "bitwise": grads_equal, "saved_bytes": saved, "pipelined": pipelined}
-    finally:
-        set_default_options(prev)
+                for p in model.parameters():
+                    if p.grad is not None:
+                        p -= 0.1 * p.grad
+    pipelined = [m.token_dispatcher.pipelined for m in models[1].modules() if hasattr(m, "token_dispatcher")]
+    return {"losses": losses, "bitwise": grads_equal, "saved_bytes": saved, "pipelined": pipelined}
 
 
 def build_with_case(rank, world, *, ep=2, opts=None, after=None, **cfg_kw):

@@ -270,7 +270,9 @@ def _single_rank(device):
     if device != "cuda":
         import mok_megatron.training.cpu
 
-        mok_megatron.training.cpu.enable(force=True)  # CPU tensors even where a GPU exists (interpreted cases)
+        mok_megatron.training.cpu.enable(
+            force=True
+        )  # CPU tensors even where a GPU exists (interpreted cases)
     from tests.cases import setup_parallel
 
     setup_parallel()

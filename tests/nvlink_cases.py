@@ -180,11 +180,11 @@ def nvlink_layer_case(rank, world, *, ep=2, topk=2, opts=None, sync="barrier"):
     workspace across the gloo ranks, signalled by ``sync``) against the same layer with the collective
     transport."""
     from mok_megatron.transport.nvlink import transport as NT
-    from tests.cases import run_layer
+    from tests.cases import run_layer, with_engine
 
     cfg, coll, nvl, group = _two_collective_layers(ep, topk, opts)
     ws = SharedFileWorkspace(group)
-    nvl.token_dispatcher.transport = NT.NVLinkTransport(group, programs=3, sync=sync)
+    with_engine(nvl, transport=NT.NVLinkTransport(group, programs=3, sync=sync))
     original = NT.workspace
     NT.workspace = lambda g, device: ws
     try:
@@ -213,7 +213,7 @@ def hierarchical_layer_case(rank, world, *, names, ep=4, topk=4, opts=None, sync
     between domains through the collective) against the same layer with the collective transport."""
     from mok_megatron.transport.nvlink import hierarchical as HT
     from mok_megatron.transport.nvlink import transport as NT
-    from tests.cases import run_layer
+    from tests.cases import run_layer, with_engine
 
     cfg, coll, hier, group = _two_collective_layers(ep, topk, opts)
     os.environ[HT.DOMAIN_ENV] = names[rank]  # this rank's NVLink domain
@@ -222,7 +222,7 @@ def hierarchical_layer_case(rank, world, *, names, ep=4, topk=4, opts=None, sync
         tr = HT.HierarchicalTransport(group, programs=3, sync=sync)
     finally:
         del os.environ[HT.DOMAIN_ENV]
-    hier.token_dispatcher.transport = tr
+    with_engine(hier, transport=tr)
     spaces = {}
     original = NT.workspace
     NT.workspace = lambda g, device: (

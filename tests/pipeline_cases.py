@@ -15,6 +15,7 @@ import mok_megatron.engine.pipeline_plan as plan_module
 from mok_megatron.engine.pipeline import run_pipeline
 from mok_megatron.engine.pipeline_plan import build_pipeline_plan
 from mok_megatron.transport.collective import CollectiveTransport
+from mok_megatron.options import LoopbackLink
 from mok_megatron.transport.loopback import LoopbackTransport
 
 H, L, TOPK = 16, 4, 4
@@ -26,13 +27,8 @@ class Recording:
     def __init__(self, inner, log: list):
         self.inner, self.log, self.name = inner, log, inner.name
 
-    @property
-    def factor(self):
-        return self.inner.factor
-
-    @factor.setter
-    def factor(self, v):
-        self.inner.factor = v
+    def __getattr__(self, name):  # the inner transport's own attributes (emulated_ep, slow_link, ...)
+        return getattr(self.inner, name)
 
     def move(self, x, mb, direction):
         self.log.append(("move", direction, x.shape[0]))
@@ -200,7 +196,7 @@ def _schedule_case(
     log: list = []
     if emulated_ep > 1:
         group, ep = None, 1
-        transport = Recording(LoopbackTransport(emulated_ep, L, TOPK, 0.0), log)
+        transport = Recording(LoopbackTransport(LoopbackLink(ep=emulated_ep), L, TOPK), log)
     else:
         group, ep = dist.group.WORLD, world
         transport = Recording(CollectiveTransport(group), log)
@@ -224,7 +220,6 @@ def _schedule_case(
                 experts,
                 transport,
                 TOPK,
-                deterministic=True,
                 fp8_dispatch=fp8,
                 row_alignment=align,
                 after_combines=lambda: log.append(("after_combines",)),
@@ -272,7 +267,7 @@ def aligned_case(rank, world, *, align=16, **kw):
 
     def build(cfg, *a, **k):
         ref, mok = real_build(cfg, *a, **k)
-        mok.token_dispatcher.row_alignment = align
+        C.with_engine(mok, row_alignment=align)
         return ref, mok
 
     def aligned(*a, **k):
@@ -294,22 +289,21 @@ def fp8_token_rows_case(rank, world, *, ep=2, topk=4, wgrad="fp8", opts=None, **
     (``MoKGroupedMLP.token_rows_forward``) against the same calls unfused (permute into the padded layout,
     experts, combine). Returns whether the two runs are bitwise equal, how many fused calls ran, and the
     largest relative (Frobenius) error of either against Megatron's layer."""
-    import mok_megatron.options as O
+    import dataclasses
+
     from mok_megatron.experts.checkpoint import convert_state_dict
-    from mok_megatron.ops import fp8_grouped_gemm as native
     from mok_megatron.experts.grouped_mlp import MoKGroupedMLP
-    from mok_megatron.options import MoKOptions
+    from mok_megatron.ops import fp8_grouped_gemm as native
     from tests.cases import build_layers, make_config, run_layer, setup_parallel
     from tests.test_fp8 import _fake_scaled_grouped_mm
 
     opts = dict(opts or {}, expert_backend="torch-fp8")
-    saved = (native._gemm, native.check_native_fp8, native.WGRAD_FP8_MIN_ROWS, O._default)
-    real_rows, real_fuses = MoKGroupedMLP.token_rows_forward, MoKGroupedMLP.fuses_permute
+    saved = (native._gemm, native.check_native_fp8, native.WGRAD_FP8_MIN_ROWS)
+    real_rows = MoKGroupedMLP.token_rows_forward
     calls = []
     native._gemm = _fake_scaled_grouped_mm([])
     native.check_native_fp8 = lambda device: None
     native.WGRAD_FP8_MIN_ROWS = 1 if wgrad == "fp8" else 10**9
-    O._default = MoKOptions(**opts)  # the experts read the defaults (the --mok-* flags set them)
     MoKGroupedMLP.token_rows_forward = lambda self, *a: calls.append(1) or real_rows(self, *a)
     try:
         setup_parallel(ep=ep)
@@ -322,12 +316,12 @@ def fp8_token_rows_case(rank, world, *, ep=2, topk=4, wgrad="fp8", opts=None, **
         fused = run_layer(mok, x, dout)
         n_fused = len(calls)
         mok.zero_grad(set_to_none=True)
-        MoKGroupedMLP.fuses_permute = lambda self: False
+        mok.experts_contract = dataclasses.replace(mok.experts_contract, fuses_permute=False)
         unfused = run_layer(mok, x, dout)
         want = run_layer(ref, x, dout)
     finally:
-        native._gemm, native.check_native_fp8, native.WGRAD_FP8_MIN_ROWS, O._default = saved
-        MoKGroupedMLP.token_rows_forward, MoKGroupedMLP.fuses_permute = real_rows, real_fuses
+        native._gemm, native.check_native_fp8, native.WGRAD_FP8_MIN_ROWS = saved
+        MoKGroupedMLP.token_rows_forward = real_rows
     (o1, dx1, g1, _), (o2, dx2, g2, _) = fused, unfused
     bitwise = torch.equal(o1, o2) and torch.equal(dx1, dx2) and all(torch.equal(g1[k], g2[k]) for k in g1)
     ref_g = convert_state_dict(want[2], "mok")
@@ -367,13 +361,13 @@ def late_wgrad_case(rank, world, *, ep=2, opts=None, steps=2, **cfg_kw):
     last dispatch-backward exchange is launched and before the packs' backward (which waits for it)."""
     from mok_megatron.engine import pipeline as pipeline_module
     from mok_megatron.experts import torch_mlp as expert_schedule
-    from tests.cases import build_mok_only, make_config, setup_parallel
+    from tests.cases import build_mok_only, make_config, setup_parallel, with_engine
 
     setup_parallel(ep=ep)
     cfg = make_config(ep=ep, **cfg_kw)
     base = dict(engine="pipeline", **(opts or {}))
     if ep == 1:
-        base.update(transport="loopback", loopback_ep=4)
+        base.update(transport="loopback", loopback=dict(ep=4))
     layers = []
     for late in (True, False):
         torch.manual_seed(0)
@@ -382,7 +376,7 @@ def late_wgrad_case(rank, world, *, ep=2, opts=None, steps=2, **cfg_kw):
             layer.load_state_dict(layers[0][0].state_dict())
         layer.train()
         log: list = []
-        layer.token_dispatcher.transport = Recording(layer.token_dispatcher.transport, log)
+        with_engine(layer, transport=Recording(layer.token_dispatcher.transport, log))
         hooks = {}
         for name, p in layer.experts.named_parameters():
             p.register_post_accumulate_grad_hook(lambda p, n=name, h=hooks: h.__setitem__(n, h.get(n, 0) + 1))

@@ -8,7 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.cases import build_layers, compare, make_config, run_layer
+from mok_megatron.options import ExpertBackend
+from tests.cases import build_layers, compare, make_config, run_layer, with_engine
 
 pytestmark = pytest.mark.usefixtures("single_rank")
 
@@ -29,7 +30,7 @@ def test_aligned_plan_layer_equals_megatron(alignment, topk, experts, monkeypatc
     monkeypatch.setattr(D, "build_aligned_plan", lambda *a, **k: built.append(a[-1]) or real(*a, **k))
     cfg = make_config(topk=topk, num_experts=experts)
     ref, mok = build_layers(cfg)
-    mok.token_dispatcher.row_alignment = alignment
+    with_engine(mok, row_alignment=alignment)
     x, dout = _inputs(cfg)
     d = compare(run_layer(ref, x, dout), run_layer(mok, x, dout))
     assert built == [alignment], "the layer must have run on the aligned plan"
@@ -98,8 +99,7 @@ def test_exact_rows_size_the_buffer_to_the_padded_total():
 def test_layer_with_exact_rows_equals_megatron(exact):
     cfg = make_config(topk=2, num_experts=8)
     ref, mok = build_layers(cfg)
-    mok.token_dispatcher.row_alignment = 16
-    mok.token_dispatcher.exact_aligned_rows = exact
+    with_engine(mok, row_alignment=16, exact_aligned_rows=exact)
     x, dout = _inputs(cfg, seed=5)
     d = compare(run_layer(ref, x, dout), run_layer(mok, x, dout))
     assert d["out"] <= 1e-5 * max(d["out_scale"], 1.0) and d["dx"] <= 1e-5 * max(d["dx_scale"], 1.0)
@@ -126,7 +126,7 @@ def test_fp8_experts_pick_the_mlp_for_their_input(monkeypatch):
         monkeypatch.setattr(P, name, lambda *a, _n=name, **k: calls.append((_n, len(a), k)) or a[0])
     _, mok = build_layers(make_config())
     experts = mok.experts
-    experts.expert_backend = "torch-fp8"  # as --mok-expert-backend torch-fp8 sets it (CPU: no FP8 GEMMs)
+    experts.expert_backend = ExpertBackend.TORCH_FP8  # as --mok-expert-backend torch-fp8 (CPU: no FP8 GEMMs)
     x, tpe, probs = torch.randn(8, 16), torch.tensor([8] + [0] * 7), torch.rand(8)
     for aligned, want in ((1, "native_expert_mlp"), (16, "native_expert_mlp_aligned")):
         experts.aligned_input = aligned
@@ -143,10 +143,8 @@ def test_fp8_layer_fuses_permute_into_the_experts(wgrad, topk, experts, monkeypa
     weight gradients equal the unfused aligned path's bitwise (FP8 GEMM emulated in fp32: CPU has none),
     and stay within FP8's error of Megatron's layer."""
     import mok_megatron.experts.fp8_mlp as TE
-    import mok_megatron.options as O
     from mok_megatron.experts.checkpoint import convert_state_dict
     from mok_megatron.ops import fp8_grouped_gemm as native
-    from mok_megatron.options import MoKOptions
     from tests.test_fp8 import _fake_scaled_grouped_mm
 
     monkeypatch.setattr(native, "_gemm", _fake_scaled_grouped_mm([]))
@@ -156,15 +154,15 @@ def test_fp8_layer_fuses_permute_into_the_experts(wgrad, topk, experts, monkeypa
     real = TE.fp8_token_mlp
     monkeypatch.setattr(TE, "fp8_token_mlp", lambda *a: calls.append(1) or real(*a))
     cfg = make_config(topk=topk, num_experts=experts, ffn=16)
-    opts = MoKOptions(expert_backend="torch-fp8")
-    monkeypatch.setattr(O, "_default", opts)  # the experts read the defaults (the --mok-* flags set them)
     ref, mok = build_layers(cfg, opts=dict(expert_backend="torch-fp8"))
-    assert mok.token_dispatcher.fused_experts and mok.token_dispatcher.row_alignment == native.ALIGNMENT
+    engine = mok.token_dispatcher.engine
+    assert engine.fused_experts and engine.row_alignment == native.ALIGNMENT
+    assert mok.experts.expert_backend is ExpertBackend.TORCH_FP8, "the layer's options reach its experts"
     x, dout = _inputs(cfg)
     fused = run_layer(mok, x, dout)
     assert calls == [1], "the fused experts must have run"
     mok.zero_grad(set_to_none=True)
-    mok.token_dispatcher.fused_experts = False
+    with_engine(mok, fused_experts=False)
     unfused = run_layer(mok, x, dout)
     assert calls == [1]
     d = compare(unfused, fused)

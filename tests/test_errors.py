@@ -71,7 +71,7 @@ class TestConfigErrors:
         with pytest.raises(MoKConfigError, match=r"needs Transformer Engine, which is not installed"):
             spec.get_gpt_layer_with_mok_spec(use_te=True)
         with pytest.raises(MoKConfigError, match=r"needs Transformer Engine"):
-            spec.gpt_layer_te  # noqa: B018  (module-level spec for --spec)
+            spec.gpt_layer_te.submodules  # noqa: B018  (module-level spec for --spec, used by Megatron)
         with pytest.raises(MoKConfigError, match=r"use_te_activation_func=True needs Transformer Engine"):
             _build(after=dict(use_te_activation_func=True))
 
@@ -117,8 +117,10 @@ def test_mok_config_validation(kwargs, pattern):
         (dict(capacity_multiplier=0.0), "--mok-capacity-multiplier=0.0"),
         (dict(capacity_multiplier=1.5), "--mok-capacity-multiplier=1.5"),
         (dict(transport="nvshmem"), "--mok-transport='nvshmem'"),
-        (dict(loopback_ep=0), "loopback_ep=0"),
-        (dict(loopback_bytes="none"), "loopback_bytes='none'"),
+        (dict(transport="loopback", loopback=dict(ep=0)), "loopback ep=0"),
+        (dict(transport="loopback", loopback=dict(gbps=-1.0)), "loopback gbps=-1.0"),
+        (dict(transport="loopback", loopback=dict(bytes="none")), "loopback bytes='none'"),
+        (dict(loopback=dict(ep=4)), "belongs to the loopback transport"),
         (dict(local_rows="split"), "--mok-local-rows='split'"),
         (dict(engine="plain", fp8_dispatch=True), "--mok-fp8-dispatch"),
         (dict(fp8_dispatch=True, transport="nvlink"), "--mok-fp8-dispatch with --mok-transport nvlink"),
@@ -129,7 +131,7 @@ def test_mok_config_validation(kwargs, pattern):
 def test_bad_options_name_the_flag(opts, needle):
     from mok_megatron.options import MoKOptions, MoKOptionsError
 
-    with pytest.raises(MoKOptionsError, match="must|choose|only waste|runs no pipeline|bf16 rows only") as e:
+    with pytest.raises(MoKOptionsError, match="must|choose|only waste|runs no pipeline|bf16 rows only|belongs") as e:
         MoKOptions(**opts)
     assert needle in str(e.value)
 

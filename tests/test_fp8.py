@@ -214,9 +214,10 @@ def test_pack_round_trip(block):
 
 
 def test_fp8_dispatch_autograd_in_process():
+    from mok_megatron.options import LoopbackLink
     from mok_megatron.transport.loopback import LoopbackTransport
 
-    transport = LoopbackTransport(emulated_ep=1, num_local_experts=1, topk=1, gbps=0)
+    transport = LoopbackTransport(LoopbackLink(ep=1), num_local_experts=1, topk=1)
     x = _wide(10, 128, 4).to(torch.bfloat16).requires_grad_(True)
     y, q, s = dispatch_pack.fp8_dispatch(x, transport, mb=None)
     assert y.dtype == torch.bfloat16 and q.dtype == torch.float8_e4m3fn and not q.requires_grad
@@ -548,10 +549,10 @@ def test_to_te_layout_key_mapping():
 @pytest.mark.usefixtures("single_rank")
 def test_moK_experts_refuse_fp8_backends_here():
     """On this machine (CPU, or a GPU without TE) the experts refuse at build, naming the fix; the te
-    backend is chosen by MoKGroupedMLP itself (so Megatron's spec and MoKMoELayer need no change)."""
+    backend's class is chosen from the options (``experts_class``, which ``MoKMoELayer`` calls)."""
     from mok_megatron.compat import have_te
     from mok_megatron.config import MoKConfigError
-    from mok_megatron.experts.grouped_mlp import MoKGroupedMLP
+    from mok_megatron.experts.grouped_mlp import MoKGroupedMLP, experts_class
     from mok_megatron.experts.te import MoKTEGroupedMLP
     from mok_megatron.options import MoKOptions
     from tests.cases import make_config
@@ -561,12 +562,14 @@ def test_moK_experts_refuse_fp8_backends_here():
     if not torch.cuda.is_available():
         with pytest.raises(MoKConfigError, match="torch-fp8 needs an FP8-capable GPU"):
             MoKGroupedMLP(8, cfg, options=MoKOptions(expert_backend="torch-fp8"))
+    te_opts = MoKOptions(expert_backend="te")
+    assert experts_class(MoKGroupedMLP, te_opts) is MoKTEGroupedMLP
+    assert experts_class(MoKGroupedMLP, MoKOptions()) is MoKGroupedMLP
+    with pytest.raises(MoKConfigError, match="TE backend has its own parameters"):
+        MoKGroupedMLP(8, cfg, options=te_opts)
     if not have_te():
         with pytest.raises(MoKConfigError, match="te needs Transformer Engine"):
-            MoKGroupedMLP(8, cfg, options=MoKOptions(expert_backend="te"))
-    te_opts = MoKOptions(expert_backend="te")
-    assert type(MoKGroupedMLP.__new__(MoKGroupedMLP, 8, cfg, options=te_opts)) is MoKTEGroupedMLP
-    assert type(MoKGroupedMLP.__new__(MoKGroupedMLP)) is MoKGroupedMLP  # what copy / pickle call
+            MoKTEGroupedMLP(8, cfg, options=te_opts)
 
 
 def test_bench_layer_fp8_rows_skip_with_reasons_here(tmp_path):
@@ -583,7 +586,7 @@ def test_bench_layer_fp8_rows_skip_with_reasons_here(tmp_path):
     with pytest.raises(ValueError, match="mok-fp9"):
         check_impls(["mok", "mok-fp9"])
     if torch.cuda.is_available():
-        pytest.skip("CPU check (the GPU runs the rows: benchmarks/fp8_h200.py)")
+        pytest.skip("CPU check (the GPU runs the rows: benchmarks/fp8.py)")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = {**os.environ, "TORCHDYNAMO_DISABLE": "1", "PYTHONPATH": root}
     out = tmp_path / "b.json"
@@ -746,13 +749,13 @@ def test_fp8_linear_reuses_quantized_weights_across_microbatches(monkeypatch, po
 
 
 def test_fp8_h200_tiny_loss_criterion_is_the_mean_over_all_steps(tmp_path):
-    """benchmarks/fp8_h200.py: the bound (2 %) applies to the mean loss over all steps; a run whose late
+    """benchmarks/fp8.py: the bound (2 %) applies to the mean loss over all steps; a run whose late
     losses (near zero: the tiny recipe memorises its mock data) differ a lot passes, one off by 3 %
     throughout fails."""
     import importlib.util
     from pathlib import Path
 
-    path = Path(__file__).resolve().parent.parent / "benchmarks" / "fp8_h200.py"
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / "fp8.py"
     spec = importlib.util.spec_from_file_location("fp8_h200", path)
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)

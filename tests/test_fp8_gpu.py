@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from mok_megatron.compat import have_te
+from tests.cases import with_engine
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -116,8 +117,9 @@ def test_te_backend_takes_the_aligned_plan_at_ep1(recipe):
         pytest.skip(f"{recipe}: {why}")
     layer = _build("te", _config(recipe))
     align = layer.experts.expert_alignment
-    assert align > 1 and layer.token_dispatcher.row_alignment == align == layer.experts.aligned_input
-    assert layer.token_dispatcher.exact_aligned_rows
+    engine = layer.token_dispatcher.engine
+    assert align > 1 and engine.row_alignment == align == layer.experts.aligned_input
+    assert engine.exact_aligned_rows
 
 
 @pytest.mark.usefixtures("single_rank")
@@ -342,13 +344,11 @@ def test_torch_fp8_layer_runs_on_the_aligned_plan_and_matches_the_pad_path():
     _native_or_skip()
     cfg = _config(None)
     aligned = _build("torch-fp8", cfg)
-    assert aligned.token_dispatcher.row_alignment == 16 and aligned.experts.aligned_input == 16
+    assert aligned.token_dispatcher.engine.row_alignment == 16 and aligned.experts.aligned_input == 16
     padding = _build("torch-fp8", cfg)
     padding.load_state_dict(convert_state_dict(aligned.state_dict(), "mok"), strict=True)
-    padding.token_dispatcher.row_alignment = 1
-    padding.token_dispatcher.aligned_plan = False  # the sort-based plan; the experts pad
-    padding.token_dispatcher.fused_experts = False
-    padding.experts.aligned_input = 1
+    # the sort-based plan; the experts pad
+    with_engine(padding, row_alignment=1, aligned_plan=False, fused_experts=False)
     g = torch.Generator().manual_seed(3)
     x = torch.randn(SHAPE["tokens"], 1, SHAPE["hidden"], generator=g).to("cuda", torch.bfloat16)
     dout = torch.randn(SHAPE["tokens"], 1, SHAPE["hidden"], generator=g).to("cuda", torch.bfloat16)
@@ -368,10 +368,10 @@ def test_torch_fp8_layer_fused_permute_equals_unfused_bitwise():
     _native_or_skip()
     cfg = _config(None)
     fused = _build("torch-fp8", cfg)
-    assert fused.token_dispatcher.fused_experts
+    assert fused.token_dispatcher.engine.fused_experts
     unfused = _build("torch-fp8", cfg)
     unfused.load_state_dict(convert_state_dict(fused.state_dict(), "mok"), strict=True)
-    unfused.token_dispatcher.fused_experts = False
+    with_engine(unfused, fused_experts=False)
     g = torch.Generator().manual_seed(5)
     x = torch.randn(SHAPE["tokens"], 1, SHAPE["hidden"], generator=g).to("cuda", torch.bfloat16)
     dout = torch.randn(SHAPE["tokens"], 1, SHAPE["hidden"], generator=g).to("cuda", torch.bfloat16)
@@ -421,29 +421,27 @@ def test_torch_fp8_pipeline_expert_calls_take_padded_rows(sync_free):
     """The overlap pipeline (loopback, emulated EP=8) with torch-fp8 experts: every expert call gets its
     rows padded by the permute; the output matches the EP=1 torch-fp8 layer row for row (same rowwise
     quantization), the gradients the bf16 layer within the FP8 bound."""
-    import dataclasses
-
     from mok_megatron.bench.layer import build
     from mok_megatron.experts.checkpoint import convert_state_dict
-    from mok_megatron.options import default_options, set_default_options
+    from mok_megatron.options import LoopbackLink, MoKOptions
 
     _native_or_skip()
     cfg = _config(None)
     ref = _build("torch", cfg)
     ep1 = _build("torch-fp8", cfg)
-    before = default_options()
-    opts = dict(expert_backend="torch-fp8", transport="loopback", loopback_ep=8, minibatch_size=384)
-    if sync_free:
-        opts.update(sync_free=True, loopback_gbps=450.0)
-    set_default_options(dataclasses.replace(before, **opts))
-    try:
-        pipe = build("mok", cfg, options=default_options()).cuda()
-    finally:
-        set_default_options(before)
+    link = LoopbackLink(ep=8, gbps=450.0 if sync_free else 0.0)
+    opts = MoKOptions(
+        expert_backend="torch-fp8",
+        transport="loopback",
+        loopback=link,
+        minibatch_size=384,
+        sync_free=sync_free,
+    )
+    pipe = build("mok", cfg, options=opts).cuda()
     state = ref.state_dict()
     for layer in (ep1, pipe):
         layer.load_state_dict(convert_state_dict(state, "mok"), strict=True)
-    assert pipe.token_dispatcher.pipelined and pipe.token_dispatcher.row_alignment == 16
+    assert pipe.token_dispatcher.pipelined and pipe.token_dispatcher.engine.row_alignment == 16
     assert pipe.experts.aligned_input == 16
     g = torch.Generator().manual_seed(5)
     x = torch.randn(SHAPE["tokens"], 1, SHAPE["hidden"], generator=g).to("cuda", torch.bfloat16)

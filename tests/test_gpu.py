@@ -124,7 +124,7 @@ PIPE_VARIANTS = {  # name: MoKOptions fields (the 2-GPU test runs each against M
     "collective-syncfree-overflow": dict(
         minibatch_size=1024, transport="collective", sync_free=True, capacity_multiplier=0.05
     ),
-    "copy_engine-det-4": dict(minibatch_size=512, transport="copy_engine", deterministic=True),
+    "copy_engine-4": dict(minibatch_size=512, transport="copy_engine", repeat=True),
 }
 
 
@@ -157,6 +157,8 @@ def _two_gpu_worker(rank, port, out_path, dtype_name):
     dout = torch.randn(2048, 1, 512, generator=g).to("cuda", dtype)
     report = {}
     for name, opts in PIPE_VARIANTS.items():
+        opts = dict(opts)
+        repeat = opts.pop("repeat", False)
         mok = build("mok", cfg, options=MoKOptions(**opts)).cuda()
         mok.load_state_dict(convert_state_dict(ref.state_dict(), "mok"), strict=False)
         redos = PipelineStats.overflow_redos
@@ -164,7 +166,7 @@ def _two_gpu_worker(rank, port, out_path, dtype_name):
         (o1, d1, g1), (o2, d2, g2) = _run_both(ref, mok, x, dout)
         errs = {"out": _rel(o1, o2), "dx": _rel(d1, d2), **{k: _rel(g1[k], g2[k]) for k in g1}}
         entry = {"worst": max(errs.values()), "errs": errs, "redos": PipelineStats.overflow_redos - redos}
-        if opts.get("deterministic"):
+        if repeat:
             mok.zero_grad(set_to_none=True)
             (_, _, _), (o3, d3, g3) = _run_both(ref, mok, x, dout)
             entry["bitwise"] = bool(
@@ -193,7 +195,7 @@ def test_layer_parity_ep2_over_nccl(tmp_path, dtype, tol):
             limit = tol if name == "auto" or dtype != "float32" else 3 * tol
             assert entry["worst"] < limit, (rank, name, entry)
         assert report["collective-syncfree-overflow"]["redos"] == 1
-        assert report["copy_engine-det-4"]["bitwise"]
+        assert report["copy_engine-4"]["bitwise"]
 
 
 @pytest.mark.usefixtures("single_rank")
@@ -255,6 +257,8 @@ def test_mok_layer_is_bitwise_deterministic_on_gpu():
 
 
 def _loopback_layer(dtype, opts, tokens=2048, hidden=512, experts=16, topk=4, router="aux_loss", shared=None):
+    """A Megatron layer and a MoK layer on the loopback transport (emulating EP=8; ``opts`` may give the
+    link's ``gbps`` and ``bytes``), same weights."""
     from mok_megatron.bench.layer import _config, build
     from mok_megatron.options import MoKOptions
 
@@ -263,7 +267,9 @@ def _loopback_layer(dtype, opts, tokens=2048, hidden=512, experts=16, topk=4, ro
     cfg.moe_router_load_balancing_type = router
     torch.manual_seed(0)
     ref = build("megatron", cfg).cuda()
-    mok = build("mok", cfg, options=MoKOptions(transport="loopback", loopback_ep=8, **opts)).cuda()
+    opts = dict(opts)
+    link = dict(ep=8, gbps=opts.pop("gbps", 0.0), bytes=opts.pop("bytes", "copy"))
+    mok = build("mok", cfg, options=MoKOptions(transport="loopback", loopback=link, **opts)).cuda()
     from mok_megatron.experts.checkpoint import convert_state_dict
 
     mok.load_state_dict(convert_state_dict(ref.state_dict(), "mok"), strict=False)
@@ -275,8 +281,8 @@ def _loopback_layer(dtype, opts, tokens=2048, hidden=512, experts=16, topk=4, ro
     "opts",
     [
         dict(minibatch_size=700),
-        dict(minibatch_size=512, sync_free=True, loopback_gbps=450.0),
-        dict(minibatch_size=512, sync_free=True, loopback_gbps=450.0, loopback_bytes="link"),
+        dict(minibatch_size=512, sync_free=True, gbps=450.0),
+        dict(minibatch_size=512, sync_free=True, gbps=450.0, bytes="link"),
     ],
 )
 @pytest.mark.parametrize("shared", [None, 384])
@@ -295,9 +301,7 @@ def test_pipeline_loopback_parity_on_gpu(opts, shared):
 def test_sync_free_pipeline_forward_backward_captures_in_a_cuda_graph():
     """Sync-free mode never reads the device from the host: the layer's forward and backward are
     captured in one CUDA graph; replays match eager runs on new inputs."""
-    ref, mok = _loopback_layer(
-        torch.bfloat16, dict(minibatch_size=512, sync_free=True, deterministic=True), router="none"
-    )
+    ref, mok = _loopback_layer(torch.bfloat16, dict(minibatch_size=512, sync_free=True), router="none")
     del ref
     x = torch.randn(2048, 1, 512, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     dout = torch.randn_like(x)
@@ -471,8 +475,9 @@ def test_router_gemm_on_gpu_matches_fp32_router():
 def test_link_delay_spins_wall_time_at_any_sm_clock():
     # The loopback's emulated link time: a wall-clock spin, the same alone (clock idle or boosted) and beside
     # GEMMs that power-cap the SM clock.
-    from mok_megatron.transport.loopback import LoopbackTransport
     from mok_megatron.kernels.link_delay import spin_ns
+    from mok_megatron.options import LoopbackLink
+    from mok_megatron.transport.loopback import LoopbackTransport
 
     dev = torch.device("cuda")
     side = torch.cuda.Stream()
@@ -503,7 +508,7 @@ def test_link_delay_spins_wall_time_at_any_sm_clock():
     assert timed(beside_gemms) - launch == pytest.approx(5.0, rel=0.03)
     torch.cuda.synchronize()
     # an exchange of 64 MiB at 32 GB/s takes its link time (the copies are far shorter)
-    tr = LoopbackTransport(emulated_ep=2, num_local_experts=1, topk=1, gbps=32.0)
+    tr = LoopbackTransport(LoopbackLink(ep=2, gbps=32.0), num_local_experts=1, topk=1)
     x = torch.empty(64 << 20, dtype=torch.uint8, device=dev)
     tr.move(x, None, 0)
     torch.cuda.synchronize()

@@ -2,7 +2,7 @@
 
 gloo on CPU, 2 and 4 processes. Minibatch counts 1, 2, 3 and 7 over 32 tokens per rank (7: the last
 minibatch is shorter), exact and sync-free modes (sync-free with a capacity too small: the overflow
-is detected and the exchange redone exactly, counted), deterministic mode bitwise repeatable.
+is detected and the exchange redone exactly, counted), bitwise repeatable run to run.
 """
 
 from __future__ import annotations
@@ -30,12 +30,11 @@ def _mbs(chunks: int) -> int:
 @pytest.mark.parametrize("ep", [2, 4])
 @pytest.mark.parametrize("chunks", [1, 2, 3, 7])
 @pytest.mark.parametrize("topk", [2, 8])
-@pytest.mark.parametrize("deterministic", [True, False])
-def test_pipeline_matches_megatron(pool, ep, chunks, topk, deterministic):
+@pytest.mark.parametrize("local_rows", ["overlap", "fused"])
+def test_pipeline_matches_megatron(pool, ep, chunks, topk, local_rows):
     # Local rows split in halves A/B (test shapes are below the default threshold) or fused with
     # the received rows into one expert call (--mok-local-rows fused).
-    local_rows = "overlap" if deterministic else "fused"
-    opts = dict(minibatch_size=_mbs(chunks), deterministic=deterministic, local_rows=local_rows)
+    opts = dict(minibatch_size=_mbs(chunks), local_rows=local_rows)
     shared = dict(shared=True, shared_overlap=True) if chunks == 3 else {}
     split = dict(min_local_half=2)
     for r in pool.run("tests.pipeline_cases:megatron_case", ep=ep, topk=topk, opts=opts, **shared, **split):
@@ -83,8 +82,8 @@ def test_sync_free_small_capacity_without_overflow(pool):
         assert r["overflow_redos"] == 0
 
 
-def test_deterministic_bitwise_repeatable(pool):
-    opts = dict(minibatch_size=_mbs(3), deterministic=True)
+def test_bitwise_repeatable(pool):
+    opts = dict(minibatch_size=_mbs(3))
     for r in pool.run("tests.pipeline_cases:megatron_case", ep=4, topk=4, opts=opts, repeat=True):
         check(r, "deterministic")
         assert r["bitwise"]
@@ -92,7 +91,7 @@ def test_deterministic_bitwise_repeatable(pool):
 
 def test_loopback_transport_matches_megatron(pool):
     # One rank emulating EP=8: the layer's result is the EP=1 result; only timing changes.
-    opts = dict(minibatch_size=_mbs(3), transport="loopback", loopback_ep=8)
+    opts = dict(minibatch_size=_mbs(3), transport="loopback", loopback=dict(ep=8))
     for r in pool.run("tests.pipeline_cases:megatron_case", ep=1, topk=2, opts=opts):
         check(r, "loopback")
         assert r["pipeline_calls"] == 1

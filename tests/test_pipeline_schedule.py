@@ -192,7 +192,7 @@ def test_loopback_bytes_option_keeps_the_link_bytes(loopback_bytes):
 
     swiglu = ActivationSpec(kind=Activation.SILU, gated=True)
     cfg = MoKConfig(hidden_size=16, ffn_hidden_size=8, activation=swiglu, num_experts=8, topk=2)
-    opts = MoKOptions(transport="loopback", loopback_ep=8, loopback_gbps=900.0, loopback_bytes=loopback_bytes)
+    opts = MoKOptions(transport="loopback", loopback=dict(ep=8, gbps=900.0, bytes=loopback_bytes))
     tr = select_transport(cfg, opts, None)
     assert tr.copies is (loopback_bytes == "copy")
     x = torch.randn(12, 16)

@@ -19,7 +19,7 @@ from mok_megatron.tools.recipe.layout import Parallel, stages
 from mok_megatron.tools.recipe.memory import GIB, chunk_params, in_flight, padded_vocab
 
 ROOT = Path(__file__).resolve().parent.parent
-RECIPES = [r for r in sorted((ROOT / "examples").glob("*.sh")) if r.name != "common.sh"]
+RECIPES = sorted((ROOT / "examples").glob("*.sh"))
 EX = ROOT / "examples"
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from mok_megatron.training.consistency import describe_mismatch, moe_fingerprint
-from mok_megatron.testing.train_state import CheckpointError, check_checkpoint_files
+from mok_megatron.training.checkpoint_files import CheckpointError, check_checkpoint_files
 
 
 def test_fingerprints_that_agree_describe_no_mismatch():

@@ -20,7 +20,7 @@ from mok_megatron.options import MoKOptions
 
 ROOT = Path(__file__).resolve().parent.parent
 RECIPES = sorted((ROOT / "examples").glob("*.sh"))
-RECIPES = [r for r in RECIPES if r.name != "common.sh"]
+
 BASE = ["--num-experts", "8", "--moe-router-topk", "2"]
 
 
@@ -42,7 +42,7 @@ def test_mok_flags_map_onto_options(parser):
         BASE
         + ["--moe-token-dispatcher-type", "mok", "--expert-model-parallel-size", "4"]
         + ["--mok-minibatch-size", "256", "--mok-capacity-multiplier", "0.5", "--mok-sync-free"]
-        + ["--no-mok-deterministic", "--mok-transport", "copy_engine", "--mok-engine", "pipeline"]
+        + ["--mok-transport", "copy_engine", "--mok-engine", "pipeline"]
     )
     # `mok` is an alias: Megatron's checks see alltoall, the entry point sees args.mok.
     assert (a.mok, a.moe_token_dispatcher_type) == (True, "alltoall")
@@ -51,7 +51,6 @@ def test_mok_flags_map_onto_options(parser):
         minibatch_size=256,
         capacity_multiplier=0.5,
         sync_free=True,
-        deterministic=False,
         transport="copy_engine",
     )
     b = parser.parse_args(BASE + ["--moe-token-dispatcher-type", "allgather"])
@@ -119,10 +118,11 @@ def test_fp8_without_transformer_engine_is_refused(parser):
 
     if have_te():
         pytest.skip("Transformer Engine is installed here")
-    a = parser.parse_args(BASE + ["--moe-token-dispatcher-type", "mok", "--fp8-format", "e4m3"])
+    local = ["--transformer-impl", "local"]
+    a = parser.parse_args(BASE + local + ["--moe-token-dispatcher-type", "mok", "--fp8-format", "e4m3"])
     with pytest.raises(MoKArgumentError, match=r"--fp8-format e4m3 .* needs Transformer Engine"):
         check_environment(a)
-    check_environment(parser.parse_args(BASE))  # no FP8: nothing to check
+    check_environment(parser.parse_args(BASE + local))  # no FP8: nothing to check
 
 
 # ---- patches ----------------------------------------------------------------------------------------
@@ -208,13 +208,15 @@ def test_recipe_dry_run_parses_and_its_layout_adds_up(parser, recipe):
     assert a.mok and a.moe_token_dispatcher_type == "alltoall"
     p = parallel(a, r.cluster)  # raises LayoutError naming the broken rule
     assert p.tp * p.pp * p.cp * p.dp == r.cluster.world == p.etp * p.ep * p.edp * p.pp
-    # The A/B switch: the same recipe with Megatron's dispatcher drops only the MoK flags.
+    # The A/B switch: the same recipe with Megatron's dispatcher drops only the MoK flags (MOK_ARGS come
+    # last) and adds only its own (ALLTOALL_ARGS, e.g. router padding for FP8, which MoK's experts do not need).
     ab = recipes.dry_run(recipe, env={"DISPATCHER": "alltoall"}).argv
     i = r.argv.index("--moe-token-dispatcher-type")
-    k = next((j for j, x in enumerate(r.argv) if x.startswith("--mok-")), len(r.argv))  # MOK_ARGS come last
+    k = next((j for j, x in enumerate(r.argv) if x.startswith("--mok-")), len(r.argv))
     expected = r.argv[:k]
     expected[i + 1] = "alltoall"
-    assert r.argv[i + 1] == "mok" and ab == expected
+    assert r.argv[i + 1] == "mok" and ab[: len(expected)] == expected
+    assert all(not x.startswith("--mok-") for x in ab[len(expected) :])
     assert not parser.parse_args(ab).mok
 
 

@@ -35,6 +35,7 @@ from mok_megatron.engine.pipeline_plan import (
     fuse_local_rows,
 )
 from mok_megatron.engine.plan import DispatchPlan, EPGroups, build_aligned_plan, build_plan
+from mok_megatron.engine.select import EngineChoice
 from mok_megatron.options import MoKOptions
 
 
@@ -74,43 +75,31 @@ class MoKTokenDispatcher(MoETokenDispatcher):
         config,
         pg_collection,
         mok_config: MoKConfig,
-        options: MoKOptions | None = None,
-        transport=None,
+        options: MoKOptions,
+        engine: EngineChoice,
     ):
         super().__init__(config=config, pg_collection=pg_collection)
         self.num_local_experts = num_local_experts
         self.local_expert_indices = list(local_expert_indices)
         self.mok_config = mok_config
         self.groups = EPGroups.from_pg_collection(pg_collection)
-        self.options = options or MoKOptions()
-        self.transport = transport  # set: the overlap engine runs (see pipeline_supported)
+        self.options = options
+        self.engine = engine
         self._plan: DispatchPlan | PipelineCall | None = None
         self._ep_in_one_node = _group_in_one_node(self.groups.ep)
-        # > 1: the experts want every expert's rows padded to this (set by MoKMoELayer): the permute
-        # writes the padded layout directly (EP=1: ``build_aligned_plan``; pipeline: each expert call).
-        self.row_alignment = 1
-        self.exact_aligned_rows = False  # True: size that buffer exactly (experts read counts anyway)
-        # True (set by MoKMoELayer where ``aligned_plan_applies``, EP = 1): ``build_aligned_plan`` at
-        # ``row_alignment`` (1 included): routing metadata from the Triton routing kernels, no sort.
-        self.aligned_plan = False
-        # True (set by MoKMoELayer, EP = 1, aligned plan, experts with ``fuses_permute()``): the experts
-        # take the token rows and the plan and permute / combine inside their GEMM operands
-        # (``run_fused``; the native FP8 experts: ``experts.fp8_mlp``); the six phases pass rows through.
-        self.fused_experts = False
-        # True (set by MoKMoELayer for experts that take device counts): the pipeline's expert calls plan
-        # their rows with the routing kernels at any alignment (``engine.pipeline._experts_aligned``).
-        self.routing_kernel_calls = False
+
+    @property
+    def transport(self):
+        return self.engine.transport
 
     @property
     def pipelined(self) -> bool:
-        return self.transport is not None
+        return self.engine.pipelined
 
     @property
     def folded_phase(self) -> str | None:
         """The one phase dispatch, experts and combine run in (``pipeline`` / ``experts``), or None."""
-        if self.pipelined:
-            return "pipeline"
-        return "experts" if self.fused_experts else None
+        return self.engine.folded_phase
 
     @property
     def plan(self) -> DispatchPlan:
@@ -140,15 +129,15 @@ class MoKTokenDispatcher(MoETokenDispatcher):
             hidden_shape = hidden_states.shape
             if self.pipelined:
                 self._plan = PipelineCall(self._pipeline_plan(hidden_shape, routing_map), routing_map)
-            elif self.aligned_plan:
+            elif self.engine.aligned_plan:
                 self._plan = build_aligned_plan(
                     hidden_shape,
                     routing_map,
                     probs,
                     self.mok_config,
                     self.groups,
-                    self.row_alignment,
-                    exact_rows=self.exact_aligned_rows,
+                    self.engine.row_alignment,
+                    exact_rows=self.engine.exact_aligned_rows,
                 )
             else:
                 self._plan = build_plan(hidden_shape, routing_map, probs, self.mok_config, self.groups)
@@ -159,16 +148,13 @@ class MoKTokenDispatcher(MoETokenDispatcher):
             return F.dispatch_preprocess(hidden_states.reshape(-1, hidden_shape[-1]), probs, self._plan)
 
     def _pipeline_plan(self, hidden_shape, routing_map, sync_free=None):
-        o, cfg = self.options, self.mok_config
+        o, cfg, tr = self.options, self.mok_config, self.transport
         T = routing_map.shape[0]
-        loopback = self.transport.name == "loopback"
-        slow_link = bool(o.loopback_gbps and o.loopback_gbps < 200) if loopback else not self._ep_in_one_node
+        # A transport that emulates EP (the loopback) says how many ranks and how slow a link it stands for.
+        emulated_ep = getattr(tr, "emulated_ep", 1) if cfg.ep_size == 1 else 1
+        slow_link = getattr(tr, "slow_link", not self._ep_in_one_node)
         mbs = o.minibatch_size or auto_minibatch_size(
-            T,
-            cfg.topk,
-            cfg.num_local_experts,
-            max(cfg.ep_size, o.loopback_ep if loopback else 1),
-            slow_link=slow_link,
+            T, cfg.topk, cfg.num_local_experts, max(cfg.ep_size, emulated_ep), slow_link=slow_link
         )
         return build_pipeline_plan(
             hidden_shape,
@@ -179,7 +165,7 @@ class MoKTokenDispatcher(MoETokenDispatcher):
             mbs,
             sync_free=o.sync_free if sync_free is None else sync_free,
             capacity_multiplier=o.capacity_multiplier,
-            emulated_ep=max(o.loopback_ep, 1) if loopback and cfg.ep_size == 1 else 1,
+            emulated_ep=emulated_ep,
             fuse_local=fuse_local_rows(o.local_rows, slow_link),
         )
 
@@ -195,16 +181,15 @@ class MoKTokenDispatcher(MoETokenDispatcher):
         experts that fuse the per-call permute / combine into their operands (``row_alignment`` > 1).
         ``before_experts``: see ``engine.pipeline.run_pipeline`` (``LateWgrad.open``)."""
         call = self.plan
-        o = self.options
+        o, engine = self.options, self.engine
         args = (
-            self.transport,
+            engine.transport,
             self.mok_config.topk,
-            o.deterministic,
             o.fp8_dispatch,
-            self.row_alignment,
+            engine.row_alignment,
             o.fp8_combine,
-            token_rows_fn if self.row_alignment > 1 else None,
-            self.routing_kernel_calls,
+            token_rows_fn if engine.row_alignment > 1 else None,
+            engine.routing_kernel_calls,
             before_experts,
             self._shared_fc2_once(),
         )
@@ -302,7 +287,7 @@ class MoKTokenDispatcher(MoETokenDispatcher):
             plan = self.plan
             if self.pipelined:
                 out = hidden_states.view(plan.plan.hidden_shape)
-            elif self.fused_experts:
+            elif self.engine.fused_experts:
                 out = hidden_states.view(plan.hidden_shape)
             else:
                 out = F.combine_postprocess(hidden_states, plan)

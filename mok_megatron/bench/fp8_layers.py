@@ -27,17 +27,11 @@ def fp8_config(cfg, recipe: str | None):
 
 
 def build_mok_layer(backend: str, cfg):
-    """``mok_megatron.bench.layer.build('mok', cfg)`` with the expert backend set the way the flag sets it
-    (the process default options), restored afterwards."""
+    """``mok_megatron.bench.layer.build('mok', cfg)`` with ``--mok-expert-backend backend``."""
     from mok_megatron.bench.layer import build
-    from mok_megatron.options import default_options, set_default_options
+    from mok_megatron.options import MoKOptions
 
-    before = default_options()
-    set_default_options(dataclasses.replace(before, expert_backend=backend))
-    try:
-        return build("mok", cfg)
-    finally:
-        set_default_options(before)
+    return build("mok", cfg, options=MoKOptions(expert_backend=backend))
 
 
 class InQuantContext(torch.nn.Module):

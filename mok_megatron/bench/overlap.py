@@ -18,7 +18,6 @@ Times are medians of CUDA-event timings (max over ranks); outputs are checked ag
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import math
 import os
@@ -108,17 +107,16 @@ MODES = {  # label: (MoKOptions overrides, capture in a CUDA graph)
 }
 
 
-def loopback_options(shape: dict, chunks: int, gbps: float, **overrides):
+def loopback_options(shape: dict, chunks: int, gbps: float, loopback_bytes: str = "copy", **overrides):
     """``MoKOptions`` for one loopback point of an ``OVERLAP_SHAPES`` entry: ``chunks`` minibatches over its
-    tokens, the loopback standing in for its EP size at ``gbps`` per direction (0 = infinite); other
-    ``MoKOptions`` fields as ``overrides``."""
-    from mok_megatron.options import MoKOptions
+    tokens, the loopback standing in for its EP size at ``gbps`` per direction (0 = infinite), moving its
+    bytes as ``loopback_bytes`` (``LoopbackBytes``); other ``MoKOptions`` fields as ``overrides``."""
+    from mok_megatron.options import LoopbackLink, MoKOptions
 
     return MoKOptions(
         minibatch_size=math.ceil(shape["tokens"] / chunks),
         transport="loopback",
-        loopback_ep=shape["ep"],
-        loopback_gbps=gbps,
+        loopback=LoopbackLink(ep=shape["ep"], gbps=gbps, bytes=loopback_bytes),
         **overrides,
     )
 
@@ -199,26 +197,9 @@ def bench_overlap(
 ) -> list[dict]:
     """``expert_backend``: the experts' GEMMs of every layer timed, the no-communication baseline included
     (``--mok-expert-backend``; 'torch-fp8': native FP8, whose pipeline expert calls take padded rows)."""
-    with _experts_of(expert_backend):
-        return _bench_overlap(
-            shapes, gbps_list, chunks_list, iters, warmup, profile_one, modes, local_rows, expert_backend
-        )
-
-
-@contextlib.contextmanager
-def _experts_of(expert_backend: str):
-    """MoK layers built inside get ``expert_backend`` experts: the experts read it from the process
-    default options, as ``--mok-expert-backend`` sets it (restored afterwards)."""
-    import dataclasses
-
-    from mok_megatron.options import default_options, set_default_options
-
-    before = default_options()
-    set_default_options(dataclasses.replace(before, expert_backend=expert_backend))
-    try:
-        yield
-    finally:
-        set_default_options(before)
+    return _bench_overlap(
+        shapes, gbps_list, chunks_list, iters, warmup, profile_one, modes, local_rows, expert_backend
+    )
 
 
 def _bench_overlap(
@@ -425,20 +406,19 @@ def bench_ep(
     top kernels and host ops, ``kernel_profile.kernel_summary``). ``no_b``: also each
     transport with all local rows in region A (``pipeline_plan.MIN_LOCAL_HALF`` set huge).
     ``local_rows``: the ``--mok-local-rows`` settings to time per transport (overlap, fused)."""
-    with _experts_of(expert_backend):
-        return _bench_ep(
-            shapes,
-            transports,
-            chunks_list,
-            iters,
-            warmup,
-            modes,
-            profile,
-            no_b,
-            kernels,
-            local_rows,
-            expert_backend,
-        )
+    return _bench_ep(
+        shapes,
+        transports,
+        chunks_list,
+        iters,
+        warmup,
+        modes,
+        profile,
+        no_b,
+        kernels,
+        local_rows,
+        expert_backend,
+    )
 
 
 def _bench_ep(

@@ -34,9 +34,9 @@ get a sort-based call (``_experts``). ``fp8_combine`` (opt-in) sends the expert 
 
 Reductions: each expert row is scaled by its probability inside the experts; a rank sums its local
 experts' rows per received token, the source sums the ranks' partial rows per token (remote rows,
-then region A/B rows, in that fixed order). With ``deterministic`` both sums are fixed-order gathers
-accumulated in fp32 (bitwise repeatable); without, they are ``index_add_`` into an fp32 buffer
-(atomics on GPUs).
+then region A/B rows, in that fixed order). Both sums are fixed-order gathers accumulated in fp32:
+bitwise repeatable run to run (the Triton gather-sum is also faster on an H200 than ``index_add_``'s
+atomics into an fp32 buffer).
 
 Legend:
     T tokens   Tc tokens of one minibatch   H hidden   L local experts   W = 2L routing metadata
@@ -102,16 +102,9 @@ class _Streams:
                 t.record_stream(getattr(self, stream_name))
 
 
-def _sum_rows(
-    y_MH: torch.Tensor, index_M: torch.Tensor, slots: SlotMap, num_out: int, valid_M, deterministic
-):
-    """``out[i] = sum of y rows whose index is i``: a fixed-order gather, or index_add_ (atomics)."""
-    if deterministic:
-        return combine_tokens(y_MH, slots)
-    if valid_M is not None:
-        y_MH = torch.where(valid_M.unsqueeze(-1), y_MH, 0)
-    out = torch.zeros((num_out, y_MH.shape[-1]), dtype=torch.float32, device=y_MH.device)
-    return out.index_add(0, index_M, y_MH.float()).to(y_MH.dtype)
+def _sum_rows(y_MH: torch.Tensor, slots: SlotMap) -> torch.Tensor:
+    """``out[i] = sum of the y rows whose index is i``: a fixed-order gather accumulated in fp32."""
+    return combine_tokens(y_MH, slots)
 
 
 def _pack(x_c, meta_cPW, mb: SendPlan, ep: int):
@@ -140,7 +133,7 @@ def _experts_aligned(
     """``_experts`` for experts that want every expert's rows padded to ``alignment`` (native FP8): the
     rows are permuted straight into the padded layout (``kernels.routing`` metadata, padding rows zero,
     probability 0), the experts run on it as it is, and each row's experts are summed by the fixed-order
-    combine (deterministic in both modes). Counts stay on the device (static buffer: no host read).
+    combine. Counts stay on the device (static buffer: no host read).
     ``token_rows_fn``: experts that take the rows and the routing metadata themselves and fuse the
     permute / combine into their operands (``experts.fp8_mlp``); the same result, bitwise."""
     from mok_megatron.engine.plan import static_aligned_rows
@@ -168,7 +161,6 @@ def _experts(
     L: int,
     topk: int,
     expert_fn: ExpertFn,
-    deterministic: bool,
     alignment: int = 1,
     token_rows_fn: TokenRowsFn | None = None,
     routing_kernels: bool = False,
@@ -203,7 +195,7 @@ def _experts(
     else:
         tpe_L = part.tokens_per_expert_L
     y_MH = expert_fn(x_MH, tpe_L, part.tokens_per_expert_host, probs_M)
-    return _sum_rows(y_MH, row_M, slots, R, valid_M, deterministic)
+    return _sum_rows(y_MH, slots)
 
 
 def _merged(remote: ExpertPart, local: ExpertPart) -> ExpertPart:
@@ -238,22 +230,6 @@ class _Arrived(torch.autograd.Function):
         return ctx.transport.move(g.contiguous(), ctx.mb, back), None, None, None, None
 
 
-class _ScaledLoopback:
-    """The loopback transport moving region R as if it were the minibatch's whole exchange
-    (an EP rank sends every token's remote rows; its local share stays): bytes scaled by Tc / r."""
-
-    def __init__(self, inner, scale: float):
-        self.inner, self.scale, self.name = inner, scale, inner.name
-
-    def move(self, x, mb, direction):
-        factor = self.inner.factor
-        self.inner.factor = factor * self.scale
-        try:
-            return self.inner.move(x, mb, direction)
-        finally:
-            self.inner.factor = factor
-
-
 def run_pipeline(
     x_TH: torch.Tensor,
     probs_TE: torch.Tensor,
@@ -262,7 +238,6 @@ def run_pipeline(
     expert_fn: ExpertFn,
     transport,
     topk: int,
-    deterministic: bool = False,
     fp8_dispatch: bool = False,
     row_alignment: int = 1,
     fp8_combine: bool = False,
@@ -305,7 +280,7 @@ def run_pipeline(
     sizes = [mb.num_tokens for mb in plan.minibatches]
     x_parts = x_TH.split(sizes) if C > 1 else (x_TH,)
     meta_parts = meta_TPW.split(sizes) if C > 1 else (meta_TPW,)
-    run = (L, topk, expert_fn, deterministic, row_alignment, token_rows_fn, routing_kernels)
+    run = (L, topk, expert_fn, row_alignment, token_rows_fn, routing_kernels)
 
     # 1. Pack every minibatch's remote rows and launch its dispatch on the communication stream.
     layout = PackLayout(H) if fp8_dispatch else None
@@ -313,9 +288,6 @@ def run_pipeline(
     flights = []
     for c, mb in enumerate(plan.minibatches):
         tr = transport
-        r = mb.local.regions[0]
-        if plan.emulated_ep > 1 and r:
-            tr = _ScaledLoopback(transport, mb.num_tokens / r)
         x_NH, meta_NW, x_ab = _pack(x_parts[c], meta_parts[c], mb, ep)
         ev = st.event("main")
         with torch.no_grad(), st.on("comm"):
@@ -389,7 +361,5 @@ def run_pipeline(
         st.wait("main", ev_back)
         st.hand_over("main", back_NH)
         rows = torch.cat([back_NH, z_a, z_b])
-        outs.append(
-            _sum_rows(rows, lp.sum_index_N, lp.sum_slots, mb.num_tokens, lp.sum_valid_N, deterministic)
-        )
+        outs.append(_sum_rows(rows, lp.sum_slots))
     return outs[0] if C == 1 else torch.cat(outs, 0)

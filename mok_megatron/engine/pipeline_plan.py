@@ -41,6 +41,7 @@ import torch.distributed as dist
 
 from mok_megatron.transport.comm import group_size
 from mok_megatron.ops.routing import SlotMap, slot_map
+from mok_megatron.options import LocalRows
 
 MAX_MINIBATCHES = 16  # bounds the counts exchange; larger splits only shrink the GEMMs further
 _MIN_ROWS_PER_EXPERT = 512  # auto rule: keep each local expert's GEMM at least this tall on average
@@ -68,15 +69,16 @@ def auto_minibatch_size(
     return math.ceil(num_tokens / chunks)
 
 
-def fuse_local_rows(local_rows: str, slow_link: bool) -> bool:
+def fuse_local_rows(local_rows: LocalRows, slow_link: bool) -> bool:
     """``--mok-local-rows`` -> whether a rank's local rows join the received rows' expert call.
 
     'auto': fused over fast links (every EP rank in one NVLink domain), where the exchanges are short
     and splitting the local rows into two more expert calls costs more (smaller GEMMs, a weight-
     gradient sum per call, launches) than it hides; overlapped over slow links."""
-    if local_rows == "auto":
+    local_rows = LocalRows(local_rows)
+    if local_rows is LocalRows.AUTO:
         return not slow_link
-    return local_rows == "fused"
+    return local_rows is LocalRows.FUSED
 
 
 def minibatch_bounds(num_tokens: int, minibatch_size: int) -> tuple[int, ...]:
@@ -109,8 +111,6 @@ class LocalPlan:
     part_a: ExpertPart
     part_b: ExpertPart
     sum_slots: SlotMap  # [Tc, EP]: rows of cat(remote back, A, B) per token, fixed order
-    sum_index_N: torch.Tensor  # token of each row of cat(remote back, A, B)
-    sum_valid_N: torch.Tensor  # row carries a value
 
 
 @dataclass(frozen=True)
@@ -309,7 +309,7 @@ class _Ctx:
         return remote_CL, own_CRL[:, 1], own_CRL[:, 2]
 
 
-def _sum_map(tc, tok_N, valid_N, here_T, r, remote: SlotMap):
+def _sum_map(tc, tok_N, here_T, r, remote: SlotMap) -> SlotMap:
     """The final per-token sum over ``cat(remote rows, region A and B rows)``: each token's remote
     rows in destination order (the remote slot map), then its local row (a column appended)."""
     dev = tok_N.device
@@ -321,11 +321,7 @@ def _sum_map(tc, tok_N, valid_N, here_T, r, remote: SlotMap):
         remote.valid_TK if remote.valid_TK is not None else torch.ones_like(remote.row_TK, dtype=torch.bool)
     )
     valid_TK = torch.cat([valid_rem, here_T.unsqueeze(1)], 1)
-    index = torch.cat([tok_N, torch.arange(r, tc, device=dev)])
-    valid = torch.cat(
-        [valid_N if valid_N is not None else torch.ones_like(tok_N, dtype=torch.bool), here_T[r:]]
-    )
-    return index, valid, SlotMap(row_TK, valid_TK)
+    return SlotMap(row_TK, valid_TK)
 
 
 def _remote_sources(ctx):
@@ -374,7 +370,7 @@ def _exact_minibatch(ctx: _Ctx, c: int, host_SDGW, tpe_dev) -> SendPlan:
     tpe_remote = tpe(sources, me, src_gs)
     here_T = _here_T(ctx, to_rank_TP, r)
     slots = slot_map(tok, torch.ones_like(tok, dtype=torch.bool), tc, max(ep - 1, 1))
-    index, valid, sum_slots = _sum_map(tc, tok, None, here_T, r, slots)
+    sum_slots = _sum_map(tc, tok, here_T, r, slots)
 
     def part(i, host):
         return ExpertPart(sum(host), tpe_dev[i], host, False)
@@ -386,8 +382,6 @@ def _exact_minibatch(ctx: _Ctx, c: int, host_SDGW, tpe_dev) -> SendPlan:
         part_a=part(1, tpe([me], me, G[1:2])),
         part_b=part(2, tpe([me], me, G[2:3])),
         sum_slots=sum_slots,
-        sum_index_N=index,
-        sum_valid_N=valid,
     )
     return SendPlan(
         start=start,
@@ -445,7 +439,7 @@ def _sync_free_minibatch(ctx: _Ctx, c: int, multiplier: float):
     recv = tuple(split[s][me] for s in range(len(split)))
     here_T = _here_T(ctx, to_rank_TP, r)
     slots = slot_map(tok, valid, tc, max(ep - 1, 1))
-    index, sum_valid, sum_slots = _sum_map(tc, tok, valid, here_T, r, slots)
+    sum_slots = _sum_map(tc, tok, here_T, r, slots)
     nrecv = sum(recv)
     zero = torch.zeros(L, dtype=torch.int64, device=dev)
     local = LocalPlan(
@@ -455,8 +449,6 @@ def _sync_free_minibatch(ctx: _Ctx, c: int, multiplier: float):
         part_a=ExpertPart(a * kk, zero, None, True),
         part_b=ExpertPart(b * kk, zero, None, True),
         sum_slots=sum_slots,
-        sum_index_N=index,
-        sum_valid_N=sum_valid,
     )
     mb = SendPlan(
         start=start,

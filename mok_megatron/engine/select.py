@@ -1,113 +1,184 @@
-"""Which engine a MoK layer runs: the overlap pipeline (with which transport) or the plain path.
+"""Which engine a MoK layer runs, decided once when the layer is built: ``EngineChoice``.
 
-The pipeline (``mok_megatron.engine.pipeline``) runs when expert parallelism is on (or the
-loopback transport emulates it) and routing is dropless without expert-TP. Capacity dropping,
-drop-and-pad, router padding and expert-TP keep the unpipelined six-phase path, and asking for a
-pipeline-only option with them is an error naming the settings.
+The overlap pipeline (``engine.pipeline``) runs when expert parallelism is on (or the loopback transport
+emulates it) and routing is dropless without expert-TP. Capacity dropping, drop-and-pad, router padding
+and expert-TP keep the plain six-phase engine (``engine.plain``), and asking for a pipeline-only option
+with them is an error naming the settings.
 
 Composition with Megatron's own EP overlap (``--overlap-moe-expert-parallel-comm``, the combined 1F1B
-schedule; also ``--overlap-dispatch-backward-with-experts-wgrad``): Megatron's overlap wins. Its
-scheduler runs dispatch, experts and combine as separate nodes on a communication and a compute stream
-and overlaps one micro-batch's all-to-all with another's compute; MoK's in-layer pipeline would fold
-all three into the experts node (its dispatch/combine nodes would be empty, its exchanges would run on
-the compute stream), defeating that schedule. So with those flags the layer runs the six-phase plain
-engine, which Megatron's scheduler interleaves like its own alltoall dispatcher, and an explicit
-pipeline option (``--mok-engine pipeline``, ``--mok-minibatch-size``, ``--mok-sync-free``, a
-``--mok-transport``) is a start-up error naming both flags.
+schedule; also ``--overlap-dispatch-backward-with-experts-wgrad``): Megatron's scheduler runs dispatch,
+experts and combine as separate nodes on a communication and a compute stream and overlaps one
+micro-batch's all-to-all with another's compute, and it frees each node's inputs after the node has run.
+The in-layer pipeline would fold all three phases into the experts node (its dispatch and combine nodes
+empty, its exchanges on the compute stream). So under those flags the layer runs the plain engine, whose
+phases Megatron's scheduler interleaves like its own alltoall dispatcher's, and an explicit pipeline
+option is a start-up error naming both flags.
+
+What the experts take decides how the plain engine lays out their rows (``ExpertsContract``, from the
+experts' class before they are built): MoK's experts take per-expert counts on the device, so at EP = 1
+the routing kernels plan the rows without a sort (``aligned_plan``) and the permute writes the padded
+layout FP8 GEMMs need (``row_alignment``); the native FP8 experts take token rows and fuse the permute
+and combine into their operands (``fused_experts``).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from mok_megatron.config import MoKConfig, MoKConfigError
-from mok_megatron.transport.collective import CollectiveTransport
-from mok_megatron.transport.copy_engine import CopyEngineTransport
-from mok_megatron.transport.loopback import LoopbackTransport
-from mok_megatron.options import MoKOptions
+from mok_megatron.engine.plan import aligned_plan_applies
+from mok_megatron.options import Engine, MoKOptions, TransportKind
 
 
-def _unsupported(cfg: MoKConfig) -> list[str]:
+@dataclass(frozen=True)
+class ExpertsContract:
+    """What a layer's experts take, known from their class and the options before they are built."""
+
+    mok: bool  # MoK's experts: device counts, sync-free and CUDA-graph capture possible
+    alignment: int = 1  # rows per expert must be a multiple of this for their GEMMs
+    host_counts: bool = False  # they read the per-expert counts on the host anyway (TE's m_splits)
+    fuses_permute: bool = False  # they take token rows + routing metadata (native FP8 experts)
+
+    @property
+    def device_counts(self) -> bool:
+        return self.mok and not self.host_counts
+
+
+MEGATRON_EXPERTS = ExpertsContract(mok=False)
+
+
+@dataclass(frozen=True)
+class EngineChoice:
+    """How one MoK layer dispatches, computes and combines; fixed when the layer is built."""
+
+    transport: object | None  # the overlap pipeline's transport (``transport.base.Transport``); None: plain
+    aligned_plan: bool = False  # plain, EP = 1: the routing kernels' plan (no sort)
+    exact_aligned_rows: bool = False  # size that plan's buffer exactly (the experts read counts anyway)
+    row_alignment: int = 1  # > 1: the permute writes every expert's rows padded to this
+    fused_experts: bool = False  # plain, EP = 1: experts take token rows (permute / combine fused)
+    routing_kernel_calls: bool = False  # pipeline: every expert call planned by the routing kernels
+
+    @property
+    def pipelined(self) -> bool:
+        return self.transport is not None
+
+    @property
+    def folded_phase(self) -> str | None:
+        """The one phase dispatch, experts and combine run in (``pipeline`` / ``experts``), or None."""
+        if self.pipelined:
+            return "pipeline"
+        return "experts" if self.fused_experts else None
+
+
+def pipeline_blockers(
+    capacity_factor: float | None, router_padding: bool, etp_size: int
+) -> list[str]:
+    """The settings of a layer that keep it off the overlap pipeline (it then runs the plain engine)."""
     why = []
-    if not cfg.dropless:
-        why.append(f"moe_expert_capacity_factor={cfg.capacity_factor} (token dropping)")
-    if cfg.router_pad_multiple:
+    if capacity_factor is not None:
+        why.append(f"moe_expert_capacity_factor={capacity_factor} (token dropping)")
+    if router_padding:
         why.append("moe_router_padding_for_quantization=True")
-    if cfg.etp_size > 1:
-        why.append(f"expert_tensor_parallel_size={cfg.etp_size}")
+    if etp_size > 1:
+        why.append(f"expert_tensor_parallel_size={etp_size}")
     return why
 
 
-def _explicit(options: MoKOptions) -> list[str]:
-    """The --mok-* flags given that only the overlap pipeline honours."""
-    return [
-        flag
-        for flag, on in (
-            ("--mok-engine pipeline", options.engine == "pipeline"),
-            ("--mok-minibatch-size", options.minibatch_size is not None),
-            ("--mok-sync-free", options.sync_free),
-            (f"--mok-transport {options.transport}", options.transport != "auto"),
-            (f"--mok-local-rows {options.local_rows}", options.local_rows != "auto"),
-            ("--mok-fp8-dispatch", options.fp8_dispatch),
-            ("--mok-fp8-combine", options.fp8_combine),
+def check_options(
+    options: MoKOptions,
+    *,
+    ep_size: int,
+    blockers: list[str],
+    megatron_overlap_flags: tuple[str, ...] = (),
+    cuda: bool | None = None,
+) -> None:
+    """Raise ``MoKConfigError`` for options this layer cannot honour: pipeline-only options where the
+    plain engine must run, the loopback with real EP, a GPU transport without GPUs (``cuda`` None: not
+    checked). The command line runs this right after parsing; the layer again when it is built."""
+    explicit = options.pipeline_only()
+    if options.engine is Engine.PLAIN:
+        return
+    if megatron_overlap_flags and explicit:
+        flags = ", ".join(megatron_overlap_flags)
+        raise MoKConfigError(
+            f"{', '.join(explicit)} asks for the MoK overlap pipeline, but {flags} hands the MoE phases to "
+            "Megatron's combined 1F1B schedule, which overlaps dispatch and combine across micro-batches "
+            "itself; the two cannot both drive this layer. Drop the --mok-* option(s) (the layer then runs "
+            f"the six-phase plain engine under Megatron's overlap) or drop {flags} (MoK's in-layer overlap)."
         )
-        if on
-    ]
+    if blockers and explicit:
+        raise MoKConfigError(
+            f"{', '.join(explicit)} need(s) the MoK overlap pipeline, which supports dropless routing "
+            f"without expert tensor parallelism; this layer has {', '.join(blockers)}. Drop the --mok-* "
+            "option(s) (the layer then runs unpipelined) or change those settings."
+        )
+    kind = options.transport
+    if kind is TransportKind.LOOPBACK and ep_size != 1:
+        raise MoKConfigError(
+            f"--mok-transport loopback emulates expert parallelism on one rank and needs "
+            f"--expert-model-parallel-size 1 (got {ep_size}); use collective or copy_engine with real EP ranks."
+        )
+    if cuda is False and kind in (TransportKind.NVLINK, TransportKind.COPY_ENGINE):
+        raise MoKConfigError(
+            f"--mok-transport {kind.value} needs CUDA GPUs in one NVLink domain; use --mok-transport "
+            "collective here."
+        )
 
 
 def select_transport(cfg: MoKConfig, options: MoKOptions, ep_group):
-    """The transport of the overlap engine, or None for the unpipelined path."""
-    if options.engine == "plain":
+    """The transport of the overlap engine, or None for the plain engine."""
+    blockers = pipeline_blockers(cfg.capacity_factor, bool(cfg.router_pad_multiple), cfg.etp_size)
+    check_options(
+        options,
+        ep_size=cfg.ep_size,
+        blockers=blockers,
+        megatron_overlap_flags=cfg.megatron_overlap_flags,
+        cuda=torch.cuda.is_available(),
+    )
+    if options.engine is Engine.PLAIN or cfg.megatron_overlap_flags or blockers:
         return None
-    if cfg.megatron_overlap_flags:
-        explicit = _explicit(options)
-        if explicit:
-            raise MoKConfigError(
-                f"{', '.join(explicit)} asks for the MoK overlap pipeline, but {', '.join(cfg.megatron_overlap_flags)} "
-                "hands the MoE phases to Megatron's combined 1F1B schedule, which overlaps dispatch and "
-                "combine across micro-batches itself; the two cannot both drive this layer. Drop the "
-                "--mok-* option(s) (the layer then runs the six-phase plain engine under Megatron's "
-                f"overlap) or drop {', '.join(cfg.megatron_overlap_flags)} (MoK's in-layer overlap)."
-            )
-        return None
-    explicit = _explicit(options)
-    why = _unsupported(cfg)
-    if why:
-        if explicit:
-            raise MoKConfigError(
-                f"{', '.join(explicit)} need(s) the MoK overlap pipeline, which supports dropless routing "
-                f"without expert tensor parallelism; this layer has {', '.join(why)}. Drop the --mok-* "
-                "option(s) (the layer then runs unpipelined) or change those settings."
-            )
-        return None
-    if options.transport == "loopback":
-        if cfg.ep_size != 1:
-            raise MoKConfigError(
-                f"--mok-transport loopback emulates expert parallelism on one rank; this layer has "
-                f"EP={cfg.ep_size}. Use collective or copy_engine with real EP ranks."
-            )
-        return LoopbackTransport(
-            options.loopback_ep,
-            cfg.num_local_experts,
-            cfg.topk,
-            options.loopback_gbps,
-            copies=options.loopback_bytes == "copy",
-        )
+    kind = options.transport
+    if kind is TransportKind.LOOPBACK:
+        from mok_megatron.transport.loopback import LoopbackTransport
+
+        return LoopbackTransport(options.loopback, cfg.num_local_experts, cfg.topk)
     if cfg.ep_size == 1:
         return None  # nothing to move, nothing to overlap
-    if options.transport == "nvlink":
-        if not torch.cuda.is_available():
-            raise MoKConfigError(
-                "--mok-transport nvlink needs CUDA GPUs in one NVLink domain; use collective here."
-            )
+    if kind is TransportKind.NVLINK:
         from mok_megatron.transport.nvlink.hierarchical import nvlink_transport
 
         # one NVLink domain: NVLinkTransport; an EP group across domains: NVLink inside, NCCL between
         return nvlink_transport(ep_group, options.nvlink_programs, options.nvlink_sync)
-    if options.transport == "copy_engine":
-        if not torch.cuda.is_available():
-            raise MoKConfigError(
-                "--mok-transport copy_engine needs CUDA GPUs in one NVLink domain; use collective here."
-            )
+    if kind is TransportKind.COPY_ENGINE:
+        from mok_megatron.transport.copy_engine import CopyEngineTransport
+
         return CopyEngineTransport(ep_group)
+    from mok_megatron.transport.collective import CollectiveTransport
+
     return CollectiveTransport(ep_group)
+
+
+def select_engine(cfg: MoKConfig, options: MoKOptions, ep_group, experts: ExpertsContract) -> EngineChoice:
+    """The engine of one layer: transport (or the plain engine) and the experts' row layout."""
+    transport = select_transport(cfg, options, ep_group)
+    if options.sync_free and transport is not None and not experts.mok:
+        raise MoKConfigError(
+            "--mok-sync-free needs MoK's experts (MoKGroupedMLP); these experts read token counts on the "
+            "host. Use a MoK spec, or drop --mok-sync-free."
+        )
+    pipelined = transport is not None
+    aligned_plan = not pipelined and aligned_plan_applies(cfg)
+    align = experts.alignment
+    # The permute writes the experts' padded layout itself (no pad / unpad copies); in the pipeline only
+    # for experts that take device counts.
+    row_alignment = align if align > 1 and (aligned_plan or (pipelined and experts.device_counts)) else 1
+    return EngineChoice(
+        transport=transport,
+        aligned_plan=aligned_plan,
+        exact_aligned_rows=aligned_plan and experts.mok and experts.host_counts,
+        row_alignment=row_alignment,
+        fused_experts=aligned_plan and align > 1 and experts.mok and experts.fuses_permute,
+        routing_kernel_calls=pipelined and experts.device_counts,
+    )

@@ -15,10 +15,9 @@ from __future__ import annotations
 import torch
 
 from mok_megatron.config import MoKConfigError
-from mok_megatron.ops import fp8_grouped_gemm as native
 from mok_megatron.experts.recipes import alignment_for
-
-BACKENDS = ("torch", "torch-fp8", "te")
+from mok_megatron.ops import fp8_grouped_gemm as native
+from mok_megatron.options import ExpertBackend
 
 
 def _fp8_recipe_name(config) -> str | None:
@@ -30,22 +29,29 @@ def _fp8_recipe_name(config) -> str | None:
     return None
 
 
-def expert_alignment(backend: str, config) -> int:
+def _backend(value) -> ExpertBackend:
+    try:
+        return ExpertBackend(value)
+    except ValueError:
+        choices = ", ".join(e.value for e in ExpertBackend)
+        raise MoKConfigError(f"--mok-expert-backend={value!r}: choose one of {choices}.") from None
+
+
+def expert_alignment(backend: ExpertBackend, config) -> int:
     """Rows per expert the backend's grouped GEMM needs (1 = no padding)."""
-    if backend == "torch":
+    backend = _backend(backend)
+    if backend is ExpertBackend.TORCH:
         return 1
-    if backend == "torch-fp8":
+    if backend is ExpertBackend.TORCH_FP8:
         return native.ALIGNMENT
-    if backend == "te":
-        recipe = _fp8_recipe_name(config)
-        if recipe is None:
-            return 1
-        return alignment_for(recipe, bool(getattr(config, "use_transformer_engine_op_fuser", False)))
-    raise MoKConfigError(f"--mok-expert-backend={backend!r}: choose one of {', '.join(BACKENDS)}.")
+    recipe = _fp8_recipe_name(config)
+    if recipe is None:
+        return 1
+    return alignment_for(recipe, bool(getattr(config, "use_transformer_engine_op_fuser", False)))
 
 
 def check_expert_backend(
-    backend: str,
+    backend: ExpertBackend,
     config,
     device: torch.device | str,
     *,
@@ -55,16 +61,15 @@ def check_expert_backend(
     delay_wgrad: bool = False,
 ) -> None:
     """Raise ``MoKConfigError`` unless ``backend`` can run the experts of ``config`` on ``device``."""
-    if backend not in BACKENDS:
-        raise MoKConfigError(f"--mok-expert-backend={backend!r}: choose one of {', '.join(BACKENDS)}.")
-    if backend == "torch":
+    backend = _backend(backend)
+    if backend is ExpertBackend.TORCH:
         return
     if recompute_activation:
         raise MoKConfigError(
-            f"--mok-expert-backend {backend} does not recompute the activation yet "
+            f"--mok-expert-backend {backend.value} does not recompute the activation yet "
             "(--recompute-modules moe_act); drop moe_act from --recompute-modules or use the torch backend."
         )
-    if backend == "torch-fp8":
+    if backend is ExpertBackend.TORCH_FP8:
         native.check_native_fp8(device)
         if delay_wgrad:
             raise MoKConfigError(

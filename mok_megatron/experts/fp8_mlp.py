@@ -83,7 +83,11 @@ def native_expert_mlp(x_RH, probs_R, counts_L, w1_LFH, w2_LHF, act, *, apply_pro
     quantizes the real rows straight into the padded layout (``fp8_grouped_linear_padded``); fc2 returns
     the real rows and quantizes their gradient straight into the padded layout
     (``fp8_grouped_linear_gather``): no bf16 padded copy of x or of the output gradient."""
-    from mok_megatron.ops.fp8_grouped_gemm import ALIGNMENT, fp8_grouped_linear_gather, fp8_grouped_linear_padded
+    from mok_megatron.ops.fp8_grouped_gemm import (
+        ALIGNMENT,
+        fp8_grouped_linear_gather,
+        fp8_grouped_linear_padded,
+    )
 
     def fc1(x_RH, plan):
         offs = native_offsets(plan)

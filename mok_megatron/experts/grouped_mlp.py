@@ -30,8 +30,10 @@ from megatron.core.transformer.utils import make_sharded_object_for_checkpoint
 from megatron.core.utils import get_pg_rank, get_pg_size
 
 from mok_megatron.config import MoKConfig, MoKConfigError
+from mok_megatron.engine.select import ExpertsContract
+from mok_megatron.experts.backend import check_expert_backend, expert_alignment
 from mok_megatron.experts.torch_mlp import WgradQueue, scheduled_expert_mlp
-from mok_megatron.options import MoKOptions, default_options
+from mok_megatron.options import ExpertBackend, MoKOptions
 
 
 def _init_device(config) -> torch.device:
@@ -40,27 +42,34 @@ def _init_device(config) -> torch.device:
     return torch.device("cuda", torch.cuda.current_device())
 
 
+def experts_class(cls: type, options: MoKOptions) -> type:
+    """The class that builds ``cls``'s experts under ``options``: the TE backend has other parameters
+    (TE's GroupedLinear), so ``MoKGroupedMLP`` becomes ``experts.te.MoKTEGroupedMLP`` there."""
+    if cls is MoKGroupedMLP and options.expert_backend is ExpertBackend.TE:
+        from mok_megatron.experts.te import MoKTEGroupedMLP
+
+        return MoKTEGroupedMLP
+    return cls
+
+
 class MoKGroupedMLP(MegatronModule):
-    """Routed experts: ``forward(x, tokens_per_expert, permuted_probs) -> (out, None)``."""
+    """Routed experts: ``forward(x, tokens_per_expert, permuted_probs) -> (out, None)``.
 
-    # Set by MoKMoELayer when its dispatcher delivers every expert's rows padded to this multiple
-    # (``engine.plan.build_aligned_plan``); 1: the experts pad for themselves where they must.
-    aligned_input = 1
+    ``options``: the layer's (``MoKMoELayer`` passes them; the expert backend among them).
+    ``aligned_input`` > 1: the dispatcher delivers every expert's rows padded to this multiple
+    (``engine.plan.build_aligned_plan`` or the pipeline's expert calls); 1: the experts pad for themselves
+    where their GEMMs must."""
 
-    def __new__(cls, *args, **kwargs):
-        # The TE backend has other parameters (TE's GroupedLinear): its own class, chosen here so
-        # that specs, MoKMoELayer and ``isinstance(experts, MoKGroupedMLP)`` stay as they are. Only on
-        # construction (args given): copy/pickle call __new__(cls) bare and must keep the class.
-        backend = cls._resolve_options(kwargs.get("options")).expert_backend
-        if cls is MoKGroupedMLP and args and backend == "te":
-            from mok_megatron.experts.te import MoKTEGroupedMLP
-
-            return super().__new__(MoKTEGroupedMLP)
-        return super().__new__(cls)
-
-    @staticmethod
-    def _resolve_options(options: MoKOptions | None) -> MoKOptions:
-        return options if options is not None else default_options()
+    @classmethod
+    def contract(cls, config, mok_config: MoKConfig, options: MoKOptions) -> ExpertsContract:
+        """What these experts take (``engine.select``): device counts; native FP8 rows padded to 16 and,
+        without probabilities on the input, token rows with the permute fused into their operands."""
+        fp8 = options.expert_backend is ExpertBackend.TORCH_FP8
+        return ExpertsContract(
+            mok=True,
+            alignment=expert_alignment(options.expert_backend, config),
+            fuses_permute=fp8 and not mok_config.apply_probs_on_input,
+        )
 
     def __init__(
         self,
@@ -70,6 +79,7 @@ class MoKGroupedMLP(MegatronModule):
         name: str | None = None,
         mok_config: MoKConfig | None = None,
         options: MoKOptions | None = None,
+        aligned_input: int = 1,
     ):
         super().__init__(config=config)
         pg = pg_collection if pg_collection is not None else get_default_pg_collection()
@@ -84,11 +94,16 @@ class MoKGroupedMLP(MegatronModule):
                 f"{cfg.num_experts} over EP={cfg.ep_size} gives {cfg.num_local_experts}."
             )
         self.num_local_experts = num_local_experts
-        self.options = self._resolve_options(options)
+        self.options = options if options is not None else MoKOptions()
+        self.aligned_input = aligned_input
         self.expert_backend = self.options.expert_backend
-        if self.expert_backend != "torch":
+        if self.expert_backend is ExpertBackend.TE and type(self) is MoKGroupedMLP:
+            raise MoKConfigError(
+                "MoKGroupedMLP with expert_backend='te': the TE backend has its own parameters; build "
+                "experts_class(MoKGroupedMLP, options) (experts.te.MoKTEGroupedMLP), or let MoKMoELayer do it."
+            )
+        if self.expert_backend is not ExpertBackend.TORCH:
             from mok_megatron.compat import have_te
-            from mok_megatron.experts.backend import check_expert_backend
 
             gpu = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
             check_expert_backend(
@@ -142,27 +157,13 @@ class MoKGroupedMLP(MegatronModule):
                 self.config.init_method(self.fc1_weight[e])
                 self.config.output_layer_init_method(self.fc2_weight[e])
 
-    def input_alignment(self) -> int:
-        """Rows per expert must be a multiple of this for the GEMMs to run unpadded (native FP8: 16)."""
-        if self.expert_backend == "torch-fp8":
-            from mok_megatron.ops.fp8_grouped_gemm import ALIGNMENT
-
-            return ALIGNMENT
-        return 1
-
-    def fuses_permute(self) -> bool:
-        """Whether ``token_rows_forward`` applies: the native FP8 experts take the token rows and fuse the
-        permute / combine into their FP8 operands (``experts.fp8_mlp``); probabilities on the input
-        would make a route's row differ from its token's."""
-        return self.expert_backend == "torch-fp8" and not self.mok_config.apply_probs_on_input
-
     def token_rows_forward(self, x_TH, probs_TK, meta, counts_L):
         """The experts' per-token output ``[T, H]`` from the token rows and routing metadata in the padded
         layout: the aligned plan's at EP = 1 (``MoKTokenDispatcher.run_fused``), each expert call's in the
         overlap pipeline (``engine.pipeline._experts_aligned``)."""
         from mok_megatron.experts.fp8_mlp import fp8_token_mlp
 
-        if not self.fuses_permute():
+        if not (self.expert_backend is ExpertBackend.TORCH_FP8 and not self.mok_config.apply_probs_on_input):
             raise MoKConfigError(
                 f"token_rows_forward: expert backend {self.expert_backend!r} with apply_probs_on_input="
                 f"{self.mok_config.apply_probs_on_input}; only torch-fp8 without probabilities on the input "
@@ -171,11 +172,6 @@ class MoKGroupedMLP(MegatronModule):
         return fp8_token_mlp(
             x_TH, probs_TK, meta, counts_L, self.fc1_weight, self.fc2_weight, self.mok_config.activation
         )
-
-    def reads_counts_on_host(self) -> bool:
-        """Whether forward reads the row counts on the host anyway (then the aligned plan may size its
-        buffer exactly: one host read instead of the static bound's spare rows)."""
-        return False
 
     def late_wgrad(self):
         """A ``experts.late_wgrad.LateWgrad`` gate for one pipelined layer call, or None where the weight
@@ -186,7 +182,7 @@ class MoKGroupedMLP(MegatronModule):
 
         weights = (self.fc1_weight, self.fc2_weight)
         if (
-            self.expert_backend != "torch"
+            self.expert_backend is not ExpertBackend.TORCH
             or self.wgrad_queue is not None
             or not torch.is_grad_enabled()
             or not all(w.requires_grad for w in weights)
@@ -211,7 +207,7 @@ class MoKGroupedMLP(MegatronModule):
             w2,
             cfg.activation,
         )
-        if self.expert_backend == "torch-fp8":
+        if self.expert_backend is ExpertBackend.TORCH_FP8:
             from mok_megatron.experts import fp8_mlp as P
 
             # rows already padded by the dispatcher (aligned plan), or padded here

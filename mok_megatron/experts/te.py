@@ -25,9 +25,12 @@ from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
 from megatron.core.utils import get_pg_size
 
 from mok_megatron.config import MoKConfig, MoKConfigError
+from mok_megatron.engine.select import ExpertsContract
+from mok_megatron.experts.backend import check_expert_backend, expert_alignment
 from mok_megatron.experts.common import padded_expert_mlp, scale_input
 from mok_megatron.experts.grouped_mlp import MoKGroupedMLP
 from mok_megatron.ops.activation import apply_activation
+from mok_megatron.options import ExpertBackend, MoKOptions
 
 
 def padded_counts_host(counts_L: torch.Tensor, alignment: int) -> list[int]:
@@ -84,7 +87,16 @@ def to_te_layout(sd: dict, prefix: str, num_local_experts: int) -> None:
 class MoKTEGroupedMLP(MoKGroupedMLP):
     """Routed experts on TE GroupedLinear: ``forward(x, tokens_per_expert, permuted_probs) -> (out, None)``.
 
-    Built by ``MoKGroupedMLP(...)`` itself when the options ask for ``expert_backend='te'``."""
+    ``MoKMoELayer`` builds it in place of ``MoKGroupedMLP`` when the options ask for ``expert_backend='te'``
+    (``experts.grouped_mlp.experts_class``)."""
+
+    @classmethod
+    def contract(cls, config, mok_config: MoKConfig, options) -> ExpertsContract:
+        """TE's GroupedLinear reads the per-expert counts on the host (``m_splits``) and wants the FP8
+        recipe's row alignment."""
+        return ExpertsContract(
+            mok=True, alignment=expert_alignment(ExpertBackend.TE, config), host_counts=True
+        )
 
     def __init__(
         self,
@@ -93,10 +105,10 @@ class MoKTEGroupedMLP(MoKGroupedMLP):
         pg_collection=None,
         name: str | None = None,
         mok_config: MoKConfig | None = None,
-        options=None,
+        options: MoKOptions | None = None,
+        aligned_input: int = 1,
     ):
         from mok_megatron.compat import have_te, te_grouped_linear_classes
-        from mok_megatron.experts.backend import check_expert_backend, expert_alignment
 
         MegatronModule.__init__(self, config=config)
         pg = pg_collection if pg_collection is not None else get_default_pg_collection()
@@ -110,18 +122,19 @@ class MoKTEGroupedMLP(MoKGroupedMLP):
                 f"MoKTEGroupedMLP got num_local_experts={num_local_experts}, but num_moe_experts="
                 f"{cfg.num_experts} over EP={cfg.ep_size} gives {cfg.num_local_experts}."
             )
-        self.options = self._resolve_options(options)
+        self.options = options if options is not None else MoKOptions(expert_backend=ExpertBackend.TE)
+        self.aligned_input = aligned_input
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
         check_expert_backend(
-            "te",
+            ExpertBackend.TE,
             config,
             device,
             have_te=have_te(),
             sync_free=self.options.sync_free,
             recompute_activation=cfg.recompute_activation,
         )
-        self.expert_backend = "te"
-        self.expert_alignment = expert_alignment("te", config)
+        self.expert_backend = ExpertBackend.TE
+        self.expert_alignment = expert_alignment(ExpertBackend.TE, config)
         self.num_local_experts = num_local_experts
         self.input_size = config.hidden_size
         fc1_cls, fc2_cls = te_grouped_linear_classes()
@@ -157,13 +170,6 @@ class MoKTEGroupedMLP(MoKGroupedMLP):
 
     def reset_parameters(self) -> None:  # TE initialises its weights (config.init_method)
         return None
-
-    def input_alignment(self) -> int:
-        """The FP8 recipe's rows per expert (16 / 32 / 128; 1 in bf16)."""
-        return self.expert_alignment
-
-    def reads_counts_on_host(self) -> bool:
-        return True  # TE's GroupedLinear takes m_splits as host ints
 
     def forward(self, permuted_local_hidden_states, tokens_per_expert, permuted_probs):
 

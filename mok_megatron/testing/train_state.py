@@ -11,7 +11,7 @@ Safety:
   rank finished, so a crash mid-save never leaves a half-written checkpoint under the final name; it
   refuses to overwrite an existing checkpoint.
 - ``load_train_state`` first checks the checkpoint's files against its own index
-  (``check_checkpoint_files``) and raises ``CheckpointError`` naming the bad file; it never writes.
+  (``training.checkpoint_files.check_checkpoint_files``) and raises ``CheckpointError`` naming the bad file; it never writes.
 """
 
 from __future__ import annotations
@@ -23,9 +23,7 @@ from itertools import chain
 import torch
 import torch.distributed as dist
 
-
-class CheckpointError(RuntimeError):
-    """A checkpoint that cannot be saved or loaded; the message names the path and the fix."""
+from mok_megatron.training.checkpoint_files import CheckpointError, check_checkpoint_files
 
 
 def _rng_state() -> dict:
@@ -82,41 +80,6 @@ def save_train_state(path: str, model, opt, step: int) -> None:
     if dist.get_rank() == 0:
         os.rename(partial, path)
     dist.barrier()
-
-
-def check_checkpoint_files(path: str) -> None:
-    """Raise ``CheckpointError`` if ``path`` is not a complete torch_dist checkpoint: a missing
-    metadata file, an unreadable index, or a data file shorter than the index says."""
-    from torch.distributed.checkpoint import FileSystemReader
-
-    if not os.path.isdir(path):
-        raise CheckpointError(f"checkpoint {path} does not exist (or is not a directory).")
-    if not os.path.isfile(os.path.join(path, "metadata.json")):
-        raise CheckpointError(
-            f"checkpoint {path} has no metadata.json: it is not a dist_checkpointing checkpoint, or "
-            "its save did not finish. Resume from an earlier checkpoint."
-        )
-    try:
-        index = FileSystemReader(path).read_metadata()
-    except Exception as e:
-        raise CheckpointError(
-            f"checkpoint {path}: its index (.metadata) cannot be read ({type(e).__name__}: {e}); the "
-            "checkpoint is damaged. Resume from an earlier checkpoint."
-        ) from e
-    needed: dict[str, int] = {}
-    for info in index.storage_data.values():
-        end = info.offset + info.length
-        needed[info.relative_path] = max(needed.get(info.relative_path, 0), end)
-    for name, end in sorted(needed.items()):
-        file = os.path.join(path, name)
-        size = os.path.getsize(file) if os.path.isfile(file) else None
-        if size is None or size < end:
-            have = "is missing" if size is None else f"has {size} bytes"
-            raise CheckpointError(
-                f"checkpoint {path} is truncated: {name} {have}, its index needs {end} bytes. The save "
-                "was probably interrupted or the copy is incomplete; nothing was loaded. Resume from an "
-                "earlier checkpoint."
-            )
 
 
 def _init_adam_state(opt) -> None:

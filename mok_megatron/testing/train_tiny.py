@@ -35,7 +35,7 @@ from datetime import timedelta
 from mok_megatron.config import MoKConfigError
 from mok_megatron.training.consistency import MoEConfigMismatchError
 from mok_megatron.testing import faults
-from mok_megatron.testing.train_state import CheckpointError
+from mok_megatron.training.checkpoint_files import CheckpointError
 
 
 @dataclass

@@ -73,7 +73,9 @@ def report() -> dict:
     if not have_triton():
         missing.append("triton: megatron-core itself imports it; Triton kernels are unavailable")
     if cap is None:
-        missing.append("CUDA GPU: none -- use CPU mode (mok_megatron.training.cpu.enable(), gloo); no NCCL, no FP8")
+        missing.append(
+            "CUDA GPU: none -- use CPU mode (mok_megatron.training.cpu.enable(), gloo); no NCCL, no FP8"
+        )
     elif cap < (9, 0):
         missing.append(
             f"sm_90+: this GPU is sm_{cap[0]}{cap[1]}; torch grouped GEMMs fall back to a per-expert loop"

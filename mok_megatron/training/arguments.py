@@ -24,7 +24,6 @@ group exists. argparse has no post-parse hook, so ``extra_args_provider`` wraps 
     --mok-minibatch-size N      minibatch_size        automatic
     --mok-capacity-multiplier   capacity_multiplier   1.0 (never overflows)
     --mok-sync-free             sync_free             off
-    --mok-deterministic         deterministic         on (--no-mok-deterministic: atomics)
     --mok-transport T           transport             auto
     --mok-expert-backend B      expert_backend        torch (bf16; torch-fp8 | te for FP8)
     --mok-nvlink-programs N     nvlink_programs       64
@@ -38,17 +37,27 @@ group exists. argparse has no post-parse hook, so ``extra_args_provider`` wraps 
 from __future__ import annotations
 
 import argparse
+import os
+import re
 import warnings
 
+from mok_megatron.config import MoKConfigError
+from mok_megatron.engine.select import check_options, pipeline_blockers
+
 from mok_megatron.options import (
-    ENGINES,
-    EXPERT_BACKENDS,
-    LOCAL_ROWS,
-    NVLINK_SYNCS,
-    TRANSPORTS,
+    Engine,
+    ExpertBackend,
+    LocalRows,
     MoKOptions,
     MoKOptionsError,
+    NVLinkSync,
+    TransportKind,
 )
+
+
+def _choices(enum) -> list[str]:
+    return [e.value for e in enum]
+
 
 DISPATCHER_FLAG = "--moe-token-dispatcher-type"
 MOK = "mok"
@@ -90,7 +99,7 @@ def add_mok_flags(parser) -> None:
     g = parser.add_argument_group(title="mok", description="MoK MoE layer (--moe-token-dispatcher-type mok)")
     g.add_argument(
         "--mok-engine",
-        choices=ENGINES,
+        choices=_choices(Engine),
         default=d.engine,
         help="pipeline: the minibatched overlap engine; plain: one dispatch/experts/combine per layer "
         "call (Megatron's row layout); auto (default): pipeline when EP > 1 and routing allows",
@@ -114,15 +123,8 @@ def add_mok_flags(parser) -> None:
         help="exchange token counts on device: no host sync in the layer (CUDA-graph capturable)",
     )
     g.add_argument(
-        "--mok-deterministic",
-        action=argparse.BooleanOptionalAction,
-        default=d.deterministic,
-        help="fixed-order, atomic-free reductions: bitwise-identical runs (default: on; "
-        "--no-mok-deterministic uses index_add_ atomics)",
-    )
-    g.add_argument(
         "--mok-transport",
-        choices=TRANSPORTS,
+        choices=_choices(TransportKind),
         default=d.transport,
         help="EP exchange: collective (NCCL/gloo all-to-all), copy_engine (symmetric-memory peer "
         "pulls inside one NVLink domain), loopback (benchmarks only), auto (default)"
@@ -130,7 +132,7 @@ def add_mok_flags(parser) -> None:
     )
     g.add_argument(
         "--mok-local-rows",
-        choices=LOCAL_ROWS,
+        choices=_choices(LocalRows),
         default=d.local_rows,
         help="pipeline: rows whose expert is local. overlap: two halves hidden behind dispatch and "
         "combine; fused: one expert call with the received rows; auto (default): fused inside one "
@@ -163,35 +165,68 @@ def add_mok_flags(parser) -> None:
     )
     g.add_argument(
         "--mok-nvlink-sync",
-        choices=NVLINK_SYNCS,
+        choices=_choices(NVLinkSync),
         default=d.nvlink_sync,
         help="--mok-transport nvlink: signal each exchange with symmetric memory's barrier, or with "
         "per-peer ready flags (a destination reads each source as soon as it has staged; default: %(default)s)",
     )
     g.add_argument(
         "--mok-expert-backend",
-        choices=EXPERT_BACKENDS,
+        choices=_choices(ExpertBackend),
         default=d.expert_backend,
         help="experts' GEMMs: torch (bf16 grouped GEMM, default), torch-fp8 (native rowwise FP8, "
         "Hopper+, no TE), te (Transformer Engine GroupedLinear under --fp8-format/--fp8-recipe)",
     )
 
 
+# A '%' in help text that is not a format spec: argparse's ``--help`` formats every help string with
+# ``%`` and raises on it (megatron-core 0.19 generates help from config docstrings such as "1.10 = 10%)").
+_PERCENT = re.compile(r"%%|%\([a-z_]+\)[sdr]|%")
+
+
+def escape_help(parser: argparse.ArgumentParser) -> None:
+    """Escape stray ``%`` in every help string of ``parser``, so ``--help`` prints instead of raising."""
+    for action in parser._actions:
+        if isinstance(action.help, str):
+            action.help = _PERCENT.sub(lambda m: "%%" if m.group() == "%" else m.group(), action.help)
+
+
+def _exit_once(parser: argparse.ArgumentParser, message: str) -> None:
+    """Exit with status 2; the message once per job (rank 0, or a process outside torchrun), without
+    Megatron's ~700-line usage in front of it."""
+    rank0 = int(os.environ.get("RANK", "0")) == 0
+    parser.exit(2, f"{parser.prog}: error: {message}\n" if rank0 else None)
+
+
 def extra_args_provider(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Megatron ``extra_args_provider``: adds the MoK flags and validation. Idempotent."""
+    """Megatron ``extra_args_provider``: adds the MoK flags and validation. Idempotent.
+
+    Every ``--mok-*`` value and combination is checked right after parsing; a bad one exits with one
+    line that names the value and the fix (argparse's own choice and type errors on ``--mok-*`` flags
+    too), printed once per job."""
     if getattr(parser, _MARK, False):
         return parser
     _widen_dispatcher_choices(parser)
     add_mok_flags(parser)
+    escape_help(parser)
     parse_known = parser.parse_known_args
+    argparse_error = parser.error
+
+    def error(message: str):
+        if "--mok-" in message:
+            _exit_once(parser, message)
+        argparse_error(message)
 
     def parse_known_args(args=None, namespace=None):
-        ns, rest = parse_known(args, namespace)
+        parser.error = error
+        try:
+            ns, rest = parse_known(args, namespace)
+        finally:
+            parser.error = argparse_error
         try:
             validate(ns)
-        except (MoKArgumentError, MoKOptionsError) as e:
-            # parser.error would print Megatron's ~600-flag usage first and bury the message.
-            parser.exit(2, f"{parser.prog}: error: {e}\n")
+        except (MoKArgumentError, MoKOptionsError, MoKConfigError) as e:
+            _exit_once(parser, str(e))
         return ns, rest
 
     parser.parse_known_args = parse_known_args
@@ -241,7 +276,6 @@ def options_from_args(args) -> MoKOptions:
         minibatch_size=args.mok_minibatch_size,
         capacity_multiplier=args.mok_capacity_multiplier,
         sync_free=args.mok_sync_free,
-        deterministic=args.mok_deterministic,
         transport=args.mok_transport,
         expert_backend=getattr(args, "mok_expert_backend", "torch"),
         nvlink_programs=getattr(args, "mok_nvlink_programs", MoKOptions().nvlink_programs),
@@ -263,7 +297,6 @@ def _given_mok_flags(args) -> list[str]:
             "minibatch_size",
             "capacity_multiplier",
             "sync_free",
-            "deterministic",
             "transport",
             "expert_backend",
             "nvlink_programs",
@@ -307,11 +340,26 @@ def validate(args) -> None:
     topk = args.moe_router_topk
     if not 1 <= topk <= experts:
         raise MoKArgumentError(f"--moe-router-topk {topk}: must be between 1 and --num-experts {experts}.")
-    if args.mok_transport == "loopback" and ep != 1:
-        raise MoKArgumentError(
-            f"--mok-transport loopback emulates EP peers on one GPU and needs "
-            f"--expert-model-parallel-size 1 (got {ep}); use collective or copy_engine for real EP."
+    # The same combination rules the layer applies when it is built (engine.select), from the flags.
+    etp = getattr(args, "expert_tensor_parallel_size", None) or getattr(args, "tensor_model_parallel_size", 1)
+    overlap = tuple(
+        flag
+        for flag, field in (
+            ("--overlap-moe-expert-parallel-comm", "overlap_moe_expert_parallel_comm"),
+            ("--overlap-dispatch-backward-with-experts-wgrad", "overlap_dispatch_backward_with_experts_wgrad"),
         )
+        if getattr(args, field, False)
+    )
+    check_options(
+        options_from_args(args),
+        ep_size=ep,
+        blockers=pipeline_blockers(
+            getattr(args, "moe_expert_capacity_factor", None),
+            bool(getattr(args, "moe_router_padding_for_quantization", False)),
+            etp,
+        ),
+        megatron_overlap_flags=overlap,
+    )
 
 
 # Lowest CUDA compute capability with hardware support for each FP8 recipe (TE's requirements).
@@ -319,11 +367,29 @@ FP8_MIN_CAPABILITY = {"delayed": (8, 9), "tensorwise": (8, 9), "blockwise": (9, 
 
 
 def check_environment(args) -> None:
-    """Checks against this machine (run by the entry point after parsing, not by the parser, so a
-    command line can be parsed and checked anywhere): FP8 needs TE and a GPU that has the recipe."""
+    """Checks against this machine (run by the entry point right after parsing, not by the parser, so a
+    command line can be parsed and checked anywhere, e.g. by ``mok recipe check``): Megatron's default
+    Transformer Engine modules need TE; a GPU transport needs GPUs; FP8 needs TE and a GPU that has the
+    recipe."""
+    import torch
+
+    from mok_megatron.compat import cuda_capability, have_te
+
+    if getattr(args, "transformer_impl", None) == "transformer_engine" and not have_te():
+        raise MoKArgumentError(
+            "--transformer-impl transformer_engine (Megatron's default) needs Transformer Engine, which is "
+            "not importable here. Install it (pip install 'mok-megatron[te]'), or pass --transformer-impl "
+            "local (Megatron-Core's own modules)."
+        )
+    if getattr(args, "mok", False):
+        check_options(
+            options_from_args(args),
+            ep_size=args.expert_model_parallel_size,
+            blockers=[],
+            cuda=torch.cuda.is_available(),
+        )
     if not getattr(args, "fp8", None):
         return
-    from mok_megatron.compat import cuda_capability, have_te
 
     recipe = getattr(args, "fp8_recipe", "delayed")
     if not have_te():

@@ -74,29 +74,35 @@ class CudaToCpu(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-class _MemoryStub:
-    """``torch.cuda`` memory queries used for logging: zeros on CPU."""
+def _stub(name: str, result):
+    """A CPU stand-in for ``torch.cuda.<name>`` returning ``result()``. One function object per name:
+    torch.compile keeps a trace rule per ``torch.cuda`` function and refuses one object under two names
+    with different rules ("Duplicate torch object ... with different rules")."""
 
-    @staticmethod
-    def zero(*args, **kwargs) -> int:
-        return 0
+    def stub(*args, **kwargs):
+        return result()
 
-    @staticmethod
-    def nothing(*args, **kwargs) -> None:
-        return None
+    stub.__name__ = stub.__qualname__ = name
+    return stub
 
 
+# ``torch.cuda`` memory queries used for logging, and device calls: zeros / no-ops on CPU.
 _CUDA_STUBS = {
-    "memory_allocated": _MemoryStub.zero,
-    "max_memory_allocated": _MemoryStub.zero,
-    "memory_reserved": _MemoryStub.zero,
-    "max_memory_reserved": _MemoryStub.zero,
-    "memory_stats": lambda *a, **k: {},
-    "reset_peak_memory_stats": _MemoryStub.nothing,
-    "reset_max_memory_allocated": _MemoryStub.nothing,
-    "empty_cache": _MemoryStub.nothing,
-    "set_device": _MemoryStub.nothing,
-    "ipc_collect": _MemoryStub.nothing,
+    **{
+        n: _stub(n, int)
+        for n in ("memory_allocated", "max_memory_allocated", "memory_reserved", "max_memory_reserved")
+    },
+    "memory_stats": _stub("memory_stats", dict),
+    **{
+        n: _stub(n, lambda: None)
+        for n in (
+            "reset_peak_memory_stats",
+            "reset_max_memory_allocated",
+            "empty_cache",
+            "set_device",
+            "ipc_collect",
+        )
+    },
 }
 
 

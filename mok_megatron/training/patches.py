@@ -10,9 +10,10 @@ and the ``--mok-*`` flags:
     gpt_builders.py                 ``gpt_builder`` (RL / legacy builders) mokifies the layer and MTP specs
 
 Every file is recognised by content, not by git: its SHA-256 is that of the pinned original
-(``pristine``), of the patched file (``applied``), or neither (``unknown``). ``apply`` and ``revert``
-refuse a tree with any unknown file, change nothing until every file checks, are idempotent, and
-verify each result's hash. ``files`` restricts the set (e.g. the wheel ships only arguments.py).
+(``pristine``), of the patched file (``applied``), of a file patched by an earlier mok-megatron
+(``superseded``: ``apply`` updates it, ``check`` says so), or none of them (``unknown``). ``apply`` and
+``revert`` refuse a tree with any unknown file, change nothing until every file checks, are idempotent,
+and verify each result's hash. ``files`` restricts the set (e.g. the wheel ships only arguments.py).
 """
 
 from __future__ import annotations
@@ -21,15 +22,24 @@ import hashlib
 import json
 import re
 import subprocess
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 PATCH_DIR = Path(__file__).resolve().parent / "megatron_lm_patches"
-PRISTINE, APPLIED, UNKNOWN, MISSING = "pristine", "applied", "unknown", "missing"
+PRISTINE, APPLIED, SUPERSEDED, UNKNOWN, MISSING = "pristine", "applied", "superseded", "unknown", "missing"
 
 
 class PatchError(RuntimeError):
     """A tree the patch set cannot be applied to or reverted from; the message says why and what to do."""
+
+
+@dataclass(frozen=True)
+class Superseded:
+    """A patch an earlier mok-megatron applied to the same file, and the hash of that patched file."""
+
+    patch: str
+    sha256_patched: str
 
 
 @dataclass(frozen=True)
@@ -38,6 +48,10 @@ class FilePatch:
     patch: str  # file name in PATCH_DIR
     sha256_original: str
     sha256_patched: str
+    superseded: tuple[Superseded, ...] = ()
+
+    def superseded_by_hash(self, sha: str) -> Superseded | None:
+        return next((o for o in self.superseded if o.sha256_patched == sha), None)
 
 
 @dataclass(frozen=True)
@@ -49,7 +63,11 @@ class Manifest:
     @staticmethod
     def load(patch_dir: Path = PATCH_DIR) -> Manifest:
         raw = json.loads((patch_dir / "manifest.json").read_text())
-        return Manifest(raw["upstream"], raw["commit"], tuple(FilePatch(**f) for f in raw["files"]))
+        files = tuple(
+            FilePatch(**{**f, "superseded": tuple(Superseded(**o) for o in f.get("superseded", ()))})
+            for f in raw["files"]
+        )
+        return Manifest(raw["upstream"], raw["commit"], files)
 
     def select(self, files: list[str] | None) -> tuple[FilePatch, ...]:
         if not files:
@@ -113,18 +131,28 @@ def _find(lines: list[str], block: list[str], start: int) -> int:
 # ---- trees ----------------------------------------------------------------------------------------
 
 
+def _state(f: FilePatch, sha: str) -> str:
+    if sha == f.sha256_original:
+        return PRISTINE
+    if sha == f.sha256_patched:
+        return APPLIED
+    return SUPERSEDED if f.superseded_by_hash(sha) else UNKNOWN
+
+
 def status(root: str | Path, files: list[str] | None = None, manifest: Manifest | None = None) -> dict:
-    """{path: pristine | applied | unknown | missing} for the selected files under ``root``."""
+    """{path: pristine | applied | superseded | unknown | missing} for the selected files under ``root``."""
     m = manifest or Manifest.load()
     root = Path(root)
+    if not root.is_dir():
+        raise PatchError(
+            f"{root} does not exist or is not a directory. Pass the Megatron-LM checkout's root (the "
+            "directory holding pretrain_gpt.py), or --files megatron/training/arguments.py with the "
+            "site-packages directory of an installed megatron-core."
+        )
     out = {}
     for f in m.select(files):
         p = root / f.path
-        if not p.is_file():
-            out[f.path] = MISSING
-            continue
-        h = _sha(p.read_bytes())
-        out[f.path] = {f.sha256_original: PRISTINE, f.sha256_patched: APPLIED}.get(h, UNKNOWN)
+        out[f.path] = _state(f, _sha(p.read_bytes())) if p.is_file() else MISSING
     return out
 
 
@@ -148,46 +176,62 @@ def _refuse_bad(root: Path, st: dict, m: Manifest) -> None:
     raise PatchError(
         f"{root}{where} is not a Megatron-LM tree this patch set knows:\n"
         + "\n".join(lines)
-        + f"\nThe patches are for {m.upstream} at commit {m.commit}. 'unknown' = the file differs from "
-        "both that commit and the patched version (local edits or another commit): commit or stash "
-        f"them, or check out {m.commit[:12]} (git -C {root} checkout {m.commit[:12]} -- <file>). "
-        "'missing' = not a Megatron-LM root; pass the directory holding pretrain_gpt.py, or "
-        "--files for a partial tree (e.g. an installed megatron-core)."
+        + f"\nThe patches are for {m.upstream} at commit {m.commit}. 'unknown' = the file's content is "
+        "neither that commit's nor the patched one (files are recognised by content, so local edits or "
+        f"another Megatron-LM commit): restore the pinned file (git -C {root} checkout {m.commit[:12]} -- "
+        f"<file>), or make the change by hand from the patch files in {PATCH_DIR}. 'missing' = not a "
+        "Megatron-LM root; pass the directory holding pretrain_gpt.py, or --files for a partial tree "
+        "(e.g. an installed megatron-core)."
     )
 
 
-def _transition(root, files, frm: str, to: str, reverse: bool, manifest: Manifest | None) -> list[str]:
+def _to_pristine(f: FilePatch, text: str, state: str) -> str:
+    """The pinned original of a patched (or superseded-patched) file's text, hash-checked."""
+    if state == PRISTINE:
+        return text
+    patch = f.patch if state == APPLIED else f.superseded_by_hash(_sha(text.encode())).patch
+    out = apply_diff(text, (PATCH_DIR / patch).read_text(), reverse=True)
+    if _sha(out.encode()) != f.sha256_original:
+        raise PatchError(f"{f.path}: reverting it does not give the pinned original; nothing changed.")
+    return out
+
+
+def _transition(root, files, to: str, manifest: Manifest | None) -> list[str]:
     m = manifest or Manifest.load()
     root = Path(root)
     st = status(root, files, m)
     _refuse_bad(root, st, m)
-    todo = [f for f in m.select(files) if st[f.path] == frm]
     results = {}
-    for f in todo:  # compute everything first: change nothing unless every file works
-        diff = (PATCH_DIR / f.patch).read_text()
-        new = apply_diff((root / f.path).read_text(), diff, reverse=reverse)
-        want = f.sha256_original if reverse else f.sha256_patched
-        if _sha(new.encode()) != want:
-            raise PatchError(f"{f.path}: the result does not match the expected {to} file; nothing changed.")
-        results[f.path] = new
+    for f in m.select(files):  # compute everything first: change nothing unless every file works
+        if st[f.path] == to:
+            continue
+        text = _to_pristine(f, (root / f.path).read_text(), st[f.path])
+        if to == APPLIED:
+            text = apply_diff(text, (PATCH_DIR / f.patch).read_text())
+            if _sha(text.encode()) != f.sha256_patched:
+                raise PatchError(
+                    f"{f.path}: the result does not match the expected patched file; nothing changed."
+                )
+        results[f.path] = text
     for path, text in results.items():
         (root / path).write_text(text)
     return sorted(results)
 
 
 def apply(root, files: list[str] | None = None, manifest: Manifest | None = None) -> list[str]:
-    """Patch the pristine files; already-applied ones are left alone. Returns the files changed."""
-    return _transition(root, files, PRISTINE, APPLIED, reverse=False, manifest=manifest)
+    """Patch the pristine files and update those an earlier mok-megatron patched; applied ones are left
+    alone. Returns the files changed."""
+    return _transition(root, files, APPLIED, manifest)
 
 
 def revert(root, files: list[str] | None = None, manifest: Manifest | None = None) -> list[str]:
-    """Restore the patched files to the pinned originals. Returns the files changed."""
-    return _transition(root, files, APPLIED, PRISTINE, reverse=True, manifest=manifest)
+    """Restore the patched files (this patch set's or an earlier one's) to the pinned originals. Returns
+    the files changed."""
+    return _transition(root, files, PRISTINE, manifest)
 
 
 def main(argv: list[str]) -> int:
     import argparse
-    import sys
 
     p = argparse.ArgumentParser(
         prog="mok patches",
@@ -208,8 +252,16 @@ def main(argv: list[str]) -> int:
         if ns.action == "check":
             st = status(ns.megatron_lm_dir, ns.files, m)
             for path, s in st.items():
-                print(f"{s:>9}  {path}")
+                print(f"{s:>10}  {path}")
             _refuse_bad(Path(ns.megatron_lm_dir), st, m)
+            old = [path for path, s in st.items() if s == SUPERSEDED]
+            if old:
+                print(
+                    f"mok patches check: {', '.join(old)} carry an earlier mok-megatron's patch; run "
+                    f"'mok patches apply {ns.megatron_lm_dir}' to update them.",
+                    file=sys.stderr,
+                )
+                return 1
             print(f"patch set for {m.upstream} @ {m.commit[:12]}: ok")
             return 0
         fn = apply if ns.action == "apply" else revert

@@ -12,9 +12,8 @@ script): ``parse_and_validate_args`` (with ``mok_megatron.training.arguments.ext
 
 What changes with ``mok``:
 - the layer spec: Megatron's default spec for the run (TE or local, dense/MoE pattern from
-  ``--moe-layer-freq``, MLA, MTP) passed through ``mok_megatron.spec.mokify``; a ``--spec`` module
-  is mokified the same way;
-- the ``--mok-*`` flags become the process default ``MoKOptions`` (``set_default_options``);
+  ``--moe-layer-freq``, MLA, MTP) passed through ``mok_megatron.spec.mokify`` with the ``MoKOptions``
+  of the ``--mok-*`` flags; a ``--spec`` module is mokified the same way;
 - the model config is checked by ``MoKConfig`` before ``torch.distributed`` starts, so a setting
   MoK cannot run fails in seconds with the value and the fix.
 
@@ -46,15 +45,15 @@ def _is_rank0() -> bool:
 _domains_ready = []  # set once the NVLink-domain groups exist (``init_nvlink_domains``)
 
 
-def _nvlink_domains() -> None:
+def _nvlink_domains(options) -> None:
     """With ``--mok-transport nvlink``: create the NVLink-domain groups once, on every rank (the layer spec
     is built on every rank, once per model chunk, after Megatron's process groups: the one place where all
     ranks meet before the MoE layers are built)."""
     import torch.distributed as dist
 
-    from mok_megatron.options import default_options
+    from mok_megatron.options import TransportKind
 
-    if _domains_ready or default_options().transport != "nvlink" or not dist.is_initialized():
+    if _domains_ready or options.transport is not TransportKind.NVLINK or not dist.is_initialized():
         return
     from mok_megatron.transport.nvlink.hierarchical import init_nvlink_domains
 
@@ -62,25 +61,27 @@ def _nvlink_domains() -> None:
     _domains_ready.append(True)
 
 
-def mok_layer_spec(model_config, vp_stage=None):
-    """Megatron's default layer spec for this model config, with MoK MoE layers."""
+def mok_layer_spec(model_config, vp_stage=None, options=None):
+    """Megatron's default layer spec for this model config, with MoK MoE layers built with ``options``."""
     from megatron.training.models.gpt import default_layer_spec
 
     from megatron.training import print_rank_0
 
     from mok_megatron.adapter.layer import MoKMoELayer
+    from mok_megatron.options import MoKOptions
     from mok_megatron.spec import mokify
 
-    _nvlink_domains()
-    spec = mokify(default_layer_spec(model_config, vp_stage))
+    options = options or MoKOptions()
+    _nvlink_domains(options)
+    spec = mokify(default_layer_spec(model_config, vp_stage), options)
     layers = getattr(spec, "layer_specs", [spec])
     n = sum(1 for s in layers if getattr(getattr(s.submodules, "mlp", None), "func", None) is MoKMoELayer)
     print_rank_0(f"> MoK MoE layers in the layer spec: {n} of {len(layers)}")
     return spec
 
 
-def _mokified(spec):
-    """A ``--spec`` module's spec (or a spec function) with MoK MoE layers."""
+def _mokified(spec, options):
+    """A ``--spec`` module's spec (or a spec function) with MoK MoE layers built with ``options``."""
     from mok_megatron.spec import mokify
 
     if callable(spec) and not hasattr(spec, "submodules") and not hasattr(spec, "layer_specs"):
@@ -89,29 +90,27 @@ def _mokified(spec):
             import inspect
 
             kw = {"vp_stage": vp_stage} if "vp_stage" in inspect.signature(spec).parameters else {}
-            _nvlink_domains()
-            return mokify(spec(model_config, **kw))
+            _nvlink_domains(options)
+            return mokify(spec(model_config, **kw), options)
 
         return fn
-    return mokify(spec)
+    return mokify(spec, options)
 
 
 def use_mok(args, model_cfg) -> None:
-    """With ``args.mok``: give ``model_cfg`` (a ``GPTModelConfig``) MoK MoE layers, check the model
-    against MoK's constraints (before any process group exists), and make the ``--mok-*`` flags the
-    default ``MoKOptions``. Without it, nothing changes. The patched Megatron-LM ``pretrain_gpt.py``
-    calls this too."""
+    """With ``args.mok``: give ``model_cfg`` (a ``GPTModelConfig``) MoK MoE layers built with the ``--mok-*``
+    flags' options, and check the model against MoK's constraints (before any process group exists).
+    Without it, nothing changes. The patched Megatron-LM ``pretrain_gpt.py`` calls this too."""
     if not getattr(args, "mok", False):
         return
     from mok_megatron.training.arguments import options_from_args
-    from mok_megatron.options import set_default_options
 
+    options = options_from_args(args)
     if model_cfg.transformer_layer_spec is None:
-        model_cfg.transformer_layer_spec = mok_layer_spec
+        model_cfg.transformer_layer_spec = partial(mok_layer_spec, options=options)
     else:
-        model_cfg.transformer_layer_spec = _mokified(model_cfg.transformer_layer_spec)
+        model_cfg.transformer_layer_spec = _mokified(model_cfg.transformer_layer_spec, options)
     check_mok_config(args, model_cfg.transformer)
-    set_default_options(options_from_args(args))
 
 
 def model_config_from_args(args):
@@ -329,27 +328,40 @@ def main(argv: list[str] | None = None) -> int:
 
     from mok_megatron.compat import use_prebuilt_dataset_helpers
 
+    from mok_megatron.config import MoKConfigError
+    from mok_megatron.options import MoKOptionsError
+    from mok_megatron.training.arguments import MoKArgumentError, check_environment
+    from mok_megatron.training.checkpoint_files import CheckpointError, check_load, naming_load_errors
+
     main_entry = time.time()
     use_prebuilt_dataset_helpers()
     args = parse(argv)
-    from mok_megatron.training.arguments import MoKArgumentError, check_environment
-
+    # Everything that can be checked before Megatron starts its process groups: this machine, the MoK
+    # layer's constraints on the model config, the checkpoint to load. One line each, once per job.
     try:
         check_environment(args)
-    except MoKArgumentError as e:
-        print(f"mok-pretrain-gpt: error: {e}", file=sys.stderr)
+        model_cfg = model_config_from_args(args)
+        check_load(args)
+    except (MoKArgumentError, MoKOptionsError, MoKConfigError, CheckpointError) as e:
+        if _is_rank0():
+            print(f"mok-pretrain-gpt: error: {e}", file=sys.stderr)
         return 2
-    model_cfg = model_config_from_args(args)
     if _is_rank0():
-        layer = "MoK (mok_megatron.adapter.MoKMoELayer)" if args.mok else "Megatron-Core MoELayer"
+        layer = "MoK (mok_megatron.MoKMoELayer)" if args.mok else "Megatron-Core MoELayer"
         print(f"> MoE layer: {layer}, dispatcher {args.moe_token_dispatcher_type}", flush=True)
     set_startup_timestamps(program_start=_PROGRAM_START, main_entry=main_entry)
-    pretrain(
-        pretrain_cfg_container_from_args(args, model_cfg),
-        datasets_provider,
-        ModelType.encoder_or_decoder,
-        forward_step,
-    )
+    try:
+        with naming_load_errors(args.load):
+            pretrain(
+                pretrain_cfg_container_from_args(args, model_cfg),
+                datasets_provider,
+                ModelType.encoder_or_decoder,
+                forward_step,
+            )
+    except CheckpointError as e:
+        if _is_rank0():
+            print(f"mok-pretrain-gpt: error: {e}", file=sys.stderr)
+        return 2
     return 0
 
 

@@ -10,6 +10,11 @@ from __future__ import annotations
 import torch
 
 from mok_megatron.engine.pipeline_plan import SendPlan
+from mok_megatron.options import LoopbackBytes, LoopbackLink
+
+# Below this emulated bandwidth the link counts as slow (an inter-node link): the automatic minibatch
+# size and local-row placement then follow the across-nodes rules (``engine.pipeline_plan``).
+SLOW_LINK_GBPS = 200
 
 
 def expected_remote_ranks(ep: int, num_local_experts: int, topk: int) -> float:
@@ -24,29 +29,40 @@ def expected_remote_ranks(ep: int, num_local_experts: int, topk: int) -> float:
 
 
 class LoopbackTransport:
-    """One GPU plays one rank of an EP group: the same bytes copied, the link time emulated.
+    """One GPU plays one rank of an EP group of ``link.ep`` ranks: the same bytes copied, the link time
+    emulated.
 
-    The link time (``bytes / gbps``) runs on a delay stream as a wall-clock spin
+    The layer holds one EP rank's experts; its tokens are cut into the share that would stay on this rank
+    and the share the emulated peers hold (region R of each minibatch, ``engine.pipeline_plan``), and
+    region R's exchange is charged as the whole minibatch's (``move`` scales its bytes by
+    ``tokens / R``). The link time (``bytes / gbps``) runs on a delay stream as a wall-clock spin
     (``kernels.link_delay.spin_ns``) beside the copies; the exchange ends when both have.
 
-    ``copies``: copy the rows as many times as the emulated rank moves them (its HBM traffic). These
-    device-to-device copies (~3.6 TB/s of traffic) behave like SM work: on one H200 they make almost no
-    progress while a grouped GEMM holds the SMs and finish after it (``benchmarks/paced_copy_probe.py``,
-    s11). ``copies=False``: the link time alone stands for the
-    exchange; on GPUs the received rows *are* the sent rows (no copy at all; on CPU a clone): an ideal
-    transport whose bytes land beside the GEMMs unhindered, the schedule's own bound."""
+    ``LoopbackBytes.COPY``: copy the rows as many times as the emulated rank moves them (its HBM
+    traffic). These device-to-device copies (~3.6 TB/s of traffic) behave like SM work: on one H200 they
+    make almost no progress while a grouped GEMM holds the SMs and finish after it. ``LoopbackBytes.LINK``:
+    the link time alone stands for the exchange; on GPUs the received rows *are* the sent rows (no copy
+    at all; on CPU a clone): an ideal transport whose bytes land beside the GEMMs unhindered, the
+    schedule's own bound."""
 
     name = "loopback"
 
-    def __init__(self, emulated_ep: int, num_local_experts: int, topk: int, gbps: float, copies: bool = True):
-        self.factor = expected_remote_ranks(emulated_ep, num_local_experts, topk)
-        self.copies = copies
-        self.gbps = gbps
+    def __init__(self, link: LoopbackLink, num_local_experts: int, topk: int):
+        self.link = link
+        self.factor = expected_remote_ranks(link.ep, num_local_experts, topk)
+        self.copies = link.bytes is LoopbackBytes.COPY
+        self.gbps = link.gbps
+        self.emulated_ep = link.ep
+        self.slow_link = bool(0 < link.gbps < SLOW_LINK_GBPS)
         self._delay_stream = None
         self.bytes_moved = 0  # emulated link bytes so far (benchmarks read it)
 
     def move(self, x: torch.Tensor, mb: SendPlan, direction: int) -> torch.Tensor:
-        nbytes = x.numel() * x.element_size() * self.factor
+        # The emulated peers' share (region R) is charged as the minibatch's whole exchange; rows moved
+        # outside a pipeline plan (``mb`` None) are charged as they are.
+        r = mb.local.regions[0] if mb is not None else 0
+        scale = mb.num_tokens / r if r else 1.0
+        nbytes = x.numel() * x.element_size() * self.factor * scale
         self.bytes_moved += nbytes
         if x.device.type != "cuda":
             return x.clone()
@@ -60,10 +76,10 @@ class LoopbackTransport:
             self._delay_stream.wait_stream(cur)
             with torch.cuda.stream(self._delay_stream):
                 spin_ns(round(nbytes / self.gbps), x.device)  # bytes / (GB/s) = ns
-        # The emulated rank pulls `factor` rows per token: copy that many bytes (at least once). Without
-        # `copies` the rows are not copied at all: the received rows are the sent ones (a copy, even one,
-        # would wait for the GEMMs beside it and hold the exchange until they end, s11).
-        for _ in range(max(1, round(self.factor)) if self.copies else 0):
+        # The emulated rank pulls `factor * scale` rows per row sent: copy that many bytes (at least once).
+        # Without copies the received rows are the sent ones (a copy, even one, would wait for the GEMMs
+        # beside it and hold the exchange until they end).
+        for _ in range(max(1, round(self.factor * scale)) if self.copies else 0):
             out.copy_(x)
         if self.gbps > 0:
             cur.wait_stream(self._delay_stream)

@@ -18,7 +18,7 @@ from pathlib import Path
 from mok_megatron.bench.overlap import EP_SHAPES, OVERLAP_SHAPES
 from mok_megatron.tools.planner.shapes import MoEShape
 
-DOCS = Path(__file__).resolve().parents[2] / "docs"
+DOCS = Path(__file__).resolve().parents[3] / "docs"
 
 
 @dataclass(frozen=True)

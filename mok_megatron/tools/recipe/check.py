@@ -61,7 +61,7 @@ def dry_run(script: Path, env: dict | None = None) -> Recipe:
     if r.returncode or len(lines) < 2 or not lines[0].startswith("# layout: "):
         raise RecipeError(
             f"{script}: DRY_RUN=1 exited {r.returncode} without the '# layout:' line and the command "
-            f"(recipes must source examples/common.sh and call mok_launch). stderr: {r.stderr.strip()[-400:]}"
+            f"(recipes must source examples/lib/common.sh and call mok_launch). stderr: {r.stderr.strip()[-400:]}"
         )
     kv = dict(x.split("=", 1) for x in lines[0].removeprefix("# layout: ").split())
     cmd = shlex.split(lines[1])

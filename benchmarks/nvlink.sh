@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
-# Issue 8 (NVLink transport) on the H200 machine(s), from the repo root, megatron-core on PYTHONPATH:
-#   OUT=<dir> bash benchmarks/nvlink_h200.sh [all|tests|bench|layer]
-#   all (default, <= 115 s): GPU tests of tests/test_nvlink.py (loopback N=2,4,8 on one GPU; the EP=2 layer,
-#       bitwise vs the collective transport, when 2 GPUs) + on 2 GPUs the dispatch/combine bandwidth bench.
-#   layer (optional, longer): bench_overlap ep with the nvlink transport (barrier and per-peer flags) beside
-#       collective/copy_engine/Megatron. The bench (2 GPUs) times the nvlink exchanges with both signallings.
+# The NVLink transport on the H200 machine(s), from the project root, megatron-core importable:
+#   OUT=<dir> bash benchmarks/nvlink.sh [all|tests|bench|layer]
+#   all (default): the GPU tests of tests/test_nvlink.py (loopback N=2,4,8 on one GPU; the EP=2 layer,
+#       bitwise vs the collective transport, with 2 GPUs) and, on 2 GPUs, the dispatch/combine bandwidth bench.
+#   layer (longer): ``mok bench ep`` with the nvlink transport (barrier and per-peer flags) beside
+#       collective / copy_engine / Megatron.
 set -u
 out=${OUT:-/tmp/mok-nvlink}
 mkdir -p "$out"

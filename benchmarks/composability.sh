@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# Issue 10 on 2 x H200: the tiny recipe (examples/tiny_moe.sh, EP=2, bf16, mock data) through Megatron's
-# training loop with Megatron's own schedules switched on, MoK vs Megatron's alltoall layer.
-#   bash benchmarks/composability_h200x2.sh [outdir] [group]    group: graphs (default) | memory | all
+# Megatron's schedules driving MoK layers on 2 GPUs: the tiny recipe (examples/tiny_moe.sh, EP=2, bf16, mock
+# data) through Megatron's training loop, MoK vs Megatron's alltoall layer.
+#   bash benchmarks/composability.sh [outdir] [group]    group: graphs (default) | memory | all
 # graphs: MoK iteration time with and without CUDA graphs (--cuda-graph-impl local, attn + moe_router), and
 #         Megatron's 1F1B EP overlap + delayed wgrad driving MoK layers (2 micro-batches per step).
 # all:    graphs + the same for Megatron's alltoall layer + memory.

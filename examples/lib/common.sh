@@ -4,6 +4,8 @@
 #   DISPATCHER  mok (default) or alltoall: the same command A/B-compares the MoK layer and Megatron's
 #   EXTRA_ARGS  more Megatron/MoK flags, appended last (argparse keeps the last value of a repeated flag)
 #
+# MOK_ARGS go to the MoK run only, ALLTOALL_ARGS (optional) to Megatron's alltoall run only.
+#
 # A recipe sets NNODES, GPUS_PER_NODE, NVLINK_DOMAIN_GPUS, GPU (GB300, H200, H100: `mok recipe check`
 # estimates memory against its HBM) and the arrays MODEL_ARGS, MOE_ARGS,
 # PARALLEL_ARGS, PRECISION_ARGS, MEMORY_ARGS, TRAIN_ARGS, DATA_ARGS, LOG_ARGS, then calls mok_launch.
@@ -22,7 +24,7 @@ mok_launch() {
     "${MODEL_ARGS[@]}" "${MOE_ARGS[@]}" --moe-token-dispatcher-type "$DISPATCHER"
     "${PARALLEL_ARGS[@]}" "${PRECISION_ARGS[@]}" "${MEMORY_ARGS[@]}"
     "${TRAIN_ARGS[@]}" "${DATA_ARGS[@]}" "${LOG_ARGS[@]}")
-  if [ "$DISPATCHER" = mok ]; then cmd+=("${MOK_ARGS[@]}"); fi
+  if [ "$DISPATCHER" = mok ]; then cmd+=("${MOK_ARGS[@]}"); else cmd+=(${ALLTOALL_ARGS[@]+"${ALLTOALL_ARGS[@]}"}); fi
   if [ -n "${EXTRA_ARGS:-}" ]; then local extra; read -r -a extra <<< "$EXTRA_ARGS"; cmd+=("${extra[@]}"); fi
   if [ "${DRY_RUN:-0}" = 1 ]; then
     echo "# layout: nodes=$nnodes gpus_per_node=$gpn nvlink_domain_gpus=${NVLINK_DOMAIN_GPUS:-$gpn} gpu=${GPU:-unknown}"

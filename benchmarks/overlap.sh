@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
-# The overlap numbers in docs/benchmarks.md: run from the project root on a GPU machine with
-# megatron-core (and Transformer Engine for the Megatron+TE reference) importable.
-#   bash benchmarks/overlap_h200.sh [outdir]
-# One GPU: the loopback sweep. Two or more GPUs: also real EP under torchrun.
+# How much expert-parallel communication the overlap engine hides. Run from the project root on a GPU
+# machine with megatron-core (and Transformer Engine for the Megatron+TE reference) importable:
+#   OUT=<dir> bash benchmarks/overlap.sh
+# One GPU: the loopback sweep (one H200 standing in for an EP rank at emulated link bandwidths). Two or
+# more GPUs: also real EP under torchrun.
 set -u
-out=${1:-${OUT:-/tmp/mok-bench}}
+out=${OUT:-/tmp/mok-overlap}
 mkdir -p "$out"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 ngpu=$(python3 -c "import torch; print(torch.cuda.device_count())")
