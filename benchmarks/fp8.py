@@ -1,4 +1,4 @@
-"""FP8 expert backends on one H200 (issue 5): accuracy vs bf16, fwd+bwd time, tiny-model loss.
+"""FP8 expert backends on one H200: accuracy vs bf16, fwd+bwd time, tiny-model loss.
 
     PYTHONPATH=/tmp/site:$PWD python benchmarks/fp8_h200.py --out $OUT          (about 2 minutes)
 

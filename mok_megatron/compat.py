@@ -160,19 +160,3 @@ def quantization_context(config):
 
         return get_fp8_context(config)
     return nullcontext()
-
-
-def te_autocast(enabled: bool, recipe=None, amax_group=None):
-    """TE's autocast: ``te.pytorch.autocast(enabled, recipe, amax_reduction_group)`` (TE >= 2.8) or
-    ``te.pytorch.fp8_autocast(enabled, fp8_recipe, fp8_group)`` (older TE)."""
-    import inspect
-
-    import transformer_engine.pytorch as tep
-
-    fn = getattr(tep, "autocast", None)
-    if fn is None:
-        return tep.fp8_autocast(enabled=enabled, fp8_recipe=recipe, fp8_group=amax_group)
-    kwargs = {"enabled": enabled, "recipe": recipe}
-    if amax_group is not None and "amax_reduction_group" in inspect.signature(fn).parameters:
-        kwargs["amax_reduction_group"] = amax_group
-    return fn(**kwargs)

@@ -11,7 +11,7 @@ WORLD = 4
 
 
 class _PoolHandle:
-    """One worker pool for the whole session; restarted after a failed case."""
+    """One worker pool for the whole test run; restarted after a failed case."""
 
     def __init__(self):
         self._pool: WorkerPool | None = None

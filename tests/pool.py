@@ -1,7 +1,7 @@
 """A persistent group of gloo worker processes for multi-process tests on CPU.
 
 Importing torch + Megatron-Core costs seconds per process on a small machine, so the workers start
-once (per pytest session, see ``conftest.py``) and run many cases. A case is a module-level function
+once (per test run, see ``conftest.py``) and run many cases. A case is a module-level function
 ``fn(rank, world_size, **kwargs)`` named by ``"module:function"``; every rank runs it and the pool
 returns the per-rank results. Any exception on any rank fails the call with that rank's traceback.
 

@@ -1,4 +1,4 @@
-"""MoK under Megatron's schedule features (issue 10), on CPU through the gloo pool.
+"""MoK under Megatron's schedule features, on CPU through the gloo pool.
 
 Delayed weight gradients and moe_act recompute must give bitwise the gradients of the plain run;
 recompute must save less for backward (numbers printed with -s); Megatron's EP overlap and CUDA-graph

@@ -56,7 +56,7 @@ class TestConfigErrors:
             _build(moe_token_dispatcher_type="allgather")
 
     def test_delay_wgrad_and_moe_act_are_accepted(self):
-        # Supported since issue 10 (tests/test_composability.py checks the gradients).
+        # Supported (tests/test_composability.py checks the gradients).
         layer = _build(
             after=dict(
                 delay_wgrad_compute=True, recompute_granularity="selective", recompute_modules=["moe_act"]

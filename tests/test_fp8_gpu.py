@@ -173,7 +173,7 @@ def test_te_backend_keys_and_dist_checkpoint_match_te_grouped_mlp(tmp_path):
             assert torch.equal(want[k], got[k]), (src, dst, k)
 
 
-# ---- native FP8: quantization kernels and the weight cache (issue 5) -------------------------------------------
+# ---- native FP8: quantization kernels and the weight cache -------------------------------------------------------
 
 
 def _quant_cases():

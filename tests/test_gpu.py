@@ -119,12 +119,12 @@ def test_demo_over_nccl(tmp_path):
 PIPE_VARIANTS = {  # name: MoKOptions fields (the 2-GPU test runs each against Megatron)
     "auto": {},
     "collective-3": dict(minibatch_size=700, transport="collective"),
-    "copy_engine-3": dict(minibatch_size=700, transport="copy_engine"),
+    "copy_engine x3": dict(minibatch_size=700, transport="copy_engine"),
     "copy_engine-syncfree-2": dict(minibatch_size=1024, transport="copy_engine", sync_free=True),
     "collective-syncfree-overflow": dict(
         minibatch_size=1024, transport="collective", sync_free=True, capacity_multiplier=0.05
     ),
-    "copy_engine-4": dict(minibatch_size=512, transport="copy_engine", repeat=True),
+    "copy_engine x4": dict(minibatch_size=512, transport="copy_engine", repeat=True),
 }
 
 
@@ -195,7 +195,7 @@ def test_layer_parity_ep2_over_nccl(tmp_path, dtype, tol):
             limit = tol if name == "auto" or dtype != "float32" else 3 * tol
             assert entry["worst"] < limit, (rank, name, entry)
         assert report["collective-syncfree-overflow"]["redos"] == 1
-        assert report["copy_engine-4"]["bitwise"]
+        assert report["copy_engine x4"]["bitwise"]
 
 
 @pytest.mark.usefixtures("single_rank")
@@ -367,7 +367,7 @@ def _combined_1f1b_worker(rank, port, out_path):
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
 def test_megatron_combined_1f1b_ep_overlap_matches_plain_schedule(tmp_path):
-    """Issue 10: Megatron's combined 1F1B EP-overlap schedule (--overlap-moe-expert-parallel-comm
+    """Megatron's combined 1F1B EP-overlap schedule (--overlap-moe-expert-parallel-comm
     --delay-wgrad-compute) drives MoK layers (six-phase plain engine, delayed expert wgrad): losses and
     every parameter after 3 SGD steps bitwise equal to the plain schedule, as Megatron's own tests ask.
     Cannot run on CPU: schedules.py allocates on "cuda" and the schedule uses CUDA streams/events."""
@@ -386,7 +386,7 @@ def test_megatron_combined_1f1b_ep_overlap_matches_plain_schedule(tmp_path):
 
 @pytest.mark.usefixtures("single_rank")
 def test_preprocess_capture_needs_sync_free():
-    """Issue 10: MoK's dispatch preprocess (what --cuda-graph-modules moe_preprocess captures) is
+    """MoK's dispatch preprocess (what --cuda-graph-modules moe_preprocess captures) is
     capturable in sync-free mode and replays like eager; the exact plan reads the host, so its capture
     fails (the reason the start-up check rejects moe_preprocess without --mok-sync-free)."""
     results = {}
@@ -452,7 +452,7 @@ def test_native_fp8_grouped_linear_on_gpu():
 def test_router_gemm_on_gpu_matches_fp32_router():
     """The tensor-core router GEMM against the fp64 truth, within the documented bound (one bf16
     rounding plus 2**-16 of the terms). Megatron's own fp32 router is not held to it: with TE its
-    GEMMs are TE's (dgrad off by up to 3.9e-3 here, s5f), without TE torch's fp32 mm."""
+    GEMMs are TE's (dgrad off by up to 3.9e-3 here, measured), without TE torch's fp32 mm."""
     from mok_megatron.ops.router_gemm import router_logits
 
     g = torch.Generator().manual_seed(0)
@@ -493,7 +493,7 @@ def test_link_delay_spins_wall_time_at_any_sm_clock():
 
     spin_ns(1000, dev)  # compile
     with torch.cuda.stream(side):  # cuBLAS's kernel and the side stream's workspace, before timing: a
-        a @ a  # first launch waits for module loading, which waits for a running spin (s10f: 110 ms)
+        a @ a  # first launch waits for module loading, which waits for a running spin (110 ms measured)
     torch.cuda.synchronize()
     # the launch (Triton's host launcher, ~0.1-0.2 ms) is timed too: measured against a 1 us spin
     launch = min(timed(lambda: spin_ns(1000, dev)) for _ in range(3))

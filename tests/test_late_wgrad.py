@@ -69,7 +69,7 @@ def test_gate_sums_in_production_order_and_rejects_strangers():
 
 def test_gate_keeps_no_reference_cycle():
     # Dropped without backward, a call's gate must be freed at once, with no garbage-collector run (a
-    # cycle through its autograd node was once collected inside a later CUDA graph capture, s10a).
+    # cycle through its autograd node can be collected inside a later CUDA graph capture).
     import gc
     import weakref
 

@@ -59,3 +59,26 @@ def test_custom_router_is_kept():
     mlp = mok_spec._mok_mlp(partial(MoELayer, submodules=sub))
     assert mlp.keywords["submodules"].router is InferenceTopKRouter
     assert mlp.keywords["submodules"].experts is MoKGroupedMLP
+
+
+def test_layer_options_reach_its_experts_and_dispatcher(single_rank):
+    """Options given to a spec (or to mokify) are the options of every submodule of the layer: the experts
+    and the dispatcher see the layer's, never a process-wide default."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    from mok_megatron.options import MoKOptions
+    from mok_megatron.spec import get_gpt_layer_with_mok_spec, mokify
+    from tests.cases import make_config
+
+    cfg = make_config()
+    opts = MoKOptions(nvlink_programs=7, late_wgrad=True)
+    for spec in (
+        get_gpt_layer_with_mok_spec(use_te=False, options=opts),
+        mokify(get_gpt_layer_local_spec(num_experts=cfg.num_moe_experts), options=opts),
+    ):
+        layer = spec.submodules.mlp(config=cfg)
+        assert layer.mok_options is opts
+        assert layer.experts.options is opts
+        assert layer.token_dispatcher.options is opts
+    default = get_gpt_layer_with_mok_spec(use_te=False).submodules.mlp(config=cfg)
+    assert default.experts.options == MoKOptions()

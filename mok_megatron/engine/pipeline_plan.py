@@ -56,7 +56,7 @@ class PipelineError(ValueError):
 def auto_minibatch_size(
     num_tokens: int, topk: int, num_local_experts: int, ep_size: int, slow_link: bool = True
 ) -> int:
-    """Default minibatch size, from the H200 measurements in docs/benchmarks.md.
+    """Default minibatch size, from the H200 measurements (docs/performance.md).
 
     Over fast links (every EP rank in one NVLink domain) splitting costs more than it hides: one
     minibatch. Over slow links (EP across nodes, ~50 GB/s per GPU) as many minibatches (at most 4)
@@ -204,8 +204,7 @@ def _counts(routing_map_TE, bounds, ep, L, emulated_ep, split_local=True):
     rm = routing_map_TE.view(T, ep, L)
     per = torch.cat([rm, rm.any(-1, keepdim=True)], -1).to(torch.int64).view(T, -1)  # [T, EP*(L+1)]
     out = torch.zeros((3 * C, ep * (L + 1)), dtype=torch.int64, device=routing_map_TE.device)
-    # Integer sums: exact in any order. (Segment sums of a running sum were no faster on an H200:
-    # benchmarks/counts_probe.py, session 12.)
+    # Integer sums: exact in any order (segment sums of a running sum measured no faster on an H200).
     out.index_add_(0, label_T, per)
     return out.view(3 * C, ep, L + 1)
 

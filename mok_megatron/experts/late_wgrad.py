@@ -21,13 +21,13 @@ gradients are bitwise the same (the same GEMMs, the same summation order; tested
 
 Cost: each expert GEMM's output gradient lives until ``_Gate`` runs (DeepSeek-V3's slice at 4096
 tokens, 8 local experts: ~0.7 GB more at the peak). Opt-in (``--mok-late-wgrad``): on one H200 with the
-loopback transport it gained nothing consistent (±1.2 ms both ways between runs, s10c-s10e, s11e): the
-exchange's spin does run beside the weight gradients, but its copies wait for them to finish (s11a).
-With the loopback's link time alone (``loopback_bytes='link'``, no copies) it was faster at most points, by
-about the run-to-run spread (DeepSeek's slice at 900 GB/s: 14.85 vs 15.03 ms; s11f; docs/benchmarks.md,
-"Eleventh session"). A real link is where it could pay: not measured. Not with Megatron's
-``delay_wgrad_compute`` (its ``backward_dw`` already defers them further) nor with the FP8 / TE
-experts (their GEMMs are not ``expert_schedule``'s); ``MoKGroupedMLP.late_wgrad`` decides.
+loopback transport it gains nothing consistent (±1.2 ms both ways between runs): the exchange's spin
+runs beside the weight gradients, but the loopback's copies wait for them to finish. With the link time
+alone (``LoopbackBytes.LINK``, no copies) it is faster at most points, by about the run-to-run spread
+(DeepSeek's slice at 900 GB/s: 14.85 vs 15.03 ms; docs/performance.md). A real link is where it can pay,
+and the gate is where the weight gradients of a whole layer call can run as one accumulating GEMM. Not
+with Megatron's ``delay_wgrad_compute`` (its ``backward_dw`` already defers them further) nor with the
+FP8 / TE experts (their GEMMs are not ``experts.torch_mlp``'s); ``MoKGroupedMLP.late_wgrad`` decides.
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ class LateWgrad:
 
     The autograd node keeps the queue and the stand-ins' ids, never this object: with a reference cycle
     (gate -> stand-ins -> node -> gate) a forward dropped without backward left the node to Python's
-    garbage collector, which then ran inside a later CUDA graph capture and invalidated it (s10a)."""
+    garbage collector, which could then run inside a later CUDA graph capture and invalidate it."""
 
     def __init__(self, params: tuple[torch.nn.Parameter, ...]):
         self.params = params

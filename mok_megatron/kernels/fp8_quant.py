@@ -43,7 +43,7 @@ Kernels:
 Rows past the last offset form one extra segment (scale computed and dropped, like the reference), so every
 q element is written. Segment programs loop over device-side bounds: no host read of ``offs``.
 
-Measured (H200, ``benchmarks/fp8_seg_probe2.py``, s6a): byte-wise transposed e4m3 stores held the cast pass
+Measured (H200): byte-wise transposed e4m3 stores held the cast pass
 to ~2 TB/s (0.347 ms on the DeepSeek-V3 x operand [32768, 7168]; the same pass writing untransposed: 0.196);
 packed words 0.225 ms. One program per (segment, BLOCK_K columns): a segment holding most rows runs on few SMs.
 
@@ -63,12 +63,12 @@ ONE_PASS_MAX = 8192  # widest row read once into registers (DeepSeek-V3 H = 7168
 TWO_PASS_BLOCK = 4096
 ROWWISE_TILE = 4096  # elements per program of the rowwise kernel (BLOCK_R * BLOCK_H for narrow rows)
 # Segment tiles (rows, columns, warps); module constants read at each call. H200 (bf16 DeepSeek-V3 wgrad
-# operands, benchmarks/fp8_seg_probe2.py, s6a): the amax pass with a running max took 0.129 / ~0.096 ms on x
+# operands, measured on one H200): the amax pass with a running max took 0.129 / ~0.096 ms on x
 # [32768, 7168] / dh [32768, 4096] at (32, 64, 8) against 0.157 / 0.126 before; the cast pass with packed
 # words 0.225 ms on x at (128, 64, 4) against 0.347 for the best byte-wise store tile.
 AMAX_TILE = (32, 64, 8)
 PACK_TILE = (128, 64, 4)
-CAST_TILE = (128, 32, 2)  # byte-wise stores (fp8_seg_probe.py, s5g)
+CAST_TILE = (128, 32, 2)  # byte-wise stores (the fastest tile measured on one H200)
 PARTIAL_ROWS = 16  # rows per block amax of quantize_rowwise_partials (the FP8 experts pad segments to 16)
 
 
@@ -209,7 +209,7 @@ def _column_amax(
 ):
     """max |v| over rows [lo, hi) of a row-major [*, width] tensor, per column of ``cols``: an elementwise
     running max, reduced over the rows once at the end (a cross-thread reduction every row block ran the
-    amax pass 10-35 % slower: benchmarks/fp8_seg_probe2.py, s6a)."""
+    amax pass 10-35 % slower on one H200)."""
     acc = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)
     for m0 in range(lo, hi, BLOCK_M):
         rows = m0 + tl.arange(0, BLOCK_M)
@@ -267,7 +267,7 @@ def _segment_cast_kernel(
         scale = tl.load(s_ptr + g * width + cols, mask=col_ok, other=1.0)
     # Packed: the segment's output starts on a word and owns whole words (its rows, then padding rows
     # nobody else writes, which get the zeros of masked loads): four rows of a column go out as one
-    # 32-bit store. The byte-wise transposed store ran at ~2 TB/s, this at ~3 TB/s (fp8_seg_probe2, s6a).
+    # 32-bit store. The byte-wise transposed store ran at ~2 TB/s, this at ~3 TB/s (one H200).
     packed = (
         ((dst * seg_mul) % 4 == 0)
         & (stride_k % 4 == 0)

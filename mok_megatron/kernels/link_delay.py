@@ -5,14 +5,13 @@
 
 No torch reference: on CPU the loopback moves its rows without a link delay (nothing to emulate there).
 
-Why not ``torch.cuda._sleep(cycles)`` (what the loopback used until session 10): it counts SM clock
-cycles, converted from a link time by one calibration, and the H200's SM clock moves between ~345 MHz
-(idle), 1.98 GHz (boost) and 1.47-1.75 GHz (power-capped under GEMMs), so the emulated link could run
-faster or slower than asked (how much it did in earlier runs was not measured). The wall clock does not
-move: s10d measured 460 us per 0.46 ms exchange inside the layer. A CUDA graph captures the kernel with
-its duration as an argument. Beside GEMMs on another stream (30 back to back, 48 ms) a 5 ms spin
-takes 5.13-5.16 ms, launched before or while they run (s10f, ``benchmarks/spin_starvation_probe.py``;
-the loopback's 400 MB copy there: 0.30 ms alone, 0.23-0.45 ms beside them).
+Why not ``torch.cuda._sleep(cycles)``: it counts SM clock cycles, converted from a link time by one
+calibration, and the H200's SM clock moves between ~345 MHz (idle), 1.98 GHz (boost) and 1.47-1.75 GHz
+(power-capped under GEMMs), so the emulated link would run faster or slower than asked. The wall clock
+does not move: measured 460 us per 0.46 ms exchange inside the layer on one H200. A CUDA graph captures
+the kernel with its duration as an argument. Beside GEMMs on another stream (30 back to back, 48 ms) a
+5 ms spin takes 5.13-5.16 ms, launched before or while they run (the loopback's 400 MB copy there:
+0.30 ms alone, 0.23-0.45 ms beside them).
 """
 
 from __future__ import annotations

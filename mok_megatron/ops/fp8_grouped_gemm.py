@@ -22,8 +22,8 @@ Accumulation: the forward GEMM runs with ``use_fast_accum=True`` (Hopper's FP8 t
 reduced precision, promoted to fp32 only between k-tiles; TE and DeepSeek-V3 do this for fprop, where the
 error it adds is small next to e4m3's 2^-4 rounding); dgrad too when its contraction (the weight's N) is at
 most ``DGRAD_FAST_ACCUM_MAX_N`` (the error grows with the contraction length), else ``use_fast_accum=False``
-(full fp32 accumulation), as wgrad always. Why not exact everywhere: on the H200 (torch 2.11, measured with
-``benchmarks/fp8_gemm_probe.py``) exact accumulation runs the Qwen3-30B-A3B expert GEMMs (128 experts x ~1024
+(full fp32 accumulation), as wgrad always. Why not exact everywhere: on the H200 (torch 2.11, measured)
+exact accumulation runs the Qwen3-30B-A3B expert GEMMs (128 experts x ~1024
 rows, contraction 768-2048) at 286-370 TFLOP/s against 711-1179 with fast accumulation and 560-718 in bf16,
 while on the DeepSeek-V3 slice (8 x 4096 rows, contraction 2048-7168) it costs only 16-19 %.
 

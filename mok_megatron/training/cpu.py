@@ -227,18 +227,6 @@ def disable() -> None:
             setattr(obj, name, old)
 
 
-@contextlib.contextmanager
-def cpu_mode(force: bool = False):
-    """Context manager form of ``enable()`` / ``disable()``."""
-    was = is_enabled()
-    enable(force=force)
-    try:
-        yield
-    finally:
-        if not was:
-            disable()
-
-
 def device() -> torch.device:
     """The device MoK code should allocate on in this process."""
     if is_enabled() or not torch.cuda.is_available():

@@ -2,7 +2,9 @@
 
 Each rank writes its outgoing rows into its own symmetric-memory buffer, a device barrier, then every
 rank pulls its rows from its peers' buffers with ``copy_`` (cudaMemcpyAsync over NVLink: the copy
-engine, no SMs), and a second barrier before the buffer is reused. No host synchronisation.
+engine, no SMs), and a second barrier before the buffer is reused. No host synchronisation. The buffers
+are the EP group's symmetric-memory workspace (``transport.nvlink.workspace``), shared with the NVLink
+transport: one byte buffer, grown collectively when an exchange needs more.
 """
 
 from __future__ import annotations
@@ -15,41 +17,13 @@ import torch.distributed as dist
 from mok_megatron.engine.pipeline_plan import SendPlan
 from mok_megatron.transport.base import COMBINE
 from mok_megatron.transport.comm import group_size
-
-
-class _Workspace:
-    """One symmetric-memory byte buffer per EP group, grown (collectively) when an exchange needs more."""
-
-    def __init__(self, group):
-        import torch.distributed._symmetric_memory as symm_mem
-
-        self.symm_mem = symm_mem
-        self.group = group
-        self.group_name = group.group_name if group is not None else dist.group.WORLD.group_name
-        if hasattr(symm_mem, "enable_symm_mem_for_group"):
-            symm_mem.enable_symm_mem_for_group(self.group_name)
-        self.nbytes = 0
-        self.buf = None
-        self.hdl = None
-        self.peers: list[torch.Tensor] = []
-
-    def ensure(self, nbytes: int, device) -> None:
-        if nbytes <= self.nbytes:
-            return
-        nbytes = max(nbytes, 2 * self.nbytes)  # every rank computes the same size: same decision
-        nbytes = (nbytes + 127) // 128 * 128
-        self.buf = self.symm_mem.empty(nbytes, dtype=torch.uint8, device=device)
-        self.hdl = self.symm_mem.rendezvous(self.buf, self.group_name)
-        ws = self.hdl.world_size
-        self.peers = [self.hdl.get_buffer(p, (nbytes,), torch.uint8, 0) for p in range(ws)]
-        self.nbytes = nbytes
+from mok_megatron.transport.nvlink.workspace import workspace
 
 
 class CopyEngineTransport:
     """Symmetric-memory pulls on the copy engine (CUDA, all EP ranks in one NVLink domain)."""
 
     name = "copy_engine"
-    _workspaces: dict = {}
 
     def __init__(self, group):
         if not torch.cuda.is_available():
@@ -57,13 +31,6 @@ class CopyEngineTransport:
         self.group = group
         self.ep = group_size(group)
         self.rank = 0 if group is None else dist.get_rank(group)
-
-    def _ws(self, device) -> _Workspace:
-        key = (id(self.group), device)
-        ws = CopyEngineTransport._workspaces.get(key)
-        if ws is None:
-            ws = CopyEngineTransport._workspaces[key] = _Workspace(self.group)
-        return ws
 
     def _matrix(self, mb: SendPlan, direction: int):
         if mb.capacity is not None:
@@ -83,20 +50,21 @@ class CopyEngineTransport:
         )
         m = self._matrix(mb, direction)
         me, ep = self.rank, self.ep
-        ws = self._ws(x.device)
-        ws.ensure(max(sum(r) for r in m) * row_bytes, x.device)
+        ws = workspace(self.group, x.device)
+        # every rank computes the same size from the global matrix: the same (collective) growth decision
+        peers = ws.buffers(torch.uint8, 1, max(sum(r) for r in m) * row_bytes, role=self.name).bufs
         out = x.new_empty((sum(m[s][me] for s in range(ep)),) + row_shape)
         my_bytes = x.numel() * x.element_size()
         if my_bytes:
-            ws.buf[:my_bytes].copy_(x.view(-1).view(torch.uint8))
-        ws.hdl.barrier(channel=0)
+            peers[me].view(-1)[:my_bytes].copy_(x.view(-1).view(torch.uint8))
+        ws.barrier()
         out_bytes = out.view(-1).view(torch.uint8) if out.numel() else None
         dst = 0
         for p in range(ep):
             n = m[p][me]
             if n:
                 src = sum(m[p][:me]) * row_bytes
-                out_bytes[dst : dst + n * row_bytes].copy_(ws.peers[p][src : src + n * row_bytes])
+                out_bytes[dst : dst + n * row_bytes].copy_(peers[p].view(-1)[src : src + n * row_bytes])
             dst += n * row_bytes
-        ws.hdl.barrier(channel=0)
+        ws.barrier()
         return out

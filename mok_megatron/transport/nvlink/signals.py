@@ -23,11 +23,11 @@ A spinning kernel blocks CUDA's lazy module loading in its process: the first la
 there (on any stream) waits until the spin ends. The exchange orders each rank's own publish before its
 own waits, so no rank's progress depends on a load in a process that is spinning; one process that makes
 two of its streams wait on each other (the loopback probes and tests) must launch every kernel once
-before: runs s9f/s9g trapped otherwise, ``CUDA_MODULE_LOADING=EAGER`` included (Triton loads each newly
-compiled kernel itself). In the pipeline a first load while the communication stream spins only stalls
+before, or it traps (measured on one H200), ``CUDA_MODULE_LOADING=EAGER`` included (Triton loads each
+newly compiled kernel itself). In the pipeline a first load while the communication stream spins only stalls
 the host until the peer publishes (the peer does not wait for it).
 
-A wait that sees no progress for ``SPIN_LIMIT`` polls (~27 s on an H200, s9e) traps: CUDA reports
+A wait that sees no progress for ``SPIN_LIMIT`` polls (~27 s on an H200) traps: CUDA reports
 "unspecified launch failure" instead of hanging (a peer died, or ranks ran different exchange sequences). The torch references (CPU, tests) raise ``RuntimeError`` naming the late ranks.
 
 Legend: P peers (EP ranks of one NVLink domain).
