@@ -200,7 +200,7 @@ def check_wired_swiglu(device, M, F, dtype, recompute=False):
     """The experts' MLP with the fused SwiGLU against the same MLP on the torch activation (Megatron's ops),
     gradients of x, both weights and the probabilities; ``recompute``: the moe_act recompute path."""
     import mok_megatron.ops.activation as A
-    from mok_megatron.experts.torch_mlp import scheduled_expert_mlp
+    from mok_megatron.experts.torch_mlp import expert_mlp
 
     spec = A.ActivationSpec(A.Activation.SILU, gated=True)
     L, H = 3, 16
@@ -218,7 +218,7 @@ def check_wired_swiglu(device, M, F, dtype, recompute=False):
         saved = A.fused_swiglu_applies
         A.fused_swiglu_applies = saved if fused else (lambda spec, h: False)
         try:
-            y = scheduled_expert_mlp(*leaves[:2], counts, *leaves[2:], spec, recompute_activation=recompute)
+            y = expert_mlp(*leaves[:2], counts, *leaves[2:], spec, recompute_activation=recompute)
             y.backward(dy)
         finally:
             A.fused_swiglu_applies = saved

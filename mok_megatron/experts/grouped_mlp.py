@@ -32,7 +32,7 @@ from megatron.core.utils import get_pg_rank, get_pg_size
 from mok_megatron.config import MoKConfig, MoKConfigError
 from mok_megatron.engine.select import ExpertsContract
 from mok_megatron.experts.backend import check_expert_backend, expert_alignment
-from mok_megatron.experts.torch_mlp import WgradQueue, scheduled_expert_mlp
+from mok_megatron.experts.torch_mlp import WgradQueue, expert_mlp
 from mok_megatron.options import ExpertBackend, MoKOptions
 
 
@@ -82,20 +82,7 @@ class MoKGroupedMLP(MegatronModule):
         aligned_input: int = 1,
     ):
         super().__init__(config=config)
-        pg = pg_collection if pg_collection is not None else get_default_pg_collection()
-        self.ep_group, self.tp_group, self.dp_group = pg.ep, pg.expt_tp, pg.expt_dp
-        self.mok_config = mok_config or MoKConfig.from_megatron(
-            config, ep_size=get_pg_size(self.ep_group), etp_size=get_pg_size(self.tp_group)
-        )
-        cfg = self.mok_config
-        if num_local_experts != cfg.num_local_experts:
-            raise MoKConfigError(
-                f"MoKGroupedMLP got num_local_experts={num_local_experts}, but num_moe_experts="
-                f"{cfg.num_experts} over EP={cfg.ep_size} gives {cfg.num_local_experts}."
-            )
-        self.num_local_experts = num_local_experts
-        self.options = options if options is not None else MoKOptions()
-        self.aligned_input = aligned_input
+        cfg = self._setup(num_local_experts, config, pg_collection, mok_config, options, aligned_input)
         self.expert_backend = self.options.expert_backend
         if self.expert_backend is ExpertBackend.TE and type(self) is MoKGroupedMLP:
             raise MoKConfigError(
@@ -137,6 +124,24 @@ class MoKGroupedMLP(MegatronModule):
         if cfg.delay_wgrad:
             for param in (self.fc1_weight, self.fc2_weight):
                 param.skip_backward_post_hook = True
+
+    def _setup(self, num_local_experts, config, pg_collection, mok_config, options, aligned_input) -> MoKConfig:
+        """What every MoK experts class keeps: process groups, the checked config, options, row layout."""
+        pg = pg_collection if pg_collection is not None else get_default_pg_collection()
+        self.ep_group, self.tp_group, self.dp_group = pg.ep, pg.expt_tp, pg.expt_dp
+        self.mok_config = mok_config or MoKConfig.from_megatron(
+            config, ep_size=get_pg_size(self.ep_group), etp_size=get_pg_size(self.tp_group)
+        )
+        cfg = self.mok_config
+        if num_local_experts != cfg.num_local_experts:
+            raise MoKConfigError(
+                f"{type(self).__name__} got num_local_experts={num_local_experts}, but num_moe_experts="
+                f"{cfg.num_experts} over EP={cfg.ep_size} gives {cfg.num_local_experts}."
+            )
+        self.num_local_experts = num_local_experts
+        self.options = options if options is not None else MoKOptions()
+        self.aligned_input = aligned_input
+        return cfg
 
     def reset_parameters(self) -> None:
         """Initialise each expert like Megatron does, under the expert-parallel RNG stream."""
@@ -213,7 +218,7 @@ class MoKGroupedMLP(MegatronModule):
             # rows already padded by the dispatcher (aligned plan), or padded here
             mlp = P.native_expert_mlp_aligned if self.aligned_input > 1 else P.native_expert_mlp
             return mlp(*args, apply_probs_on_input=cfg.apply_probs_on_input), None
-        out = scheduled_expert_mlp(
+        out = expert_mlp(
             *args,
             apply_probs_on_input=cfg.apply_probs_on_input,
             recompute_activation=cfg.recompute_activation,

@@ -22,9 +22,8 @@ from __future__ import annotations
 import torch
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
-from megatron.core.utils import get_pg_size
 
-from mok_megatron.config import MoKConfig, MoKConfigError
+from mok_megatron.config import MoKConfig
 from mok_megatron.engine.select import ExpertsContract
 from mok_megatron.experts.backend import check_expert_backend, expert_alignment
 from mok_megatron.experts.common import padded_expert_mlp, scale_input
@@ -111,19 +110,9 @@ class MoKTEGroupedMLP(MoKGroupedMLP):
         from mok_megatron.compat import have_te, te_grouped_linear_classes
 
         MegatronModule.__init__(self, config=config)
+        options = options if options is not None else MoKOptions(expert_backend=ExpertBackend.TE)
+        cfg = self._setup(num_local_experts, config, pg_collection, mok_config, options, aligned_input)
         pg = pg_collection if pg_collection is not None else get_default_pg_collection()
-        self.ep_group, self.tp_group, self.dp_group = pg.ep, pg.expt_tp, pg.expt_dp
-        self.mok_config = mok_config or MoKConfig.from_megatron(
-            config, ep_size=get_pg_size(self.ep_group), etp_size=get_pg_size(self.tp_group)
-        )
-        cfg = self.mok_config
-        if num_local_experts != cfg.num_local_experts:
-            raise MoKConfigError(
-                f"MoKTEGroupedMLP got num_local_experts={num_local_experts}, but num_moe_experts="
-                f"{cfg.num_experts} over EP={cfg.ep_size} gives {cfg.num_local_experts}."
-            )
-        self.options = options if options is not None else MoKOptions(expert_backend=ExpertBackend.TE)
-        self.aligned_input = aligned_input
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
         check_expert_backend(
             ExpertBackend.TE,
@@ -135,7 +124,6 @@ class MoKTEGroupedMLP(MoKGroupedMLP):
         )
         self.expert_backend = ExpertBackend.TE
         self.expert_alignment = expert_alignment(ExpertBackend.TE, config)
-        self.num_local_experts = num_local_experts
         self.input_size = config.hidden_size
         fc1_cls, fc2_cls = te_grouped_linear_classes()
         # Exactly TEGroupedMLP.__init__'s calls (megatron/core/transformer/moe/experts.py, 0.19).

@@ -8,8 +8,7 @@ Weights: ``w1_LFH`` ``[L, F1, H]`` (F1 = 2F with a GLU: gate rows then up rows, 
 ``w2_LHF`` ``[L, H, F]``. Slice ``[l]`` of each is expert ``l``'s ``linear_fc1.weight`` /
 ``linear_fc2.weight`` in Megatron's ``SequentialMLP``.
 
-``expert_mlp`` is the MLP with autograd's own backward; ``scheduled_expert_mlp`` the same math where a
-schedule hook is on:
+``expert_mlp`` runs the MLP; where a schedule hook is on, its GEMMs are autograd functions of their own:
 
 ``delay_wgrad_compute`` (Megatron's contract, as in ``TEGroupedMLP`` / TE's ``GroupedLinear``): the
 backward of each grouped GEMM computes only the input gradient and leaves the weight gradient as a
@@ -38,32 +37,6 @@ import torch
 from mok_megatron.experts.common import scale_input
 from mok_megatron.ops import grouped_gemm as gg
 from mok_megatron.ops.activation import ActivationSpec, apply_activation
-
-
-def expert_mlp(
-    x_RH: torch.Tensor,
-    probs_R: torch.Tensor,
-    tokens_per_expert_L: torch.Tensor,
-    w1_LFH: torch.Tensor,
-    w2_LHF: torch.Tensor,
-    act: ActivationSpec,
-    apply_probs_on_input: bool = False,
-) -> torch.Tensor:
-    """Inputs: x_RH [R, H], probs_R [R] (router dtype), tokens_per_expert_L [L] (any device, sums to R).
-    Output: y_RH [R, H] in x's dtype, already scaled by the router probabilities."""
-    if x_RH.shape[0] != probs_R.shape[0]:
-        raise ValueError(f"expert_mlp: {x_RH.shape[0]} rows but {probs_R.shape[0]} probabilities")
-    if tokens_per_expert_L.shape != (w1_LFH.shape[0],):
-        raise ValueError(
-            f"expert_mlp: tokens_per_expert has shape {tuple(tokens_per_expert_L.shape)}, "
-            f"expected ({w1_LFH.shape[0]},) for {w1_LFH.shape[0]} local experts"
-        )
-    offs_L = gg.offsets_from_counts(tokens_per_expert_L, x_RH.device)
-    if apply_probs_on_input:
-        x_RH, probs_R = scale_input(x_RH, probs_R)
-    h = gg.grouped_linear(x_RH, w1_LFH, offs_L)
-    a = apply_activation(h, act, probs_R)
-    return gg.grouped_linear(a, w2_LHF, offs_L)
 
 
 @dataclass
@@ -219,7 +192,7 @@ class _ActFc2(torch.autograd.Function):
         return dh, dp, dw2, None, None, None
 
 
-def scheduled_expert_mlp(
+def expert_mlp(
     x_RH: torch.Tensor,
     probs_R: torch.Tensor,
     tokens_per_expert_L: torch.Tensor,
@@ -231,19 +204,26 @@ def scheduled_expert_mlp(
     recompute_activation: bool = False,
     wgrad_queue: WgradQueue | None = None,
 ) -> torch.Tensor:
-    """``expert_mlp`` (same inputs and output) with the weight gradients deferred to ``wgrad_queue``
-    (when given) and/or the activation recomputed in backward."""
-    if not recompute_activation and wgrad_queue is None:
-        return expert_mlp(
-            x_RH, probs_R, tokens_per_expert_L, w1_LFH, w2_LHF, act, apply_probs_on_input=apply_probs_on_input
-        )
+    """``fc2(act(fc1(x)) * probs)`` per local expert.
+
+    Inputs: x_RH [R, H], probs_R [R] (router dtype), tokens_per_expert_L [L] (any device, sums to R).
+    Output: y_RH [R, H] in x's dtype, already scaled by the router probabilities. ``wgrad_queue``: the
+    weight gradients are deferred to it (Megatron's ``delay_wgrad_compute``); ``recompute_activation``:
+    the activation is recomputed in backward (``moe_act``). Without either, autograd's own backward."""
     if x_RH.shape[0] != probs_R.shape[0]:
         raise ValueError(f"expert_mlp: {x_RH.shape[0]} rows but {probs_R.shape[0]} probabilities")
+    if tokens_per_expert_L.shape != (w1_LFH.shape[0],):
+        raise ValueError(
+            f"expert_mlp: tokens_per_expert has shape {tuple(tokens_per_expert_L.shape)}, "
+            f"expected ({w1_LFH.shape[0]},) for {w1_LFH.shape[0]} local experts"
+        )
     offs_L = gg.offsets_from_counts(tokens_per_expert_L, x_RH.device)
     if apply_probs_on_input:
         x_RH, probs_R = scale_input(x_RH, probs_R)
+    if not recompute_activation and wgrad_queue is None:
+        h = gg.grouped_linear(x_RH, w1_LFH, offs_L)
+        return gg.grouped_linear(apply_activation(h, act, probs_R), w2_LHF, offs_L)
     h = _Linear.apply(x_RH.contiguous(), w1_LFH, offs_L, wgrad_queue)
     if recompute_activation:
         return _ActFc2.apply(h, probs_R, w2_LHF, offs_L, act, wgrad_queue)
-    a = apply_activation(h, act, probs_R)
-    return _Linear.apply(a, w2_LHF, offs_L, wgrad_queue)
+    return _Linear.apply(apply_activation(h, act, probs_R), w2_LHF, offs_L, wgrad_queue)
