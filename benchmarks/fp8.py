@@ -1,6 +1,6 @@
-"""FP8 expert backends on one H200: accuracy vs bf16, fwd+bwd time, tiny-model loss.
+"""FP8 expert backends on one GPU (sm_90+): accuracy vs bf16, fwd+bwd time, tiny-model loss.
 
-    PYTHONPATH=/tmp/site:$PWD python benchmarks/fp8_h200.py --out $OUT          (about 2 minutes)
+    python benchmarks/fp8.py --out $OUT [--with-tests] [--no-timing] [--no-tiny]      (about 2 minutes)
 
 Paths ("variants"): bf16 = MoK's torch backend; torch-fp8 = native rowwise FP8; te-bf16 = TE GroupedLinear
 without FP8; te-<recipe> = TE GroupedLinear under Megatron's FP8 context (``compat.quantization_context``,
@@ -15,8 +15,9 @@ need sm_100 and are reported as such on Hopper.
 2. Time: fwd+bwd medians (CUDA events, 10 iterations after 3) on the DeepSeek-V3 slice and Qwen3-30B-A3B.
 3. Tiny-model loss: examples/tiny_moe.sh (launch command from DRY_RUN=1, widened to H 128 / F 128 so every
    GEMM dimension suits the 1x128 blockwise recipe) for 100 steps: bf16, TE blockwise, TE tensorwise,
-   torch-fp8; the four runs share the GPU and run in parallel with step 1. Criterion: the MEAN loss over the
-   last ``LOSS_WINDOW`` = 50 steps within 2 % of bf16's (a final loss, or a 10-step mean, compares noise).
+   torch-fp8; the four runs share the GPU and run in parallel with step 1. Criterion: the mean loss over all
+   steps within ``LOSS_BOUND`` = 2 % of bf16's (the mean of the last ``LOSS_WINDOW`` = 50 steps is reported
+   too; the recipe memorises its mock data, so late-step losses of ~0.02 compare noise).
 Writes fp8_h200.json and fp8_h200.txt (and the training logs) to --out; prints the text.
 """
 

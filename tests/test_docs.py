@@ -1,0 +1,148 @@
+"""The user-facing docs stay true to the code: README size, its flags table against argparse, relative links,
+and no development history in product text.
+
+Legend: ROOT the repository root; DOCS the Markdown files checked (README.md, docs/*.md and the README of
+every results folder, docs/results/*/README.md; raw result data is not product text).
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+README = ROOT / "README.md"
+README_MAX_BYTES = 10_240
+DOCS = sorted([README, *(ROOT / "docs").glob("*.md"), *(ROOT / "docs" / "results").glob("*/README.md")])
+
+# Words that tell the project's own history (work periods, run ids, issue numbers, engine generations).
+# The first alternative is spelled in two pieces so that this file does not match its own pattern.
+HISTORY = re.compile(
+    "sess" + r"ion|\bs[0-9]{1,2}[a-z]\b|\brun[0-9]+\b|engine-[0-9]|issue #?[0-9]", re.IGNORECASE
+)
+LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
+FLAG = re.compile(r"--(?:no-)?mok-[a-z0-9-]+")
+
+
+def _rel(path: Path) -> str:
+    return str(path.relative_to(ROOT))
+
+
+def _mok_actions() -> dict[str, argparse.Action]:
+    """Every option string ``add_mok_flags`` defines -> its argparse action."""
+    from mok_megatron.training.arguments import add_mok_flags
+
+    parser = argparse.ArgumentParser()
+    add_mok_flags(parser)
+    return {s: a for a in parser._actions for s in a.option_strings if FLAG.fullmatch(s)}
+
+
+def _flags_table() -> list[list[str]]:
+    """The rows (cells) of the first table under README's '## Flags' heading, header excluded."""
+    text = README.read_text()
+    m = re.search(r"^## Flags\s*$(.*?)(?=^## )", text, re.MULTILINE | re.DOTALL)
+    assert m, "README.md has no '## Flags' section"
+    rows = [line for line in m.group(1).splitlines() if line.startswith("|")]
+    assert len(rows) > 2, "README.md '## Flags' has no table"
+    return [[c.strip() for c in row.strip("|").split("|")] for row in rows[2:]]
+
+
+def _default_text(default) -> str:
+    """How the README's flags table writes an argparse default."""
+    if default is None:
+        return "automatic"
+    if default is False:
+        return "off"
+    if default is True:
+        return "on"
+    return str(default)
+
+
+def test_readme_fits_its_budget():
+    size = README.stat().st_size
+    assert size <= README_MAX_BYTES, (
+        f"README.md is {size} bytes, over the {README_MAX_BYTES}-byte budget: move detail to docs/design.md "
+        "or docs/performance.md and link it."
+    )
+
+
+def test_readme_flags_table_matches_argparse():
+    actions = _mok_actions()
+    named: dict[str, list[str]] = {}
+    for cells in _flags_table():
+        for flag in FLAG.findall(cells[0]):
+            named[flag] = cells
+    missing = sorted(set(actions) - set(named))
+    unknown = sorted(set(named) - set(actions))
+    assert not missing, f"README.md flags table lacks {missing}, defined in training/arguments.add_mok_flags"
+    assert not unknown, f"README.md flags table names {unknown}, which add_mok_flags does not define"
+    for flag, cells in named.items():
+        action = actions[flag]
+        want = _default_text(action.default)
+        assert cells[-1] == want, (
+            f"README.md flags table: {flag} default is {cells[-1]!r}, argparse says {want!r}; "
+            "fix the table (argparse in training/arguments.py is the source)"
+        )
+        listed = re.search(r"\{([^}]*)\}", cells[0])
+        if action.choices is not None:
+            choices = [str(c) for c in action.choices]
+            assert listed and listed.group(1).split(",") == choices, (
+                f"README.md flags table: {flag} lists {listed.group(0) if listed else 'no choices'}, "
+                f"argparse's are {{{','.join(choices)}}}"
+            )
+
+
+def test_readme_names_every_spec():
+    """Every module-level spec ``--spec mok_megatron.spec <name>`` loads is named in the README."""
+    import ast
+
+    tree = ast.parse((ROOT / "mok_megatron" / "spec.py").read_text())
+    names = next(
+        ast.literal_eval(node.value)
+        for node in tree.body
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "SPEC_NAMES" for t in node.targets)
+    )
+    text = README.read_text()
+    missing = [n for n in names if f"`{n}`" not in text]
+    assert not missing, f"README.md does not name the specs {missing} (mok_megatron/spec.py SPEC_NAMES)"
+
+
+def _slug(heading: str) -> str:
+    """GitHub's anchor for a Markdown heading."""
+    text = re.sub(r"[^\w\- ]", "", heading.strip().lower())
+    return text.replace(" ", "-")
+
+
+def _anchors(md: Path) -> set[str]:
+    return {_slug(m.group(1)) for m in re.finditer(r"^#+\s+(.*)$", md.read_text(), re.MULTILINE)}
+
+
+@pytest.mark.parametrize("doc", [README, *sorted((ROOT / "docs").glob("*.md"))], ids=_rel)
+def test_relative_links_resolve(doc):
+    bad = []
+    for target in LINK.findall(doc.read_text()):
+        if re.match(r"[a-z][a-z0-9+.-]*:", target):  # http:, https:, mailto:
+            continue
+        path, _, anchor = target.partition("#")
+        dest = (doc.parent / path).resolve() if path else doc
+        if not dest.exists():
+            bad.append(f"{target} (no such file)")
+        elif anchor and dest.suffix == ".md" and anchor not in _anchors(dest):
+            bad.append(f"{target} (no heading with anchor #{anchor} in {_rel(dest)})")
+    assert not bad, f"{_rel(doc)}: broken relative links: " + ", ".join(bad)
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=_rel)
+def test_no_history_in_product_text(doc):
+    hits = [
+        f"{_rel(doc)}:{n}: {line.strip()[:100]}"
+        for n, line in enumerate(doc.read_text().splitlines(), 1)
+        if HISTORY.search(line)
+    ]
+    assert not hits, (
+        "Product text tells the project's history (work periods, run ids, issue numbers, engine "
+        "generations); say what the design is and the measured reason instead:\n" + "\n".join(hits[:20])
+    )
