@@ -249,6 +249,24 @@ def check_topk(device, T, E, K, dtype, ties=False):
     assert torch.equal(got.cpu(), want.cpu()), (got[:4], want[:4])
 
 
+def check_topk_tie_rule(device, T, E, K, dtype):
+    """The documented rule against ``torch.topk``, both implementations: all-equal rows select experts
+    0..K-1; rows of distinct scores select exactly ``torch.topk``'s experts, in its order."""
+    from mok_megatron.kernels.topk import topk_indices
+
+    g = torch.Generator().manual_seed(T * E + K)
+    # distinct values exact in bf16 too (integers up to 256): a permutation of 0..E-1 per row, centred
+    distinct = torch.stack([torch.randperm(E, generator=g) for _ in range(T)]).float() - E // 2
+    distinct = distinct.to(device, dtype)
+    equal = torch.full((T, E), 0.25, device=device, dtype=dtype)
+    for impl in (Impl.TRITON, Impl.TORCH):
+        got = topk_indices(equal, K, impl=impl).cpu()
+        assert torch.equal(got, torch.arange(K).expand(T, K)), (impl, got[:2])
+        got = topk_indices(distinct, K, impl=impl)
+        want = torch.topk(distinct, K, dim=1).indices
+        assert torch.equal(got.cpu(), want.cpu()), (impl, got[:2], want[:2])
+
+
 _PARALLEL = []
 
 
@@ -342,6 +360,98 @@ def check_router(
         torch.testing.assert_close(mok.local_tokens_per_expert, ref.local_tokens_per_expert)
 
 
+def ties_at_k(scores_TE: torch.Tensor, k: int) -> torch.Tensor:
+    """[T] bool: the row's K-th and (K+1)-th largest scores are equal (its top-K set depends on tie order).
+    NaN counts as -inf, as in the selection."""
+    s = scores_TE.float().nan_to_num(nan=float("-inf"), posinf=float("inf"), neginf=float("-inf"))
+    s = s.sort(dim=1, descending=True).values
+    return s[:, k - 1] == s[:, k]
+
+
+def _router_pair(device, router_dtype, E=64, K=8, H=1024, T=512):
+    """Megatron's TopKRouter and MoKTopKRouter with the same bf16 weights (no bias), and a bf16 input
+    [T, 1, H]: weights ~ N(0, 0.02^2) (Megatron's init std), input ~ N(0, 1); no load-balancing loss."""
+    from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
+    from megatron.core.transformer.moe.router import TopKRouter
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from mok_megatron.adapter.router import MoKTopKRouter
+
+    _single_rank(device)
+    cfg = TransformerConfig(
+        num_layers=1,
+        hidden_size=H,
+        num_attention_heads=4,
+        num_moe_experts=E,
+        moe_router_topk=K,
+        moe_router_load_balancing_type="none",
+        moe_aux_loss_coeff=0.0,
+        moe_router_dtype=router_dtype,
+        add_bias_linear=False,
+        use_cpu_initialization=device != "cuda",
+    )
+    pg = get_default_pg_collection()
+    g = torch.Generator().manual_seed(0)
+    w = (torch.randn(E, H, generator=g) * 0.02).to(device, torch.bfloat16)
+    x = torch.randn(T, 1, H, generator=g).to(device, torch.bfloat16)
+    routers = []
+    for cls in (TopKRouter, MoKTopKRouter):
+        r = cls(cfg, pg_collection=pg).to(device, torch.bfloat16)
+        with torch.no_grad():
+            r.weight.copy_(w)
+        r.train()
+        routers.append(r)
+    assert routers[1]._fast_routing(torch.zeros(1, E, device=device)), "the case must take the Triton top-k"
+    return routers[0], routers[1], x
+
+
+def check_router_tie_rule_all_equal(device, E=64, K=8):
+    """All-equal logits: MoK routes every token to experts 0..K-1 with probability 1/K each (Megatron's
+    pick among equal logits is ``torch.topk``'s, unspecified)."""
+    _, mok, _ = _router_pair(device, "fp32", E=E, K=K)
+    logits = torch.zeros(6, 1, E, device=device)
+    probs, rmap = mok.routing(logits)
+    want = torch.zeros(6, E, dtype=torch.bool)
+    want[:, :K] = True
+    assert torch.equal(rmap.cpu(), want), rmap.nonzero()[:K]
+    torch.testing.assert_close(probs.cpu(), want.float() / K)
+
+
+def check_router_fp32_equals_megatron(device, E=64, K=8):
+    """``moe_router_dtype='fp32'``, bf16 parameters, random inputs: MoK's router (its gating GEMM and its
+    top-k) routes every token as Megatron's does. The premise is checked, not assumed: Megatron's fp32
+    logits have no tie at the K-th place (the only place where the two may choose differently)."""
+    ref, mok, x = _router_pair(device, "fp32", E=E, K=K)
+    logits = ref.gating(x).view(-1, E)
+    assert logits.dtype == torch.float32
+    assert not ties_at_k(logits, K).any(), "fp32 logits tie at the K-th place: pick another seed"
+    p_ref, m_ref = ref(x)
+    p_mok, m_mok = mok(x)
+    assert torch.equal(m_mok, m_ref), f"{int((m_mok != m_ref).any(1).sum())} tokens routed differently"
+    # the same probabilities: on a GPU the logits differ in summation order only (ops.router_gemm)
+    torch.testing.assert_close(p_mok, p_ref, rtol=1e-5, atol=1e-6)
+
+
+def check_router_bf16_differs_only_at_ties(device, E=64, K=8):
+    """bf16 parameters and no ``moe_router_dtype``: both routers select on the same bf16-rounded logits
+    (MoK keeps Megatron's gating, bit for bit), so the routing differs only on tokens whose logits tie at
+    the K-th place, and there MoK takes the lower expert indices."""
+    from mok_megatron.kernels.topk import topk_indices_reference
+
+    ref, mok, x = _router_pair(device, None, E=E, K=K)
+    l_ref, l_mok = ref.gating(x), mok.gating(x)
+    assert l_ref.dtype == torch.bfloat16 and torch.equal(l_mok, l_ref), "MoK's bf16 logits are not Megatron's"
+    logits = l_ref.view(-1, E)
+    tied = ties_at_k(logits, K)
+    assert tied.any(), "no ties at the K-th place: the case would test nothing"
+    _, m_ref = ref(x)
+    _, m_mok = mok(x)
+    lower = torch.zeros_like(m_mok).scatter_(1, topk_indices_reference(logits, K), True)
+    assert torch.equal(m_mok, lower), "MoK does not take the lower expert index at ties"
+    differ = (m_mok != m_ref).any(1)
+    assert not (differ & ~tied).any(), f"tokens without a tie routed differently: {differ & ~tied}"
+
+
 f32, bf16 = torch.float32, torch.bfloat16
 
 # Small enough for the interpreter (~seconds each): odd sizes, E=1, K=1 and K=8, dropped routes, tokens
@@ -381,6 +491,8 @@ CPU_CASES = {
     "topk/T40-E128-K8-bf16": partial(check_topk, T=40, E=128, K=8, dtype=bf16),
     "topk/T30-E9-K9-ties-nan-inf": partial(check_topk, T=30, E=9, K=9, dtype=f32, ties=True),
     "topk/T1-E1-K1": partial(check_topk, T=1, E=1, K=1, dtype=f32),
+    "topk/tie-rule-T16-E64-K8": partial(check_topk_tie_rule, T=16, E=64, K=8, dtype=f32),
+    "topk/tie-rule-T9-E128-K8-bf16": partial(check_topk_tie_rule, T=9, E=128, K=8, dtype=bf16),
     "router/softmax-aux": partial(check_router),
     "router/softmax-pre-seq-aux-padding": partial(
         check_router, pre_softmax=True, aux="seq_aux_loss", padding=True
@@ -389,6 +501,9 @@ CPU_CASES = {
         check_router, score="sigmoid", bias=True, aux="global_aux_loss"
     ),
     "router/sqrtsoftplus-no-aux": partial(check_router, score="sqrtsoftplus", aux="none"),
+    "router/tie-rule-all-equal-E64-K8": check_router_tie_rule_all_equal,
+    "router/fp32-E64-K8-equals-megatron": check_router_fp32_equals_megatron,
+    "router/bf16-E64-K8-differs-only-at-ties": check_router_bf16_differs_only_at_ties,
     "bench/tiny-A16": partial(check_bench_cases, alignment=16),
     "wired/permute-combine-T13-K2-E5-H40": partial(
         check_wired_permute_combine, T=13, K=2, E=5, H=40, dtype=f32

@@ -3,6 +3,11 @@
 Same weights (copied through load_state_dict), same per-rank input and upstream gradient. Checked:
 forward output, input gradient, every expert / shared-expert / router weight gradient (the router's
 includes the aux-loss gradient), and the logged aux / z losses. fp32 throughout.
+
+Routing here is Megatron's own on both sides: on CPU tensors (outside Triton's interpreter)
+``MoKTopKRouter`` keeps Megatron's ``torch.topk`` selection. Its Triton selection and its tie rule
+(equal scores to the lower expert index) are held against Megatron's router in ``tests/kernel_cases.py``
+(``router/*``).
 """
 
 from __future__ import annotations

@@ -3,12 +3,23 @@
 * ``gating``: with ``moe_router_dtype='fp32'`` and bf16/fp16 parameters the logits come from a bf16 GEMM
   that accumulates and writes fp32, and the backward splits the fp32 gradient into two bf16 halves
   (``mok_megatron.ops.router_gemm``) instead of fp32 CUDA-core GEMMs on fp32 copies of the input.
+  Every other router dtype (none, i.e. the parameters' dtype, or fp64) keeps Megatron's gating: the
+  logits are Megatron's own, bit for bit.
 * ``routing``: the top-k *selection* (for routing and for the aux-loss map) is one Triton pass per row
   (``mok_megatron.kernels.topk``) instead of ``torch.topk``; Megatron's own
   ``topk_routing_with_score_function`` then computes the probabilities at those indices
   (``precomputed_indices``), so values and gradients are Megatron's. The selection runs on exactly the
-  tensor Megatron selects on (logits, softmax / sigmoid / sqrt-softplus scores, plus expert bias); equal
-  scores go to the lower expert index (``torch.topk`` leaves that order unspecified).
+  tensor Megatron selects on (logits, softmax / sigmoid / sqrt-softplus scores, plus expert bias).
+
+Routing parity with Megatron (``tests/kernel_cases.py``, ``router/*``): where a token's scores have no tie
+at the K-th place, MoK routes it to exactly the experts ``torch.topk`` picks. At such a tie MoK takes the
+lower expert index; ``torch.topk``'s order there is unspecified and device-dependent, so the two may
+route that token differently (and build a different aux-loss map). With ``moe_router_dtype='fp32'``
+(recommended) ties need equal fp32 logits and were not seen on random inputs at 64 experts / top-8; the
+fp32 logits differ from Megatron's only in summation order (each within 5e-7 of the exact sum, against
+gaps of >= 2.9e-5 between the 8th and 9th logit there). With bf16 parameters and no ``moe_router_dtype``
+both routers select on the same bf16-rounded logits, and 2-5% of tokens tie at the 8th place (64 experts,
+top-8): those are the tokens that can route differently (measurements: ``mok_megatron.kernels.topk``).
 
 Everything else is Megatron's, untouched: z-loss, token dropping, aux / seq-aux / global-aux losses,
 expert-bias updates, the state dict. Group-limited routing, sinkhorn, quantile balancing, router replay,

@@ -2,9 +2,9 @@
 
 A benchmark on a power-capped GPU measures the power cap as much as the code: on the H200 (700 W) the
 DeepSeek-V3 expert GEMMs run at 1,100-1,550 MHz SM clock with the software power cap active, against a
-1,980 MHz maximum (``docs/results/2026-12-01/s7a``). ``mok bench layer`` records, per implementation,
-the median SM clock, the power draw and the clock-event reasons seen while it was timed, so a table
-says which rows ran throttled.
+1,980 MHz maximum (``docs/results/2026-12-01-layer-limits-1``). ``mok bench layer`` records, per
+implementation, the median SM clock, the power draw and the clock-event reasons seen while it was timed,
+so a table says which rows ran throttled.
 
     with ClockSampler() as clocks:        # no nvidia-smi (CPU, other vendors): clocks.available is False
         t0 = time.time(); run(); t1 = time.time()

@@ -5,7 +5,9 @@ the bytes that rank would move at the emulated EP size (expected remote ranks pe
 uniform routing) with the copy engine and waits ``bytes / bandwidth`` on a delay stream. For each
 link bandwidth and minibatch count it reports the layer time (fwd+bwd), the link time of the bytes
 moved, and the exposed fraction ``(t - t0) / link time``, where ``t0`` is the same layer with no
-communication and no pipelining (MoK's plain EP=1 path).
+communication and no pipelining (MoK's plain EP=1 path). On CPU the loopback only clones the rows (no
+link time is waited), so the rows there carry ``link_emulated: False`` and no exposed fraction; a CPU run
+first prints its estimated cost (``bench.cpu_cost``).
 
 ``mok bench ep`` (``torchrun --nproc-per-node N -m mok_megatron.bench.overlap ep``): real expert
 parallelism over N GPUs (N local experts per rank x N ranks), MoK per transport and minibatch count vs
@@ -264,6 +266,7 @@ def _bench_overlap(
                         torch.cuda.reset_peak_memory_stats()
                     t = _time(step, iters, warmup)
                     comm = per_step / (gbps * 1e9) if gbps else 0.0
+                    emulated = device.type == "cuda"  # the link time is waited on GPUs only
                     row = dict(
                         shape=name,
                         expert_backend=expert_backend,
@@ -275,12 +278,13 @@ def _bench_overlap(
                         comm_ms=1e3 * comm,
                         exposed_ms=1e3 * (t - t0),
                         bytes_per_step=per_step,
-                        exposed_frac=((t - t0) / comm) if comm else None,
+                        exposed_frac=((t - t0) / comm) if comm and emulated else None,
+                        link_emulated=emulated,
                         rel_err=err,
                         peak_gib=torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None,
                     )
                     rows.append(row)
-                    frac = f"{100 * row['exposed_frac']:.0f}%" if comm else "-"
+                    frac = "-" if row["exposed_frac"] is None else f"{100 * row['exposed_frac']:.0f}%"
                     print(
                         f"{name} {mode} link {gbps or 'inf'} GB/s chunks {chunks}: {row['ms']:.2f} ms, link "
                         f"time {row['comm_ms']:.2f} ms, exposed {row['exposed_ms']:.2f} ms ({frac})",
@@ -315,7 +319,8 @@ def _bench_overlap(
 
 def _graphed_baselines(rows, shapes, iters, warmup, expert_backend, dtype, device) -> None:
     """The graphed rows' fair baseline: the no-communication layer's step replayed from a CUDA graph
-    too (no host launch gaps; s10a-s10e: 0.7-2.3 ms faster than eager). Timed after every pipelined
+    too (no host launch gaps; on an H200 0.7-2.3 ms faster than eager: docs/results/2026-12-01-late-wgrad-*,
+    docs/results/2026-12-01-loopback-overlap-5). Timed after every pipelined
     row, so that no graph of it is alive while they capture; each graphed row's exposed time is then
     taken against the faster baseline (``t0_ms``); eager rows keep the eager one."""
     import torch
@@ -346,24 +351,41 @@ def _graphed_baselines(rows, shapes, iters, warmup, expert_backend, dtype, devic
                 r["exposed_frac"] = (r["exposed_ms"] / r["comm_ms"]) if r["comm_ms"] else None
 
 
+OVERLAP_COLUMNS = (
+    "shape",
+    "mode",
+    "link GB/s",
+    "minibatches",
+    "layer ms",
+    "link ms",
+    "exposed ms",
+    "exposed %",
+    "peak GiB",
+)
+CPU_NOTE = (
+    "On CPU the loopback transport waits no link time: 'link ms' is the nominal bytes / bandwidth, and "
+    "an exposed fraction is not defined ('-')."
+)
+
+
 def format_overlap(rows) -> str:
-    out = [
-        "| shape | link GB/s | minibatches | layer ms | link ms | exposed ms | exposed % | peak GiB |",
-        "|---|---|---|---|---|---|---|---|",
-    ]
+    """Markdown table of ``OVERLAP_COLUMNS``: one row per timed point and per no-communication baseline
+    ('plain EP=1', mode column), in the order timed; ``CPU_NOTE`` under it when a row waited no link time."""
+    out = ["| " + " | ".join(OVERLAP_COLUMNS) + " |", "|" + "---|" * len(OVERLAP_COLUMNS)]
     for r in rows:
         if "profile" in r:
             continue
         if r["gbps"] is None:
             label = "plain EP=1 (CUDA graph)" if r.get("graph") else "plain EP=1"
-            out.append(f"| {r['shape']} | {label} | none | 1 | {r['ms']:.2f} | 0 | 0 | - | - |")
-            continue
-        frac = f"{100 * r['exposed_frac']:.0f}" if r["exposed_frac"] is not None else "-"
-        peak = f"{r['peak_gib']:.1f}" if r.get("peak_gib") else "-"
-        out.append(
-            f"| {r['shape']} | {r['mode']} | {r['gbps'] or 'inf'} | {r['chunks']} | {r['ms']:.2f} | {r['comm_ms']:.2f} | "
-            f"{r['exposed_ms']:.2f} | {frac} | {peak} |"
-        )
+            cells = [r["shape"], label, "none", "1", f"{r['ms']:.2f}", "0", "0", "-", "-"]
+        else:
+            frac = f"{100 * r['exposed_frac']:.0f}" if r["exposed_frac"] is not None else "-"
+            peak = f"{r['peak_gib']:.1f}" if r.get("peak_gib") else "-"
+            cells = [r["shape"], r["mode"], f"{r['gbps'] or 'inf'}", f"{r['chunks']}", f"{r['ms']:.2f}"]
+            cells += [f"{r['comm_ms']:.2f}", f"{r['exposed_ms']:.2f}", frac, peak]
+        out.append("| " + " | ".join(cells) + " |")
+    if any(r.get("link_emulated") is False for r in rows):
+        out += ["", CPU_NOTE]
     return "\n".join(out)
 
 
@@ -481,7 +503,7 @@ def _bench_ep(
             mok_sd = convert_state_dict(sd, "mok")
             variants = [("plain", None, 1, "exact")]
             if ep == 1 and cuda:
-                # the same work replayed from a CUDA graph: the fair baseline of graphed MoK rows (s10a-s10e:
+                # the same work replayed from a CUDA graph: the fair baseline of graphed MoK rows (on an H200
                 # the one-GPU layer runs 0.7-2.3 ms faster so); after every EP=N row
                 variants += [("plain+graph", None, 1, "graph")]
             if ep > 1:
@@ -616,13 +638,33 @@ def format_ep(rows) -> str:
     return "\n".join(out)
 
 
+DEFAULT_SHAPES = {"overlap": "dsv3-4k,dsv3-16k,qwen3-ep8", "ep": "dsv3,qwen3"}
+
+
+def _warn_cpu_cost(ns, shapes: list[str], chunks: list[int]) -> None:
+    """On CPU, once, before anything runs: the estimated cost of this sweep (stderr)."""
+    import torch
+
+    from mok_megatron.bench.cpu_cost import cpu_warning, matmul_gflops
+
+    if torch.cuda.is_available():
+        return
+    modes = [m for m in ns.modes.split(",") if not MODES[m][1]]  # CUDA-graph modes are skipped on CPU
+    points = len(ns.gbps.split(",")) * len(chunks) * len(modes) * len((ns.local_rows or "auto").split(","))
+    msg = cpu_warning({n: OVERLAP_SHAPES[n] for n in shapes}, points, ns.iters, ns.warmup, matmul_gflops())
+    print(msg, file=sys.stderr, flush=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         prog="mok bench overlap|ep", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     p.add_argument("what", choices=["overlap", "ep"])
     p.add_argument(
-        "--shapes", default=None, help="comma list (overlap: dsv3-4k,dsv3-16k,qwen3-ep8; ep: dsv3,qwen3)"
+        "--shapes",
+        default=None,
+        help=f"comma list; overlap: {', '.join(OVERLAP_SHAPES)} (default {DEFAULT_SHAPES['overlap']}); "
+        f"ep: {', '.join(EP_SHAPES)} (default {DEFAULT_SHAPES['ep']}); tiny runs on CPU in seconds",
     )
     p.add_argument(
         "--gbps", default="0,900,450,50", help="overlap: emulated link GB/s per direction (0 = infinite)"
@@ -657,8 +699,16 @@ def main(argv: list[str] | None = None) -> int:
 
     warnings.filterwarnings("ignore")
     chunks = [int(c) for c in ns.chunks.split(",")]
+    table = OVERLAP_SHAPES if ns.what == "overlap" else EP_SHAPES
+    shapes = (ns.shapes or DEFAULT_SHAPES[ns.what]).split(",")
+    bad = [n for n in shapes if n not in table]
+    if bad:
+        p.error(f"--shapes {','.join(bad)}: {ns.what} shapes are {', '.join(table)}")
+    bad = [m for m in ns.modes.split(",") if m not in MODES]
+    if bad:
+        p.error(f"--modes {','.join(bad)}: choose from {', '.join(MODES)}")
     if ns.what == "overlap":
-        shapes = (ns.shapes or "dsv3-4k,dsv3-16k,qwen3-ep8").split(",")
+        _warn_cpu_cost(ns, shapes, chunks)
         rows = bench_overlap(
             shapes,
             [float(g) for g in ns.gbps.split(",")],
@@ -672,7 +722,6 @@ def main(argv: list[str] | None = None) -> int:
         text = format_overlap(rows)
         rank0 = True
     else:
-        shapes = (ns.shapes or "dsv3,qwen3").split(",")
         rows = bench_ep(
             shapes,
             ns.transports.split(","),

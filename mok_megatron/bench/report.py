@@ -12,6 +12,14 @@ def _mem(v) -> str:
     return "n/a" if v is None else f"{v:,.0f}"
 
 
+def _cells(d: dict) -> list[str]:
+    """Per phase: 'median ms [min..max] (expert TFLOP/s at the median)'."""
+    return [
+        f"{d[p + '_ms']:.3f} ms [{d[p + '_min_ms']:.3f}..{d[p + '_max_ms']:.3f}] ({d[p + '_tflops']:.3g})"
+        for p in PHASES
+    ]
+
+
 def markdown(cases: list[dict]) -> str:
     """One table per (shape, routing) case, skipped peers listed under it with their reasons."""
     out = []
@@ -21,7 +29,8 @@ def markdown(cases: list[dict]) -> str:
             f"{c['tokens']} tokens), routing {c['routing']}, {c['dtype']}, {c['device']}"
         )
         out.append(
-            f"\nMedian of {c['iters']} after {c['warmup']} warm-up; ms (expert TFLOP/s); 'back to back': steps "
+            f"\nMedian [min..max] of {c['iters']} after {c['warmup']} warm-up, ms (expert TFLOP/s at the "
+            "median); 'back to back': steps "
             "enqueued without a sync between them (the host may run ahead, as in training); peak memory: "
             f"{c['peak_mem']}; errors relative to {c['reference']}.\n"
         )
@@ -30,14 +39,14 @@ def markdown(cases: list[dict]) -> str:
         )
         out.append("|---|---|---|---|---|---|---|---|---|")
         for r in c["rows"]:
-            cells = [f"{r[p + '_ms']:.3f} ms ({r[p + '_tflops']:.3g})" for p in PHASES]
+            cells = _cells(r)
             out.append(
                 f"| {r['impl']} | {' | '.join(cells)} | {_mem(r['peak_mem_mib'])} | "
                 f"{r['rel_err_out']:.1e} | {r['rel_err_dx']:.1e} | {r['note']} |"
             )
         bound = c.get("expert_gemms")
         if bound:
-            cells = [f"{bound[p + '_ms']:.3f} ms ({bound[p + '_tflops']:.3g})" for p in PHASES]
+            cells = _cells(bound)
             out.append(
                 f"| expert GEMMs alone | {' | '.join(cells)} | | | | the six torch._grouped_mm calls only: "
                 "the floor under any layer built on them |"

@@ -4,7 +4,9 @@ For each (shape, routing) case every implementation gets the same weights (MoK /
 ``convert_state_dict``; the peers take the stacked tensors), the same input and therefore the same routing
 (``bench_routing``), and no load-balancing loss. Its output and input gradient are checked against the
 first implementation before anything is timed; then forward, backward and forward+backward are timed
-(``bench_timing``). A peer that cannot run here is listed under ``skipped`` with the reason. Each case
+(``bench_timing``: median, min and max of each phase). A peer that cannot run here is listed under
+``skipped`` with the reason. Progress goes to stderr as it happens: one line per case, per implementation
+(its forward+backward median and spread, or why it was skipped) and per expert-GEMM floor. Each case
 also times the six expert GEMMs alone (``bench_bound``: the floor of a layer on ``torch._grouped_mm``)
 and, where ``nvidia-smi`` runs, records the SM clock, power and slowdown reasons while each row was timed
 (``gpu_clocks``).
@@ -25,11 +27,12 @@ with the looser ``FP8_TOLERANCE``; a path this machine cannot run is skipped wit
 from __future__ import annotations
 
 import dataclasses
+import sys
 import time
 
 from mok_megatron.bench.bound import gemm_steps
 from mok_megatron.bench.routing import ROUTINGS, expert_load, routed_input, router_weight
-from mok_megatron.bench.timing import PHASES, peak_memory_mib, time_phases
+from mok_megatron.bench.timing import PHASES, SPREAD, peak_memory_mib, time_phases
 from mok_megatron.bench.torchtitan import PeerUnavailable
 from mok_megatron.bench.clocks import ClockSampler
 
@@ -153,6 +156,17 @@ def _build_fp8(impl: str, shape: dict, dtype, device, ref_sd: dict, router_fusio
     return InQuantContext(layer, cfg)
 
 
+def progress(msg: str) -> None:
+    """One line of progress on stderr (stdout keeps the table)."""
+    print(msg, file=sys.stderr, flush=True)
+
+
+def _spread(times: dict) -> str:
+    """forward+backward median (min..max) of one ``time_phases`` result, for progress lines."""
+    t = times["fwd_bwd"]
+    return f"fwd+bwd {t['ms']:.3f} ms ({t['min_ms']:.3f}..{t['max_ms']:.3f})"
+
+
 def _rel_err(a, ref) -> float:
     return (a.float() - ref).abs().max().item() / (ref.abs().max().item() or 1.0)
 
@@ -166,10 +180,15 @@ def bench_case(
     iters: int,
     warmup: int,
     router_fusion: bool = False,
+    label: str = "",
 ) -> dict:
+    """One (shape, routing) case; ``label`` prefixes its progress lines (``bench_suite`` passes
+    '[i/n] shape routing')."""
     import torch
 
     check_impls(impls)
+    label = label or f"{shape_name} {routing}"
+    progress(f"{label}: {len(impls)} implementation(s), {iters} timed iterations after {warmup} warm-up")
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[dtype_name]
     device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
     t, h, e, k = shape["tokens"], shape["hidden"], shape["experts"], shape["topk"]
@@ -191,16 +210,18 @@ def bench_case(
             warmup,
             router_fusion,
             windows,
+            label,
         )
         steps = gemm_steps(shape, expert_load(routing, t, e, k), dtype, device)
         t0 = time.time()
         bound = time_phases(*steps, lambda: None, iters, warmup)
         windows[None] = (t0, time.time())
+        progress(f"{label} expert GEMMs alone: {_spread(bound)}")
         del steps
     for row in rows:
         row["gpu"] = clocks.summary(*windows[row["impl"]])
     bound_gpu = clocks.summary(*windows[None])
-    expert_gemms = {f"{p}_ms": bound[p]["ms"] for p in PHASES}
+    expert_gemms = {f"{p}_{k}": bound[p][k] for p in PHASES for k in SPREAD}
     expert_gemms |= {
         f"{p}_tflops": PHASE_FLOP_FACTOR[p] * unit_flops / (bound[p]["ms"] / 1e3) / 1e12 for p in PHASES
     }
@@ -226,7 +247,7 @@ def bench_case(
 
 
 def _bench_impls(
-    shape, impls, dtype_name, dtype, device, x, dout, unit_flops, iters, warmup, router_fusion, windows
+    shape, impls, dtype_name, dtype, device, x, dout, unit_flops, iters, warmup, router_fusion, windows, label
 ):
     """(rows, skipped, reference impl): every implementation checked against the first, then timed."""
     import torch
@@ -239,6 +260,7 @@ def _bench_impls(
             layer, note = _build(impl, shape, dtype, device, ref_sd, router_fusion)
         except PeerUnavailable as err:
             skipped.append({"impl": impl, "reason": str(err)})
+            progress(f"{label} {impl}: skipped ({err})")
             continue
         if ref_sd is None:
             ref_sd = {
@@ -262,6 +284,7 @@ def _bench_impls(
             if impl not in BEST_EFFORT:
                 raise
             skipped.append({"impl": impl, "reason": f"first fwd+bwd failed: {type(e).__name__}: {e}"})
+            progress(f"{label} {impl}: skipped ({skipped[-1]['reason']})")
             continue
         if ref is None:
             ref, ref_impl, err = (out.detach().float(), xi.grad.float()), impl, (0.0, 0.0)
@@ -271,6 +294,7 @@ def _bench_impls(
                 msg = f"{impl} disagrees with {ref_impl}: relative error out {err[0]:.3e}, dx {err[1]:.3e}"
                 if impl in BEST_EFFORT:
                     skipped.append({"impl": impl, "reason": msg})
+                    progress(f"{label} {impl}: skipped ({msg})")
                     continue
                 raise RuntimeError(msg)
         del out, xi
@@ -279,16 +303,17 @@ def _bench_impls(
         windows[impl] = (t0, time.time())
         row = {"impl": impl, "note": note, "rel_err_out": err[0], "rel_err_dx": err[1]}
         for p in PHASES:
-            row[f"{p}_ms"] = times[p]["ms"]
-            row[f"{p}_min_ms"] = times[p]["min_ms"]
+            row |= {f"{p}_{k}": times[p][k] for k in SPREAD}
             row[f"{p}_tflops"] = PHASE_FLOP_FACTOR[p] * unit_flops / (times[p]["ms"] / 1e3) / 1e12
         row |= {
             "ms": row["fwd_bwd_ms"],
             "min_ms": row["fwd_bwd_min_ms"],
+            "max_ms": row["fwd_bwd_max_ms"],
             "expert_tflops": row["fwd_bwd_tflops"],
         }
         row["peak_mem_mib"] = peak_memory_mib(forward, backward, reset)
         rows.append(row)
+        progress(f"{label} {impl}: {_spread(times)}, rel err out {err[0]:.1e} dx {err[1]:.1e}")
         del layer
         if device.type == "cuda":
             torch.cuda.empty_cache()
@@ -312,8 +337,10 @@ def bench_suite(
     if bad:
         raise ValueError(f"unknown routing(s) {bad}: choose from {', '.join(ROUTINGS)}")
     _init_single_process()
+    grid = [(name, s, r) for name, s in shapes.items() for r in routings]
     return [
-        bench_case(name, s, r, impls, dtype_name, iters, warmup, router_fusion)
-        for name, s in shapes.items()
-        for r in routings
+        bench_case(
+            name, s, r, impls, dtype_name, iters, warmup, router_fusion, f"[{i}/{len(grid)}] {name} {r}"
+        )
+        for i, (name, s, r) in enumerate(grid, 1)
     ]

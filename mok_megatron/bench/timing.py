@@ -6,11 +6,13 @@ events bracket ``out.backward(dout)`` alone. Each of these waits for the GPU aft
 starts on an idle GPU and its time includes the host's enqueue of its first kernels (a layer whose host
 work outlasts its GPU work shows the host's time).
 
+Each phase reports the median, min and max over its ``iters`` timed runs.
+
 ``steady`` is forward+backward enqueued back to back, as in training: one event between consecutive
 steps, one synchronization at the end, so the host may run ahead of the GPU. Per step it is the GPU
 time when the host keeps up, and the host's time when it does not (or when the layer syncs the host
-itself: Megatron's alltoall dispatcher reads the token counts). The figure kept is the median over
-``iters`` after ``warmup`` untimed runs. Peak memory (GPU only) is ``torch.cuda.max_memory_allocated()`` during one
+itself: Megatron's alltoall dispatcher reads the token counts); its times are per step, after ``warmup``
+untimed runs. Peak memory (GPU only) is ``torch.cuda.max_memory_allocated()`` during one
 forward+backward minus the memory allocated just before it, i.e. activations, gradients and workspace
 on top of the weights and the input; on CPU it is reported as None ("n/a").
 """
@@ -74,8 +76,8 @@ def _timed_back_to_back(step: Callable, iters: int, warmup: int) -> list[float]:
 
 
 def time_phases(forward: Callable, backward: Callable, reset: Callable, iters: int, warmup: int) -> dict:
-    """Median and min ms per phase. ``forward()`` returns what ``backward(it)`` consumes; ``reset()``
-    clears the gradients before each step so every phase does the same work each time."""
+    """Median, min and max ms per phase (``SPREAD``). ``forward()`` returns what ``backward(it)`` consumes;
+    ``reset()`` clears the gradients before each step so every phase does the same work each time."""
 
     def fwd_setup():
         reset()
@@ -86,7 +88,21 @@ def time_phases(forward: Callable, backward: Callable, reset: Callable, iters: i
         "fwd_bwd": _timed(fwd_setup, lambda _: backward(forward()), iters, warmup),
         "steady": _timed_back_to_back(lambda: (reset(), backward(forward())), iters, warmup),
     }
-    return {name: {"ms": 1e3 * statistics.median(t), "min_ms": 1e3 * min(t)} for name, t in phases.items()}
+    return {name: spread_ms(t) for name, t in phases.items()}
+
+
+SPREAD = ("ms", "min_ms", "max_ms")  # median, min, max over the timed iterations
+
+
+def spread_ms(seconds: list[float]) -> dict:
+    """``{"ms": median, "min_ms": min, "max_ms": max}`` of per-iteration times in seconds."""
+    if not seconds:
+        raise ValueError("spread_ms: no timed iterations (iters must be >= 1)")
+    return {
+        "ms": 1e3 * statistics.median(seconds),
+        "min_ms": 1e3 * min(seconds),
+        "max_ms": 1e3 * max(seconds),
+    }
 
 
 def peak_memory_mib(forward: Callable, backward: Callable, reset: Callable) -> float | None:

@@ -1,13 +1,26 @@
 """Router top-k selection: the K largest scores of each token's row, in one pass over [T, E].
 
-``topk_indices(scores_TE, k)`` returns ``idx_TK`` (int64): each row's K largest entries, largest first,
-equal values in ascending expert order (what a stable descending sort gives). NaN counts as -inf. Only
-the selection: the probabilities are computed by Megatron's own ``topk_routing_with_score_function``
+``topk_indices(scores_TE, k)`` returns ``idx_TK`` (int64): each row's K largest entries, largest first.
+Only the selection: the probabilities are computed by Megatron's own ``topk_routing_with_score_function``
 at these indices (``precomputed_indices``), so the values and gradients are Megatron's.
 
-Why: ``torch.topk`` over [16384, 128] fp32 with K = 8 is ~0.1 ms on an H200 (``sbtopk::gatherTopK``),
-and Megatron's router calls it twice per step (routing and the aux-loss map). This kernel loads each
-row once and takes K arg-max passes in registers.
+Tie rule: equal scores are taken in ascending expert index, as a stable descending sort orders them
+(all-equal scores pick experts 0..K-1); NaN counts as -inf. ``torch.topk`` leaves the order of equal
+values unspecified, and it differs between devices (all-equal rows, K = 2: experts [42, 43] of 64 on
+CPU with torch 2.14, [5, 6] on an H200). So:
+
+* distinct scores: the selection (set and order) is exactly ``torch.topk``'s;
+* a tie at the K-th place (the K-th and (K+1)-th largest scores equal): the set may differ from
+  ``torch.topk``'s on any device; MoK's holds the lower indices. Ties inside the top K change no set.
+
+Such ties come from rounding. Router inputs x [512, 1024] ~ N(0, 1) and weights [64, 1024] ~ N(0, 0.02^2),
+both bf16, top-8, five seeds: fp32 logits (``moe_router_dtype='fp32'``) had no tie at the 8th place
+(smallest gap between the 8th and 9th logit 2.9e-5; fp32 summation-order error <= 5e-7), bf16 logits
+(no ``moe_router_dtype``) had 9 to 23 tokens of 512 tied there.
+
+Why a kernel: ``torch.topk`` over [16384, 128] fp32 with K = 8 is ~0.1 ms on an H200
+(``sbtopk::gatherTopK``), and Megatron's router calls it twice per step (routing and the aux-loss map).
+This kernel loads each row once and takes K arg-max passes in registers.
 
     topk_indices_reference   stable descending sort, first K columns (pure torch)
     topk_indices             the Triton kernel (``Impl.AUTO``: CUDA with Triton, else the reference)
@@ -20,9 +33,9 @@ import torch
 from mok_megatron.kernels import Impl, jit, next_pow2, tl, triton, use_triton
 
 
-# Launch defaults: few elements per program, few warps (benchmarks/topk_probe.py, H200, s5d: at
-# [16384, 128] 2 rows x 2 warps took 36 us per call incl. launch vs 47 us for 64 rows x 4 warps; at
-# [65536, 256] 1 row x 1 warp 97 us, torch.topk 844 us).
+# Launch defaults: few elements per program, few warps (benchmarks/topk_probe.py on an H200,
+# docs/results/2026-12-01-topk-gemm-layout: at [16384, 128] 2 rows x 2 warps took 36 us per call incl.
+# launch vs 47 us for 64 rows x 4 warps; at [65536, 256] 1 row x 1 warp 97 us, torch.topk 844 us).
 _BLOCK_T, _BLOCK_ELEMS = 64, 256
 
 
@@ -69,7 +82,8 @@ def topk_indices(
     block_t: int | None = None,
     num_warps: int | None = None,
 ) -> torch.Tensor:
-    """``[T, K]`` int64 indices of each row's K largest scores (largest first, ties to the lower index).
+    """``[T, K]`` int64 indices of each row's K largest scores (largest first; equal scores in ascending
+    index, so all-equal rows give 0..K-1; NaN lowest).
     ``block_t`` (rows per program) and ``num_warps`` are tuning knobs (``benchmarks/topk_probe.py``)."""
     if scores_TE.dim() != 2:
         raise ValueError(f"topk_indices: scores must be [T, E], got shape {tuple(scores_TE.shape)}")
