@@ -80,6 +80,50 @@ def have_triton() -> bool:
     return importlib.util.find_spec("triton") is not None
 
 
+def fix_triton_interpreter_index() -> bool:
+    """Triton's interpreter holds a scalar as a 1-element array and, before Triton 3.7, turns it into a
+    Python int (a ``range`` bound) with ``int(array)``, which NumPy >= 2.4 rejects ("only 0-dimensional
+    arrays can be converted to Python scalars"): every kernel looping to a runtime bound fails
+    interpreted. Where the installed interpreter's conversion fails so, wrap its tensor patching to use
+    the 0-d conversion newer Triton uses. Only the interpreter changes; compiled kernels do not. Returns
+    True when wrapped."""
+    import numpy as np
+    from triton.runtime import interpreter
+
+    patch = getattr(interpreter, "_patch_lang_tensor", None)
+    if patch is None:
+        return False
+    # Triton >= 3.6 patches through a scope that restores the attributes after each launch.
+    scope = getattr(interpreter, "_LangPatchScope", None)
+    probe_scope = (scope(),) if scope else ()
+
+    class _Probe:
+        handle = type("_Handle", (), {"data": np.zeros(1, dtype=np.int32)})()
+
+    try:
+        patch(_Probe, *probe_scope)
+        _Probe().__index__()
+        return False
+    except TypeError:
+        pass
+    finally:
+        if probe_scope:
+            probe_scope[0].restore()
+
+    def index(self):
+        return int(self.handle.data.squeeze())
+
+    def patch_lang_tensor(tensor, *scope):
+        patch(tensor, *scope)
+        if scope:
+            scope[0].set_attr(tensor, "__index__", index)
+        else:
+            tensor.__index__ = index
+
+    interpreter._patch_lang_tensor = patch_lang_tensor
+    return True
+
+
 def grouped_mm_fn():
     """The grouped GEMM entry point of this torch: ``F.grouped_mm`` (>= 2.10) or ``torch._grouped_mm``."""
     fn = getattr(torch.nn.functional, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)

@@ -28,7 +28,7 @@ import os
 
 import torch
 
-from mok_megatron.compat import have_triton
+from mok_megatron.compat import fix_triton_interpreter_index, have_triton
 
 if have_triton():
     import triton
@@ -44,6 +44,8 @@ else:  # the references still work; ``Impl.TRITON`` raises
 
 # Decided once, like triton.jit decides it: kernels defined now run interpreted iff this is set.
 INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
+if INTERPRETED and have_triton():
+    fix_triton_interpreter_index()
 
 
 class Impl(enum.Enum):

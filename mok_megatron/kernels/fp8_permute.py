@@ -49,7 +49,7 @@ FILL_BLOCK_H = 1024  # columns per store of a fill program (zero rows)
 
 @jit
 def _scale(amax):
-    return tl.where(amax > 0, tl.math.fdiv(amax, 448.0, ieee_rounding=True), 1.0)
+    return tl.where(amax > 0, tl.math.div_rn(amax, 448.0), 1.0)
 
 
 @jit
@@ -82,7 +82,7 @@ def _quantize_permute_kernel(
             ok = cols < width
             x = tl.load(base + cols, mask=ok, other=0).to(tl.float32)
             scale = _scale(tl.max(tl.abs(x), axis=0))
-            y = tl.math.fdiv(x, scale, ieee_rounding=True)
+            y = tl.math.div_rn(x, scale)
             y = tl.minimum(tl.maximum(y, -448.0), 448.0).to(q_ptr.dtype.element_ty)
             for k in tl.static_range(K):
                 row = tl.load(row_ptr + t * K + k).to(tl.int64)
@@ -98,7 +98,7 @@ def _quantize_permute_kernel(
                 cols = h0 + tl.arange(0, BLOCK_H)
                 ok = cols < width
                 x = tl.load(base + cols, mask=ok, other=0).to(tl.float32)
-                y = tl.math.fdiv(x, scale, ieee_rounding=True)
+                y = tl.math.div_rn(x, scale)
                 y = tl.minimum(tl.maximum(y, -448.0), 448.0).to(q_ptr.dtype.element_ty)
                 for k in tl.static_range(K):
                     row = tl.load(row_ptr + t * K + k).to(tl.int64)

@@ -20,10 +20,10 @@ Legend: R rows, H row width (the scaled dimension), M rows split into G segments
                           copy (rows map by ``PadPlan.dest_R`` / shifted segment starts; padding stays 0)
 
 Numerics are the references' (``ops.fp8_quantize``): ``scale = amax / 448`` (all-zero group: 1), ``q =
-e4m3(clamp(x / scale, +-448))``, both divisions IEEE round-to-nearest (``tl.math.fdiv(..., ieee_rounding=True)``;
-Triton's plain ``/`` is approximate on NVIDIA GPUs), the cast round-to-nearest-even. So the kernels are
-bitwise equal to the references (tests/test_fp8_quant_kernels.py holds them to that, on CPU interpreted and
-on the GPU).
+e4m3(clamp(x / scale, +-448))``, both divisions IEEE round-to-nearest (``tl.math.div_rn``: Triton's plain
+``/`` is approximate on NVIDIA GPUs, and Triton 3.6's ``tl.math.fdiv`` ignores ``ieee_rounding=True``), the
+cast round-to-nearest-even. So the kernels are bitwise equal to the references
+(tests/test_fp8_quant_kernels.py holds them to that, on CPU interpreted and on the GPU).
 
 Kernels:
     _rowwise_kernel       BLOCK_R rows per program; a row up to ONE_PASS_MAX wide is read once (amax, scale,
@@ -98,8 +98,8 @@ def _rowwise_kernel(
         mask = row_ok[:, None] & (cols < width)[None, :]
         x = tl.load(x_ptr + base + cols[None, :], mask=mask, other=0).to(tl.float32)
         amax = tl.max(tl.abs(x), axis=1)
-        scale = tl.where(amax > 0, tl.math.fdiv(amax, 448.0, ieee_rounding=True), 1.0)
-        y = tl.math.fdiv(x, scale[:, None], ieee_rounding=True)
+        scale = tl.where(amax > 0, tl.math.div_rn(amax, 448.0), 1.0)
+        y = tl.math.div_rn(x, scale[:, None])
         y = tl.minimum(tl.maximum(y, -448.0), 448.0)
         tl.store(q_ptr + out_base + cols[None, :], y.to(q_ptr.dtype.element_ty), mask=mask)
     else:
@@ -109,12 +109,12 @@ def _rowwise_kernel(
             mask = row_ok[:, None] & (cols < width)[None, :]
             x = tl.load(x_ptr + base + cols[None, :], mask=mask, other=0).to(tl.float32)
             amax = tl.maximum(amax, tl.max(tl.abs(x), axis=1))
-        scale = tl.where(amax > 0, tl.math.fdiv(amax, 448.0, ieee_rounding=True), 1.0)
+        scale = tl.where(amax > 0, tl.math.div_rn(amax, 448.0), 1.0)
         for h0 in range(0, width, BLOCK_H):
             cols = h0 + tl.arange(0, BLOCK_H)
             mask = row_ok[:, None] & (cols < width)[None, :]
             x = tl.load(x_ptr + base + cols[None, :], mask=mask, other=0).to(tl.float32)
-            y = tl.math.fdiv(x, scale[:, None], ieee_rounding=True)
+            y = tl.math.div_rn(x, scale[:, None])
             y = tl.minimum(tl.maximum(y, -448.0), 448.0)
             tl.store(q_ptr + out_base + cols[None, :], y.to(q_ptr.dtype.element_ty), mask=mask)
     tl.store(s_ptr + out_rows, scale, mask=row_ok)
@@ -148,8 +148,8 @@ def _rowwise_partial_kernel(
         a = tl.abs(x)
         cmax = tl.maximum(cmax, tl.max(a, axis=0))
         amax = tl.max(a, axis=1)
-        scale = tl.where(amax > 0, tl.math.fdiv(amax, 448.0, ieee_rounding=True), 1.0)
-        y = tl.math.fdiv(x, scale[:, None], ieee_rounding=True)
+        scale = tl.where(amax > 0, tl.math.div_rn(amax, 448.0), 1.0)
+        y = tl.math.div_rn(x, scale[:, None])
         y = tl.minimum(tl.maximum(y, -448.0), 448.0)
         tl.store(
             q_ptr + rows.to(tl.int64)[:, None] * width + cols[None, :],
@@ -222,7 +222,7 @@ def _column_amax(
 
 @jit
 def _scale_of(amax):
-    return tl.where(amax > 0, tl.math.fdiv(amax, 448.0, ieee_rounding=True), 1.0)
+    return tl.where(amax > 0, tl.math.div_rn(amax, 448.0), 1.0)
 
 
 @jit
@@ -283,7 +283,7 @@ def _segment_cast_kernel(
                 rows = m0 + 4 * j[:, None, None] + i4[None, :, None]  # [BLOCK_M / 4, 4, 1]
                 mask = (rows < end) & col_ok[None, None, :]
                 x = _load_rows(x_ptr, src_ptr, rows, rows < end, cols[None, None, :], mask, width, SRC)
-                y = tl.math.fdiv(x.to(tl.float32), scale[None, None, :], ieee_rounding=True)
+                y = tl.math.div_rn(x.to(tl.float32), scale[None, None, :])
                 y = tl.minimum(tl.maximum(y, -448.0), 448.0).to(q_ptr.dtype.element_ty)
                 b = y.to(tl.uint8, bitcast=True).to(tl.int32)
                 words = tl.sum(b << (8 * i4)[None, :, None], axis=1)  # little-endian: row 4w + i in byte i
@@ -384,7 +384,7 @@ def _cast_bytes(
         row_ok = (rows < end)[:, None]
         mask = row_ok & col_ok[None, :]
         x = _load_rows(x_ptr, src_ptr, rows[:, None], row_ok, cols[None, :], mask, width, SRC)
-        y = tl.math.fdiv(x.to(tl.float32), scale[None, :], ieee_rounding=True)
+        y = tl.math.div_rn(x.to(tl.float32), scale[None, :])
         y = tl.minimum(tl.maximum(y, -448.0), 448.0)
         tl.store(out_base + rows[:, None], y.to(q_ptr.dtype.element_ty), mask=mask)
 
