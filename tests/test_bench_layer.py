@@ -54,7 +54,14 @@ CASE_KEYS |= {"warmup", "device", "reference", "peak_mem", "rows", "skipped", "e
 def bench_run(tmp_path_factory):
     d = tmp_path_factory.mktemp("bench")
     cmd = [sys.executable, "-m", "mok_megatron.cli", "bench", "layer", "--shape", "tiny", "--routing", "all"]
-    cmd += ["--impl", "mok,megatron,megatron-te,torchtitan,plain-pytorch", "--iters", "3", "--warmup", "1"]
+    cmd += [
+        "--impl",
+        "mok,megatron,megatron-te,torchtitan,plain-pytorch,sonic",
+        "--iters",
+        "3",
+        "--warmup",
+        "1",
+    ]
     cmd += ["--json", str(d / "b.json"), "--png", str(d / "b.png")]
     p = subprocess.run(cmd, capture_output=True, text=True, env=ENV, timeout=120, cwd=ROOT)
     assert p.returncode == 0, p.stderr[-3000:]
@@ -102,6 +109,10 @@ def test_peers_that_cannot_run_are_listed_with_reasons(bench_run):
         reasons = {s["impl"]: s["reason"] for s in c["skipped"]}
         if importlib.util.find_spec("torchtitan") is None:
             assert reasons["torchtitan"] == "torchtitan not installed (pip install torchtitan)"
+        if importlib.util.find_spec("sonicmoe") is None:
+            assert reasons["sonic"] == "SonicMoE not installed (pip install sonic-moe)"
+        else:
+            assert reasons["sonic"] == "SonicMoE needs a Hopper or Blackwell GPU"
         if importlib.util.find_spec("transformer_engine") is None:
             assert "Transformer Engine not importable" in reasons["megatron-te"]
         else:
@@ -110,7 +121,7 @@ def test_peers_that_cannot_run_are_listed_with_reasons(bench_run):
         assert "| torchtitan | skipped: " in out
     else:  # runs on CPU too, eager (compiling is tried on CUDA only)
         assert "| torchtitan | " in out and "| torchtitan | skipped: " not in out
-    assert "| megatron-te | skipped: " in out
+    assert "| megatron-te | skipped: " in out and "| sonic | skipped: " in out
     assert out.count("| expert GEMMs alone | ") == len(ROUTINGS)
     assert out.count("GPU clocks: not sampled (nvidia-smi not found).") == len(ROUTINGS)
     assert out.count("| impl | fwd | bwd | fwd+bwd | fwd+bwd back to back | peak MiB |") == len(ROUTINGS)
@@ -135,11 +146,11 @@ def test_progress_one_line_per_case_and_implementation_in_order(bench_run):
     n = len(doc["cases"])
     for i, c in enumerate(doc["cases"], 1):
         label = f"[{i}/{n}] {c['shape']} {c['routing']}"
-        want.append(f"{label}: 5 implementation(s), 3 timed iterations after 1 warm-up")
+        want.append(f"{label}: 6 implementation(s), 3 timed iterations after 1 warm-up")
         # in the order run: the Megatron-type layers first (the weights come from them), then the peers
         timed = {r["impl"]: r for r in c["rows"]}
         skipped = {s["impl"]: s["reason"] for s in c["skipped"]}
-        for impl in ("mok", "megatron", "megatron-te", "torchtitan", "plain-pytorch"):
+        for impl in ("mok", "megatron", "megatron-te", "torchtitan", "plain-pytorch", "sonic"):
             if impl in skipped:
                 want.append(f"{label} {impl}: skipped ({skipped[impl]})")
             else:

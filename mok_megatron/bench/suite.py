@@ -18,6 +18,8 @@ Implementations:
     torchtitan     torchtitan's MoE (``bench_torchtitan``), when installed; torch.compile'd on CUDA when that works
                    (eager otherwise: the row's note says which and why)
     plain-pytorch  sort-based permute + torch._grouped_mm (``bench_peers``)
+    sonic          SonicMoE's layer (``bench.sonic``: QuACK's gather-fused grouped GEMMs), when installed, on a
+                   Hopper or Blackwell GPU, bf16, softmax routing
 
 FP8 rows (opt-in, ``--impl mok,mok-torch-fp8,...``; not in the default list): MoK's layer with an FP8 expert
 backend (``FP8_IMPLS``: --mok-expert-backend and Megatron's --fp8-recipe), checked against the reference
@@ -36,10 +38,10 @@ from mok_megatron.bench.timing import PHASES, SPREAD, peak_memory_mib, time_phas
 from mok_megatron.bench.torchtitan import PeerUnavailable
 from mok_megatron.bench.clocks import ClockSampler
 
-IMPLS = ("mok", "megatron", "megatron-te", "torchtitan", "plain-pytorch")
+IMPLS = ("mok", "megatron", "megatron-te", "torchtitan", "plain-pytorch", "sonic")
 MEGATRON_IMPLS = ("mok", "megatron", "megatron-te")
 # adapters written against another project's moving API: a failure there skips the peer, with its reason
-BEST_EFFORT = ("torchtitan",)
+BEST_EFFORT = ("torchtitan", "sonic")
 # relative error (max |diff| / max |ref|) allowed against the reference implementation
 TOLERANCE = {"bf16": 5e-2, "fp32": 1e-4}
 # expert GEMM FLOPs per phase, in units of 2 * rows * 3 * H * F (forward: fc1 is 2F wide, fc2 F)
@@ -128,6 +130,12 @@ def _build(impl: str, shape: dict, dtype, device, ref_sd: dict | None, router_fu
 
         layer = PlainMoE(*weights, topk=shape["topk"])
         return layer, f"expert GEMMs: {layer.gemm}"
+    if impl == "sonic":
+        from mok_megatron.bench import sonic
+
+        if reason := sonic.unavailable(shape, dtype, device):
+            raise PeerUnavailable(reason)
+        return sonic.SonicMoE(*weights, topk=shape["topk"]), "QuACK grouped GEMMs (eager)"
     from mok_megatron.bench.torchtitan import TorchtitanMoE
 
     import os
