@@ -105,7 +105,7 @@ def plan(ns) -> str:
 def compare() -> str:
     """Predictions for the DeepSeek-V3 GB300 recipe against the published numbers."""
     cal = calibrate.calibrate(measurements.load())
-    model, layout, cl = recipe.load(str(measurements.DOCS.parent / "examples" / "deepseek_v3_gb300.sh"))
+    model, layout, cl = recipe.load("examples/deepseek_v3_gb300.sh")
     pub_meg = PUBLISHED["megatron_dsv3_gb300_tflops"]
     base, moktok = PUBLISHED["mok_tokens_per_s_gpu"]
     lines = [

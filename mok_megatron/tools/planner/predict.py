@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from mok_megatron.tools.planner import flops
 from mok_megatron.tools.planner.calibrate import (
     DATA,
-    GENERATIONS,
+    STATES,
     H200_HBM,
     Calibration,
     family,
@@ -29,12 +29,12 @@ ASSUMPTIONS = (
     "fixed and host terms do not scale",
     "all-to-all at {link:.0%} of link peak (NCCL on 2 x H200); NVLink and NIC shares run concurrently; EP groups "
     "on consecutive GPUs; uniform routing; bf16 tokens on the wire for both layers",
-    "MoK EP=1 work from the newest engine generation with EP=1 points ({ep1}); engine overhead = loopback "
-    "overhead fraction x kappa (real EP / loopback, from the 2 x H200 runs of the newest engine generation "
+    "MoK EP=1 work from the newest code state with EP=1 points ({ep1}); engine overhead = loopback "
+    "overhead fraction x kappa (real EP / loopback, from the 2 x H200 runs of the newest code state "
     "measured on real EP, {engine}), times the layer's compute ({scaling}); exposed link fraction "
     "from the loopback sweep; transport factors (copy_engine / collective) from the same runs",
     "host-bound launch floor of Megatron / Megatron+TE (h0 + h x local experts) and of MoK (launches per "
-    "layer x per-launch host cost, from the newest profiled engine generation) {host} on the target "
+    "layer x per-launch host cost, from the newest profiled code state) {host} on the target "
     "(measured = as on the H200 test host; hidden = CUDA graphs or a faster host remove it); run-to-run "
     "spread (~10 % between machine starts) not modelled: the typical machine is predicted",
     "Megatron alltoall: all-to-all fully exposed (as measured at EP=2); 'megatron 1F1B' is a bound: the "
@@ -62,10 +62,10 @@ class Assumptions:
             )
 
     def text(self, cal: Calibration | None = None) -> list[str]:
-        ep1 = engine = GENERATIONS[-1]
+        ep1 = engine = STATES[-1]
         if cal is not None:
             engine = cal.overlap.engine()[0].name
-            ep1 = next((g for g in reversed(GENERATIONS) if ("mok", g) in cal.compute_by_gen), "every run")
+            ep1 = next((g for g in reversed(STATES) if ("mok", g) in cal.compute_by_gen), "every source")
         return [
             a.format(
                 bf16=gemm_efficiency("bf16"),
@@ -150,7 +150,7 @@ def best(options: list[LayerPrediction], impl: str) -> LayerPrediction:
 def local_rows_choice(fast_link: bool) -> str:
     """--mok-local-rows preferred among options within the margin: fused over a fast link (inside one
     NVLink domain), overlap over a slow one - what ``auto`` does, and what the loopback sweeps
-    measured (s4d: fused at least as fast at 450 GB/s with 2-4 minibatches, overlap at 50 GB/s)."""
+    measured (fused at least as fast at 450 GB/s with 2-4 minibatches, overlap at 50 GB/s)."""
     return "fused" if fast_link else "overlap"
 
 
