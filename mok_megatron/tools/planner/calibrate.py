@@ -413,7 +413,9 @@ class OverlapFit:
     exposed: dict  # (shape, chunks, mode) -> e, medians over every source
     engines: dict = field(default_factory=dict)  # code state -> EngineFit
     by_gen: dict = field(default_factory=dict)  # code state -> (overhead, exposed) of its own loopback rows
-    o_measured: frozenset = frozenset()  # keys with an infinite-link row in some source (O measured, not fitted)
+    o_measured: frozenset = (
+        frozenset()
+    )  # keys with an infinite-link row in some source (O measured, not fitted)
 
     def oe(self, key: tuple, gen: str | None = None) -> tuple[float, float]:
         """O and e of a loopback (shape, minibatches, mode) for code state ``gen`` (default: the

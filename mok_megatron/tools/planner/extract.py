@@ -58,7 +58,9 @@ def benchmarks_md(path: Path) -> list[dict]:
                              **moe, tokens=tokens, ms=ms)
                     )  # fmt: skip
     if len(out) != 6:
-        raise ValueError(f"{path}: expected 2 shapes x 3 implementations in the layer table, found {len(out)}")
+        raise ValueError(
+            f"{path}: expected 2 shapes x 3 implementations in the layer table, found {len(out)}"
+        )
     return out
 
 
@@ -80,7 +82,9 @@ def results_folders(root: Path) -> list[Path]:
         if len(p.name) > 10:
             out += [p] if _has_results(p) else []
         else:
-            out += sorted((c for c in p.iterdir() if c.is_dir() and _has_results(c)), key=lambda c: _natural(c.name))
+            out += sorted(
+                (c for c in p.iterdir() if c.is_dir() and _has_results(c)), key=lambda c: _natural(c.name)
+            )
     return out
 
 
@@ -132,7 +136,18 @@ def ep_results(folder: Path, source: str = "", date: str = "") -> tuple[list[dic
         s = EP_SHAPES[r["shape"]]
         moe = dict(hidden=s["hidden"], ffn=s["ffn"], experts=s["local"] * r["ep"], topk=s["topk"])
         if r["ep"] == 1:
-            ones.append(_rec(source, date, ONE_GPU, impl=r["impl"], shape=r["shape"], **moe, tokens=s["tokens"], ms=r["ms"]))
+            ones.append(
+                _rec(
+                    source,
+                    date,
+                    ONE_GPU,
+                    impl=r["impl"],
+                    shape=r["shape"],
+                    **moe,
+                    tokens=s["tokens"],
+                    ms=r["ms"],
+                )
+            )
             continue
         transport, mode = _mok_label(r["transport"]) if r["impl"] == "mok" else ("nccl a2a", "")
         if mode is None:
@@ -213,7 +228,18 @@ def layer_results(folder: Path, source: str = "", date: str = "") -> list[dict]:
                 ms = r.get("fwd_bwd_ms", r.get("ms"))
                 if ms and r["impl"] not in FP8_IMPLS:
                     impl = impl_variant(r["impl"], r.get("note", ""))
-                    out.append(_rec(source, date, ONE_GPU, impl=impl, shape=case["shape"], **moe, tokens=case["tokens"], ms=ms))
+                    out.append(
+                        _rec(
+                            source,
+                            date,
+                            ONE_GPU,
+                            impl=impl,
+                            shape=case["shape"],
+                            **moe,
+                            tokens=case["tokens"],
+                            ms=ms,
+                        )
+                    )
     return out
 
 

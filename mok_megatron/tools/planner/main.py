@@ -30,7 +30,9 @@ def model_setup(name: str, ns=None) -> tuple[shapes.Model, shapes.Layout, hardwa
     """``name``'s own layout (shapes.LAYOUTS), each value overridden by a flag given in ``ns``."""
     d = shapes.LAYOUTS.get(name)
     if d is None:
-        raise shapes.LayoutError(f"model {name!r}: no default layout; choose one of {', '.join(shapes.LAYOUTS)}")
+        raise shapes.LayoutError(
+            f"model {name!r}: no default layout; choose one of {', '.join(shapes.LAYOUTS)}"
+        )
     given = {f: getattr(ns, f, None) for f in (*LAYOUT_FLAGS, "cluster", "nodes")}
     val = {f: d[f] if given.get(f) is None else given[f] for f in (*LAYOUT_FLAGS, "cluster", "nodes")}
     cl = hardware.cluster(val["cluster"])
@@ -146,7 +148,9 @@ def compare() -> str:
     def gain(**kw) -> str:
         lp = dataclasses.replace(r, **kw)
         lp = dataclasses.replace(lp, total_ms=(lp.t1_ms + lp.overhead_ms + lp.exposed_ms) * f)
-        return f"{predict.step(model, layout, cl, lp).tokens_per_s_gpu / h.megatron.tokens_per_s_gpu - 1:+.1%}"
+        return (
+            f"{predict.step(model, layout, cl, lp).tokens_per_s_gpu / h.megatron.tokens_per_s_gpu - 1:+.1%}"
+        )
 
     return "\n".join(
         [
@@ -193,7 +197,9 @@ def parser() -> argparse.ArgumentParser:
         prog="mok plan", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     p.add_argument("--recipe", help="examples/*.sh: model, layout and cluster from the recipe (DRY_RUN=1)")
-    p.add_argument("--model", choices=sorted(shapes.MODELS), help="a model with its own layout (shapes.LAYOUTS)")
+    p.add_argument(
+        "--model", choices=sorted(shapes.MODELS), help="a model with its own layout (shapes.LAYOUTS)"
+    )
     p.add_argument("--cluster", choices=sorted(hardware.CLUSTERS))
     p.add_argument("--nodes", type=int)
     for f in ("tp", "pp", "vpp", "ep", "cp", "micro-batch", "global-batch"):
@@ -213,7 +219,9 @@ def parser() -> argparse.ArgumentParser:
         "(CUDA graphs / a faster host)",
     )
     p.add_argument("--all", action="store_true", help="list every MoK configuration, not the best three")
-    p.add_argument("--timeline", metavar="PATH", help="write the timeline picture (PNG with matplotlib, else SVG)")
+    p.add_argument(
+        "--timeline", metavar="PATH", help="write the timeline picture (PNG with matplotlib, else SVG)"
+    )
     p.add_argument("--validate", action="store_true", help="each measured point vs the model, then exit")
     p.add_argument("--compare", action="store_true", help="DeepSeek-V3 GB300 layout vs the published numbers")
     return p

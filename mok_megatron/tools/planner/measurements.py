@@ -123,18 +123,46 @@ def from_records(data: dict) -> Measurements:
             for r in data["layer1"]
         ),
         tuple(
-            EPPoint(r["source"], r["impl"], r["transport"], r["mode"], r["chunks"], r["shape"], _moe(r),
-                    r["tokens"], r["ep"], r["ms"], *(r[k] for k in meta))
+            EPPoint(
+                r["source"],
+                r["impl"],
+                r["transport"],
+                r["mode"],
+                r["chunks"],
+                r["shape"],
+                _moe(r),
+                r["tokens"],
+                r["ep"],
+                r["ms"],
+                *(r[k] for k in meta),
+            )
             for r in data["ep"]
         ),  # fmt: skip
         tuple(
-            LoopRow(r["source"], r["shape"], r["mode"], r["gbps"], r["chunks"], r["ms"], r["t0_ms"],
-                    r["link_ms"], r["bytes_per_step"], *(r[k] for k in meta))
+            LoopRow(
+                r["source"],
+                r["shape"],
+                r["mode"],
+                r["gbps"],
+                r["chunks"],
+                r["ms"],
+                r["t0_ms"],
+                r["link_ms"],
+                r["bytes_per_step"],
+                *(r[k] for k in meta),
+            )
             for r in data["loop"]
         ),  # fmt: skip
         tuple(
-            Profile(r["source"], r["what"], r["wall_ms"], r["launches"], r["host_ms"], r["unprofiled_ms"],
-                    *(r[k] for k in meta))
+            Profile(
+                r["source"],
+                r["what"],
+                r["wall_ms"],
+                r["launches"],
+                r["host_ms"],
+                r["unprofiled_ms"],
+                *(r[k] for k in meta),
+            )
             for r in data["profiles"]
         ),  # fmt: skip
     )

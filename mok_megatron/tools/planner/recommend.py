@@ -58,7 +58,9 @@ def expert_backend(layout: Layout) -> str:
     return "torch" if layout.precision == "bf16" else "torch-fp8"
 
 
-def recommend(options: list[LayerPrediction], model: Model, layout: Layout, fast_link: bool) -> Recommendation:
+def recommend(
+    options: list[LayerPrediction], model: Model, layout: Layout, fast_link: bool
+) -> Recommendation:
     """The recommended MoK option (``predict.recommended``) as the flags that run it."""
     b = recommended(options, fast_link=fast_link)
     tokens = layout.moe_tokens(model)
@@ -74,4 +76,6 @@ def recommend(options: list[LayerPrediction], model: Model, layout: Layout, fast
         flags += ["--mok-sync-free", "--mok-capacity-multiplier", str(cap)]
     flags += ["--mok-expert-backend", expert_backend(layout)]
     buffer = layout.ep * math.ceil(cap * minibatch) * model.hidden * 2.0  # bf16 rows from every source
-    return Recommendation(b, best(options, "mok").total_ms, tuple(flags), GRAPH_FLAGS if graph else (), buffer)
+    return Recommendation(
+        b, best(options, "mok").total_ms, tuple(flags), GRAPH_FLAGS if graph else (), buffer
+    )

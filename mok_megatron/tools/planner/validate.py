@@ -38,7 +38,9 @@ class Check:
     anchored_ms: float | None = None  # EP>1: held-out model with t1 = the source's own EP=1 time
     note: str = ""  # why a held-out prediction is missing or uses another code state
     cross: bool = False  # the held-out prediction had to use another code state's fit
-    run_outlier: float | None = None  # EP=1: measured / median of the same point's sources - 1, when > TOLERANCE
+    run_outlier: float | None = (
+        None  # EP=1: measured / median of the same point's sources - 1, when > TOLERANCE
+    )
     host_bound: bool = False  # the in-sample fit puts the point on its host floor (Megatron / Megatron+TE)
 
     @property
@@ -86,10 +88,10 @@ def _ep_note(cal: Calibration, p: EPPoint) -> str:
     mode = plain_mode(eng) if p.transport == "plain" else p.mode
     if mode not in eng.kappa:
         if any(mode in e.kappa for e in cal.overlap.engines.values()):
-            return f"kappa({mode}) transferred from another code state"
+            return f"kappa({mode}) transferred from a different code state"
         return f"{mode} measured on real EP only in this source: the state's exact kappa is used"
     if p.transport not in eng.transport_factor:
-        return f"{p.transport} factor from another code state"
+        return f"{p.transport} factor from a different code state"
     return ""
 
 

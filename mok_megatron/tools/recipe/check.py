@@ -115,13 +115,22 @@ def mok_layer_problems(args) -> list[str]:
 
     options = options_from_args(args)
     etp = args.expert_tensor_parallel_size or args.tensor_model_parallel_size
-    blockers = pipeline_blockers(args.moe_expert_capacity_factor, args.moe_router_padding_for_quantization, etp)
-    megatron_overlap = args.overlap_moe_expert_parallel_comm or args.overlap_dispatch_backward_with_experts_wgrad
+    blockers = pipeline_blockers(
+        args.moe_expert_capacity_factor, args.moe_router_padding_for_quantization, etp
+    )
+    megatron_overlap = (
+        args.overlap_moe_expert_parallel_comm or args.overlap_dispatch_backward_with_experts_wgrad
+    )
     pipelined = (
-        args.expert_model_parallel_size > 1 and options.engine is not Engine.PLAIN and not blockers and not megatron_overlap
+        args.expert_model_parallel_size > 1
+        and options.engine is not Engine.PLAIN
+        and not blockers
+        and not megatron_overlap
     )
     recompute_act = args.recompute_granularity == "selective" and "moe_act" in (args.recompute_modules or [])
-    graph_config = SimpleNamespace(cuda_graph_impl=args.cuda_graph_impl, cuda_graph_modules=args.cuda_graph_modules)
+    graph_config = SimpleNamespace(
+        cuda_graph_impl=args.cuda_graph_impl, cuda_graph_modules=args.cuda_graph_modules
+    )
     cfg = SimpleNamespace(pad_to_capacity=bool(args.moe_pad_expert_input_to_capacity))
     problems = []
     try:
@@ -133,7 +142,12 @@ def mok_layer_problems(args) -> list[str]:
     if backend is not ExpertBackend.TORCH and (recompute_act or backend is ExpertBackend.TE):
         try:
             check_expert_backend(
-                backend, args, "cuda", have_te=True, sync_free=options.sync_free, recompute_activation=recompute_act
+                backend,
+                args,
+                "cuda",
+                have_te=True,
+                sync_free=options.sync_free,
+                recompute_activation=recompute_act,
             )
         except MoKConfigError as e:
             problems.append(f"MoK layer: {e}")
