@@ -25,6 +25,7 @@ MODEL_ARGS=(
   --rotary-scaling-factor 40 --mscale 1.0 --mscale-all-dim 1.0 --rotary-base 10000
   --normalization RMSNorm --norm-epsilon 1e-6 --swiglu --disable-bias-linear
   --untie-embeddings-and-output-weights --position-embedding-type rope
+  --attention-dropout 0.0 --hidden-dropout 0.0
   --seq-length 4096 --max-position-embeddings 4096
   --mtp-num-layers 1 --mtp-loss-scaling-factor 0.1            # one multi-token-prediction layer
 )
@@ -35,16 +36,26 @@ MOE_ARGS=(
   --moe-router-score-function sigmoid --moe-router-enable-expert-bias --moe-router-bias-update-rate 1e-3
   --moe-router-topk-scaling-factor 2.5 --moe-router-num-groups 8 --moe-router-group-topk 4
   --moe-router-load-balancing-type seq_aux_loss --moe-aux-loss-coeff 1e-4
-  --moe-router-dtype fp32 --moe-grouped-gemm
+  --moe-router-dtype fp32 --moe-grouped-gemm --moe-router-fusion
 )
-MOK_ARGS=(
-  --mok-transport copy_engine     # EP peers share the NVLink segment: pull tokens on the copy engine (on 2 x H200 it measured equal to NCCL; GB300 unmeasured)
-  --mok-sync-free                 # no host sync in the layer (needed for CUDA graphs around it)
-  --mok-capacity-multiplier 0.5   # sync-free receive buffers at half a source's tokens; overflow redone exactly
+MOK_ARGS=(   # what `mok plan --recipe` recommends for this layout (tests/test_planner.py holds the two equal)
+  --mok-transport collective --mok-minibatch-size 2048   # NCCL, 2 minibatches of the 4096 tokens per rank
+  --mok-local-rows fused                       # a rank's own rows join its received rows' expert call
+  --mok-sync-free --mok-capacity-multiplier 1.0   # counts stay on the device; 1.0: a captured layer cannot redo an overflow
+  --mok-expert-backend torch-fp8               # FP8 experts that run sync-free (TE's GroupedLinear reads counts on the host)
+  --cuda-graph-impl transformer_engine --te-rng-tracker   # no --cuda-graph-modules: the whole layer is one CUDA graph
 )
-# Megatron's own layer pads each expert's token count to the FP8 block itself; MoK's experts pad their
-# rows in their own permute, so only the alltoall A/B run gets the flag (it would keep MoK off its pipeline).
-ALLTOALL_ARGS=(--moe-router-padding-for-quantization)
+# The MoE layer's fwd+bwd replayed from one CUDA graph is what the planner's numbers measured (one H200);
+# capturing whole transformer layers in training is not measured here.
+# Megatron's own layer (DISPATCHER=alltoall) pads each expert's token count to the FP8 block itself (MoK's
+# experts pad in their own permute; the flag would keep MoK off its pipeline) and fuses its permute;
+# dropless, it reads the counts on the host, so only attention and the router are graphed.
+# Megatron's GB200 guide runs --moe-token-dispatcher-type flex --moe-flex-dispatcher-backend hybridep (DeepEP's
+# hybrid-ep build): DISPATCHER=flex EXTRA_ARGS="--moe-flex-dispatcher-backend hybridep" runs that instead.
+ALLTOALL_ARGS=(
+  --moe-router-padding-for-quantization --moe-permute-fusion
+  --cuda-graph-impl transformer_engine --te-rng-tracker --cuda-graph-modules attn moe_router
+)
 PARALLEL_ARGS=(
   --tensor-model-parallel-size 1               # MLA + 7168 hidden fits without TP on 288 GB
   --pipeline-model-parallel-size 8
@@ -57,13 +68,15 @@ PARALLEL_ARGS=(
 PRECISION_ARGS=(
   --bf16
   --fp8-format e4m3 --fp8-recipe mxfp8         # MXFP8 needs sm_100+ (Blackwell) and TE >= 2.x
-  --fp8-param-gather                           # all-gather parameters in FP8
+  --fp8-param-gather --reuse-grad-buf-for-mxfp8-param-ag   # MXFP8 parameter all-gather through the grad buffer
+  --use-precision-aware-optimizer --main-grads-dtype fp32 --main-params-dtype fp32
+  --exp-avg-dtype bf16 --exp-avg-sq-dtype bf16 # BF16 Adam moments, fp32 master weights (Megatron's GB200 guide)
 )
 MEMORY_ARGS=(
   --recompute-granularity selective
-  --recompute-modules mla_up_proj layernorm    # cheap to redo; MoK does not support moe_act recompute
-  --cuda-graph-impl transformer_engine --te-rng-tracker
-  --cuda-graph-modules attn moe_router         # graph the launch-bound parts; MoE GEMMs are large
+  # Megatron's GB200 guide recomputes moe_act too: MoK's bf16 torch experts can, but the torch-fp8 experts
+  # above do not (nor te), so moe_act stays out for both layers of the A/B
+  --recompute-modules mla_up_proj layernorm mlp
   --manual-gc --manual-gc-interval 10
 )
 TRAIN_ARGS=(

@@ -24,6 +24,7 @@ MODEL_ARGS=(
   --rotary-scaling-factor 32 --mscale 1.0 --mscale-all-dim 1.0 --rotary-base 50000
   --normalization RMSNorm --norm-epsilon 1e-6 --swiglu --disable-bias-linear
   --untie-embeddings-and-output-weights --position-embedding-type rope
+  --attention-dropout 0.0 --hidden-dropout 0.0
   --seq-length 4096 --max-position-embeddings 4096
 )
 MOE_ARGS=(
@@ -33,11 +34,24 @@ MOE_ARGS=(
   --moe-router-score-function sigmoid --moe-router-enable-expert-bias --moe-router-bias-update-rate 1e-3
   --moe-router-topk-scaling-factor 2.827 --moe-router-num-groups 1 --moe-router-group-topk 1
   --moe-router-load-balancing-type seq_aux_loss --moe-aux-loss-coeff 1e-4 --moe-router-dtype fp32 --moe-grouped-gemm
+  --moe-router-fusion
 )
-MOK_ARGS=(--mok-transport copy_engine --mok-sync-free --mok-capacity-multiplier 0.5)
-# Megatron's own layer pads each expert's token count to the FP8 block itself; MoK's experts pad their
-# rows in their own permute, so only the alltoall A/B run gets the flag (it would keep MoK off its pipeline).
-ALLTOALL_ARGS=(--moe-router-padding-for-quantization)
+MOK_ARGS=(   # what `mok plan --recipe` recommends for this layout (tests/test_planner.py holds the two equal)
+  --mok-transport collective --mok-minibatch-size 2048   # NCCL, 2 minibatches of the 4096 tokens per rank
+  --mok-local-rows fused                       # a rank's own rows join its received rows' expert call
+  --mok-sync-free --mok-capacity-multiplier 1.0   # counts stay on the device; 1.0: a captured layer cannot redo an overflow
+  --mok-expert-backend torch-fp8               # FP8 experts that run sync-free (TE's GroupedLinear reads counts on the host)
+  --cuda-graph-impl transformer_engine --te-rng-tracker   # no --cuda-graph-modules: the whole layer is one CUDA graph
+)
+# The MoE layer's fwd+bwd replayed from one CUDA graph is what the planner's numbers measured (one H200);
+# capturing whole transformer layers in training is not measured here.
+# Megatron's own layer (DISPATCHER=alltoall) pads each expert's token count to the FP8 block itself (MoK's
+# experts pad in their own permute; the flag would keep MoK off its pipeline) and fuses its permute;
+# dropless, it reads the counts on the host, so only attention and the router are graphed.
+ALLTOALL_ARGS=(
+  --moe-router-padding-for-quantization --moe-permute-fusion
+  --cuda-graph-impl transformer_engine --te-rng-tracker --cuda-graph-modules attn moe_router
+)
 PARALLEL_ARGS=(
   --tensor-model-parallel-size 1
   --pipeline-model-parallel-size 8
@@ -45,10 +59,15 @@ PARALLEL_ARGS=(
   --expert-model-parallel-size 64 --expert-tensor-parallel-size 1   # 6 experts per GPU
   --use-distributed-optimizer --overlap-grad-reduce --overlap-param-gather   # data parallel 64
 )
-PRECISION_ARGS=(--bf16 --fp8-format e4m3 --fp8-recipe mxfp8 --fp8-param-gather)
+PRECISION_ARGS=(
+  --bf16 --fp8-format e4m3 --fp8-recipe mxfp8
+  --fp8-param-gather --reuse-grad-buf-for-mxfp8-param-ag   # MXFP8 parameter all-gather through the grad buffer
+  --use-precision-aware-optimizer --main-grads-dtype fp32 --main-params-dtype fp32
+  --exp-avg-dtype bf16 --exp-avg-sq-dtype bf16 # BF16 Adam moments, fp32 master weights (as Megatron's own MoE recipes)
+)
 MEMORY_ARGS=(
-  --recompute-granularity selective --recompute-modules mla_up_proj layernorm
-  --cuda-graph-impl transformer_engine --te-rng-tracker --cuda-graph-modules attn moe_router
+  # no moe_act: the torch-fp8 experts above do not recompute it (MoK's bf16 torch experts do)
+  --recompute-granularity selective --recompute-modules mla_up_proj layernorm mlp
   --manual-gc --manual-gc-interval 10
 )
 TRAIN_ARGS=(

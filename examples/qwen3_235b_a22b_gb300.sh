@@ -23,19 +23,29 @@ MODEL_ARGS=(
   --normalization RMSNorm --norm-epsilon 1e-6 --swiglu --disable-bias-linear
   --position-embedding-type rope --rotary-base 1000000
   --untie-embeddings-and-output-weights --seq-length 4096 --max-position-embeddings 40960
+  --attention-dropout 0.0 --hidden-dropout 0.0     # also what a graphed core_attn recompute needs
 )
 MOE_ARGS=(
   --num-experts 128 --moe-ffn-hidden-size 1536 --moe-router-topk 8   # every layer MoE, no shared expert
   --moe-router-load-balancing-type aux_loss --moe-aux-loss-coeff 1e-3
-  --moe-router-dtype fp32 --moe-grouped-gemm
+  --moe-router-dtype fp32 --moe-grouped-gemm --moe-router-fusion
 )
-MOK_ARGS=(
-  --mok-transport copy_engine      # EP=32 inside one NVLink segment
-  --mok-sync-free --mok-capacity-multiplier 0.5
+MOK_ARGS=(   # what `mok plan --recipe` recommends for this layout (tests/test_planner.py holds the two equal)
+  --mok-transport collective --mok-minibatch-size 1024   # NCCL, 2 minibatches of the 2048 tokens per rank (sequence parallel over TP 2)
+  --mok-local-rows fused                       # a rank's own rows join its received rows' expert call
+  --mok-sync-free --mok-capacity-multiplier 1.0   # counts stay on the device; 1.0: a captured layer cannot redo an overflow
+  --mok-expert-backend torch-fp8               # FP8 experts that run sync-free (TE's GroupedLinear reads counts on the host)
+  --cuda-graph-impl transformer_engine --te-rng-tracker   # no --cuda-graph-modules: the whole layer is one CUDA graph
 )
-# Megatron's own layer pads each expert's token count to the FP8 block itself; MoK's experts pad their
-# rows in their own permute, so only the alltoall A/B run gets the flag (it would keep MoK off its pipeline).
-ALLTOALL_ARGS=(--moe-router-padding-for-quantization)
+# The MoE layer's fwd+bwd replayed from one CUDA graph is what the planner's numbers measured (one H200);
+# capturing whole transformer layers in training is not measured here.
+# Megatron's own layer (DISPATCHER=alltoall) pads each expert's token count to the FP8 block itself (MoK's
+# experts pad in their own permute; the flag would keep MoK off its pipeline) and fuses its permute;
+# dropless, it reads the counts on the host, so only attention and the router are graphed.
+ALLTOALL_ARGS=(
+  --moe-router-padding-for-quantization --moe-permute-fusion
+  --cuda-graph-impl transformer_engine --te-rng-tracker --cuda-graph-modules attn moe_router
+)
 PARALLEL_ARGS=(
   --tensor-model-parallel-size 2 --sequence-parallel   # attention with 64 heads split over 2 GPUs
   --pipeline-model-parallel-size 8
@@ -45,11 +55,14 @@ PARALLEL_ARGS=(
   --use-distributed-optimizer --overlap-grad-reduce --overlap-param-gather
 )
 PRECISION_ARGS=(
-  --bf16 --fp8-format e4m3 --fp8-recipe mxfp8 --fp8-param-gather   # MXFP8: sm_100+ only
+  --bf16 --fp8-format e4m3 --fp8-recipe mxfp8      # MXFP8: sm_100+ only
+  --fp8-param-gather --reuse-grad-buf-for-mxfp8-param-ag   # MXFP8 parameter all-gather through the grad buffer
+  --use-precision-aware-optimizer --main-grads-dtype fp32 --main-params-dtype fp32
+  --exp-avg-dtype bf16 --exp-avg-sq-dtype bf16 # BF16 Adam moments, fp32 master weights (as Megatron's own MoE recipes)
 )
 MEMORY_ARGS=(
+  # no moe_act: the torch-fp8 experts above do not recompute it (MoK's bf16 torch experts do)
   --recompute-granularity selective --recompute-modules layernorm core_attn
-  --cuda-graph-impl transformer_engine --te-rng-tracker --cuda-graph-modules attn moe_router
   --manual-gc --manual-gc-interval 10
 )
 TRAIN_ARGS=(

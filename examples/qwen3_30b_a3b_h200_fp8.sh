@@ -13,7 +13,7 @@ cd "$(dirname "${BASH_SOURCE[0]}")"
 source ./lib/common.sh
 
 NNODES=4 GPUS_PER_NODE=8 NVLINK_DOMAIN_GPUS=8      # NVLink ends at the node on Hopper: EP <= 8
-GPU=${GPU:-H100}                                   # checked against the smaller Hopper (80 GB); GPU=H200
+GPU=${GPU:-H200}                                   # GPU=H100 checks the same command against 80 GB
 export CUDA_DEVICE_MAX_CONNECTIONS=1               # Hopper: in-order kernel queues for TP/SP overlap
 
 MODEL_ARGS=(
@@ -22,15 +22,29 @@ MODEL_ARGS=(
   --normalization RMSNorm --norm-epsilon 1e-6 --swiglu --disable-bias-linear
   --position-embedding-type rope --rotary-base 1000000
   --untie-embeddings-and-output-weights --seq-length 4096 --max-position-embeddings 40960
+  --attention-dropout 0.0 --hidden-dropout 0.0
 )
 MOE_ARGS=(
   --num-experts 128 --moe-ffn-hidden-size 768 --moe-router-topk 8
   --moe-router-load-balancing-type aux_loss --moe-aux-loss-coeff 1e-3 --moe-router-dtype fp32 --moe-grouped-gemm
+  --moe-router-fusion
 )
-MOK_ARGS=()   # defaults: NCCL transport, exact mode, 1 minibatch in a node (best measured on 2 x H200, docs/benchmarks.md)
-# Megatron's own layer pads each expert's token count to the FP8 block itself; MoK's experts pad their
-# rows in their own permute, so only the alltoall A/B run gets the flag (it would keep MoK off its pipeline).
-ALLTOALL_ARGS=(--moe-router-padding-for-quantization)
+MOK_ARGS=(   # what `mok plan --recipe` recommends for this layout (tests/test_planner.py holds the two equal)
+  --mok-transport collective --mok-minibatch-size 2048   # NCCL, 2 minibatches of the 4096 tokens per rank
+  --mok-local-rows fused                       # a rank's own rows join its received rows' expert call
+  --mok-sync-free --mok-capacity-multiplier 1.0   # counts stay on the device; 1.0: a captured layer cannot redo an overflow
+  --mok-expert-backend torch-fp8               # FP8 experts that run sync-free (TE's GroupedLinear reads counts on the host)
+  --cuda-graph-impl transformer_engine --te-rng-tracker   # no --cuda-graph-modules: the whole layer is one CUDA graph
+)
+# The MoE layer's fwd+bwd replayed from one CUDA graph is what the planner's numbers measured (one H200);
+# capturing whole transformer layers in training is not measured here.
+# Megatron's own layer (DISPATCHER=alltoall) pads each expert's token count to the FP8 block itself (MoK's
+# experts pad in their own permute; the flag would keep MoK off its pipeline) and fuses its permute;
+# dropless, it reads the counts on the host, so only attention and the router are graphed.
+ALLTOALL_ARGS=(
+  --moe-router-padding-for-quantization --moe-permute-fusion
+  --cuda-graph-impl transformer_engine --te-rng-tracker --cuda-graph-modules attn moe_router
+)
 PARALLEL_ARGS=(
   --tensor-model-parallel-size 1
   --pipeline-model-parallel-size 2 --num-virtual-stages-per-pipeline-rank 2   # 4 chunks of 12 layers
@@ -39,10 +53,12 @@ PARALLEL_ARGS=(
 )
 PRECISION_ARGS=(
   --bf16 --fp8-format e4m3 --fp8-recipe blockwise  # Hopper (sm_90) FP8 with block scaling
+  --use-precision-aware-optimizer --main-grads-dtype fp32 --main-params-dtype fp32
+  --exp-avg-dtype bf16 --exp-avg-sq-dtype bf16 # BF16 Adam moments, fp32 master weights (as Megatron's own MoE recipes)
 )
 MEMORY_ARGS=(
-  --recompute-granularity selective --recompute-modules layernorm   # 80/141 GB: recompute norms only
-  --manual-gc --manual-gc-interval 10             # no CUDA graphs: blockwise FP8 + TE graphs untested here
+  --recompute-granularity selective --recompute-modules layernorm   # 141 GB: recompute norms only
+  --manual-gc --manual-gc-interval 10
 )
 TRAIN_ARGS=(
   --micro-batch-size 1 --global-batch-size 512 --train-iters 20000

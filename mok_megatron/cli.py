@@ -117,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
             "  convert  move expert weights of a saved state dict between MoK / Megatron layouts\n"
             "  patches  check|apply|revert DIR: make a Megatron-LM checkout accept --moe-token-dispatcher-type mok\n"
             "  recipe   check SCRIPT...: a recipe's parallel layout and memory per GPU, from its DRY_RUN command\n"
-            "  plan     predict MoK vs Megatron per layer/step on a cluster; --validate, --compare, --recipe"
+            "  plan     --model M | --recipe R: MoK vs Megatron per layer/step, the flags to run; --validate, --compare"
         )
         return 0 if argv and argv[0] in ("-h", "--help") else 2
     return commands[argv[0]](argv[1:])

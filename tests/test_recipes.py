@@ -197,6 +197,75 @@ def test_memory_moves_the_right_way(dry):
         recipes.check(base).estimates[0],
         recipes.check(recipes.Recipe(base.path, base.cluster, argv)).estimates[0],
     )
-    assert no_dist.optimizer == 12 * no_dist.params  # fp32 master + 2 Adam moments, unsharded
+    # the recipe keeps BF16 Adam moments (--use-precision-aware-optimizer): fp32 master 4 + 2 + 2, unsharded
+    assert no_dist.optimizer == 8 * no_dist.params
     assert dist.optimizer < no_dist.optimizer / 2 and no_dist.grads == dist.grads  # DP 32 / EDP 2 shards
     assert b.total < 100 * GIB  # GB300 headroom the recipe comments rely on
+
+
+def _without(recipe: recipes.Recipe, *flags: str) -> recipes.Recipe:
+    """The recipe without ``flags`` and their values."""
+    argv, skip = [], False
+    for a in recipe.argv:
+        if a.startswith("--"):
+            skip = a in flags
+        if not skip:
+            argv.append(a)
+    return recipes.Recipe(recipe.path, recipe.cluster, argv)
+
+
+def test_precision_aware_optimizer_states_set_the_optimizer_bytes(dry):
+    base = dry["deepseek_v3_gb300.sh"]
+    flags = (
+        "--use-precision-aware-optimizer",
+        "--main-grads-dtype",
+        "--main-params-dtype",
+        "--exp-avg-dtype",
+        "--exp-avg-sq-dtype",
+    )
+    fp32 = _without(_without(base, *flags), "--use-distributed-optimizer")
+    bf16 = _without(base, "--use-distributed-optimizer")
+    e32, e16 = recipes.check(fp32).estimates[0], recipes.check(bf16).estimates[0]
+    assert e32.optimizer == 12 * e32.params and e16.optimizer == 8 * e16.params  # fp32 master + 2 moments
+    assert e16.grads == e32.grads == 4 * e16.params  # --main-grads-dtype fp32
+    fp8 = _with(bf16, "--exp-avg-sq-dtype", "fp8")
+    assert recipes.check(fp8).estimates[0].optimizer == 7 * e16.params
+    bf16_grads = _with(bf16, "--main-grads-dtype", "bf16")
+    assert recipes.check(bf16_grads).estimates[0].grads == 2 * e16.params
+
+
+@pytest.mark.parametrize("recipe", [r.name for r in RECIPES if r.name != "tiny_moe.sh"])
+def test_recipes_follow_megatrons_published_mxfp8_and_optimizer_settings(dry, recipe):
+    """Megatron's own GB200/GB300 MoE recipes: MXFP8 parameter all-gather through the grad buffer and BF16
+    Adam moments with fp32 master weights; Hopper blockwise FP8 keeps the optimizer part."""
+    a = recipes.parse(dry[recipe])
+    assert a.use_precision_aware_optimizer and (a.exp_avg_dtype, a.exp_avg_sq_dtype) == ("bf16", "bf16")
+    assert (a.main_params_dtype, a.main_grads_dtype) == ("fp32", "fp32")
+    if a.fp8_recipe == "mxfp8":
+        assert a.fp8_param_gather and a.reuse_grad_buf_for_mxfp8_param_ag
+    assert a.attention_dropout == 0.0 and a.hidden_dropout == 0.0 and a.moe_router_fusion
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (
+            ("--mok-capacity-multiplier", "0.5"),
+            r"captures the whole MoE layer, but --mok-capacity-multiplier=0.5",
+        ),
+        (("--recompute-modules", "mla_up_proj", "moe_act"), r"torch-fp8 does not recompute the activation"),
+        (("--mok-expert-backend", "te"), r"te reads the per-expert row counts on the host"),
+    ],
+)
+def test_mok_layer_rules_are_checked_from_the_command_line(dry, change, message):
+    """What the MoK layer would refuse when built: a whole-layer CUDA graph with a capacity multiplier below
+    1.0, moe_act recompute on the FP8 expert backends, TE experts in sync-free mode."""
+    report = recipes.check(_with(dry["deepseek_v3_gb300.sh"], *change))
+    assert not report.ok and any(re.search(message, p) for p in report.problems), report.problems
+
+
+def test_moe_act_recompute_is_fine_with_mok_bf16_experts(dry):
+    r = _with(
+        _with(dry["deepseek_v3_gb300.sh"], "--recompute-modules", "moe_act"), "--mok-expert-backend", "torch"
+    )
+    assert recipes.check(r).ok

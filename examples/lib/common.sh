@@ -6,8 +6,8 @@
 #
 # MOK_ARGS go to the MoK run only, ALLTOALL_ARGS (optional) to Megatron's alltoall run only.
 #
-# A recipe sets NNODES, GPUS_PER_NODE, NVLINK_DOMAIN_GPUS, GPU (GB300, H200, H100: `mok recipe check`
-# estimates memory against its HBM) and the arrays MODEL_ARGS, MOE_ARGS,
+# A recipe sets NNODES, GPUS_PER_NODE, NVLINK_DOMAIN_GPUS, GPU (GB300, GB200, B200, H200, H100: `mok recipe
+# check` estimates memory against its HBM, `mok plan --recipe` plans on its cluster) and the arrays MODEL_ARGS, MOE_ARGS,
 # PARALLEL_ARGS, PRECISION_ARGS, MEMORY_ARGS, TRAIN_ARGS, DATA_ARGS, LOG_ARGS, then calls mok_launch.
 
 DISPATCHER=${DISPATCHER:-mok}

@@ -1,6 +1,6 @@
-"""Fit the layer model to the measurements (measurements.py). Every number it returns comes from a
-result file or from calibration.json (measured baselines quoted in issue 9, which run timed which MoK
-engine); nothing else is tuned.
+"""Fit the layer model to the measurements (data/measurements.json). Every number it returns comes from
+a measured record or from data/calibration.json (measured baselines, which MoK code state each source
+timed); nothing else is tuned.
 
 Layer model, one MoE layer forward + backward on one rank, H200 (ms):
   EP=1 work   t1 = max(gpu, host)
@@ -16,32 +16,31 @@ Layer model, one MoE layer forward + backward on one rank, H200 (ms):
               points, within [0, 1]); bytes per (token, expert) pair
   MoK         (t1 + kappa * O(chunks, mode) * t1 + e(chunks, mode) * link) * f(transport)
               O: engine overhead with an infinitely fast link, as a fraction of the plain layer, and
-              e: the exposed fraction of link time, both from the loopback sweep; kappa (per engine
-              generation and mode): real-EP overhead / loopback overhead; f: transport time / collective
-              time (plain = the unpipelined EP path), per engine generation, from the 2 x H200 runs.
-MoK's own EP=1 fit is made per engine generation when the generation has enough points (its
-kernels changed with the engine); other implementations are fitted over every run.
+              e: the exposed fraction of link time, both from the loopback sweep; kappa (per code
+              state and mode): real-EP overhead / loopback overhead; f: transport time / collective
+              time (plain = the unpipelined EP path), per code state, from the 2 x H200 runs.
+MoK's own EP=1 fit is made per code state when the state has enough points (its kernels changed
+with the code); other implementations are fitted over every source.
 Run-to-run spread (separate machine starts differ ~10 %) is not modelled: every fit is a relative
-least-squares (or median) fit over all runs, i.e. the model predicts the typical machine.
+least-squares (or median) fit over all sources, i.e. the model predicts the typical machine.
 """
 
 from __future__ import annotations
 
 import itertools
-import json
 import math
 import re
 import statistics
 from dataclasses import dataclass, field, replace
-from pathlib import Path
 
-from mok_megatron.bench.overlap import OVERLAP_SHAPES
 from mok_megatron.tools.planner import flops
 from mok_megatron.tools.planner.hardware import GPUS
-from mok_megatron.tools.planner.measurements import EPPoint, Layer1, Measurements
+from mok_megatron.tools.planner.measurements import EPPoint, Layer1, Measurements, read_data
 from mok_megatron.tools.planner.shapes import MoEShape
 
-DATA = json.loads((Path(__file__).with_name("calibration.json")).read_text())
+DATA = read_data("calibration.json")
+# the loopback sweep's shapes (per-rank slice, emulated EP size), as ``mok bench overlap`` defines them
+LOOPBACK_SHAPES = read_data()["loopback_shapes"]
 H200 = GPUS["H200"]
 H200_BF16_PEAK, H200_FP8_PEAK, H200_NVLINK, H200_HBM = (
     H200.bf16_tflops,
@@ -67,42 +66,42 @@ def link_efficiency() -> float:
     return mid("nccl_a2a_gbps") / H200_NVLINK
 
 
-GENERATIONS = [g["name"] for g in DATA["engine_generations"]]
-ENGINE_IMPLS = {"mok"}  # implementations whose own code changes between engine generations
+STATES = [g["name"] for g in DATA["code_states"]]  # MoK code states, oldest code first
+ENGINE_IMPLS = {"mok"}  # implementations whose own code changes between code states
 
 
-def engine_of(source: str) -> str | None:
-    """The MoK engine generation a results directory timed (calibration.json); None when it is not
-    declared there (its MoK rows are then left out of every fit: see declared_only)."""
-    for g in DATA["engine_generations"]:
-        if source in g["runs"]:
+def state_of(source: str) -> str | None:
+    """The MoK code state a source timed (data/calibration.json); None when it is not declared there
+    (its MoK rows are then left out of every fit: see declared_only)."""
+    for g in DATA["code_states"]:
+        if source in g["sources"]:
             return g["name"]
     return None
 
 
-def kernels_of(gen: str | None) -> str | None:
-    """The generation whose EP=1 layer kernels ``gen`` runs: its ``kernels`` entry in calibration.json
-    when only the real-EP engine changed (no commit to mok_megatron/ops or mok_megatron/kernels), else
-    itself. MoK's EP=1 fit pools every generation that shares the kernels."""
-    for g in DATA["engine_generations"]:
-        if g["name"] == gen:
-            return g.get("kernels", gen)
-    return gen
+def kernels_of(state: str | None) -> str | None:
+    """The state whose EP=1 layer kernels ``state`` runs: its ``kernels`` entry in calibration.json
+    when only the EP>1 pipeline changed, else itself. MoK's EP=1 fit pools every state that shares
+    the kernels."""
+    for g in DATA["code_states"]:
+        if g["name"] == state:
+            return g.get("kernels", state)
+    return state
 
 
 def undeclared(m: Measurements) -> tuple[str, ...]:
-    """Sources with MoK rows but no engine generation in calibration.json."""
+    """Sources with MoK rows but no code state in calibration.json."""
     mok = [p.source for p in m.layer1 if p.impl in ENGINE_IMPLS]
     mok += [p.source for p in m.ep if p.impl in ENGINE_IMPLS] + [r.source for r in m.loop]
-    return tuple(s for s in dict.fromkeys(mok) if engine_of(s) is None)
+    return tuple(s for s in dict.fromkeys(mok) if state_of(s) is None)
 
 
 LOCAL_ROWS = ("overlap", "fused")  # --mok-local-rows choices a mode label may end with
 
 
 def split_mode(label: str) -> tuple[str, str]:
-    """("sync-free+graph fused") -> ("sync-free+graph", "fused"); a label without local rows (engines
-    before engine-5, or auto) -> (label, "")."""
+    """("sync-free+graph fused") -> ("sync-free+graph", "fused"); a label without local rows (code
+    before the --mok-local-rows option, or auto) -> (label, "")."""
     words = label.split()
     if len(words) > 1 and words[-1] in LOCAL_ROWS:
         return " ".join(words[:-1]), words[-1]
@@ -111,11 +110,11 @@ def split_mode(label: str) -> tuple[str, str]:
 
 def auto_local_rows(source: str, gbps: float) -> str:
     """The local rows ``--mok-local-rows auto`` chose for an unlabelled loopback row of ``source``
-    (calibration.json: local_rows_auto of its generation, per emulated link GB/s); "" when the
-    generation declares no auto rule (engines without the option) or not for this link speed."""
-    for g in DATA["engine_generations"]:
+    (calibration.json: local_rows_auto of its code state, per emulated link GB/s); "" when the
+    state declares no auto rule (code without the option) or not for this link speed."""
+    for g in DATA["code_states"]:
         rule = g.get("local_rows_auto")
-        if source in g["runs"] and rule:
+        if source in g["sources"] and rule:
             for choice in LOCAL_ROWS:
                 if gbps in rule.get(f"{choice}_gbps", []):
                     return choice
@@ -123,8 +122,8 @@ def auto_local_rows(source: str, gbps: float) -> str:
 
 
 def labelled(m: Measurements) -> Measurements:
-    """Loopback rows of a generation with an auto local-rows rule get the explicit label
-    ("exact" -> "exact fused"), so they are tabled with the labelled rows of later engines."""
+    """Loopback rows of a code state with an auto local-rows rule get the explicit label
+    ("exact" -> "exact fused"), so they are tabled with the labelled rows of later states."""
     loop = []
     for r in m.loop:
         base, rows = split_mode(r.mode)
@@ -134,10 +133,9 @@ def labelled(m: Measurements) -> Measurements:
 
 
 def declared_only(m: Measurements) -> Measurements:
-    """``m`` without the MoK rows (EP=1, EP>1, loopback) of undeclared sources: they timed an engine
-    of unknown generation, so fitting them to any generation would be a guess. Other implementations'
-    rows stay (their code does not change with the MoK engine). Loopback rows are labelled with their
-    local rows (labelled)."""
+    """``m`` without the MoK rows (EP=1, EP>1, loopback) of undeclared sources: they timed MoK code of
+    unknown state, so fitting them to any state would be a guess. Other implementations' rows stay
+    (their code does not change with MoK's). Loopback rows are labelled with their local rows."""
     bad = set(undeclared(m))
     m = labelled(m)
     if not bad:
@@ -156,9 +154,9 @@ def undeclared_report(m: Measurements) -> str:
     if not bad:
         return ""
     return (
-        f"Results directories without an engine generation: {', '.join(bad)}. Their MoK rows are not used "
-        "by any fit (Megatron/TE/torchtitan rows are). Fix: list each in engine_generations of "
-        "mok_megatron/tools/planner/calibration.json (docs/planner.md, 'Declaring a new results directory')."
+        f"Sources without a code state: {', '.join(bad)}. Their MoK rows are not used by any fit "
+        "(Megatron/TE/torchtitan rows are). Fix: list each in code_states of "
+        "mok_megatron/tools/planner/data/calibration.json (docs/planner.md, 'Adding a measurement')."
     )
 
 
@@ -311,17 +309,17 @@ def fit_compute(points: list[Layer1], impl: str) -> ComputeFit:
 
 def family(moe: MoEShape, tokens: int) -> str:
     """The loopback shape nearest to this one (log distance in hidden size, then tokens)."""
-    cands = [n for n in OVERLAP_SHAPES if n != "tiny"]
+    cands = list(LOOPBACK_SHAPES)
 
     def dist(n):
-        s = OVERLAP_SHAPES[n]
+        s = LOOPBACK_SHAPES[n]
         return (abs(math.log(s["hidden"] / moe.hidden)), abs(math.log(s["tokens"] / tokens)))
 
     return min(cands, key=dist)
 
 
 def _joint_oe(fin: list) -> tuple[float, float] | None:
-    """O and e of one run's rows without an infinite-link row (s4d): ms - t0 = O * t0 + e * link_ms,
+    """O and e of one source's rows without an infinite-link row: ms - t0 = O * t0 + e * link_ms,
     least squares over >= 2 distinct link speeds, O >= 0 and e in [0, 1.5] as for the pinned fit."""
     if len({r.gbps for r in fin}) < 2:
         return None
@@ -331,10 +329,10 @@ def _joint_oe(fin: list) -> tuple[float, float] | None:
 
 
 def _loop_tables(m: Measurements, prior: dict | None = None):
-    """Per (shape, minibatches, mode): O from each run's infinite-link row, e by least squares over
-    its finite rows with O pinned. A run without an infinite-link row (s4d) takes O measured by the
-    other runs of this table, else from ``prior`` (an older generation's O: the change it timed,
-    e.g. engine-6's backward reorder, is about the link), else fits O and e jointly (_joint_oe)."""
+    """Per (shape, minibatches, mode): O from each source's infinite-link row, e by least squares over
+    its finite rows with O pinned. A source without an infinite-link row takes O measured by the
+    other sources of this table, else from ``prior`` (an older state's O: a change such as the
+    combine-backward order is about the link), else fits O and e jointly (_joint_oe)."""
     over, expo = {}, {}
     by = {}
     for r in m.loop:
@@ -391,7 +389,7 @@ def local_shape(p: EPPoint) -> MoEShape:
 
 @dataclass(frozen=True)
 class EngineFit:
-    """One engine generation on real EP: kappa per mode and the transport factors."""
+    """One code state on real EP: kappa per mode and the transport factors."""
 
     name: str
     kappa: dict  # mode -> kappa
@@ -400,8 +398,8 @@ class EngineFit:
 
 
 # The loopback overhead O used by kappa (real-EP overhead / O) and by every prediction is at least the
-# loopback's run-to-run noise, ~2 % of the plain layer (s9i vs s9j): a mode whose pipelined layer ties or
-# beats the plain one at an infinite link (s9: overlapped local rows) would otherwise divide by ~0 (kappa
+# loopback's run-to-run noise, ~2 % of the plain layer (two sweeps of the same code): a mode whose pipelined
+# layer ties or beats the plain one at an infinite link (overlapped local rows) would otherwise divide by ~0 (kappa
 # in the hundreds) or predict a negative overhead. Fitting and prediction use the same floored O.
 O_FLOOR = 0.02
 
@@ -409,22 +407,24 @@ O_FLOOR = 0.02
 @dataclass(frozen=True)
 class OverlapFit:
     """Loopback tables per (loopback shape, minibatch count, mode): overhead fraction O and exposed
-    link fraction e (medians over runs); the real-EP corrections per engine generation."""
+    link fraction e (medians over sources); the real-EP corrections per code state."""
 
-    overhead: dict  # (shape, chunks, mode) -> O, medians over every run
-    exposed: dict  # (shape, chunks, mode) -> e, medians over every run
-    engines: dict = field(default_factory=dict)  # generation -> EngineFit
-    by_gen: dict = field(default_factory=dict)  # generation -> (overhead, exposed) of its own loopback runs
-    o_measured: frozenset = frozenset()  # keys with an infinite-link row in some run (O measured, not fitted)
+    overhead: dict  # (shape, chunks, mode) -> O, medians over every source
+    exposed: dict  # (shape, chunks, mode) -> e, medians over every source
+    engines: dict = field(default_factory=dict)  # code state -> EngineFit
+    by_gen: dict = field(default_factory=dict)  # code state -> (overhead, exposed) of its own loopback rows
+    o_measured: frozenset = (
+        frozenset()
+    )  # keys with an infinite-link row in some source (O measured, not fitted)
 
     def oe(self, key: tuple, gen: str | None = None) -> tuple[float, float]:
-        """O and e of a loopback (shape, minibatches, mode) for engine generation ``gen`` (default: the
-        newest generation whose own loopback rows have this key): the generation's own loopback rows
-        when it has this key, else the medians over every run. kappa is fitted against the same
-        numbers, so the two stay consistent."""
+        """O and e of a loopback (shape, minibatches, mode) for code state ``gen`` (default: the
+        newest state whose own loopback rows have this key): the state's own loopback rows when it
+        has this key, else the medians over every source. kappa is fitted against the same numbers,
+        so the two stay consistent."""
         key = self._measured_key(key)
         if gen is None:
-            gen = next((g for g in reversed(GENERATIONS) if key in self.by_gen.get(g, ({}, {}))[0]), None)
+            gen = next((g for g in reversed(STATES) if key in self.by_gen.get(g, ({}, {}))[0]), None)
         over, expo = self.by_gen.get(gen, ({}, {}))
         if key in over and key in expo:
             return max(over[key], O_FLOOR), expo[key]
@@ -443,9 +443,8 @@ class OverlapFit:
 
     def options(self, shape: str) -> list[tuple[int, str]]:
         """(minibatches, mode) measured for ``shape`` with O from an infinite-link row; once modes carry
-        local rows (engine-5 on), only the labelled ones: they are today's engine, the unlabelled ones
-        an older one. Today that leaves the fused modes (s4c: auto chose fused at infinite link; no
-        run measured the overlap modes at infinite link)."""
+        local rows, only the labelled ones: they are the current code, the unlabelled ones older code
+        (auto chose fused at an infinite link, so every overlap mode's O comes from its fused twin)."""
         got = sorted({(c, m) for (s, c, m) in self.overhead if s == shape and (s, c, m) in self.exposed})
         if self.o_measured:  # a jointly fitted O (no infinite-link row anywhere) is not offered
             got = [(c, m) for c, m in got if (shape, c, m) in self.o_measured]
@@ -453,9 +452,9 @@ class OverlapFit:
         return new or got
 
     def engine(self, gen: str | None = None) -> tuple[EngineFit, bool]:
-        """The fit of ``gen`` (default: the newest measured); False with the newest other generation
+        """The fit of ``gen`` (default: the newest measured); False with the newest other code state
         when ``gen`` has no real-EP measurement."""
-        have = [g for g in GENERATIONS if g in self.engines]
+        have = [g for g in STATES if g in self.engines]
         if not have:
             raise ValueError("no MoK EP>1 measurement matches a loopback row: cannot calibrate kappa")
         if gen in self.engines:
@@ -463,15 +462,15 @@ class OverlapFit:
         return self.engines[have[-1]], gen is None
 
     def k(self, mode: str, gen: str | None = None) -> float:
-        """kappa of ``mode``; a mode this generation did not measure gets the newest generation's
-        kappa for it that also measured exact, scaled by the two generations' exact kappas."""
+        """kappa of ``mode``; a mode this state did not measure gets the newest state's kappa for it
+        that also measured exact, scaled by the two states' exact kappas."""
         eng, _ = self.engine(gen)
         if mode in eng.kappa:
             return eng.kappa[mode]
         base = split_mode(mode)[0]  # kappa does not depend on the local rows (assumption, unmeasured)
         if base != mode:
             return self.k(base, gen)
-        for g in reversed(GENERATIONS):
+        for g in reversed(STATES):
             o = self.engines.get(g)
             if o and mode in o.kappa and "exact" in o.kappa and "exact" in eng.kappa:
                 return eng.kappa["exact"] * o.kappa[mode] / o.kappa["exact"]
@@ -481,15 +480,15 @@ class OverlapFit:
         eng, _ = self.engine(gen)
         if transport in eng.transport_factor:
             return eng.transport_factor[transport]
-        for g in reversed(GENERATIONS):
+        for g in reversed(STATES):
             o = self.engines.get(g)
             if o and transport in o.transport_factor:
                 return o.transport_factor[transport]
         return 1.0
 
 
-# the collective mode the plain (unpipelined) EP path is compared with: "exact" before local rows were
-# labelled (engine-5), "exact fused" after
+# the collective mode the plain (unpipelined) EP path is compared with: "exact" in code states without
+# local-rows labels, "exact fused" in those with them
 PLAIN_BASE = ("exact", "exact fused")
 
 
@@ -515,7 +514,7 @@ def _engine_fit(name: str, eps: list[EPPoint], ones: dict, oe) -> EngineFit | No
     ratios: dict[str, list[float]] = {}
     for p in eps:
         key = (p.source, p.shape, p.chunks, p.mode)
-        if p.transport == "plain":  # against collective exact (engine-5 on: exact with fused local rows)
+        if p.transport == "plain":  # against collective exact (with local-rows labels: exact fused)
             key = (p.source, p.shape, 1, PLAIN_BASE[0])
             if key not in coll:
                 key = (p.source, p.shape, 1, PLAIN_BASE[1])
@@ -532,15 +531,15 @@ def _engine_fit(name: str, eps: list[EPPoint], ones: dict, oe) -> EngineFit | No
 def fit_overlap(m: Measurements) -> OverlapFit:
     over, expo = _loop_tables(m)
     by_gen = {}
-    for gen in GENERATIONS:
-        rows = tuple(r for r in m.loop if engine_of(r.source) == gen)
+    for gen in STATES:
+        rows = tuple(r for r in m.loop if state_of(r.source) == gen)
         if rows:
             by_gen[gen] = _loop_tables(Measurements((), (), rows), prior=over)
     ones = {(p.source, p.shape): p.ms for p in m.layer1 if p.impl == "mok"}
     engines = {}
     measured = frozenset((r.shape, r.chunks, r.mode) for r in m.loop if r.gbps == 0)
-    for gen in GENERATIONS:
-        eps = [p for p in m.ep if p.impl == "mok" and engine_of(p.source) == gen]
+    for gen in STATES:
+        eps = [p for p in m.ep if p.impl == "mok" and state_of(p.source) == gen]
         probe = OverlapFit(over, expo, {gen: EngineFit(gen, {}, {}, 0)}, by_gen, measured)
 
         def oe(key, probe=probe, gen=gen):
@@ -560,13 +559,13 @@ _EP_CHUNKS = re.compile(r"^(?P<key>.*) x(?P<c>\d+)$")  # ep.json profiled rows (
 
 @dataclass(frozen=True)
 class HostFloor:
-    """MoK's host enqueue floor on real EP for one engine generation (exact mode reads counts on the
+    """MoK's host enqueue floor on real EP for one code state (exact mode reads counts on the
     host, so the layer cannot run ahead of its own enqueue):
     t_host = launches(transport) x (1 + r x (minibatches - 1)) x per-launch host cost."""
 
     gen: str
-    # transport, or "transport local-rows" from engine-5 on (fused and overlap launch 277-316 vs 482-525
-    # GPU ops at one minibatch, s7e) -> GPU ops per layer fwd+bwd at one minibatch (median over shapes)
+    # transport, or "transport local-rows" with local-rows labels (fused and overlap launch 277-316 vs
+    # 482-525 GPU ops at one minibatch) -> GPU ops per layer fwd+bwd at one minibatch (median over shapes)
     launches: dict
     us_per_launch: float  # host cost per launch without the profiler (lowest measured, see fit_host_floors)
     per_minibatch: float  # r: extra launches per extra minibatch, as a fraction of the one-minibatch count
@@ -600,21 +599,21 @@ STALLED_PROFILE = 2.0
 
 
 def fit_host_floors(m: Measurements) -> dict:
-    """generation -> HostFloor, for the generations with profiled MoK EP>1 rows (ep.json ``profile``).
+    """code state -> HostFloor, for the states with profiled MoK EP>1 rows (ep.json ``profile``).
     Launches: the profiled GPU-op count per transport at one minibatch (median over shapes). Per-launch
     cost: the profiled host time per launch times the row's unprofiled / profiled time (the profiler's
-    own slowdown), lowest over the generation's rows: the host time includes any waits for the GPU
+    own slowdown), lowest over the state's rows: the host time includes any waits for the GPU
     (syncs), so the smallest value is the closest to the pure enqueue cost. r: minibatch_launch_growth
     over every profile. A profiled step whose GPU span is more than ``STALLED_PROFILE`` x both its host time
-    and its unprofiled time was stalled on the GPU (s7e: one qwen3 copy_engine step with a 340 ms copy
+    and its unprofiled time was stalled on the GPU (one qwen3 copy_engine step with a 340 ms copy
     stream): its unprofiled / profiled ratio does not measure the profiler's slowdown, so it is left out."""
     r = minibatch_launch_growth(m.profiles)
     out = {}
-    for gen in GENERATIONS:
+    for gen in STATES:
         rows = [
             p
             for p in m.profiles
-            if engine_of(p.source) == gen
+            if state_of(p.source) == gen
             and " mok " in f" {p.what} "
             and p.unprofiled_ms
             and " EP=1 " not in p.what
@@ -636,24 +635,24 @@ def fit_host_floors(m: Measurements) -> dict:
 
 @dataclass(frozen=True)
 class Calibration:
-    compute: dict  # impl -> ComputeFit over every run
+    compute: dict  # impl -> ComputeFit over every source
     overlap: OverlapFit
     sources: tuple  # measurement sources used
-    compute_by_gen: dict = field(default_factory=dict)  # (impl, generation) -> ComputeFit (ENGINE_IMPLS)
-    host_floors: dict = field(default_factory=dict)  # generation -> HostFloor (profiled generations only)
+    compute_by_gen: dict = field(default_factory=dict)  # (impl, code state) -> ComputeFit (ENGINE_IMPLS)
+    host_floors: dict = field(default_factory=dict)  # code state -> HostFloor (profiled states only)
 
     def host_floor(self, gen: str | None = None) -> HostFloor | None:
-        """``gen``'s MoK host floor; gen None: the newest generation that has one."""
+        """``gen``'s MoK host floor; gen None: the newest code state that has one."""
         if gen is not None:
             return self.host_floors.get(gen)
-        return next((self.host_floors[g] for g in reversed(GENERATIONS) if g in self.host_floors), None)
+        return next((self.host_floors[g] for g in reversed(STATES) if g in self.host_floors), None)
 
     def fit(self, impl: str, gen: str | None = None) -> tuple[ComputeFit, bool]:
-        """The EP=1 fit of ``impl`` for engine generation ``gen`` (default: the newest fitted); False
-        with the fit over every run when that generation has too few points of its own."""
+        """The EP=1 fit of ``impl`` for code state ``gen`` (default: the newest fitted); False with
+        the fit over every source when that state has too few points of its own."""
         if impl not in ENGINE_IMPLS:
             return self.compute[impl], True
-        have = [g for g in GENERATIONS if (impl, g) in self.compute_by_gen]
+        have = [g for g in STATES if (impl, g) in self.compute_by_gen]
         if gen is None and have:
             return self.compute_by_gen[(impl, have[-1])], True
         if (impl, gen) in self.compute_by_gen:
@@ -684,7 +683,7 @@ class Calibration:
 
 def fit_host_link(fit: ComputeFit, m: Measurements) -> ComputeFit:
     """The exposed all-to-all fraction of a host-bound implementation at EP>1, from its EP points and
-    the same run's EP=1 time (median; 1.0 = no hiding when there is no such point)."""
+    the same source's EP=1 time (median; 1.0 = no hiding when there is no such point)."""
     ones = {(p.source, p.impl, p.shape): p.ms for p in m.layer1}
     xs = []
     for p in m.ep:
@@ -695,20 +694,20 @@ def fit_host_link(fit: ComputeFit, m: Measurements) -> ComputeFit:
 
 
 def _enough(pts: list[Layer1]) -> bool:
-    """A generation's own fit needs 3 points (a, c, d) over at least 2 distinct shapes."""
+    """A code state's own fit needs 3 points (a, c, d) over at least 2 distinct shapes."""
     return len(pts) >= 3 and len({(p.moe, p.tokens) for p in pts}) >= 2
 
 
 def calibrate(m: Measurements) -> Calibration:
-    """Fits from ``m``; MoK rows of sources without a declared engine generation are left out."""
+    """Fits from ``m``; MoK rows of sources without a declared code state are left out."""
     m = declared_only(m)
     impls = sorted({p.impl for p in m.layer1})
     compute = {i: fit_host_link(fit_compute(list(m.layer1), i), m) for i in impls}
     by_gen = {}
     for impl in sorted(ENGINE_IMPLS & set(impls)):
-        for gen in GENERATIONS:
+        for gen in STATES:
             pts = [
-                p for p in m.layer1 if p.impl == impl and kernels_of(engine_of(p.source)) == kernels_of(gen)
+                p for p in m.layer1 if p.impl == impl and kernels_of(state_of(p.source)) == kernels_of(gen)
             ]
             if _enough(pts):
                 by_gen[(impl, gen)] = fit_compute(pts, impl)

@@ -131,3 +131,22 @@ def cluster(name: str) -> Cluster:
     if name not in CLUSTERS:
         raise HardwareError(f"cluster {name!r}: unknown; choose one of {', '.join(CLUSTERS)}")
     return CLUSTERS[name]
+
+
+# The cluster a recipe's GPU= line stands for (``mok recipe check`` reads the same line for its HBM).
+GPU_CLUSTERS = {
+    "GB300": "gb300-nvl72",
+    "GB200": "gb200-nvl72",
+    "B200": "b200-nvl8",
+    "H200": "h200-nvl8",
+    "H100": "h100-ib",
+}
+
+
+def cluster_for_gpu(gpu: str) -> Cluster:
+    """The cluster of a recipe's ``GPU=`` value (GB300, H200, ...)."""
+    if gpu not in GPU_CLUSTERS:
+        raise HardwareError(
+            f"GPU {gpu!r}: unknown; set GPU= in the recipe to one of {', '.join(GPU_CLUSTERS)}"
+        )
+    return cluster(GPU_CLUSTERS[gpu])

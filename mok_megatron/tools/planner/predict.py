@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from mok_megatron.tools.planner import flops
 from mok_megatron.tools.planner.calibrate import (
     DATA,
-    GENERATIONS,
+    STATES,
     H200_HBM,
     Calibration,
     family,
@@ -19,7 +19,7 @@ from mok_megatron.tools.planner.calibrate import (
 )
 from mok_megatron.tools.planner.hardware import Cluster
 from mok_megatron.tools.planner.links import LinkError, LinkModel
-from mok_megatron.tools.planner.shapes import Layout, Model, MoEShape
+from mok_megatron.tools.planner.shapes import Layout, LayoutError, Model, MoEShape
 
 ASSUMPTIONS = (
     "GEMM rate on the target = its dense peak for the precision x the grouped-GEMM efficiency measured on the "
@@ -29,16 +29,17 @@ ASSUMPTIONS = (
     "fixed and host terms do not scale",
     "all-to-all at {link:.0%} of link peak (NCCL on 2 x H200); NVLink and NIC shares run concurrently; EP groups "
     "on consecutive GPUs; uniform routing; bf16 tokens on the wire for both layers",
-    "MoK EP=1 work from the newest engine generation with EP=1 points ({ep1}); engine overhead = loopback "
-    "overhead fraction x kappa (real EP / loopback, from the 2 x H200 runs of the newest engine generation "
+    "MoK EP=1 work from the newest code state with EP=1 points ({ep1}); engine overhead = loopback "
+    "overhead fraction x kappa (real EP / loopback, from the 2 x H200 runs of the newest code state "
     "measured on real EP, {engine}), times the layer's compute ({scaling}); exposed link fraction "
     "from the loopback sweep; transport factors (copy_engine / collective) from the same runs",
     "host-bound launch floor of Megatron / Megatron+TE (h0 + h x local experts) and of MoK (launches per "
-    "layer x per-launch host cost, from the newest profiled engine generation) {host} on the target "
+    "layer x per-launch host cost, from the newest profiled code state) {host} on the target "
     "(measured = as on the H200 test host; hidden = CUDA graphs or a faster host remove it); run-to-run "
     "spread (~10 % between machine starts) not modelled: the typical machine is predicted",
-    "Megatron alltoall: all-to-all fully exposed (as measured at EP=2); 'megatron 1F1B' is a bound: the "
-    "all-to-all entirely hidden behind another micro-batch (not measured here)",
+    "Megatron alltoall (fitted): all-to-all fully exposed (as measured at EP=2); Megatron alltoall with "
+    "--overlap-moe-expert-parallel-comm is a bound: the all-to-all entirely hidden behind another "
+    "micro-batch (never measured here); MoK rows are fitted",
     "step = (micro-batches + (PP-1)/VPP) x per-micro-batch time / PP; DP gradient/parameter traffic, optimizer, "
     "TP communication, recompute and pipeline imbalance are not modelled",
 )
@@ -62,10 +63,10 @@ class Assumptions:
             )
 
     def text(self, cal: Calibration | None = None) -> list[str]:
-        ep1 = engine = GENERATIONS[-1]
+        ep1 = engine = STATES[-1]
         if cal is not None:
             engine = cal.overlap.engine()[0].name
-            ep1 = next((g for g in reversed(GENERATIONS) if ("mok", g) in cal.compute_by_gen), "every run")
+            ep1 = next((g for g in reversed(STATES) if ("mok", g) in cal.compute_by_gen), "every source")
         return [
             a.format(
                 bf16=gemm_efficiency("bf16"),
@@ -103,6 +104,12 @@ def layer_options(
     """Megatron alltoall, the Megatron 1F1B bound and MoK for every measured (minibatches, mode) and
     transport that can run on this placement, for one MoE layer of one micro-batch (fwd+bwd)."""
     layout.check(model)
+    if layout.ep < 2:
+        raise LayoutError(
+            f"{model.name}: EP={layout.ep}: MoK's overlap pipeline needs expert parallelism; at EP=1 both "
+            "layers run the same per-rank work with no exchange, so there is nothing to plan. Plan a "
+            "layout with EP > 1 (--ep, or a recipe whose --expert-model-parallel-size is > 1)."
+        )
     moe, ep, tokens = model.moe, layout.ep, layout.moe_tokens(model)
     local = MoEShape(moe.hidden, moe.ffn, moe.experts // ep, moe.topk)
     rate, hbm = _rate(cluster, layout.precision), H200_HBM / cluster.gpu.hbm_tbps
@@ -140,6 +147,12 @@ def layer_options(
             if floor is not None and a.host == "measured" and "graph" not in mode:  # H200 host enqueue floor
                 tot = max(tot, floor.ms(transport, chunks, split_mode(mode)[1]) or 0.0)
             out.append(LayerPrediction("mok", transport, chunks, mode, t1, o, lk, ex, tot))
+    if not any(o.impl == "mok" for o in out):
+        raise LayoutError(
+            f"{model.name}: no measured MoK configuration applies to its nearest loopback shape {fam!r} "
+            f"on {cluster.name} at EP={ep}; mok plan predicts only configurations measured on the loopback "
+            "and on real EP (mok plan --validate lists them)."
+        )
     return out
 
 
@@ -150,7 +163,7 @@ def best(options: list[LayerPrediction], impl: str) -> LayerPrediction:
 def local_rows_choice(fast_link: bool) -> str:
     """--mok-local-rows preferred among options within the margin: fused over a fast link (inside one
     NVLink domain), overlap over a slow one - what ``auto`` does, and what the loopback sweeps
-    measured (s4d: fused at least as fast at 450 GB/s with 2-4 minibatches, overlap at 50 GB/s)."""
+    measured (fused at least as fast at 450 GB/s with 2-4 minibatches, overlap at 50 GB/s)."""
     return "fused" if fast_link else "overlap"
 
 

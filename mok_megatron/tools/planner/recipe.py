@@ -10,7 +10,7 @@ import shlex
 import subprocess
 from pathlib import Path
 
-from mok_megatron.tools.planner.hardware import Cluster, cluster
+from mok_megatron.tools.planner.hardware import Cluster, cluster_for_gpu
 from mok_megatron.tools.planner.shapes import Attention, Layout, LayoutError, Model, MoEShape
 
 
@@ -56,7 +56,7 @@ def parse(text: str, name: str) -> tuple[Model, Layout, dict]:
     cmd = next((ln for ln in lines if "pretrain_gpt" in ln), None)
     if lay is None or cmd is None:
         raise LayoutError(f"{name}: DRY_RUN=1 output lacks the '# layout:' line or the launch command")
-    meta = dict(kv.split("=") for kv in lay[len("# layout:") :].split())
+    meta = dict(kv.split("=", 1) for kv in lay[len("# layout:") :].split())
     f = flags(shlex.split(cmd))
 
     def i(k, default=None):
@@ -128,9 +128,10 @@ def parse(text: str, name: str) -> tuple[Model, Layout, dict]:
     return model, layout, meta
 
 
-def guess_cluster(path: str, meta: dict) -> Cluster:
-    name = Path(path).stem
-    base = cluster("gb300-nvl72" if "gb300" in name else "gb200-nvl72" if "gb200" in name else "h200-nvl8")
+def recipe_cluster(meta: dict) -> Cluster:
+    """The cluster of a recipe's ``# layout:`` line: its ``gpu=`` (the recipe's GPU=, the value
+    ``mok recipe check`` estimates memory against), NVLink domain and GPUs per node."""
+    base = cluster_for_gpu(meta.get("gpu", ""))
     domain = int(meta.get("nvlink_domain_gpus", base.nvlink_domain))
     return dataclasses.replace(
         base, nvlink_domain=domain, gpus_per_node=int(meta.get("gpus_per_node", base.gpus_per_node))
@@ -151,4 +152,4 @@ def load(path: str) -> tuple[Model, Layout, Cluster]:
     if r.returncode:
         raise LayoutError(f"recipe {path}: DRY_RUN=1 failed: {r.stderr.strip()[-500:]}")
     model, layout, meta = parse(r.stdout, path)
-    return model, layout, guess_cluster(path, meta)
+    return model, layout, recipe_cluster(meta)

@@ -171,3 +171,25 @@ def model(name: str) -> Model:
     if name not in MODELS:
         raise LayoutError(f"model {name!r}: unknown; choose one of {', '.join(MODELS)} or pass --recipe")
     return MODELS[name]
+
+
+# Each model's own layout: the one its examples/<model>_gb300.sh recipe runs (tests hold them equal),
+# used by ``mok plan --model M`` for every flag not given.
+LAYOUTS = {
+    "deepseek-v3": dict(
+        cluster="gb300-nvl72", nodes=128, nvlink_domain=64, tp=1, pp=8, vpp=4, ep=64, cp=1,
+        micro_batch=1, global_batch=4096, precision="mxfp8",
+    ),
+    "kimi-k2": dict(
+        cluster="gb300-nvl72", nodes=128, nvlink_domain=64, tp=1, pp=8, vpp=4, ep=64, cp=1,
+        micro_batch=1, global_batch=4096, precision="mxfp8",
+    ),
+    "qwen3-235b-a22b": dict(
+        cluster="gb300-nvl72", nodes=128, nvlink_domain=32, tp=2, pp=8, vpp=2, ep=32, cp=1,
+        micro_batch=1, global_batch=2048, precision="mxfp8",
+    ),
+    "qwen3-30b-a3b": dict(
+        cluster="gb300-nvl72", nodes=128, nvlink_domain=32, tp=1, pp=1, vpp=1, ep=32, cp=1,
+        micro_batch=2, global_batch=2048, precision="mxfp8",
+    ),
+}  # fmt: skip

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from mok_megatron.tools.planner.headline import KIND, LABEL
 from mok_megatron.tools.planner.predict import LayerPrediction
 
 
@@ -42,7 +43,7 @@ def segments(p: LayerPrediction) -> list[tuple[str, float, float, str]]:
 def _label(p: LayerPrediction) -> str:
     if p.impl == "mok":
         return f"MoK {p.transport} {p.mode} x{p.chunks}: {p.total_ms:.1f} ms"
-    return f"{p.impl}: {p.total_ms:.1f} ms"
+    return f"{LABEL[p.impl]} ({KIND[p.impl]}): {p.total_ms:.1f} ms"
 
 
 def write(preds: list[LayerPrediction], path: str) -> str:

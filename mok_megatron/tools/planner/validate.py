@@ -1,7 +1,7 @@
-"""Each measured point against the model: in-sample (calibrated on every file) and held-out
-(leave-one-run-out: calibrated without the point's own source, benchmarks.md or one results
-directory, i.e. one machine start). A held-out MoK EP>1 prediction whose engine generation was only
-measured in that run uses the other generation's engine fit and is marked "other engine"."""
+"""Each measured point against the model: in-sample (calibrated on every source) and held-out
+(leave-one-source-out: calibrated without the point's own source, benchmarks.md's table or one results
+folder, i.e. one machine start). A held-out MoK EP>1 prediction whose code state was only measured on
+real EP in that source uses another state's fit and is marked "other code state"."""
 
 from __future__ import annotations
 
@@ -11,17 +11,17 @@ import statistics
 
 from mok_megatron.tools.planner.calibrate import (
     ENGINE_IMPLS,
-    GENERATIONS,
+    STATES,
     Calibration,
     calibrate,
     declared_only,
-    engine_of,
     kernels_of,
     family,
     local_shape,
     megatron_link_ms,
     mok_link_ms,
     plain_mode,
+    state_of,
 )
 from mok_megatron.tools.planner.measurements import EPPoint, Layer1, Measurements
 
@@ -35,10 +35,12 @@ class Check:
     measured_ms: float
     in_sample_ms: float
     held_out_ms: float | None  # None: the held-out calibration lacks a needed term
-    anchored_ms: float | None = None  # EP>1: held-out model with t1 = the run's own EP=1 time
-    note: str = ""  # why a held-out prediction is missing or uses another engine generation
-    cross: bool = False  # the held-out prediction had to use another engine generation's fit
-    run_outlier: float | None = None  # EP=1: measured / median of the same point's runs - 1, when > TOLERANCE
+    anchored_ms: float | None = None  # EP>1: held-out model with t1 = the source's own EP=1 time
+    note: str = ""  # why a held-out prediction is missing or uses another code state
+    cross: bool = False  # the held-out prediction had to use another code state's fit
+    run_outlier: float | None = (
+        None  # EP=1: measured / median of the same point's sources - 1, when > TOLERANCE
+    )
     host_bound: bool = False  # the in-sample fit puts the point on its host floor (Megatron / Megatron+TE)
 
     @property
@@ -55,21 +57,21 @@ class Check:
 
 
 def predict_layer1(cal: Calibration, p: Layer1) -> float:
-    return cal.fit(p.impl, engine_of(p.source))[0].ms(p.tokens, p.moe)
+    return cal.fit(p.impl, state_of(p.source))[0].ms(p.tokens, p.moe)
 
 
 def predict_ep(cal: Calibration, p: EPPoint, t1_ms: float | None = None) -> float:
-    """The EP>1 time; ``t1_ms`` (the run's own EP=1 same-work time) replaces the modelled t1, which
+    """The EP>1 time; ``t1_ms`` (the source's own EP=1 same-work time) replaces the modelled t1, which
     takes the machine's speed out of the comparison (the anchored column)."""
     local = local_shape(p)
-    fit = cal.fit(p.impl, engine_of(p.source))[0]
+    fit = cal.fit(p.impl, state_of(p.source))[0]
     t1 = t1_ms or fit.ms(p.tokens, local)
     if p.impl != "mok":
         if t1_ms is None:
             return fit.ep_ms(p.tokens, local, megatron_link_ms(p))
         scale = t1_ms / fit.ms(p.tokens, local)
         return fit.ep_ms(p.tokens, local, megatron_link_ms(p) / scale) * scale
-    gen = engine_of(p.source)
+    gen = state_of(p.source)
     chunks, mode = (
         (1, plain_mode(cal.overlap.engine(gen)[0])) if p.transport == "plain" else (p.chunks, p.mode)
     )
@@ -79,17 +81,17 @@ def predict_ep(cal: Calibration, p: EPPoint, t1_ms: float | None = None) -> floa
 def _ep_note(cal: Calibration, p: EPPoint) -> str:
     if p.impl != "mok":
         return ""
-    gen = engine_of(p.source)
+    gen = state_of(p.source)
     eng, same = cal.overlap.engine(gen)
     if not same:
-        return f"other engine ({eng.name}): {gen} measured on real EP only in this run"
+        return f"other code state ({eng.name}): {gen} measured on real EP only in this source"
     mode = plain_mode(eng) if p.transport == "plain" else p.mode
     if mode not in eng.kappa:
         if any(mode in e.kappa for e in cal.overlap.engines.values()):
-            return f"kappa({mode}) transferred from another generation"
-        return f"{mode} measured on real EP only in this run: the generation's exact kappa is used"
+            return f"kappa({mode}) transferred from a different code state"
+        return f"{mode} measured on real EP only in this source: the state's exact kappa is used"
     if p.transport not in eng.transport_factor:
-        return f"{p.transport} factor from another generation"
+        return f"{p.transport} factor from a different code state"
     return ""
 
 
@@ -116,17 +118,17 @@ def checks(m: Measurements) -> list[Check]:
                 held[p.source] = None
         h = held[p.source]
         ho = _safe(predict_layer1, h, p) if h and p.impl in h.compute else None
-        note = "" if ho is not None else f"no {p.impl} point in another run"
-        cross = ho is not None and not h.fit(p.impl, engine_of(p.source))[1]
+        note = "" if ho is not None else f"no {p.impl} point in another source"
+        cross = ho is not None and not h.fit(p.impl, state_of(p.source))[1]
         if cross:
-            note = f"other engine: {engine_of(p.source)} has too few EP=1 points without this run; fit over every run"
+            note = f"other code state: {state_of(p.source)} has too few EP=1 points without this source; fit over every source"
         what = f"EP=1 {p.impl} {p.shape} (E_local {p.moe.experts}, {p.tokens} tok)"
         dev = outliers.get(p)
         if dev is not None:
-            note = f"run outlier: {100 * dev:+.0f}% vs the median of this point's runs" + (
+            note = f"run outlier: {100 * dev:+.0f}% vs the median of this point's sources" + (
                 f"; {note}" if note else ""
             )
-        hb = full.fit(p.impl, engine_of(p.source))[0].host_bound(p.tokens, p.moe)
+        hb = full.fit(p.impl, state_of(p.source))[0].host_bound(p.tokens, p.moe)
         out.append(
             Check(
                 p.source,
@@ -141,13 +143,13 @@ def checks(m: Measurements) -> list[Check]:
             )
         )
     ones = {(p.source, p.impl, p.shape): p.ms for p in m.layer1}
-    start = {(p.source, p.impl, p.shape): d for p, d in outliers.items()}  # EP=1 run outliers by run
+    start = {(p.source, p.impl, p.shape): d for p, d in outliers.items()}  # EP=1 run outliers by source
     for p in m.ep:
         if p.source not in held:
             held[p.source] = calibrate(m.without(p.source))
         h = held[p.source]
         ho = _safe(predict_ep, h, p) if p.impl in h.compute else None
-        note = _ep_note(h, p) if ho is not None else f"no {p.impl} point in another run"
+        note = _ep_note(h, p) if ho is not None else f"no {p.impl} point in another source"
         if p.impl == "mok":
             what = f"EP=2 mok {p.transport} {p.mode} x{p.chunks} {p.shape}"
         else:
@@ -157,15 +159,15 @@ def checks(m: Measurements) -> list[Check]:
         cross = (
             ho is not None
             and p.impl == "mok"
-            and not (h.overlap.engine(engine_of(p.source))[1] and h.fit(p.impl, engine_of(p.source))[1])
+            and not (h.overlap.engine(state_of(p.source))[1] and h.fit(p.impl, state_of(p.source))[1])
         )
-        if cross and "other engine" not in note:
-            note = f"other engine: {engine_of(p.source)} EP=1 fit lacks points without this run"
+        if cross and "other code state" not in note:
+            note = f"other code state: {state_of(p.source)} EP=1 fit lacks points without this source"
         hb = p.impl != "mok" and full.fit(p.impl)[0].host_bound(p.tokens, local_shape(p))
         dev = start.get((p.source, p.impl, p.shape))  # the same start's EP=1 same-work point is one
         if dev is not None:
             note = (
-                f"run outlier: its run's EP=1 same-work point is {100 * dev:+.0f}% vs that point's median"
+                f"run outlier: its source's EP=1 same-work point is {100 * dev:+.0f}% vs that point's median"
                 + (f"; {note}" if note else "")
             )
         out.append(Check(p.source, what, p.ms, predict_ep(full, p), ho, an, note, cross, dev, host_bound=hb))
@@ -208,22 +210,22 @@ def summary(rows: list[Check]) -> str:
     anch = [abs(r.anchored_err) for r in rows if r.anchored_err is not None and not r.cross]
     return (
         f"{len(rows)} measured points.\n- In-sample: {_stats(ins)}.\n- In-sample, without the run outliers "
-        f"(> {100 * TOLERANCE:.0f}% from the median of the same point's runs): {_stats(typical)}.\n- Held-out (leave-one-run-out): {_stats(ho)}."
-        f"\n- Held-out, same engine generation: {_stats(same)}.\n- In-sample, newest engine's runs only: "
-        f"{_stats(newest)}.\n- EP>1 held-out, anchored on the run's own EP=1 time, same engine generation: "
+        f"(> {100 * TOLERANCE:.0f}% from the median of the same point's sources): {_stats(typical)}.\n- Held-out (leave-one-source-out): {_stats(ho)}."
+        f"\n- Held-out, same code state: {_stats(same)}.\n- In-sample, newest code state's sources only: "
+        f"{_stats(newest)}.\n- EP>1 held-out, anchored on the source's own EP=1 time, same code state: "
         f"{_stats(anch)}."
     )
 
 
 def _newest_sources(rows: list[Check]) -> set[str]:
-    gens = {r.source: engine_of(r.source) for r in rows if engine_of(r.source) is not None}
-    last = max(gens.values(), key=GENERATIONS.index)
+    gens = {r.source: state_of(r.source) for r in rows if state_of(r.source) is not None}
+    last = max(gens.values(), key=STATES.index)
     return {s for s, g in gens.items() if g == last}
 
 
 @dataclass(frozen=True)
 class Spread:
-    """One point measured in several runs (machine starts): the run-to-run spread of the measurement."""
+    """One point measured in several sources (machine starts): the run-to-run spread of the measurement."""
 
     what: str
     runs: tuple[str, ...]
@@ -237,11 +239,11 @@ class Spread:
 
 def _repeats(m: Measurements) -> dict[tuple, list[Layer1]]:
     """EP=1 points grouped by (implementation, per-rank shape, tokens, MoK layer kernels): a MoK
-    point only repeats within the generations that share its kernels (calibration.json 'kernels'; an
-    EP=1 layer runs no pipeline, so faster kernels are not run-to-run spread, a new engine is)."""
+    point only repeats within the code states that share its kernels (calibration.json 'kernels'; an
+    EP=1 layer runs no pipeline, so faster kernels are not run-to-run spread)."""
     by: dict[tuple, list] = {}
     for p in m.layer1:
-        gen = kernels_of(engine_of(p.source)) if p.impl in ENGINE_IMPLS else ""
+        gen = kernels_of(state_of(p.source)) if p.impl in ENGINE_IMPLS else ""
         key = (p.impl, p.moe.hidden, p.moe.ffn, p.moe.experts, p.moe.topk, p.tokens, gen)
         by.setdefault(key, []).append(p)
     return by
@@ -249,7 +251,7 @@ def _repeats(m: Measurements) -> dict[tuple, list[Layer1]]:
 
 def run_outliers(m: Measurements) -> dict[Layer1, float]:
     """EP=1 points measured in at least 3 sources whose time is more than TOLERANCE from the median of
-    the same point's runs (a slow or fast machine start; the model predicts the typical machine):
+    the same point's sources (a slow or fast machine start; the model predicts the typical machine):
     point -> measured / median - 1."""
     out = {}
     for pts in _repeats(m).values():
@@ -260,7 +262,7 @@ def run_outliers(m: Measurements) -> dict[Layer1, float]:
 
 
 def spreads(m: Measurements) -> list[Spread]:
-    """EP=1 points (same implementation, per-rank shape, tokens; MoK: same engine generation)
+    """EP=1 points (same implementation, per-rank shape, tokens; MoK: same layer kernels)
     measured in more than one source."""
     out = []
     for (impl, h, _f, e, _k, t, gen), pts in _repeats(m).items():
@@ -271,7 +273,7 @@ def spreads(m: Measurements) -> list[Spread]:
 
 
 def spread_table(rows: list[Spread]) -> str:
-    lines = ["| point | runs | ms | spread (max-min)/median |", "|---|---|---|---:|"]
+    lines = ["| point | sources | ms | spread (max-min)/median |", "|---|---|---|---:|"]
     for s in rows:
         lines.append(
             f"| {s.what} | {', '.join(s.runs)} | {', '.join(f'{x:.2f}' for x in s.ms)} | {100 * s.spread:.0f}% |"

@@ -1,7 +1,9 @@
 """``mok recipe check <script> [...]``: run a recipe with ``DRY_RUN=1``, parse its launch command with
-Megatron's real argument parser plus the MoK flags, check the parallel layout
-(``recipe_layout``) and estimate memory per GPU (``recipe_memory``). Exit 1 on an impossible layout
-or an estimate above the GPU's HBM; the message names the problem and the fix."""
+Megatron's real argument parser plus the MoK flags, check the parallel layout (``layout``), the MoK
+layer's build-time rules that need only the command line (CUDA-graph scope, expert backend against
+recompute and sync-free) and estimate memory per GPU (``memory``) against the recipe's ``GPU=``. Exit 1
+on an impossible layout, a MoK layer that would refuse to build, or an estimate above the GPU's HBM;
+the message names the problem and the fix."""
 
 from __future__ import annotations
 
@@ -96,11 +98,67 @@ def parse(recipe: Recipe) -> argparse.Namespace:
         ) from None
 
 
+def mok_layer_problems(args) -> list[str]:
+    """The MoK layer's build-time refusals that the command line alone decides (the layer raises the same
+    messages when it is built): CUDA-graph scope vs a host-free dispatch plan and the capacity multiplier
+    (``adapter.cuda_graphs``), the expert backend vs moe_act recompute and sync-free (``experts.backend``)."""
+    if not getattr(args, "mok", False):
+        return []
+    from types import SimpleNamespace
+
+    from mok_megatron.adapter.cuda_graphs import check_cuda_graphs
+    from mok_megatron.config import MoKConfigError
+    from mok_megatron.engine.select import pipeline_blockers
+    from mok_megatron.experts.backend import check_expert_backend
+    from mok_megatron.options import Engine, ExpertBackend
+    from mok_megatron.training.arguments import options_from_args
+
+    options = options_from_args(args)
+    etp = args.expert_tensor_parallel_size or args.tensor_model_parallel_size
+    blockers = pipeline_blockers(
+        args.moe_expert_capacity_factor, args.moe_router_padding_for_quantization, etp
+    )
+    megatron_overlap = (
+        args.overlap_moe_expert_parallel_comm or args.overlap_dispatch_backward_with_experts_wgrad
+    )
+    pipelined = (
+        args.expert_model_parallel_size > 1
+        and options.engine is not Engine.PLAIN
+        and not blockers
+        and not megatron_overlap
+    )
+    recompute_act = args.recompute_granularity == "selective" and "moe_act" in (args.recompute_modules or [])
+    graph_config = SimpleNamespace(
+        cuda_graph_impl=args.cuda_graph_impl, cuda_graph_modules=args.cuda_graph_modules
+    )
+    cfg = SimpleNamespace(pad_to_capacity=bool(args.moe_pad_expert_input_to_capacity))
+    problems = []
+    try:
+        check_cuda_graphs(graph_config, cfg, options, pipelined, mok_experts=True)
+    except MoKConfigError as e:
+        problems.append(f"MoK layer: {e}")
+    backend = ExpertBackend(options.expert_backend)
+    # the backend rules that need no GPU: recompute (any non-torch backend), sync-free (te)
+    if backend is not ExpertBackend.TORCH and (recompute_act or backend is ExpertBackend.TE):
+        try:
+            check_expert_backend(
+                backend,
+                args,
+                "cuda",
+                have_te=True,
+                sync_free=options.sync_free,
+                recompute_activation=recompute_act,
+            )
+        except MoKConfigError as e:
+            problems.append(f"MoK layer: {e}")
+    return problems
+
+
 def check(recipe: Recipe, gpu: str | None = None) -> Report:
     args = parse(recipe)
     gpu = gpu or recipe.cluster.gpu
     hbm = HBM_BYTES.get(gpu)
-    problems = []
+    problems = mok_layer_problems(args)
     if hbm is None:
         problems.append(
             f"GPU '{gpu}' is unknown: set GPU= in the recipe or pass --gpu one of {sorted(HBM_BYTES)}."

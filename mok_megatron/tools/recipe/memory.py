@@ -15,8 +15,10 @@ g = 3/2 with SwiGLU else 1, V vocabulary padded like Megatron):
 Bytes per parameter: weights 2 (bf16/fp16) or 4 (fp32); main gradients 4 (bf16 accumulates in fp32
 unless --grad-reduce-in-bf16) or 2 (fp16, --grad-reduce-in-bf16); Adam state 12 = fp32 master + 2
 moments (8 when the weights are already fp32), divided by DP x CP for dense parameters and by the
-expert data-parallel size EDP for expert parameters under --use-distributed-optimizer. FP8 weight
-copies (--fp8-param-gather and TE's transposes) are not credited or charged.
+expert data-parallel size EDP for expert parameters under --use-distributed-optimizer. With
+--use-precision-aware-optimizer the master copy and the moments take the sizes of --main-params-dtype,
+--exp-avg-dtype and --exp-avg-sq-dtype (fp32 4, fp16/bf16 2, fp8 1) and the main gradients that of
+--main-grads-dtype. FP8 weight copies (--fp8-param-gather and TE's transposes) are not credited or charged.
 
 Activations kept for backward, per micro-batch and decoder layer, T = seq*micro_batch/CP tokens,
 2 bytes per element (4 in fp32); "h/tp" means divided by TP only with --sequence-parallel:
@@ -40,11 +42,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from mok_megatron.tools.planner.hardware import GPUS
 from mok_megatron.tools.recipe.layout import EMBEDDING, LOSS, Parallel, moe_pattern, stages
 
 GIB = 1024**3
 OVERHEAD_BYTES = 5 * GIB
-HBM_BYTES = {"GB300": 288e9, "H200": 141e9, "H100": 80e9}
+# per GPU, the same table ``mok plan`` reads a recipe's GPU= line against
+HBM_BYTES = {name: gpu.hbm_gb * 1e9 for name, gpu in GPUS.items()}
 
 
 @dataclass(frozen=True)
@@ -196,12 +200,25 @@ def in_flight(p: Parallel, rank: int) -> list[int]:
     return [(k // p.pp) % p.vpp for k in range(n)]
 
 
+DTYPE_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2, "fp8": 1}
+
+
+def _grad_and_optimizer_bytes(args, wb: int) -> tuple[int, int]:
+    """Bytes per parameter of the main gradient and of the optimizer state (see the module docstring)."""
+    gb = 2 if (args.fp16 or (args.bf16 and args.grad_reduce_in_bf16)) else 4
+    adam = args.optimizer == "adam"
+    if not getattr(args, "use_precision_aware_optimizer", False):
+        return gb, (8 if wb == 4 else 12) if adam else (4 if wb == 4 else 8)
+    master = 0 if wb == 4 else DTYPE_BYTES[args.main_params_dtype]
+    moments = DTYPE_BYTES[args.exp_avg_dtype] + (DTYPE_BYTES[args.exp_avg_sq_dtype] if adam else 0)
+    return DTYPE_BYTES[args.main_grads_dtype] if gb == 4 else gb, master + moments
+
+
 def estimate(args, p: Parallel) -> list[Estimate]:
     """One ``Estimate`` per pipeline rank."""
     chunks = stages(args, p.pp)
     wb = _elem_bytes(args)
-    gb = 2 if (args.fp16 or (args.bf16 and args.grad_reduce_in_bf16)) else 4
-    ob = (8 if wb == 4 else 12) if args.optimizer == "adam" else (4 if wb == 4 else 8)
+    gb, ob = _grad_and_optimizer_bytes(args, wb)
     dist = args.use_distributed_optimizer
     out = []
     for r in range(p.pp):
