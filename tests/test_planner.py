@@ -37,13 +37,13 @@ ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples"
 DSV3_SLICE = shapes.MoEShape(7168, 2048, 8, 8)
 # source names (docs/results/<source>) the assertions below refer to
-EP2_PROFILED = "2026-12-01-ep2-local-rows-profiled"  # EP=2, local rows, profiled steps (2 x H200)
-EP2_EAGER = "2026-12-01-ep2-sync-free-eager"  # EP=2 exact / eager sync-free, a noisy host
-EP2_LOCAL_FIRST = "2026-11-30-ep2-local-first-pipeline"
-EP2_AND_LAYER = "2026-11-30-layer-and-ep2-profiled"
-LOOP_AUTO = "2026-12-01-loopback-local-rows-auto"  # unlabelled local rows (auto)
-LOOP_LABELLED = "2026-12-01-loopback-local-rows-labelled"
-EP2_GRAPH = "2026-11-30-ep2-sync-free-graph-and-kernels"
+EP2_PROFILED = "2026-12-01-ep2-layer"  # EP=2, local rows, profiled steps (2 x H200)
+EP2_EAGER = "2026-12-01-ep2-modes-profile"  # EP=2 exact / eager sync-free, a noisy host
+EP2_LOCAL_FIRST = "2026-11-30-ep2-local-regions"
+EP2_AND_LAYER = "2026-11-30-ep2-layer-tiny-recipe"
+LOOP_AUTO = "2026-12-01-loopback-overlap-1"  # unlabelled local rows (auto)
+LOOP_LABELLED = "2026-12-01-loopback-overlap-2"
+EP2_GRAPH = "2026-11-30-ep2-loopback-kernels"
 # recipes with expert parallelism: each model's own layout and the planner's recommendation
 EP_RECIPES = {
     "deepseek_v3_gb300.sh": "deepseek-v3",
@@ -75,7 +75,7 @@ def test_expert_flops_hand_computed_and_matches_the_benchmark_doc():
     # 3 (fwd+bwd) x 2 (FLOP per MAC) x T x K x (2F + F) x H
     assert flops.expert_flops(4096, DSV3_SLICE) == 3 * 2 * 4096 * 8 * 3 * 2048 * 7168
     assert flops.expert_flops(1, shapes.MoEShape(2, 3, 1, 1)) == 3 * 2 * 3 * 3 * 2
-    # docs/benchmarks.md: MoK 18.63 ms on the DeepSeek slice = 465 expert TFLOP/s
+    # the layer table (docs/results/2026-11-30-layer-foundation): MoK 18.63 ms on the DeepSeek slice = 465 TFLOP/s
     assert round(flops.expert_flops(4096, DSV3_SLICE) / 18.63e-3 / 1e12) == 465
 
 
@@ -325,9 +325,9 @@ def test_package_data_is_what_the_results_folders_hold():
 
 def test_a_new_results_folder_is_read_with_no_code_change(tmp_path):
     """A folder named <date>-<topic> (or <topic> inside <date>/) is read as it is, files anywhere below it."""
-    if not (ROOT / "docs/benchmarks.md").is_file():
-        pytest.skip("needs the checkout's docs/benchmarks.md")
-    shutil.copy(ROOT / "docs/benchmarks.md", tmp_path / "benchmarks.md")
+    table = Path("results") / extract.BENCHMARKS_SOURCE / extract.LAYER_TABLE
+    (tmp_path / table).parent.mkdir(parents=True)
+    shutil.copy(ROOT / "docs" / table, tmp_path / table)
     ep = [
         {"shape": "qwen3", "ep": 2, "impl": "mok", "transport": "collective fused sync-free+graph", "chunks": 1, "ms": 11.0},
         {"shape": "qwen3", "ep": 1, "impl": "mok", "transport": "plain", "chunks": 1, "ms": 8.0},
@@ -345,7 +345,7 @@ def test_a_new_results_folder_is_read_with_no_code_change(tmp_path):
     data = extract.extract(tmp_path)
     srcs = {(r["source"], r["date"]) for k in ("layer1", "ep", "loop") for r in data[k]}
     assert srcs == {
-        ("benchmarks.md", extract.BENCHMARKS_DATE),
+        (extract.BENCHMARKS_SOURCE, extract.BENCHMARKS_DATE),
         ("2026-12-02-new-topic", "2026-12-02"),
         ("2026-12-02-other-topic", "2026-12-02"),
     }

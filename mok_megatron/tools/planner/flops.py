@@ -12,7 +12,7 @@ FWD_BWD = 3
 
 
 def expert_flops(tokens: int, moe: MoEShape) -> float:
-    """Routed-expert GEMM FLOP of ``tokens`` tokens, forward + backward (what docs/benchmarks.md counts)."""
+    """Routed-expert GEMM FLOP of ``tokens`` tokens, forward + backward (what the layer benchmarks count)."""
     return FWD_BWD * 6.0 * tokens * moe.topk * moe.ffn * moe.hidden
 
 

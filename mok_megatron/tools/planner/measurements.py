@@ -1,5 +1,5 @@
 """The measured records the planner fits, read from package data only (data/measurements.json, written
-by ``extract`` from docs/benchmarks.md and docs/results in a checkout), so ``mok plan`` runs from an
+by ``extract`` from docs/results in a checkout), so ``mok plan`` runs from an
 installed wheel.
 
 Record kinds (every record names its source folder, date and machine):
@@ -26,7 +26,7 @@ MEASUREMENTS_FILE = "measurements.json"
 class Layer1:
     """One EP=1 layer time (fwd+bwd, ms): per-rank work of one MoE layer on one H200."""
 
-    source: str  # the results folder (docs/results/<source>) or "benchmarks.md"
+    source: str  # the results folder (docs/results/<source>)
     impl: str  # mok, megatron-te, megatron, torchtitan-compiled, ...
     shape: str
     moe: MoEShape  # experts = local experts

@@ -1,5 +1,5 @@
 """Each measured point against the model: in-sample (calibrated on every source) and held-out
-(leave-one-source-out: calibrated without the point's own source, benchmarks.md's table or one results
+(leave-one-source-out: calibrated without the point's own source, the layer table's folder or one results
 folder, i.e. one machine start). A held-out MoK EP>1 prediction whose code state was only measured on
 real EP in that source uses another state's fit and is marked "other code state"."""
 
