@@ -1,4 +1,4 @@
-"""The ``mok`` command line: ``mok env``, ``mok demo``, ``mok bench layer``, ``mok convert``,
+"""The ``mok`` command line: ``mok env``, ``mok demo``, ``mok bench layer|overlap|ep|train``, ``mok convert``,
 ``mok patches check|apply|revert``, ``mok recipe check``, ``mok plan``."""
 
 from __future__ import annotations
@@ -92,16 +92,22 @@ def _load_checkpoint_file(path: str, unsafe: bool):
         return torch.load(path, map_location="cpu", weights_only=True)
 
 
+def _bench(rest) -> int:
+    if rest[:1] == ["train"]:
+        from mok_megatron.bench.train import main as train
+
+        return train(rest[1:])
+    module = "mok_megatron.bench.overlap" if rest[:1] in (["overlap"], ["ep"]) else "mok_megatron.bench.layer"
+    return __import__(module, fromlist=["main"]).main(rest)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     commands = {
         "env": _env,
         "demo": lambda rest: __import__("mok_megatron.tools.demo", fromlist=["main"]).main(rest),
         "convert": _convert,
-        "bench": lambda rest: __import__(
-            "mok_megatron.bench.overlap" if rest[:1] in (["overlap"], ["ep"]) else "mok_megatron.bench.layer",
-            fromlist=["main"],
-        ).main(rest),
+        "bench": _bench,
         "patches": lambda rest: __import__("mok_megatron.training.patches", fromlist=["main"]).main(rest),
         "recipe": lambda rest: __import__("mok_megatron.tools.recipe.check", fromlist=["main"]).main(rest),
         "plan": lambda rest: __import__("mok_megatron.tools.planner.main", fromlist=["main"]).main(rest),
@@ -113,7 +119,8 @@ def main(argv: list[str] | None = None) -> int:
             "  demo     pretrain a tiny MoE GPT with the MoK layer (the main job)\n"
             "  bench    layer: one MoE layer fwd+bwd, MoK vs Megatron, checked then timed;\n"
             "           overlap: communication hidden by the pipeline (one GPU, emulated link);\n"
-            "           ep: real expert parallelism (torchrun -m mok_megatron.bench.overlap ep)\n"
+            "           ep: real expert parallelism (torchrun -m mok_megatron.bench.overlap ep);\n"
+            "           train: Megatron's training loop, MoK vs Megatron from identical weights (tokens/s/GPU)\n"
             "  convert  move expert weights of a saved state dict between MoK / Megatron layouts\n"
             "  patches  check|apply|revert DIR: make a Megatron-LM checkout accept --moe-token-dispatcher-type mok\n"
             "  recipe   check SCRIPT...: a recipe's parallel layout and memory per GPU, from its DRY_RUN command\n"

@@ -1,0 +1,611 @@
+"""``mok bench train``: tokens per second per GPU in Megatron's own training loop, MoK's MoE layer against
+Megatron's, on the same model, data, seed and initial weights, in one command.
+
+    mok bench train --preset qwen3-30b-a3b [--iters 12] [--nproc-per-node N] [--runs auto|mok,alltoall,...]
+                    [--json F] [--png F] [-- <any Megatron / --mok-* flag>]
+
+Steps (each a ``torchrun --standalone`` of this package's entry points, so N processes on one host work the
+same way as one):
+
+1. ``init``: ``-m mok_megatron.training.initial_checkpoint`` builds the model with Megatron's layer (the
+   ``alltoall`` run's flags) and saves its weights and RNG states as built, iteration 0, torch_dist.
+2. one run per layer: ``-m mok_megatron.pretrain_gpt ... --load INIT --no-load-optim``. MoK's experts write
+   exactly the ShardedTensors of Megatron's ``SequentialMLP`` / ``TEGroupedMLP``, so the one checkpoint
+   loads into every layer: identical weights, identical RNG (dropout) states, identical mock data.
+   Runs: ``mok`` (``--moe-token-dispatcher-type mok``), ``alltoall`` (Megatron's layer; with Transformer
+   Engine ``--moe-grouped-gemm --moe-permute-fusion``, without it Megatron-Core's local ``SequentialMLP``:
+   the local spec has no grouped GEMM), ``flex`` (DeepEP, when importable and TP x EP > 1; automatic),
+   ``alltoall-overlap`` (``--overlap-moe-expert-parallel-comm``, EP > 1; on request). With ``--fp8-format``
+   Megatron's runs also get ``--moe-router-padding-for-quantization`` (MoK's experts pad their own rows).
+3. every log line is parsed as it arrives (a progress bar per run); then per run: tokens/s/GPU, Megatron's
+   TFLOP/s/GPU, step time min/median/max after warm-up, peak memory, final and mean loss; MoK's speed-up over
+   each Megatron run; the loss agreement of MoK with the first Megatron run (limits: step 1 within 1e-3
+   relative, every step within 2 %, their mean within 0.5 %).
+
+Flags after ``--`` or not known here go to every run; ``--mok-*`` flags go to the MoK run only. The bench sets
+``--train-iters``, ``--log-interval``, ``--load`` and the dispatcher itself and refuses them as pass-through.
+Without a GPU the run is Megatron's CPU mode (gloo, fp32; the ``tiny`` preset). Exit status: 0, 1 (a run
+failed), 2 (bad input: one line, before anything starts), 3 (losses disagree beyond the limits).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import math
+import os
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+
+from mok_megatron.bench.train_presets import CPU_FLAGS, PRESETS
+
+PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+RUN_NAMES = ("mok", "alltoall", "flex", "alltoall-overlap")
+# Flags the bench sets on every run itself.
+OWNED = {
+    "--train-iters": "set the number of steps with --iters",
+    "--log-interval": "the bench reads every iteration's log line (--log-interval 1)",
+    "--load": "the runs load the bench's initial checkpoint",
+    "--save": "the runs save nothing (the initial checkpoint is the bench's)",
+    "--finetune": "the runs load the initial checkpoint as iteration 0 already",
+    "--pretrained-checkpoint": "the runs load the bench's initial checkpoint",
+    "--moe-token-dispatcher-type": "choose the layers with --runs",
+}
+
+
+class BenchTrainError(ValueError):
+    """Bad input; the message is one line naming the value and the fix."""
+
+
+@dataclass(frozen=True)
+class Machine:
+    """What decides the flags: a GPU per process (else CPU mode), Transformer Engine, DeepEP."""
+
+    cuda: bool
+    gpus: int
+    te: bool
+    deepep: bool
+    name: str = ""
+
+    @staticmethod
+    def detect() -> Machine:
+        """Without creating a CUDA context here: the runs may need all of a GPU's memory (and an
+        exclusive-process GPU takes one process only). Transformer Engine and DeepEP count as present when
+        installed (Megatron-Core imports them in the runs)."""
+        import importlib.util
+
+        import torch
+
+        from mok_megatron.compat import te_version
+
+        cuda = torch.cuda.is_available()  # the driver's device count; no context
+        te = cuda and te_version() is not None and importlib.util.find_spec("transformer_engine") is not None
+        deepep = cuda and importlib.util.find_spec("deep_ep") is not None
+        return Machine(
+            cuda, torch.cuda.device_count() if cuda else 0, te, deepep, _gpu_name() if cuda else "cpu"
+        )
+
+
+def _gpu_name() -> str:
+    try:
+        r = subprocess.run(
+            ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader", "-i", "0"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return "cuda"
+    return r.stdout.strip() or "cuda"
+
+
+@dataclass(frozen=True)
+class Run:
+    name: str
+    label: str
+    module: str
+    argv: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class Plan:
+    preset: str
+    nproc: int
+    iters: int
+    warmup: int
+    ep: int
+    init: Run
+    runs: tuple[Run, ...]
+
+    @property
+    def init_dir(self) -> str:
+        return self.init.argv[self.init.argv.index("--save") + 1]
+
+    def command(self, torchrun: str, run: Run) -> list[str]:
+        return [torchrun, "--standalone", f"--nproc-per-node={self.nproc}", "-m", run.module, *run.argv]
+
+
+# ---- flags ----------------------------------------------------------------------------------------
+
+
+def split_mok_flags(flags: list[str]) -> tuple[list[str], list[str]]:
+    """(flags for every run, ``--mok-*`` flags with their values, for the MoK run only)."""
+    common, mok, target = [], [], None
+    for tok in flags:
+        if tok.startswith("--"):
+            target = mok if tok.startswith("--mok-") else common
+        (target if target is not None else common).append(tok)
+    return common, mok
+
+
+def _last(flags: list[str], name: str, cast=int, default=None):
+    """The value of the last ``name VALUE`` / ``name=VALUE`` in ``flags`` (argparse keeps the last one)."""
+    value = default
+    for i, tok in enumerate(flags):
+        if tok == name and i + 1 < len(flags):
+            value = cast(flags[i + 1])
+        elif tok.startswith(name + "="):
+            value = cast(tok.split("=", 1)[1])
+    return value
+
+
+def _sizes(flags: list[str], world: int) -> dict:
+    s = {k: _last(flags, f"--{k}-model-parallel-size", default=1) for k in ("tensor", "pipeline")}
+    s["context"] = _last(flags, "--context-parallel-size", default=1)
+    split = s["tensor"] * s["pipeline"] * s["context"]
+    if world % split:
+        raise BenchTrainError(
+            f"{world} process(es) do not split into TP {s['tensor']} x PP {s['pipeline']} x CP {s['context']} "
+            f"= {split}: choose --nproc-per-node as a multiple of {split}, or smaller parallel sizes."
+        )
+    s["data"] = world // split
+    experts = _last(flags, "--num-experts")
+    ep = _last(flags, "--expert-model-parallel-size")
+    if ep is None:  # every process an EP rank, experts permitting
+        ep = math.gcd(experts or 1, world // (s["tensor"] * s["pipeline"]))
+    s["expert"] = ep
+    s["micro_batch"] = _last(flags, "--micro-batch-size", default=1)
+    return s
+
+
+def megatron_flags(name: str, machine: Machine, sizes: dict, fp8: bool) -> tuple[str, list[str]]:
+    """(label, flags) of one of Megatron's layers."""
+    disp = "flex" if name == "flex" else "alltoall"
+    flags = ["--moe-token-dispatcher-type", disp]
+    label = f"Megatron {disp}"
+    if name == "flex":
+        flags += ["--moe-flex-dispatcher-backend", "deepep"]
+        label += " (DeepEP)"
+    if machine.te:
+        flags += ["--moe-grouped-gemm", "--moe-permute-fusion"]
+        label += " + TE grouped GEMM + permute fusion"
+    else:
+        label += " + local SequentialMLP"
+    if name == "alltoall-overlap":
+        flags += ["--overlap-moe-expert-parallel-comm"]
+        label += " + EP comm overlap"
+    if fp8:
+        flags += ["--moe-router-padding-for-quantization"]
+    return label, flags
+
+
+def _check_runs(names: list[str], machine: Machine, sizes: dict) -> None:
+    bad = [n for n in names if n not in RUN_NAMES]
+    if bad:
+        raise BenchTrainError(f"--runs {','.join(bad)}: unknown; choose from {', '.join(RUN_NAMES)} or auto.")
+    if "flex" in names:
+        if not machine.deepep:
+            raise BenchTrainError(
+                "--runs flex: DeepEP (deep_ep) is not importable here; install it or drop flex."
+            )
+        if sizes["tensor"] * sizes["expert"] < 2:
+            raise BenchTrainError(
+                "--runs flex: Megatron's flex dispatcher needs TP x EP > 1; run on more processes "
+                "(--nproc-per-node) or drop flex."
+            )
+    if "alltoall-overlap" in names and sizes["expert"] < 2:
+        raise BenchTrainError(
+            "--runs alltoall-overlap: --overlap-moe-expert-parallel-comm needs expert parallelism (EP > 1); "
+            "run on more processes (--nproc-per-node) or drop alltoall-overlap."
+        )
+    if "alltoall-overlap" in names and not machine.cuda:
+        raise BenchTrainError("--runs alltoall-overlap: needs bf16 on GPUs; this machine runs in CPU mode.")
+    if len(set(names)) != len(names):
+        raise BenchTrainError(f"--runs {','.join(names)}: a run is listed twice.")
+
+
+def make_plan(
+    preset_name: str,
+    runs: str,
+    iters: int,
+    warmup: int,
+    nproc: int,
+    forwarded: list[str],
+    machine: Machine,
+    init_dir: str,
+) -> Plan:
+    """Every command line of one comparison; raises ``BenchTrainError`` on bad input."""
+    if preset_name not in PRESETS:
+        raise BenchTrainError(f"--preset {preset_name}: unknown; choose from {', '.join(PRESETS)}.")
+    preset = PRESETS[preset_name]
+    if preset.needs_gpu and not machine.cuda:
+        raise BenchTrainError(
+            f"--preset {preset_name} needs CUDA GPUs and none is visible here; on a CPU use --preset tiny."
+        )
+    if nproc < 1:
+        raise BenchTrainError(f"--nproc-per-node {nproc}: must be at least 1.")
+    if machine.cuda and nproc > machine.gpus:
+        raise BenchTrainError(f"--nproc-per-node {nproc}: this machine has {machine.gpus} GPU(s).")
+    if iters < 1 or warmup < 0 or warmup >= iters:
+        raise BenchTrainError(
+            f"--iters {iters} --warmup {warmup}: need iters >= 1 and 0 <= warmup < iters (steps after the "
+            "warm-up are the timed ones)."
+        )
+    for tok in forwarded:
+        name = tok.split("=", 1)[0]
+        if name in OWNED:
+            raise BenchTrainError(f"{name}: the bench sets it itself ({OWNED[name]}).")
+    common, mok_only = split_mok_flags(forwarded)
+    base = list(preset.flags)
+    if machine.cuda:
+        base += list(preset.gpu_flags)
+        if not machine.te:
+            base += ["--transformer-impl", "local"]
+    else:
+        base += list(CPU_FLAGS)
+    merged = base + common
+    sizes = _sizes(merged, nproc)
+    names = ["mok", "alltoall"] if runs == "auto" else [n.strip() for n in runs.split(",") if n.strip()]
+    if runs == "auto" and machine.deepep and sizes["tensor"] * sizes["expert"] > 1:
+        names.append("flex")
+    _check_runs(names, machine, sizes)
+    gbs = (
+        []
+        if "--global-batch-size" in merged
+        else ["--global-batch-size", str(sizes["micro_batch"] * sizes["data"])]
+    )
+    ep = (
+        []
+        if "--expert-model-parallel-size" in merged
+        else ["--expert-model-parallel-size", str(sizes["expert"])]
+    )
+    fp8 = any(t.split("=", 1)[0] == "--fp8-format" for t in merged)
+    shared = base + gbs + ep + common
+    loop = ["--train-iters", str(iters), "--log-interval", "1", "--eval-interval", str(iters)]
+    loop += ["--log-memory-interval", str(iters)] + (
+        [] if "--log-throughput" in shared else ["--log-throughput"]
+    )
+    load = ["--load", init_dir, "--no-load-optim", "--exit-on-missing-checkpoint"]
+    _, init_flags = megatron_flags("alltoall", machine, sizes, fp8)
+    init = Run(
+        "init",
+        "initial weights (Megatron's layer, as built)",
+        "mok_megatron.training.initial_checkpoint",
+        tuple(
+            shared
+            + init_flags
+            + loop
+            + ["--save", init_dir, "--save-interval", "1", "--no-save-optim", "--skip-train"]
+        ),
+    )
+    out = []
+    for name in names:
+        if name == "mok":
+            label, flags = "MoK", ["--moe-token-dispatcher-type", "mok"] + mok_only
+        else:
+            label, flags = megatron_flags(name, machine, sizes, fp8)
+        out.append(Run(name, label, "mok_megatron.pretrain_gpt", tuple(shared + flags + loop + load)))
+    return Plan(preset_name, nproc, iters, warmup, sizes["expert"], init, tuple(out))
+
+
+def find_torchrun(explicit: str | None) -> str:
+    if explicit:
+        if shutil.which(explicit):
+            return shutil.which(explicit)
+        raise BenchTrainError(f"--torchrun {explicit}: no such executable.")
+    beside = os.path.join(os.path.dirname(sys.executable), "torchrun")
+    found = beside if os.access(beside, os.X_OK) else shutil.which("torchrun")
+    if not found:
+        raise BenchTrainError(
+            f"torchrun not found beside {sys.executable} nor on PATH; it ships with PyTorch (pip install torch), "
+            "or pass --torchrun PATH."
+        )
+    return found
+
+
+def preflight(plan: Plan) -> None:
+    """Every run's flags through Megatron's parser (with the --mok-* flags) before anything starts, in a
+    child process that sees no GPU (Megatron's imports would otherwise hold a CUDA context here)."""
+    import json
+
+    argvs = {run.name: list(run.argv) for run in (plan.init, *plan.runs)}
+    env = dict(run_env(), CUDA_VISIBLE_DEVICES="")
+    code = "import sys; from mok_megatron.bench.train import _parse_flags; sys.exit(_parse_flags())"
+    r = subprocess.run(
+        [sys.executable, "-c", code], input=json.dumps(argvs), capture_output=True, text=True, env=env
+    )
+    if r.returncode != 0:
+        lines = [ln for ln in r.stdout.splitlines() if ln.strip()] or r.stderr.strip().splitlines()[-1:]
+        raise BenchTrainError(lines[-1] if lines else f"Megatron's parser exited {r.returncode}")
+
+
+def _parse_flags() -> int:
+    """``preflight``'s child: {run: argv} as JSON on stdin; prints the first refusal as one line."""
+    import contextlib
+    import io
+    import json
+    import logging
+    import warnings
+
+    warnings.simplefilter("ignore")
+    # Importing Megatron's arguments loads torch.utils.cpp_extension, which warns about CUDA_HOME.
+    logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)
+    from megatron.training.arguments import add_megatron_arguments
+
+    from mok_megatron.training.arguments import extra_args_provider
+
+    parser = extra_args_provider(
+        add_megatron_arguments(argparse.ArgumentParser(prog="megatron", allow_abbrev=False))
+    )
+    for name, argv in json.load(sys.stdin).items():
+        err = io.StringIO()
+        try:
+            with contextlib.redirect_stderr(err):
+                parser.parse_args(argv)
+        except SystemExit:
+            lines = [ln for ln in err.getvalue().splitlines() if ln.strip()]
+            reason = lines[-1].split("error: ", 1)[-1] if lines else "refused"
+            print(f"Megatron refuses the {name} run's flags: {reason}")
+            return 1
+    return 0
+
+
+# ---- running --------------------------------------------------------------------------------------
+
+
+class Progress:
+    """One bar per run on a terminal (redrawn per iteration), else a line per tenth of the run."""
+
+    WIDTH = 24
+
+    def __init__(self, name: str, total: int, stream=None):
+        self.name, self.total = name, total
+        self.stream = stream or sys.stderr
+        self.tty = self.stream.isatty()
+        self.shown = -1
+        self.t0 = time.monotonic()
+
+    def start(self, what: str) -> None:
+        print(f"[{self.name}] {what}", file=self.stream, flush=True)
+
+    def step(self, step) -> None:
+        done = min(step.iteration, self.total)
+        fill = round(self.WIDTH * done / self.total)
+        loss = f"  loss {step.loss:.4f}" if step.loss is not None else ""
+        text = f"[{self.name}] |{'#' * fill}{'.' * (self.WIDTH - fill)}| {done}/{self.total}  {step.ms:.1f} ms{loss}"
+        if self.tty:
+            print("\r" + text, end="", file=self.stream, flush=True)
+        elif done * 10 // self.total > self.shown or done in (1, self.total):
+            self.shown = done * 10 // self.total
+            print(text, file=self.stream, flush=True)
+
+    def end(self, rc: int) -> None:
+        if self.tty:
+            print(file=self.stream)
+        state = "done" if rc == 0 else f"FAILED (exit {rc})"
+        print(f"[{self.name}] {state} in {time.monotonic() - self.t0:.0f} s", file=self.stream, flush=True)
+
+
+def run_env() -> dict:
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (PACKAGE_ROOT, env.get("PYTHONPATH")) if p)
+    return env
+
+
+def launch(cmd: list[str], log_path: str, progress: Progress, verbose: bool, timeout_s: float | None):
+    """Run ``cmd``, teeing its output to ``log_path``; returns (exit status, TrainLog, last lines)."""
+    import queue
+    import threading
+    from collections import deque
+
+    from mok_megatron.bench.train_log import TrainLog
+
+    log, tail, lines = TrainLog(), deque(maxlen=200), queue.Queue()
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    with open(log_path, "w") as f:
+        f.write(" ".join(cmd) + "\n")
+        proc = subprocess.Popen(
+            cmd,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            bufsize=1,
+            env=run_env(),
+            start_new_session=True,  # its own process group: stopped as one on a timeout or Ctrl-C
+        )
+
+        def pump():
+            for line in proc.stdout:
+                lines.put(line)
+            lines.put(None)
+
+        threading.Thread(target=pump, daemon=True).start()
+        try:
+            while True:
+                wait = None if deadline is None else max(0.0, deadline - time.monotonic())
+                try:
+                    line = lines.get(timeout=wait)
+                except queue.Empty:
+                    _stop(proc)
+                    tail.append(f"TimeoutError: the run took longer than --timeout-s {timeout_s:g}\n")
+                    break
+                if line is None:
+                    break
+                f.write(line)
+                tail.append(line)
+                if verbose:
+                    sys.stdout.write(line)
+                step = log.feed(line)
+                if step is not None:
+                    progress.step(step)
+            rc = proc.wait()
+        except BaseException:
+            _stop(proc)
+            raise
+    return rc, log, list(tail)
+
+
+def _stop(proc) -> None:
+    if proc.poll() is not None:
+        return
+    for sig, wait in ((signal.SIGTERM, 30), (signal.SIGKILL, 10)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(timeout=wait)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+# ---- main -----------------------------------------------------------------------------------------
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="mok bench train",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        allow_abbrev=False,
+    )
+    p.add_argument("--preset", default="qwen3-30b-a3b", help=f"one of {', '.join(PRESETS)}")
+    p.add_argument("--iters", type=int, default=12, help="training steps per run (Megatron's --train-iters)")
+    p.add_argument("--warmup", type=int, default=2, help="first steps left out of the timing statistics")
+    p.add_argument(
+        "--runs",
+        default="auto",
+        help=f"comma list of {', '.join(RUN_NAMES)}; auto: mok,alltoall (+flex with DeepEP)",
+    )
+    p.add_argument(
+        "--nproc-per-node", type=int, default=1, help="processes (GPUs) on this host, via torchrun"
+    )
+    p.add_argument("--json", default=None, help="write every number and curve to this JSON file")
+    p.add_argument(
+        "--png", default=None, help="write loss curves and throughput bars to this PNG (matplotlib)"
+    )
+    p.add_argument(
+        "--workdir", default=None, help="initial checkpoint and logs (default: a new temporary directory)"
+    )
+    p.add_argument("--keep-checkpoint", action="store_true", help="keep the initial checkpoint afterwards")
+    p.add_argument(
+        "--torchrun", default=None, help="the torchrun executable (default: beside python, or on PATH)"
+    )
+    p.add_argument("--timeout-s", type=float, default=None, help="stop a run that takes longer (seconds)")
+    p.add_argument("--dry-run", action="store_true", help="print the command lines and stop")
+    p.add_argument("--verbose", action="store_true", help="stream Megatron's logs too")
+    return p
+
+
+def _fail(msg: str) -> int:
+    print(f"mok bench train: error: {msg}", file=sys.stderr)
+    return 2
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    original = list(argv)
+    if "--" in argv:
+        i = argv.index("--")
+        argv, passthrough = argv[:i], argv[i + 1 :]
+    else:
+        passthrough = []
+    ns, unknown = parser().parse_known_args(argv)
+    forwarded = unknown + passthrough
+    ns.original_argv = original
+    try:
+        torchrun = find_torchrun(ns.torchrun)
+        machine = Machine.detect()
+        workdir = os.path.abspath(ns.workdir) if ns.workdir else None
+
+        def plan_in(d: str) -> Plan:
+            init_dir = os.path.join(d, "initial-checkpoint")
+            return make_plan(
+                ns.preset, ns.runs, ns.iters, ns.warmup, ns.nproc_per_node, forwarded, machine, init_dir
+            )
+
+        plan = plan_in(workdir or "WORKDIR")
+        if ns.dry_run:
+            for run in (plan.init, *plan.runs):
+                print(f"# {run.name}: {run.label}")
+                print(shlex.join(plan.command(torchrun, run)))
+            return 0
+        for path, flag in ((ns.json, "--json"), (ns.png, "--png")):
+            if path:
+                _check_writable(path, flag)
+        preflight(plan)
+    except BenchTrainError as e:
+        return _fail(str(e))
+    if workdir:
+        os.makedirs(workdir, exist_ok=True)
+    else:
+        workdir = tempfile.mkdtemp(prefix="mok-bench-train-")
+        plan = plan_in(workdir)
+    from mok_megatron.bench.train_report import report
+
+    return report(plan, execute(plan, torchrun, workdir, ns), machine, ns, workdir)
+
+
+def _check_writable(path: str, flag: str) -> None:
+    d = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(d) or not os.access(d, os.W_OK):
+        raise BenchTrainError(f"{flag} {path}: directory {d} does not exist or is not writable.")
+
+
+def execute(plan: Plan, torchrun: str, workdir: str, ns) -> dict:
+    """The initial checkpoint, then every run; returns {name: {"rc", "log", "tail", "seconds", "command"}}."""
+    results = {}
+    print(
+        f"mok bench train: preset {plan.preset}, {plan.nproc} process(es), EP {plan.ep}, {plan.iters} steps "
+        f"({plan.warmup} warm-up), runs {', '.join(r.name for r in plan.runs)}; logs in {workdir}",
+        flush=True,
+    )
+    shutil.rmtree(plan.init_dir, ignore_errors=True)  # a kept one from an earlier comparison
+    try:
+        for run in (plan.init, *plan.runs):
+            progress = Progress(run.name, plan.iters)
+            progress.start(run.label)
+            cmd = plan.command(torchrun, run)
+            t0 = time.monotonic()
+            rc, log, tail = launch(
+                cmd, os.path.join(workdir, f"{run.name}.log"), progress, ns.verbose, ns.timeout_s
+            )
+            progress.end(rc)
+            results[run.name] = {
+                "rc": rc,
+                "log": log,
+                "tail": tail,
+                "seconds": time.monotonic() - t0,
+                "command": cmd,
+            }
+            if run is plan.init and rc != 0:
+                break
+    finally:
+        if not ns.keep_checkpoint:
+            shutil.rmtree(plan.init_dir, ignore_errors=True)
+    return results
+
+
+def utc_now() -> str:
+    return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
