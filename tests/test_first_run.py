@@ -169,7 +169,14 @@ def test_missing_transformer_engine_names_both_fixes():
 
 
 def _tiny_command(iters: int) -> list[str]:
-    r = _run(["bash", "examples/tiny_moe.sh"], DRY_RUN="1", ITERS=str(iters), timeout=60)
+    """The tiny recipe's launch command (its rendezvous on a free port of this machine)."""
+    r = _run(
+        ["bash", "examples/tiny_moe.sh"],
+        DRY_RUN="1",
+        ITERS=str(iters),
+        MASTER_PORT=str(_free_port()),
+        timeout=60,
+    )
     assert r.returncode == 0, r.stderr
     return shlex.split(r.stdout.strip().splitlines()[-1])
 
@@ -181,7 +188,7 @@ def saved_checkpoint(tmp_path_factory):
     ckpt = tmp_path_factory.mktemp("ckpt")
     cmd = _tiny_command(4) + ["--save", str(ckpt), "--save-interval", "4", "--ckpt-format", "torch_dist"]
     cmd = [c if c != "torchrun" else shutil.which("torchrun") or "torchrun" for c in cmd]
-    r = _run(cmd, timeout=600, MASTER_PORT=str(_free_port()))
+    r = _run(cmd, timeout=600)
     return r, ckpt
 
 
@@ -207,7 +214,7 @@ def test_truncated_checkpoint_is_named_at_start_up(saved_checkpoint, tmp_path):
     with open(data, "r+b") as f:
         f.truncate(size // 2)
     cmd = _tiny_command(6) + ["--load", str(bad), "--ckpt-format", "torch_dist"]
-    r = _run(cmd, timeout=300, MASTER_PORT=str(_free_port()))
+    r = _run(cmd, timeout=300)
     assert r.returncode != 0
     assert f"checkpoint {bad / 'iter_0000004'} is truncated: {data.name} has {size // 2} bytes" in r.stderr, (
         r.stderr[-3000:]
