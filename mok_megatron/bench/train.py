@@ -43,7 +43,8 @@ import tempfile
 import time
 from dataclasses import dataclass
 
-from mok_megatron.bench.train_presets import CPU_FLAGS, PRESETS
+from mok_megatron.bench.train_presets import PRESETS
+from mok_megatron.training.cpu_training import CPU_FLAGS
 
 PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 RUN_NAMES = ("mok", "alltoall", "flex", "alltoall-overlap")

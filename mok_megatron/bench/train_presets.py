@@ -32,12 +32,6 @@ from dataclasses import dataclass
 
 DEEPSEEK_V3_EXPERTS = 24
 
-# What a CPU run needs (examples/tiny_moe.sh, DEVICE=cpu): gloo, no GPU-only fused kernels, fp32.
-CPU_FLAGS = (
-    "--distributed-backend", "gloo", "--transformer-impl", "local", "--no-gradient-accumulation-fusion",
-    "--no-masked-softmax-fusion", "--no-bias-swiglu-fusion", "--no-bias-dropout-fusion", "--no-rope-fusion",
-    "--no-persist-layer-norm",
-)  # fmt: skip
 
 # The optimizer and schedule of every GPU preset (the measured Qwen3-30B-A3B command's), and the data.
 _OPTIMIZER = (

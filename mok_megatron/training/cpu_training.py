@@ -40,8 +40,6 @@ CPU_FLAGS = (
     "--no-bias-dropout-fusion",
     "--no-rope-fusion",
     "--no-persist-layer-norm",
-    "--attention-backend",
-    "local",
 )
 
 _lock = threading.Lock()
