@@ -39,7 +39,9 @@ def _check_input(x: torch.Tensor, what: str) -> None:
 
 def _scale_from_amax(amax: torch.Tensor) -> torch.Tensor:
     amax = amax.float()
-    return torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
+    # A tensor divisor: torch divides by a Python scalar through its reciprocal on CUDA (one ulp off the
+    # correctly rounded quotient at times); the kernels divide IEEE round-to-nearest (``tl.math.div_rn``).
+    return torch.where(amax > 0, amax / torch.full_like(amax, E4M3_MAX), torch.ones_like(amax))
 
 
 def _cast(x_scaled: torch.Tensor) -> torch.Tensor:
