@@ -15,6 +15,7 @@ from mok_megatron.bench import train
 from mok_megatron.bench.train import BenchTrainError, Machine, make_plan, split_mok_flags
 from mok_megatron.bench.train_log import LOSS_LIMITS, TrainLog, last_error, loss_agreement, summarize
 from mok_megatron.bench.train_presets import DEEPSEEK_V3_EXPERTS, PRESETS
+from mok_megatron.bench.train_report import report
 
 ROOT = Path(__file__).resolve().parent.parent
 H200 = Machine(cuda=True, gpus=8, te=True, deepep=False, name="NVIDIA H200")
@@ -123,9 +124,11 @@ def test_mok_flags_are_routed_to_the_mok_run_only():
         (dict(preset="llama"), r"--preset llama: unknown; choose from qwen3-30b-a3b, deepseek-v3"),
         (dict(machine=CPU), r"--preset qwen3-30b-a3b needs CUDA GPUs .* use --preset tiny"),
         (dict(nproc=9), r"--nproc-per-node 9: this machine has 8 GPU\(s\)"),
-        (dict(runs="mok,deepep"), r"--runs deepep: unknown; choose from mok, alltoall, flex"),
+        (dict(runs="mok,deepep"), r"--runs deepep: unknown; choose from mok, alltoall, alltoall-unfused, flex"),
         (dict(runs="mok,flex", nproc=8), r"--runs flex: DeepEP \(deep_ep\) is not importable"),
         (dict(runs="mok,alltoall-overlap"), r"--overlap-moe-expert-parallel-comm needs expert parallelism"),
+        (dict(runs="mok,alltoall-unfused", machine=Machine(True, 8, False, False)),
+         r"alltoall-unfused: .* needs Transformer"),
         (dict(iters=4, warmup=4), r"--iters 4 --warmup 4: need iters >= 1 and 0 <= warmup < iters"),
         (dict(forwarded=["--train-iters", "5"]), r"--train-iters: the bench sets it itself \(set the number"),
         (dict(forwarded=["--load=/x"]), r"--load: the bench sets it itself"),
@@ -219,6 +222,7 @@ def _log(text=LOG) -> TrainLog:
 def test_log_summary():
     s = summarize(_log(), warmup=1, cpu=False)
     assert s["iterations"] == [1, 2, 3] and s["loss"] == [4.872801, 4.880916, 4.70751]
+    assert s["grad_norm"] == [1.08, None, None]
     assert (s["step_ms_min"], s["step_ms_median"], s["step_ms_max"]) == (100.0, 150.0, 200.0)
     # 8 sequences x 64 tokens per 0.150 s, over 2 GPUs
     assert s["tokens_per_s_per_gpu"] == pytest.approx(8 * 64 / 0.150 / 2)
@@ -249,6 +253,38 @@ def test_loss_agreement_limits():
     ]
     shifted = loss_agreement({"iterations": [2, 3], "loss": [9.0, 8.0]}, ref)
     assert not shifted["ok"] and shifted["problems"] == ["no step-1 loss (first common step 2)"]
+
+
+def test_megatron_against_itself_is_reported_not_checked(tmp_path, capsys):
+    """alltoall-unfused: TE's grouped GEMM without the fused permute. Its agreement with the first Megatron run
+    is printed and written as Megatron's own floor; only MoK's agreement sets exit status 3."""
+    import types
+
+    plan = _plan(runs="mok,alltoall,alltoall-unfused")
+    unfused = _flag_values(plan.runs[2].argv)
+    assert unfused["--moe-token-dispatcher-type"] == "alltoall" and unfused["--moe-grouped-gemm"] is True
+    assert "--moe-permute-fusion" not in unfused and plan.runs[2].label.endswith("+ TE grouped GEMM")
+
+    def result(losses):
+        text = LOG.replace("/w/initial-checkpoint", "/ckpt").replace("4.707510E+00", f"{losses:E}")
+        return {"rc": 0, "seconds": 1.0, "command": [], "log": _log(text), "tail": []}
+
+    init = {"rc": 0, "seconds": 1.0, "command": [], "tail": []}
+    ns = types.SimpleNamespace(original_argv=[], json=str(tmp_path / "r.json"), png=None)
+
+    def run(mok_last, unfused_last):
+        results = {"init": init, "mok": result(mok_last), "alltoall": result(4.70751)}
+        results["alltoall-unfused"] = result(unfused_last)
+        rc = report(plan, results, H200, ns, str(tmp_path))
+        return rc, json.loads((tmp_path / "r.json").read_text())["loss_agreement"], capsys.readouterr().out
+
+    rc, agreement, out = run(4.70751, 5.0)  # Megatron drifts from itself by 6 %; MoK does not
+    assert rc == 0 and set(agreement) == {"mok/alltoall", "alltoall-unfused/alltoall"}
+    assert agreement["mok/alltoall"]["ok"] and not agreement["alltoall-unfused/alltoall"]["ok"]
+    assert "loss agreement alltoall-unfused/alltoall: OUTSIDE the limits" in out
+    assert "(Megatron against itself; not a MoK check)" in out
+    rc, agreement, out = run(5.0, 4.70751)
+    assert rc == 3 and "loss agreement mok/alltoall: OUTSIDE the limits: step 3 differs" in out
 
 
 def test_last_error_names_the_failure_not_torchrun():

@@ -15,12 +15,15 @@ same way as one):
    Runs: ``mok`` (``--moe-token-dispatcher-type mok``), ``alltoall`` (Megatron's layer; with Transformer
    Engine ``--moe-grouped-gemm --moe-permute-fusion``, without it Megatron-Core's local ``SequentialMLP``:
    the local spec has no grouped GEMM), ``flex`` (DeepEP, when importable and TP x EP > 1; automatic),
-   ``alltoall-overlap`` (``--overlap-moe-expert-parallel-comm``, EP > 1; on request). With ``--fp8-format``
+   ``alltoall-overlap`` (``--overlap-moe-expert-parallel-comm``, EP > 1; on request), ``alltoall-unfused``
+   (TE's grouped GEMM with torch's permute: the same math as ``alltoall`` rounded in another order; on
+   request, it measures how far two Megatron layers drift apart). With ``--fp8-format``
    Megatron's runs also get ``--moe-router-padding-for-quantization`` (MoK's experts pad their own rows).
 3. every log line is parsed as it arrives (a progress bar per run); then per run: tokens/s/GPU, Megatron's
    TFLOP/s/GPU, step time min/median/max after warm-up, peak memory, final and mean loss; MoK's speed-up over
    each Megatron run; the loss agreement of MoK with the first Megatron run (limits: step 1 within 1e-3
-   relative, every step within 2 %, their mean within 0.5 %).
+   relative, every step within 2 %, their mean within 0.5 %), and of every other Megatron run with that one
+   (Megatron against itself: the floor any second implementation meets, reported, not a MoK check).
 
 Flags after ``--`` or not known here go to every run; ``--mok-*`` flags go to the MoK run only. The bench sets
 ``--train-iters``, ``--log-interval``, ``--load`` and the dispatcher itself and refuses them as pass-through.
@@ -47,7 +50,7 @@ from mok_megatron.bench.train_presets import PRESETS
 from mok_megatron.training.cpu_training import CPU_FLAGS
 
 PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-RUN_NAMES = ("mok", "alltoall", "flex", "alltoall-overlap")
+RUN_NAMES = ("mok", "alltoall", "alltoall-unfused", "flex", "alltoall-overlap")
 # Flags the bench sets on every run itself.
 OWNED = {
     "--train-iters": "set the number of steps with --iters",
@@ -183,7 +186,10 @@ def megatron_flags(name: str, machine: Machine, sizes: dict, fp8: bool) -> tuple
     if name == "flex":
         flags += ["--moe-flex-dispatcher-backend", "deepep"]
         label += " (DeepEP)"
-    if machine.te:
+    if machine.te and name == "alltoall-unfused":
+        flags += ["--moe-grouped-gemm"]
+        label += " + TE grouped GEMM"
+    elif machine.te:
         flags += ["--moe-grouped-gemm", "--moe-permute-fusion"]
         label += " + TE grouped GEMM + permute fusion"
     else:
@@ -214,6 +220,11 @@ def _check_runs(names: list[str], machine: Machine, sizes: dict) -> None:
         raise BenchTrainError(
             "--runs alltoall-overlap: --overlap-moe-expert-parallel-comm needs expert parallelism (EP > 1); "
             "run on more processes (--nproc-per-node) or drop alltoall-overlap."
+        )
+    if "alltoall-unfused" in names and not machine.te:
+        raise BenchTrainError(
+            "--runs alltoall-unfused: TE's grouped GEMM without --moe-permute-fusion needs Transformer "
+            "Engine, which is not importable here; install it or drop alltoall-unfused."
         )
     if "alltoall-overlap" in names and not machine.cuda:
         raise BenchTrainError("--runs alltoall-overlap: needs bf16 on GPUs; this machine runs in CPU mode.")

@@ -4,7 +4,8 @@ Lines read (Megatron-Core 0.19's ``training_log`` / ``report_memory`` / ``print_
 ``--log-interval 1 --log-throughput``):
 
     [2026-12-01 22:16:50.43] iteration        1/      12 | consumed samples: 4 | elapsed time per iteration
-        (ms): 1650.2 | throughput per GPU (TFLOP/s/GPU): 123.4 | learning rate: ... | lm loss: 1.076260E+01 | ...
+        (ms): 1650.2 | throughput per GPU (TFLOP/s/GPU): 123.4 | learning rate: ... | lm loss: 1.076260E+01 |
+        ... | grad norm: 3.512 | ...
     [Rank 0] (after 12 iterations) memory (MB) | allocated: ... | max allocated: 51234.00 | reserved: ...
       seq_length ...................................... 4096           (the arguments dump of rank 0)
     > MoE layer: MoK (mok_megatron.MoKMoELayer), dispatcher alltoall   (mok_megatron.training.pretrain_gpt)
@@ -50,6 +51,7 @@ class Step:
     ms: float
     loss: float | None
     tflops: float | None
+    grad_norm: float | None = None
 
 
 @dataclass
@@ -70,11 +72,13 @@ class TrainLog:
             f = _fields(m.group(3))
             loss = f.get("lm loss")
             tflops = f.get("throughput per GPU (TFLOP/s/GPU)")
+            norm = f.get("grad norm")
             step = Step(
                 int(m.group(1)),
                 float(f["elapsed time per iteration (ms)"]),
                 float(loss) if loss is not None else None,
                 float(tflops) if tflops is not None else None,
+                float(norm) if norm is not None else None,
             )
             self.total_iters = int(m.group(2))
             self.steps.append(step)
@@ -123,6 +127,7 @@ def summarize(log: TrainLog, warmup: int, cpu: bool) -> dict:
         "loss": [s.loss for s in log.steps],
         "step_ms": [s.ms for s in log.steps],
         "tflops": [s.tflops for s in log.steps],
+        "grad_norm": [s.grad_norm for s in log.steps],
         "world_size": world,
         "seq_length": seq,
         "global_batch_size": gbs,
