@@ -94,6 +94,10 @@ def test_several_gpus_scale_the_batch_and_expert_parallelism():
     mok = _flag_values(plan.runs[0].argv)
     assert mok["--global-batch-size"] == "32" and mok["--expert-model-parallel-size"] == "8" and plan.ep == 8
     assert "--overlap-moe-expert-parallel-comm" in plan.runs[2].argv
+    both = {r.name: _flag_values(r.argv) for r in _plan(nproc=8, runs="mok,mok-overlap,alltoall").runs}
+    assert both["mok-overlap"]["--moe-token-dispatcher-type"] == "mok"
+    assert both["mok-overlap"]["--overlap-moe-expert-parallel-comm"] is True
+    assert "--overlap-moe-expert-parallel-comm" not in both["mok"]
     tp2 = _flag_values(_plan(nproc=8, forwarded=["--tensor-model-parallel-size", "2"]).runs[0].argv)
     assert tp2["--global-batch-size"] == "16" and tp2["--expert-model-parallel-size"] == "4"
     mine = _flag_values(_plan(nproc=8, forwarded=["--global-batch-size", "64"]).runs[0].argv)
@@ -124,9 +128,11 @@ def test_mok_flags_are_routed_to_the_mok_run_only():
         (dict(preset="llama"), r"--preset llama: unknown; choose from qwen3-30b-a3b, deepseek-v3"),
         (dict(machine=CPU), r"--preset qwen3-30b-a3b needs CUDA GPUs .* use --preset tiny"),
         (dict(nproc=9), r"--nproc-per-node 9: this machine has 8 GPU\(s\)"),
-        (dict(runs="mok,deepep"), r"--runs deepep: unknown; choose from mok, alltoall, alltoall-unfused, flex"),
+        (dict(runs="mok,deepep"), r"--runs deepep: unknown; choose from mok, mok-overlap, alltoall, alltoall-unfused, flex"),
         (dict(runs="mok,flex", nproc=8), r"--runs flex: DeepEP \(deep_ep\) is not importable"),
         (dict(runs="mok,alltoall-overlap"), r"--overlap-moe-expert-parallel-comm needs expert parallelism"),
+        (dict(runs="mok-overlap,alltoall"), r"--runs mok-overlap: --overlap-moe-expert-parallel-comm needs"),
+        (dict(runs="mok,mok-overlap", nproc=2), r"no Megatron run to compare with; add alltoall"),
         (dict(runs="mok,alltoall-unfused", machine=Machine(True, 8, False, False)),
          r"alltoall-unfused: .* needs Transformer"),
         (dict(iters=4, warmup=4), r"--iters 4 --warmup 4: need iters >= 1 and 0 <= warmup < iters"),

@@ -15,7 +15,8 @@ same way as one):
    Runs: ``mok`` (``--moe-token-dispatcher-type mok``), ``alltoall`` (Megatron's layer; with Transformer
    Engine ``--moe-grouped-gemm --moe-permute-fusion``, without it Megatron-Core's local ``SequentialMLP``:
    the local spec has no grouped GEMM), ``flex`` (DeepEP, when importable and TP x EP > 1; automatic),
-   ``alltoall-overlap`` (``--overlap-moe-expert-parallel-comm``, EP > 1; on request), ``alltoall-unfused``
+   ``alltoall-overlap`` (``--overlap-moe-expert-parallel-comm``, EP > 1; on request), ``mok-overlap`` (MoK's
+   layer under the same flag: Megatron's combined 1F1B schedule drives its plain engine), ``alltoall-unfused``
    (TE's grouped GEMM with torch's permute: the same math as ``alltoall`` rounded in another order; on
    request, it measures how far two Megatron layers drift apart). With ``--fp8-format``
    Megatron's runs also get ``--moe-router-padding-for-quantization`` (MoK's experts pad their own rows).
@@ -50,7 +51,8 @@ from mok_megatron.bench.train_presets import PRESETS
 from mok_megatron.training.cpu_training import CPU_FLAGS
 
 PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-RUN_NAMES = ("mok", "alltoall", "alltoall-unfused", "flex", "alltoall-overlap")
+MOK_RUNS = ("mok", "mok-overlap")
+RUN_NAMES = MOK_RUNS + ("alltoall", "alltoall-unfused", "flex", "alltoall-overlap")
 # Flags the bench sets on every run itself.
 OWNED = {
     "--train-iters": "set the number of steps with --iters",
@@ -216,18 +218,21 @@ def _check_runs(names: list[str], machine: Machine, sizes: dict) -> None:
                 "--runs flex: Megatron's flex dispatcher needs TP x EP > 1; run on more processes "
                 "(--nproc-per-node) or drop flex."
             )
-    if "alltoall-overlap" in names and sizes["expert"] < 2:
-        raise BenchTrainError(
-            "--runs alltoall-overlap: --overlap-moe-expert-parallel-comm needs expert parallelism (EP > 1); "
-            "run on more processes (--nproc-per-node) or drop alltoall-overlap."
-        )
+    for name in ("alltoall-overlap", "mok-overlap"):
+        if name in names and sizes["expert"] < 2:
+            raise BenchTrainError(
+                f"--runs {name}: --overlap-moe-expert-parallel-comm needs expert parallelism (EP > 1); "
+                f"run on more processes (--nproc-per-node) or drop {name}."
+            )
+        if name in names and not machine.cuda:
+            raise BenchTrainError(f"--runs {name}: needs bf16 on GPUs; this machine runs in CPU mode.")
+    if all(n in MOK_RUNS for n in names):
+        raise BenchTrainError(f"--runs {','.join(names)}: no Megatron run to compare with; add alltoall.")
     if "alltoall-unfused" in names and not machine.te:
         raise BenchTrainError(
             "--runs alltoall-unfused: TE's grouped GEMM without --moe-permute-fusion needs Transformer "
             "Engine, which is not importable here; install it or drop alltoall-unfused."
         )
-    if "alltoall-overlap" in names and not machine.cuda:
-        raise BenchTrainError("--runs alltoall-overlap: needs bf16 on GPUs; this machine runs in CPU mode.")
     if len(set(names)) != len(names):
         raise BenchTrainError(f"--runs {','.join(names)}: a run is listed twice.")
 
@@ -310,6 +315,9 @@ def make_plan(
     for name in names:
         if name == "mok":
             label, flags = "MoK", ["--moe-token-dispatcher-type", "mok"] + mok_only
+        elif name == "mok-overlap":
+            label = "MoK + EP comm overlap"
+            flags = ["--moe-token-dispatcher-type", "mok", "--overlap-moe-expert-parallel-comm"] + mok_only
         else:
             label, flags = megatron_flags(name, machine, sizes, fp8)
         out.append(Run(name, label, "mok_megatron.pretrain_gpt", tuple(shared + flags + loop + load)))

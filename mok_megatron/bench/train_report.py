@@ -4,8 +4,8 @@ overlaid, tokens/s/GPU bars).
 JSON: {"schema", "date", "command", "machine": {device, gpus, torch, megatron_core, transformer_engine,
 deep_ep}, "preset", "nproc_per_node", "expert_parallel", "iters", "warmup", "workdir", "init": {rc,
 seconds, command}, "runs": {name: {label, rc, seconds, command, log, error, + train_log.summarize's
-fields}}, "speedup": {"mok/<run>": tokens/s ratio}, "loss_agreement": {"mok/<reference>" and
-"<other Megatron run>/<reference>": train_log.loss_agreement; <reference> is the first Megatron run}, "ok"}.
+fields}}, "speedup": {"<MoK run>/<Megatron run>": tokens/s ratio}, "loss_agreement": {"<MoK run>/<reference>"
+and "<other Megatron run>/<reference>": train_log.loss_agreement; <reference> is the first Megatron run}, "ok"}.
 """
 
 from __future__ import annotations
@@ -76,21 +76,21 @@ def collect(plan, results: dict, machine, warmup: int) -> dict:
         else:
             entry["error"] = last_error(res["tail"])
         runs[run.name] = entry
+    from mok_megatron.bench.train import MOK_RUNS
+
     ok_runs = {n: r for n, r in runs.items() if r["rc"] == 0}
     speedup, agreement = {}, {}
-    mok = ok_runs.get("mok")
-    if mok is not None:
+    moks = [n for n in ok_runs if n in MOK_RUNS]
+    for m in moks:
         for name, r in ok_runs.items():
-            if name == "mok":
-                continue
-            if mok["tokens_per_s_per_gpu"] and r["tokens_per_s_per_gpu"]:
-                speedup[f"mok/{name}"] = mok["tokens_per_s_per_gpu"] / r["tokens_per_s_per_gpu"]
-    reference = next((n for n in ok_runs if n != "mok"), None)
+            if name not in MOK_RUNS and ok_runs[m]["tokens_per_s_per_gpu"] and r["tokens_per_s_per_gpu"]:
+                speedup[f"{m}/{name}"] = ok_runs[m]["tokens_per_s_per_gpu"] / r["tokens_per_s_per_gpu"]
+    reference = next((n for n in ok_runs if n not in MOK_RUNS), None)
     if reference is not None:
-        if mok is not None:
-            agreement[f"mok/{reference}"] = loss_agreement(mok, ok_runs[reference])
+        for m in moks:
+            agreement[f"{m}/{reference}"] = loss_agreement(ok_runs[m], ok_runs[reference])
         for name, r in ok_runs.items():  # Megatron against itself: the floor, not a MoK check
-            if name not in ("mok", reference):
+            if name not in MOK_RUNS and name != reference:
                 agreement[f"{name}/{reference}"] = loss_agreement(r, ok_runs[reference])
     return {"runs": runs, "speedup": speedup, "loss_agreement": agreement}
 
@@ -173,7 +173,7 @@ def report(plan, results: dict, machine, ns, workdir: str) -> int:
         print(f"{key}: {ratio:.2f}x tokens/s/GPU")
     status = 0
     for key, a in out["loss_agreement"].items():
-        floor = "" if key.startswith("mok/") else " (Megatron against itself; not a MoK check)"
+        floor = "" if key.startswith("mok") else " (Megatron against itself; not a MoK check)"
         if a["ok"]:
             print(
                 f"loss agreement {key}: step 1 {a['step1_rel']:.1e}, max {a['max_rel']:.1e}, mean "
