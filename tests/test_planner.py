@@ -511,38 +511,151 @@ def test_planner_does_not_import_torch():
 # ---- the headline, the recommendation, the recipes --------------------------------------------------
 
 
-def _headline_line(out: str) -> str:
-    return next(ln for ln in out.splitlines() if ln.startswith("Headline:"))
+def _headline_lines(out: str) -> str:
+    return "\n".join(ln for ln in out.splitlines() if ln.startswith("Headline:"))
 
 
-def test_the_headline_compares_with_megatrons_best_configuration(cal):
-    """Megatron's best configuration is its EP-overlap row (a bound, all-to-all hidden): the headline says
-    so, and MoK's gain against it is the smaller one."""
+def test_the_headline_compares_like_with_like(cal):
+    """Fitted against fitted (MoK as recommended, Megatron alltoall), bound against bound (both under
+    Megatron's 1F1B EP overlap, the all-to-all hidden); each line carries its held-out error verdict."""
     model, layout, cl = model_setup("deepseek-v3")
     h = headline.headline(cal, model, layout, cl)
-    assert h.best_megatron.layer.impl == "megatron-1f1b" and h.megatron.layer.impl == "megatron"
-    assert h.best_megatron.tokens_per_s_gpu >= h.megatron.tokens_per_s_gpu
-    assert h.gain_vs_best <= h.gain
-    text = h.text()
+    fitted, bound = h.comparisons["fitted"], h.comparisons["bound"]
+    assert (fitted.ours.layer.impl, fitted.theirs.layer.impl) == ("mok", "megatron")
+    assert (bound.ours.layer.impl, bound.theirs.layer.impl) == ("mok-1f1b", "megatron-1f1b")
+    assert fitted.ours.layer is h.recommendation.layer
+    assert {headline.KIND[c.ours.layer.impl] for c in (fitted, bound)} == {"fitted", "bound"}
+    for c in (fitted, bound):
+        assert headline.KIND[c.ours.layer.impl] == headline.KIND[c.theirs.layer.impl] == c.kind
+        lo, hi = c.band
+        assert lo < c.lead < hi
+    assert bound.theirs.tokens_per_s_gpu >= fitted.theirs.tokens_per_s_gpu  # hiding the exchange only helps
+    lines = h.text().splitlines()
+    assert len(lines) == 3 and all(ln.startswith("Headline: ") for ln in lines)
+    assert f"{fitted.lead:+.1%} vs Megatron's alltoall layer (fitted, " in lines[0]
     assert (
-        "(fitted)" in text and "(fitted, " in text and "--overlap-moe-expert-parallel-comm (bound, " in text
+        f"{bound.lead:+.1%} vs Megatron's alltoall with --overlap-moe-expert-parallel-comm (bound, "
+        in lines[1]
     )
-    assert f"{h.gain:+.1%} over Megatron's alltoall layer" in text
-    assert f"{h.gain_vs_best:+.1%} against Megatron's best configuration" in text
+    assert "never measured" in lines[1] and "never measured" not in lines[0]
+    assert "the most uncertain input is" in lines[2]
 
 
 def test_every_printed_headline_is_one_computation(capsys, cal):
-    """`mok plan --recipe`, `mok plan --model`, `mok plan --compare` and docs/planner.md print the same line."""
+    """`mok plan --recipe`, `mok plan --model`, `mok plan --compare` and docs/planner.md print the same lines."""
     model, layout, cl = model_setup("deepseek-v3")
-    line = headline.headline(cal, model, layout, cl).text()
+    text = headline.headline(cal, model, layout, cl).text()
     for argv in (
         ["--recipe", str(EXAMPLES / "deepseek_v3_gb300.sh")],
         ["--model", "deepseek-v3"],
         ["--compare"],
     ):
         assert main(argv) == 0
-        assert _headline_line(capsys.readouterr().out) == line, argv
-    assert line in (ROOT / "docs/planner.md").read_text()
+        assert _headline_lines(capsys.readouterr().out) == text, argv
+    doc = (ROOT / "docs/planner.md").read_text()
+    assert all(line in doc for line in text.splitlines())
+
+
+def _mok_1f1b(opts):
+    return next(o for o in opts if o.impl == "mok-1f1b")
+
+
+def test_mok_under_megatrons_1f1b_overlap_is_its_plain_engine_with_the_all_to_all_hidden(cal):
+    """The MoK + 1F1B row: MoK's EP=1 fit at the target's rates x (1 + P), P the plain engine's measured
+    EP>1 work of the newest code state with plain rows; the exchange carries Megatron's bytes (one row per
+    (token, expert) pair) and is hidden, as in Megatron's own bound."""
+    model, layout, cl = model_setup("deepseek-v3")
+    opts = predict.layer_options(cal, model, layout, cl, predict.Assumptions())
+    row, meg = _mok_1f1b(opts), predict.best(opts, "megatron-1f1b")
+    tokens, local = layout.moe_tokens(model), shapes.MoEShape(7168, 2048, 256 // 64, 8)
+    rate = cl.gpu.peak_tflops(layout.precision) * calibrate.gemm_efficiency(layout.precision)
+    t1 = cal.fit("mok")[0].ms(tokens, local, rate, calibrate.H200_HBM / cl.gpu.hbm_tbps)
+    p, same = cal.overlap.plain_overhead(local, tokens)
+    newest = next(g for g in reversed(calibrate.STATES) if g in cal.overlap.plain)
+    assert same and p == cal.overlap.plain[newest]["dsv3-4k"] > 0
+    assert row.t1_ms == pytest.approx(t1) and row.total_ms == pytest.approx(t1 * (1 + p))
+    assert row.exposed_ms == 0 and meg.exposed_ms == 0 and row.link_ms == pytest.approx(meg.link_ms)
+    assert row.mode == "plain" and headline.KIND["mok-1f1b"] == "bound"
+    # the recommendation is among the fitted rows only
+    assert headline.headline(cal, model, layout, cl).recommendation.layer.impl == "mok"
+    # with the host floors kept, the plain engine's floor is its launches (exact: no CUDA graph)
+    kept = _mok_1f1b(predict.layer_options(cal, model, layout, cl, predict.Assumptions(host="measured")))
+    assert kept.total_ms == pytest.approx(max(t1 * (1 + p), cal.host_floor().ms("plain", 1)))
+
+
+def test_with_moks_experts_as_slow_as_megatrons_the_two_bounds_coincide(cal):
+    meg = dataclasses.replace(cal.compute["megatron-te"], impl="mok", h0_ms=0.0, h_ms_per_expert=0.0)
+    slow = dataclasses.replace(
+        cal,
+        compute_by_gen={k: (meg if k[0] == "mok" else v) for k, v in cal.compute_by_gen.items()},
+        overlap=dataclasses.replace(
+            cal.overlap, plain={g: {s: 0.0 for s in v} for g, v in cal.overlap.plain.items()}
+        ),
+    )
+    for name in ("deepseek-v3", "qwen3-30b-a3b"):
+        model, layout, cl = model_setup(name)
+        h = headline.headline(slow, model, layout, cl)
+        b = h.comparisons["bound"]
+        assert b.ours.layer.total_ms == pytest.approx(b.theirs.layer.total_ms)
+        assert b.lead == pytest.approx(0.0, abs=1e-12) and not b.exceeds
+        assert h.rows["mok-1f1b"].layer.t1_ms == pytest.approx(h.rows["megatron-1f1b"].layer.t1_ms)
+
+
+def _errors(scale: float) -> dict:
+    return {
+        k: dataclasses.replace(e, error=e.error * scale) for k, e in validate.package_errors("hidden").items()
+    }
+
+
+def test_the_significance_verdict_follows_the_held_out_error(cal):
+    """A lead counts only beyond the held-out error: the same lead is reported as within it once the
+    errors of the points that carry it are made larger than the lead."""
+    model, layout, cl = model_setup("deepseek-v3")
+    h = headline.headline(cal, model, layout, cl)
+    fitted = h.comparisons["fitted"]
+    assert fitted.exceeds and "the lead exceeds the held-out error" in fitted.text()
+    big = headline.headline(cal, model, layout, cl, errors=_errors(5.0)).comparisons["fitted"]
+    assert big.lead == pytest.approx(fitted.lead) and not big.exceeds
+    assert "the lead is within the held-out error" in big.text()
+    # no error: the band is the lead itself
+    exact = headline.headline(cal, model, layout, cl, errors=_errors(0.0))
+    for c in exact.comparisons.values():
+        assert c.band == pytest.approx((c.lead, c.lead))
+        assert c.exceeds == (c.lead != 0)
+
+
+def test_the_most_uncertain_input_is_computed_by_perturbing_each_fitted_input(cal):
+    model, layout, cl = model_setup("deepseek-v3")
+    h = headline.headline(cal, model, layout, cl)
+    moves = {s.term: s.moves for s in h.sensitivity}
+    assert set(moves) == set(headline.INPUTS)
+    assert h.sensitivity[0].most[1] == max(max(m.values()) for m in moves.values())
+    # each input moves only the rows it enters
+    assert moves["mok_ep"]["bound"] == 0 and moves["megatron_ep"]["bound"] == 0
+    assert moves["mok_plain"]["fitted"] == 0
+    assert all(v > 0 for k in ("mok_ep1", "megatron_ep1") for v in moves[k].values())
+    # making one input's held-out error dominate makes it the most uncertain one
+    errors = dict(validate.package_errors("hidden"))
+    errors["megatron_ep"] = dataclasses.replace(errors["megatron_ep"], error=0.5)
+    top = headline.headline(cal, model, layout, cl, errors=errors).sensitivity[0]
+    assert top.term == "megatron_ep"
+    assert (
+        "the most uncertain input is Megatron alltoall's exposed all-to-all"
+        in headline.headline(cal, model, layout, cl, errors=errors).text()
+    )
+
+
+def test_held_out_errors_are_those_of_the_points_that_carry_each_term(meas):
+    rows = validate.checks(meas)
+    errs = validate.held_out_errors(rows, "hidden")
+    plain = [r for r in rows if r.transport == "plain" and not r.cross]
+    assert errs["mok-1f1b"].points == len(plain) > 0
+    assert errs["mok-1f1b"].error == pytest.approx(sum(abs(r.held_out_err) for r in plain) / len(plain))
+    assert errs["mok_plain"].error == pytest.approx(sum(abs(r.anchored_err) for r in plain) / len(plain))
+    # with the host floor hidden the Megatron terms use the GPU-bound points only (the GPU line)
+    te1 = [r for r in rows if r.impl == "megatron-te" and r.ep == 1]
+    assert errs["megatron-1f1b"].points == sum(not r.host_bound for r in te1) < len(te1)
+    assert validate.held_out_errors(rows, "measured")["megatron-1f1b"].points == len(te1)
 
 
 @pytest.mark.parametrize("script", sorted(EP_RECIPES))
@@ -579,8 +692,7 @@ def test_recommendation_names_exact_flags(cal):
     assert f["cuda-graph-impl"] == ["transformer_engine"] and "cuda-graph-modules" not in f
     assert "CUDA graph around" not in rec.text() and " ".join(rec.argv) in rec.text()
     bf16 = dataclasses.replace(layout, precision="bf16")
-    opts = predict.layer_options(cal, model, bf16, cl, predict.Assumptions())
-    assert recipe.flags(headline.from_options(opts, model, bf16, cl).recommendation.argv)[
+    assert recipe.flags(headline.headline(cal, model, bf16, cl).recommendation.argv)[
         "mok-expert-backend"
     ] == ["torch"]
 
@@ -1004,13 +1116,25 @@ def test_overlap_local_rows_use_the_fused_loopback_overhead():
     assert negative.oe(over) == (calibrate.O_FLOOR, 0.9)
 
 
-def test_plain_transport_is_compared_with_exact_fused_once_modes_carry_local_rows():
-    eng = calibrate.EngineFit
-    labelled = eng("sort-free-routing", {"exact fused": 1.2, "exact overlap": 2.0}, {}, 4)
-    assert calibrate.plain_mode(labelled) == "exact fused"
-    assert (
-        calibrate.plain_mode(eng("local-first-pipeline", {"exact": 2.1, "sync-free": 1.9}, {}, 4)) == "exact"
-    )
+def test_plain_engine_work_beyond_ep1_hand_computed():
+    """P = (plain layer - the source's EP=1 time - the all-to-all at Megatron's bytes) / that EP=1 time,
+    median per loopback shape, at least 0."""
+    moe = shapes.MoEShape(7168, 2048, 16, 8)
+
+    def pt(src, ms):
+        return measurements.EPPoint(src, "mok", "plain", "exact", 1, "dsv3", moe, 4096, 2, ms)
+
+    link = calibrate.megatron_link_ms(pt("a", 0.0))
+    ones = {("a", "dsv3"): 10.0, ("b", "dsv3"): 10.0, ("c", "dsv3"): 10.0}
+    pts = [pt("a", 10.0 + link + 1.0), pt("b", 10.0 + link + 3.0), pt("c", 10.0 + link + 2.0)]
+    assert calibrate._plain_fit(pts, ones) == {"dsv3-4k": pytest.approx(0.2)}
+    assert calibrate._plain_fit([pt("a", 10.0 + link - 1.0)], ones) == {"dsv3-4k": 0.0}
+    fit = calibrate.OverlapFit({}, {}, plain={"sort-free-routing": {"dsv3-4k": 0.2}})
+    # another shape of the same state takes its nearest measured shape; a state without plain rows
+    # the newest state's P, marked as another state's
+    assert fit.plain_overhead(shapes.MoEShape(2048, 768, 16, 8), 16384, "sort-free-routing") == (0.2, True)
+    assert fit.plain_overhead(moe, 4096, "torch-ops") == (0.2, False)
+    assert calibrate.OverlapFit({}, {}).plain_overhead(moe, 4096) is None
 
 
 # ---- product text --------------------------------------------------------------------------------

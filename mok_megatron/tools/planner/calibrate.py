@@ -18,7 +18,12 @@ Layer model, one MoE layer forward + backward on one rank, H200 (ms):
               O: engine overhead with an infinitely fast link, as a fraction of the plain layer, and
               e: the exposed fraction of link time, both from the loopback sweep; kappa (per code
               state and mode): real-EP overhead / loopback overhead; f: transport time / collective
-              time (plain = the unpipelined EP path), per code state, from the 2 x H200 runs.
+              time, per code state, from the 2 x H200 runs.
+  MoK plain   t1 + P * t1 + link (the six-phase engine without the pipeline, e.g. under Megatron's
+              --overlap-moe-expert-parallel-comm): P, its EP>1 work beyond the EP=1 layer (the sort by
+              local expert and the host-read splits the EP=1 plan does without), per code state and
+              loopback shape from the 2 x H200 plain rows; link: one bf16 row per (token, expert) pair
+              on another rank, as Megatron's dispatcher sends (engine/plain.py)
 MoK's own EP=1 fit is made per code state when the state has enough points (its kernels changed
 with the code); other implementations are fitted over every source.
 Run-to-run spread (separate machine starts differ ~10 %) is not modelled: every fit is a relative
@@ -307,9 +312,10 @@ def fit_compute(points: list[Layer1], impl: str) -> ComputeFit:
 # ---- MoK engine on real EP ----------------------------------------------------------------------
 
 
-def family(moe: MoEShape, tokens: int) -> str:
-    """The loopback shape nearest to this one (log distance in hidden size, then tokens)."""
-    cands = list(LOOPBACK_SHAPES)
+def family(moe: MoEShape, tokens: int, among=None) -> str:
+    """The loopback shape nearest to this one (log distance in hidden size, then tokens), of ``among``
+    (default: every loopback shape)."""
+    cands = list(among or LOOPBACK_SHAPES)
 
     def dist(n):
         s = LOOPBACK_SHAPES[n]
@@ -416,6 +422,18 @@ class OverlapFit:
     o_measured: frozenset = (
         frozenset()
     )  # keys with an infinite-link row in some source (O measured, not fitted)
+    plain: dict = field(default_factory=dict)  # code state -> {loopback shape: P} (the plain engine)
+
+    def plain_overhead(self, moe: MoEShape, tokens: int, gen: str | None = None) -> tuple[float, bool] | None:
+        """P of the plain engine in code state ``gen`` (default: the newest state with plain rows) at the
+        nearest loopback shape its plain rows measured; False with the newest other state's P when
+        ``gen`` has no plain rows; None when no state has."""
+        have = [g for g in reversed(STATES) if self.plain.get(g)]
+        if not have:
+            return None
+        g = gen if gen in have else have[0]
+        by_shape = self.plain[g]
+        return by_shape[family(moe, tokens, by_shape)], gen is None or g == gen
 
     def oe(self, key: tuple, gen: str | None = None) -> tuple[float, float]:
         """O and e of a loopback (shape, minibatches, mode) for code state ``gen`` (default: the
@@ -487,16 +505,6 @@ class OverlapFit:
         return 1.0
 
 
-# the collective mode the plain (unpipelined) EP path is compared with: "exact" in code states without
-# local-rows labels, "exact fused" in those with them
-PLAIN_BASE = ("exact", "exact fused")
-
-
-def plain_mode(fit: EngineFit) -> str:
-    """The mode a plain-transport point is predicted with under ``fit`` (see PLAIN_BASE)."""
-    return PLAIN_BASE[1] if PLAIN_BASE[0] not in fit.kappa and PLAIN_BASE[1] in fit.kappa else PLAIN_BASE[0]
-
-
 def _engine_fit(name: str, eps: list[EPPoint], ones: dict, oe) -> EngineFit | None:
     kap: dict[str, list[float]] = {}
     for p in eps:
@@ -514,11 +522,7 @@ def _engine_fit(name: str, eps: list[EPPoint], ones: dict, oe) -> EngineFit | No
     ratios: dict[str, list[float]] = {}
     for p in eps:
         key = (p.source, p.shape, p.chunks, p.mode)
-        if p.transport == "plain":  # against collective exact (with local-rows labels: exact fused)
-            key = (p.source, p.shape, 1, PLAIN_BASE[0])
-            if key not in coll:
-                key = (p.source, p.shape, 1, PLAIN_BASE[1])
-        if p.transport != "collective" and key in coll:
+        if p.transport not in ("collective", PLAIN) and key in coll:
             ratios.setdefault(p.transport, []).append(p.ms / coll[key])
     return EngineFit(
         name,
@@ -526,6 +530,20 @@ def _engine_fit(name: str, eps: list[EPPoint], ones: dict, oe) -> EngineFit | No
         {"collective": 1.0, **{t: statistics.median(v) for t, v in ratios.items()}},
         len(eps),
     )
+
+
+PLAIN = "plain"  # the EP>1 points of MoK's six-phase engine (no pipeline)
+
+
+def _plain_fit(eps: list[EPPoint], ones: dict) -> dict:
+    """P per loopback shape: (plain layer - the source's own EP=1 time - the all-to-all fully
+    exposed) / that EP=1 time, median over the points, at least 0."""
+    ps: dict[str, list[float]] = {}
+    for p in eps:
+        t1 = ones.get((p.source, p.shape))
+        if p.transport == PLAIN and t1:
+            ps.setdefault(family(local_shape(p), p.tokens), []).append((p.ms - t1 - megatron_link_ms(p)) / t1)
+    return {fam: max(statistics.median(v), 0.0) for fam, v in ps.items()}
 
 
 def fit_overlap(m: Measurements) -> OverlapFit:
@@ -536,7 +554,7 @@ def fit_overlap(m: Measurements) -> OverlapFit:
         if rows:
             by_gen[gen] = _loop_tables(Measurements((), (), rows), prior=over)
     ones = {(p.source, p.shape): p.ms for p in m.layer1 if p.impl == "mok"}
-    engines = {}
+    engines, plain = {}, {}
     measured = frozenset((r.shape, r.chunks, r.mode) for r in m.loop if r.gbps == 0)
     for gen in STATES:
         eps = [p for p in m.ep if p.impl == "mok" and state_of(p.source) == gen]
@@ -548,9 +566,11 @@ def fit_overlap(m: Measurements) -> OverlapFit:
         fit = _engine_fit(gen, eps, ones, oe)
         if fit:
             engines[gen] = fit
+        if _plain_fit(eps, ones):
+            plain[gen] = _plain_fit(eps, ones)
     if not engines:
         raise ValueError("no MoK EP>1 measurement matches a loopback row: cannot calibrate kappa")
-    return OverlapFit(over, expo, engines, by_gen, measured)
+    return OverlapFit(over, expo, engines, by_gen, measured, plain)
 
 
 _LOOP_CHUNKS = re.compile(r"^(?P<key>.*) pipe C=(?P<c>\d+)(?P<rest>.*)$")  # profile_layer.py loopback rows
@@ -679,6 +699,17 @@ class Calibration:
             else None
         )
         return max(gpu, floor or 0.0)
+
+    def mok_plain_ms(
+        self, t1: float, link_ms: float, moe: MoEShape, tokens: int, gen: str | None = None
+    ) -> float:
+        """MoK's plain engine at EP>1 with its all-to-all exposed (``link_ms``, Megatron's bytes):
+        t1 + P * t1 + link, at least the state's host floor for the plain engine's launches."""
+        p = self.overlap.plain_overhead(moe, tokens, gen)
+        if p is None:
+            raise KeyError("no plain-engine EP>1 measurement")
+        floor = self.host_floor(gen).ms(PLAIN, 1) if gen in self.host_floors else None
+        return max(t1 + p[0] * t1 + link_ms, floor or 0.0)
 
 
 def fit_host_link(fit: ComputeFit, m: Measurements) -> ComputeFit:

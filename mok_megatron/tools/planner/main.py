@@ -1,6 +1,6 @@
 """``mok plan``: predicted layer and step times and tokens/s/GPU for Megatron's alltoall layer (fitted),
-Megatron with its own EP overlap (a bound) and MoK (fitted), the recommended MoK flags and one headline;
-``--validate`` (each measured point vs the model), ``--compare`` (published GB300 numbers).
+MoK (fitted), and both under Megatron's own EP overlap (bounds), the recommended MoK flags and one
+headline; ``--validate`` (each measured point vs the model), ``--compare`` (published GB300 numbers).
 
 Give a model (its own layout; any layout flag overrides it) or a recipe:
     mok plan --model deepseek-v3
@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 from mok_megatron.tools.planner import calibrate, hardware, measurements, predict, recipe, shapes, validate
-from mok_megatron.tools.planner.headline import KIND, LABEL, from_options
+from mok_megatron.tools.planner.headline import KIND, LABEL, headline
 from mok_megatron.tools.planner.links import LinkError
 
 # Published numbers the planner is checked against (not measured here; see docs/planner.md).
@@ -60,8 +60,8 @@ def plan(ns) -> str:
     cal = calibrate.calibrate(m)
     model, layout, cl = _setup(ns)
     a = predict.Assumptions(ns.overhead_scaling, ns.host)
-    opts = predict.layer_options(cal, model, layout, cl, a)
-    h = from_options(opts, model, layout, cl)
+    h = headline(cal, model, layout, cl, a)
+    opts = list(h.options)
     rec = h.recommendation.layer
     lines = [
         f"{model.name} on {layout.world} x {cl.gpu.name} ({cl.name}, NVLink domain {cl.nvlink_domain}); "
@@ -73,7 +73,7 @@ def plan(ns) -> str:
         "tokens/s/GPU | TFLOP/s/GPU |",
         "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
-    shown = [predict.best(opts, "megatron"), predict.best(opts, "megatron-1f1b")]
+    shown = [h.rows[k].layer for k in ("megatron", "megatron-1f1b", "mok-1f1b") if k in h.rows]
     mok = sorted((o for o in opts if o.impl == "mok"), key=lambda o: o.total_ms)
     mok = mok if ns.all else mok[:3] + ([rec] if rec not in mok[:3] else [])
     for o in shown + mok:
@@ -86,10 +86,14 @@ def plan(ns) -> str:
         )
     lines += [
         "",
-        "fitted: the layer model calibrated on the measurements (mok plan --validate); bound: Megatron "
-        "with --overlap-moe-expert-parallel-comm, its all-to-all entirely hidden (never measured).",
+        "fitted: the layer model calibrated on the measurements (mok plan --validate); bound: Megatron's "
+        "layer or MoK's plain engine under --overlap-moe-expert-parallel-comm, the all-to-all entirely "
+        "hidden (never measured). The recommendation is chosen among the fitted MoK rows.",
         h.recommendation.text(),
         h.text(),
+        "Held-out error of each fitted input (mean |error|, mok plan --validate) and how far moving it by "
+        "that error moves each comparison:",
+        *h.sensitivity_text(),
         f"Other work per micro-batch ({h.megatron.other_ms_per_mb:.1f} ms: attention, dense layers, router, "
         "shared expert, logits) is the same for every row.",
         *(
@@ -127,19 +131,22 @@ def compare() -> str:
     base, moktok = PUBLISHED["mok_tokens_per_s_gpu"]
     lines = [
         "| MoK overhead scaling, host floor (both layers) | Megatron alltoall TFLOP/s/GPU (published 1233) "
-        "| error | Megatron EP-overlap bound | MoK recommended | MoK / alltoall (published +40.6%) | "
-        "MoK / EP-overlap bound |",
-        "|---|---:|---:|---:|---:|---:|---:|",
+        "| error | MoK recommended | MoK / alltoall (published +40.6%) | Megatron + 1F1B bound | "
+        "MoK + 1F1B bound | bound / bound |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     heads = {}
     for scaling, host in (("relative", "hidden"), ("absolute", "hidden"), ("relative", "measured")):
-        opts = predict.layer_options(cal, model, layout, cl, predict.Assumptions(scaling, host))
-        h = heads[(scaling, host)] = from_options(opts, model, layout, cl)
-        bound = predict.step(model, layout, cl, predict.best(opts, "megatron-1f1b"))
+        h = heads[(scaling, host)] = headline(cal, model, layout, cl, predict.Assumptions(scaling, host))
+        b = h.comparisons.get("bound")
         lines.append(
             f"| {scaling}, {host} | {h.megatron.tflops_per_gpu:.0f} | {h.megatron.tflops_per_gpu / pub_meg - 1:+.1%} | "
-            f"{bound.tflops_per_gpu:.0f} | {h.mok.tflops_per_gpu:.0f} | {h.gain:+.1%} | "
-            f"{h.mok.tokens_per_s_gpu / bound.tokens_per_s_gpu - 1:+.1%} |"
+            f"{h.mok.tflops_per_gpu:.0f} | {h.gain:+.1%} | "
+            + (
+                f"{b.theirs.tflops_per_gpu:.0f} | {b.ours.tflops_per_gpu:.0f} | {b.lead:+.1%} |"
+                if b
+                else "- | - | - |"
+            )
         )
     h = heads[("relative", "hidden")]
     r = h.recommendation.layer

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from mok_megatron.tools.planner import flops
 from mok_megatron.tools.planner.calibrate import (
     DATA,
+    PLAIN,
     STATES,
     H200_HBM,
     Calibration,
@@ -38,8 +39,9 @@ ASSUMPTIONS = (
     "(measured = as on the H200 test host; hidden = CUDA graphs or a faster host remove it); run-to-run "
     "spread (~10 % between machine starts) not modelled: the typical machine is predicted",
     "Megatron alltoall (fitted): all-to-all fully exposed (as measured at EP=2); Megatron alltoall with "
-    "--overlap-moe-expert-parallel-comm is a bound: the all-to-all entirely hidden behind another "
-    "micro-batch (never measured here); MoK rows are fitted",
+    "--overlap-moe-expert-parallel-comm and MoK under the same flag (its plain engine: EP=1 work x "
+    "(1 + P), P from the 2 x H200 plain-engine runs of {plain}) are bounds: the all-to-all entirely "
+    "hidden behind another micro-batch (never measured here); the other MoK rows are fitted",
     "step = (micro-batches + (PP-1)/VPP) x per-micro-batch time / PP; DP gradient/parameter traffic, optimizer, "
     "TP communication, recompute and pipeline imbalance are not modelled",
 )
@@ -63,10 +65,11 @@ class Assumptions:
             )
 
     def text(self, cal: Calibration | None = None) -> list[str]:
-        ep1 = engine = STATES[-1]
+        ep1 = engine = plain = STATES[-1]
         if cal is not None:
             engine = cal.overlap.engine()[0].name
             ep1 = next((g for g in reversed(STATES) if ("mok", g) in cal.compute_by_gen), "every source")
+            plain = next((g for g in reversed(STATES) if g in cal.overlap.plain), "no code state")
         return [
             a.format(
                 bf16=gemm_efficiency("bf16"),
@@ -75,6 +78,7 @@ class Assumptions:
                 scaling=self.overhead_scaling,
                 engine=engine,
                 ep1=ep1,
+                plain=plain,
                 host=self.host,
             )
             for a in ASSUMPTIONS
@@ -82,8 +86,22 @@ class Assumptions:
 
 
 @dataclass(frozen=True)
+class Perturbation:
+    """Relative changes of the fitted inputs, for the headline's held-out error bands and its
+    sensitivity (0 = as fitted). Each scales what its validation measures: an EP=1 fit its EP=1 work
+    (MoK's relative engine overhead follows, as the model has it), an EP>1 term the layer time given
+    that EP=1 work (the anchored error)."""
+
+    megatron_ep1: float = 0.0  # Megatron+TE's EP=1 work (both Megatron rows)
+    megatron_ep: float = 0.0  # Megatron alltoall's layer given its EP=1 work
+    mok_ep1: float = 0.0  # MoK's EP=1 work (every MoK row)
+    mok_ep: float = 0.0  # MoK's pipelined layer given its EP=1 work
+    mok_plain: float = 0.0  # MoK's plain-engine layer (under Megatron's 1F1B overlap) given its EP=1 work
+
+
+@dataclass(frozen=True)
 class LayerPrediction:
-    impl: str  # megatron, megatron-1f1b, mok
+    impl: str  # megatron, megatron-1f1b, mok, mok-1f1b
     transport: str
     chunks: int
     mode: str
@@ -99,10 +117,16 @@ def _rate(cluster: Cluster, precision: str) -> float:
 
 
 def layer_options(
-    cal: Calibration, model: Model, layout: Layout, cluster: Cluster, a: Assumptions
+    cal: Calibration,
+    model: Model,
+    layout: Layout,
+    cluster: Cluster,
+    a: Assumptions,
+    d: Perturbation = Perturbation(),
 ) -> list[LayerPrediction]:
-    """Megatron alltoall, the Megatron 1F1B bound and MoK for every measured (minibatches, mode) and
-    transport that can run on this placement, for one MoE layer of one micro-batch (fwd+bwd)."""
+    """Megatron alltoall, the Megatron 1F1B bound, the MoK 1F1B bound (its plain engine under the same
+    schedule) and MoK for every measured (minibatches, mode) and transport that can run on this
+    placement, for one MoE layer of one micro-batch (fwd+bwd)."""
     layout.check(model)
     if layout.ep < 2:
         raise LayoutError(
@@ -116,22 +140,32 @@ def layer_options(
     link = LinkModel(link_efficiency())
     meg_fit = cal.compute.get("megatron-te") or cal.compute["megatron"]
     lm = link.seconds(flops.megatron_bytes(tokens, moe, ep), cluster, ep) * 1e3
+    meg_scale = 1 + d.megatron_ep1
     if a.host == "measured":
-        t1m, tm = meg_fit.ms(tokens, local, rate, hbm), meg_fit.ep_ms(tokens, local, lm, rate, hbm)
+        t1m = meg_fit.ms(tokens, local, rate, hbm) * meg_scale
+        tm = meg_fit.ep_ms(tokens, local, lm / meg_scale, rate, hbm) * meg_scale  # the link does not scale
     else:
-        t1m = meg_fit.gpu_ms(tokens, local, rate, hbm)
+        t1m = meg_fit.gpu_ms(tokens, local, rate, hbm) * meg_scale
         tm = t1m + lm
+    tm *= 1 + d.megatron_ep
     out = [
         LayerPrediction("megatron", "nccl a2a", 1, "-", t1m, 0.0, lm, tm - t1m, tm),
         LayerPrediction("megatron-1f1b", "nccl a2a", 1, "-", t1m, 0.0, lm, 0.0, t1m),
     ]
     fit = cal.fit("mok")[0]
-    t1 = fit.ms(tokens, local, rate, hbm)
-    base = t1 if a.overhead_scaling == "relative" else fit.ms(tokens, local)
+    t1 = fit.ms(tokens, local, rate, hbm) * (1 + d.mok_ep1)
+    base = t1 if a.overhead_scaling == "relative" else fit.ms(tokens, local) * (1 + d.mok_ep1)
     nbytes = flops.mok_bytes(tokens, moe, ep)
     fam = family(local, tokens)
     ov = cal.overlap
     floor = cal.host_floor()
+    plain = ov.plain_overhead(local, tokens)
+    if plain is not None:  # the plain engine, its all-to-all (Megatron's bytes) hidden by the 1F1B schedule
+        work = (t1 + plain[0] * base) * (1 + d.mok_plain)
+        tp = work
+        if floor is not None and a.host == "measured":  # exact: no CUDA graph, the enqueue floor applies
+            tp = max(tp, floor.ms(PLAIN, 1) or 0.0)
+        out.append(LayerPrediction("mok-1f1b", "nccl a2a", 1, PLAIN, t1, work - t1, lm, 0.0, tp))
     for transport in ("collective", "copy_engine"):
         try:
             lk = link.seconds(nbytes, cluster, ep, transport) * 1e3
@@ -143,7 +177,7 @@ def layer_options(
             big_o, e = ov.oe((fam, chunks, mode))
             o = big_o * ov.k(mode) * base
             ex = e * lk
-            tot = (t1 + o + ex) * ov.factor(transport)
+            tot = (t1 + o + ex) * ov.factor(transport) * (1 + d.mok_ep)
             if floor is not None and a.host == "measured" and "graph" not in mode:  # H200 host enqueue floor
                 tot = max(tot, floor.ms(transport, chunks, split_mode(mode)[1]) or 0.0)
             out.append(LayerPrediction("mok", transport, chunks, mode, t1, o, lk, ex, tot))

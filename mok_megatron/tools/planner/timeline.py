@@ -14,14 +14,15 @@ def segments(p: LayerPrediction) -> list[tuple[str, float, float, str]]:
     """(lane, start ms, length ms, label). Forward is 1/3 of the work, backward 2/3."""
     segs = []
     t = 0.0
-    if p.impl.startswith("megatron"):
+    if p.impl.startswith("megatron") or p.impl == "mok-1f1b":  # one exchange, its phases in sequence
         hidden = p.exposed_ms == 0
+        work = p.t1_ms + p.overhead_ms
         for phase, frac in (("fwd", 1 / 3), ("bwd", 2 / 3)):
             q = p.link_ms / 4
             segs.append(("link", t, q, f"{phase} dispatch"))
             t += 0 if hidden else q
-            segs.append(("compute", t, p.t1_ms * frac, f"{phase} experts"))
-            t += p.t1_ms * frac
+            segs.append(("compute", t, work * frac, f"{phase} experts"))
+            t += work * frac
             segs.append(("link", t if not hidden else t - q, q, f"{phase} combine"))
             t += 0 if hidden else q
         return segs

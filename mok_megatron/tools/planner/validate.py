@@ -1,13 +1,14 @@
 """Each measured point against the model: in-sample (calibrated on every source) and held-out
 (leave-one-source-out: calibrated without the point's own source, the layer table's folder or one results
 folder, i.e. one machine start). A held-out MoK EP>1 prediction whose code state was only measured on
-real EP in that source uses another state's fit and is marked "other code state"."""
+real EP in that source uses another state's fit and is marked "other code state". ``held_out_errors``
+gives the headline the out-of-sample error of each planner term (``TERMS``)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
+import functools
 import statistics
+from dataclasses import dataclass
 
 from mok_megatron.tools.planner.calibrate import (
     ENGINE_IMPLS,
@@ -20,10 +21,10 @@ from mok_megatron.tools.planner.calibrate import (
     local_shape,
     megatron_link_ms,
     mok_link_ms,
-    plain_mode,
+    PLAIN,
     state_of,
 )
-from mok_megatron.tools.planner.measurements import EPPoint, Layer1, Measurements
+from mok_megatron.tools.planner.measurements import EPPoint, Layer1, Measurements, load
 
 TOLERANCE = 0.15
 
@@ -42,6 +43,9 @@ class Check:
         None  # EP=1: measured / median of the same point's sources - 1, when > TOLERANCE
     )
     host_bound: bool = False  # the in-sample fit puts the point on its host floor (Megatron / Megatron+TE)
+    impl: str = ""
+    ep: int = 1
+    transport: str = ""  # EP>1: nccl a2a (Megatron), plain, collective, copy_engine, nvlink
 
     @property
     def in_sample_err(self) -> float:
@@ -72,20 +76,32 @@ def predict_ep(cal: Calibration, p: EPPoint, t1_ms: float | None = None) -> floa
         scale = t1_ms / fit.ms(p.tokens, local)
         return fit.ep_ms(p.tokens, local, megatron_link_ms(p) / scale) * scale
     gen = state_of(p.source)
-    chunks, mode = (
-        (1, plain_mode(cal.overlap.engine(gen)[0])) if p.transport == "plain" else (p.chunks, p.mode)
-    )
-    return cal.mok_ep_ms(t1, mok_link_ms(p), family(local, p.tokens), chunks, mode, p.transport, gen)
+    if p.transport == PLAIN:
+        return cal.mok_plain_ms(t1, megatron_link_ms(p), local, p.tokens, gen)
+    return cal.mok_ep_ms(t1, mok_link_ms(p), family(local, p.tokens), p.chunks, p.mode, p.transport, gen)
+
+
+def _same_engine(cal: Calibration, p: EPPoint) -> bool:
+    """The EP>1 terms of ``p``'s prediction come from its own code state's real-EP rows."""
+    gen = state_of(p.source)
+    if p.transport == PLAIN:
+        got = cal.overlap.plain_overhead(local_shape(p), p.tokens, gen)
+        return got is not None and got[1]
+    return cal.overlap.engine(gen)[1]
 
 
 def _ep_note(cal: Calibration, p: EPPoint) -> str:
     if p.impl != "mok":
         return ""
     gen = state_of(p.source)
+    if p.transport == PLAIN:
+        if _same_engine(cal, p):
+            return ""
+        return f"other code state: {gen}'s plain engine measured on real EP only in this source"
     eng, same = cal.overlap.engine(gen)
     if not same:
         return f"other code state ({eng.name}): {gen} measured on real EP only in this source"
-    mode = plain_mode(eng) if p.transport == "plain" else p.mode
+    mode = p.mode
     if mode not in eng.kappa:
         if any(mode in e.kappa for e in cal.overlap.engines.values()):
             return f"kappa({mode}) transferred from a different code state"
@@ -140,6 +156,7 @@ def checks(m: Measurements) -> list[Check]:
                 cross=cross,
                 run_outlier=dev,
                 host_bound=hb,
+                impl=p.impl,
             )
         )
     ones = {(p.source, p.impl, p.shape): p.ms for p in m.layer1}
@@ -159,7 +176,7 @@ def checks(m: Measurements) -> list[Check]:
         cross = (
             ho is not None
             and p.impl == "mok"
-            and not (h.overlap.engine(state_of(p.source))[1] and h.fit(p.impl, state_of(p.source))[1])
+            and not (_same_engine(h, p) and h.fit(p.impl, state_of(p.source))[1])
         )
         if cross and "other code state" not in note:
             note = f"other code state: {state_of(p.source)} EP=1 fit lacks points without this source"
@@ -170,7 +187,23 @@ def checks(m: Measurements) -> list[Check]:
                 f"run outlier: its source's EP=1 same-work point is {100 * dev:+.0f}% vs that point's median"
                 + (f"; {note}" if note else "")
             )
-        out.append(Check(p.source, what, p.ms, predict_ep(full, p), ho, an, note, cross, dev, host_bound=hb))
+        out.append(
+            Check(
+                p.source,
+                what,
+                p.ms,
+                predict_ep(full, p),
+                ho,
+                an,
+                note,
+                cross,
+                dev,
+                host_bound=hb,
+                impl=p.impl,
+                ep=p.ep,
+                transport=p.transport,
+            )
+        )
     return out
 
 
@@ -215,6 +248,85 @@ def summary(rows: list[Check]) -> str:
         f"{_stats(newest)}.\n- EP>1 held-out, anchored on the source's own EP=1 time, same code state: "
         f"{_stats(anch)}."
     )
+
+
+@dataclass(frozen=True)
+class HeldOut:
+    """The out-of-sample error of one planner term: mean |error| of the points that carry it."""
+
+    what: str  # the points and the error, in words
+    error: float  # mean |error|
+    points: int
+
+
+@dataclass(frozen=True)
+class Term:
+    """The points that carry one planner term and the error that measures it."""
+
+    what: str
+    ep: int  # 1 or 2
+    impl: str
+    kind: str | None  # EP=2 MoK: "pipelined" or "plain"
+    error: str  # the Check attribute: held_out_err, or anchored_err (the EP>1 terms given the EP=1 time)
+
+
+# Keys: the headline's rows (their points' held-out error) and predict.Perturbation's fields (each fitted
+# input's error). Megatron points: with the host floor hidden only the GPU-bound ones (the prediction uses
+# the GPU line alone); MoK points: only those predicted within their own code state (a target uses the
+# newest state's own fits; a cross-state error measures a code change, not the model).
+TERMS = {
+    "megatron": Term("EP=2 Megatron+TE, held out", 2, "megatron-te", None, "held_out_err"),
+    "megatron-1f1b": Term("EP=1 Megatron+TE, held out", 1, "megatron-te", None, "held_out_err"),
+    "mok": Term("EP=2 MoK pipelined, held out", 2, "mok", "pipelined", "held_out_err"),
+    "mok-1f1b": Term("EP=2 MoK plain engine, held out", 2, "mok", PLAIN, "held_out_err"),
+    "megatron_ep1": Term(
+        "Megatron+TE's EP=1 fit: EP=1 points held out", 1, "megatron-te", None, "held_out_err"
+    ),
+    "megatron_ep": Term(
+        "Megatron alltoall's exposed all-to-all: EP=2 points anchored", 2, "megatron-te", None, "anchored_err"
+    ),
+    "mok_ep1": Term("MoK's EP=1 fit: EP=1 points held out", 1, "mok", None, "held_out_err"),
+    "mok_ep": Term("MoK's pipeline on real EP: EP=2 points anchored", 2, "mok", "pipelined", "anchored_err"),
+    "mok_plain": Term("MoK's plain engine at EP>1: EP=2 points anchored", 2, "mok", PLAIN, "anchored_err"),
+}
+
+
+def term_points(rows: list[Check], term: str, host: str = "hidden") -> list[float]:
+    """The errors of the points that carry ``term`` (TERMS) under the host assumption ``host``."""
+    t = TERMS[term]
+    out = []
+    for r in rows:
+        if r.impl != t.impl or (r.ep > 1) != (t.ep > 1) or getattr(r, t.error) is None:
+            continue
+        if t.kind is not None and (r.transport == PLAIN) != (t.kind == PLAIN):
+            continue
+        if t.impl in ENGINE_IMPLS and r.cross:
+            continue
+        if t.impl not in ENGINE_IMPLS and host == "hidden" and r.host_bound:
+            continue
+        out.append(getattr(r, t.error))
+    return out
+
+
+def held_out_errors(rows: list[Check], host: str = "hidden") -> dict[str, HeldOut]:
+    """TERMS -> the mean |error| of their points."""
+    out = {}
+    for term, t in TERMS.items():
+        errs = [abs(e) for e in term_points(rows, term, host)]
+        if errs:
+            out[term] = HeldOut(t.what, sum(errs) / len(errs), len(errs))
+    return out
+
+
+@functools.cache
+def package_errors(host: str = "hidden") -> dict[str, HeldOut]:
+    """held_out_errors of the package data's leave-one-source-out validation."""
+    return held_out_errors(_package_checks(), host)
+
+
+@functools.cache
+def _package_checks() -> tuple[Check, ...]:
+    return tuple(checks(load()))
 
 
 def _newest_sources(rows: list[Check]) -> set[str]:
