@@ -1,7 +1,10 @@
 """Pool cases (see tests/pool.py) for MoK under Megatron's schedule features: delayed weight gradients,
-activation / whole-layer recompute, and the start-up rules for Megatron's EP overlap and CUDA graphs."""
+activation / whole-layer recompute, the start-up rules for Megatron's EP overlap and CUDA graphs, and
+Megatron's combined 1F1B EP-overlap schedule driving MoK layers."""
 
 from __future__ import annotations
+
+import contextlib
 
 import torch
 
@@ -187,79 +190,241 @@ def build_with_case(rank, world, *, ep=2, opts=None, after=None, **cfg_kw):
     return "pipelined" if mok.token_dispatcher.pipelined else "plain"
 
 
-def combined_1f1b_case(rank, world, *, ep=2, microbatches=2, steps=3):
-    """A tiny MoK GPT (bf16) trained ``steps`` SGD steps through Megatron's no-pipelining schedule twice
-    from the same weights: plain, and with Megatron's combined 1F1B EP overlap
-    (--overlap-moe-expert-parallel-comm --delay-wgrad-compute). Returns both runs' losses and whether
-    every final parameter is bitwise equal. On CPU Megatron's schedule itself stops (it allocates on
-    "cuda" and the combined schedule needs CUDA streams): a GPU test (tests/test_gpu.py)."""
-    from megatron.core.pipeline_parallel.schedules import forward_backward_no_pipelining
+# ---- Megatron's combined 1F1B EP-overlap schedule -----------------------------------------------------
 
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    setup_parallel(ep=ep)
-    models = []
-    for overlap in (False, True):
-        extra = dict(overlap_moe_expert_parallel_comm=True, delay_wgrad_compute=True) if overlap else {}
-        cfg = tiny_gpt_config(ep=ep, bf16=True, params_dtype=torch.bfloat16, **extra)
-        torch.manual_seed(0)
-        model = build_gpt(cfg, mok=True).to(device)
-        model.config.finalize_model_grads_func = None
-        models.append(model)
-    models[1].load_state_dict(models[0].state_dict(), strict=True)
+# --overlap-moe-expert-parallel-comm --delay-wgrad-compute
+OVERLAP_FLAGS = dict(overlap_moe_expert_parallel_comm=True, delay_wgrad_compute=True)
 
-    def loss_func(out):
+
+@contextlib.contextmanager
+def megatron_schedule():
+    """Megatron's no-pipelining schedules (plain and combined 1F1B) in this process, for this block.
+
+    Always: ``MoEAuxLossAutoScaler.main_loss_backward_scale`` (transformer/moe/moe_utils.py) is
+    process-global, and the schedule ``copy_``s its ``[1]``-shaped scale into whatever an earlier
+    backward left there (a schedule-less backward leaves a 0-d tensor, which cannot take it): cleared
+    on entry, restored on exit.
+
+    In CPU mode (``mok_megatron.training.cpu``) two CUDA-only spots of Megatron's schedule are bridged,
+    both restored on exit:
+
+    - pipeline_parallel/schedules.py (``forward_backward_no_pipelining``) allocates its token counter
+      with ``device="cuda"``: the block runs under ``CudaToCpu`` (mok_megatron.training.cpu_training),
+      which turns a CUDA ``device`` argument into the CPU.
+    - pipeline_parallel/utils.py (``ScheduleNode`` forward and backward) and
+      models/gpt/fine_grained_callables.py (the combine node) call ``Tensor.record_stream``, the CUDA
+      caching allocator's cross-stream bookkeeping, which CPU tensors reject: a no-op for CPU tensors
+      (on CPU every op completes in program order). The nodes still free their inputs
+      (``untyped_storage().resize_(0)``), so a phase whose output shares storage with a freed input,
+      or whose backward needs one, fails here as it would on a GPU.
+    """
+    from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+
+    import mok_megatron.training.cpu as cpu_mode
+
+    scale = MoEAuxLossAutoScaler.main_loss_backward_scale
+    MoEAuxLossAutoScaler.main_loss_backward_scale = None
+    record_stream = torch.Tensor.record_stream
+    with contextlib.ExitStack() as stack:
+        if cpu_mode.is_enabled():
+            from mok_megatron.training.cpu_training import CudaToCpu
+
+            def cpu_record_stream(tensor, stream):
+                if tensor.is_cuda:
+                    record_stream(tensor, stream)
+
+            torch.Tensor.record_stream = cpu_record_stream
+            stack.callback(setattr, torch.Tensor, "record_stream", record_stream)
+            stack.enter_context(CudaToCpu())
+        try:
+            yield
+        finally:
+            MoEAuxLossAutoScaler.main_loss_backward_scale = scale
+
+
+def schedule_config(ep: int, overlap: bool, dtype: str = "bf16", **extra):
+    """``tiny_gpt_config`` in ``dtype`` ("bf16" / "fp32"), with Megatron's EP-overlap flags if ``overlap``.
+    Megatron accepts the overlap only for bf16 / fp16 models (transformer/transformer_config.py); nothing
+    in the schedule depends on the dtype, so an fp32 config gets the flags after validation."""
+    if dtype == "bf16":
+        flags = OVERLAP_FLAGS if overlap else {}
+        return tiny_gpt_config(ep=ep, bf16=True, params_dtype=torch.bfloat16, **flags, **extra)
+    cfg = tiny_gpt_config(ep=ep, **extra)
+    if overlap:
+        for k, v in OVERLAP_FLAGS.items():
+            setattr(cfg, k, v)
+    return cfg
+
+
+class _Steps:
+    """Training steps of one GPT model through Megatron's ``forward_backward_no_pipelining``, which runs
+    the combined 1F1B schedule when the model's config has the EP overlap on; counts the schedule plans
+    built (one per micro-batch under the combined schedule, none otherwise)."""
+
+    def __init__(self, model):
+        self.model = model
+        self.schedule_plans = 0
+
+    @staticmethod
+    def _loss(out):
         loss = out.float().mean()
         return loss, {"loss": loss.detach()}
 
-    def forward_step(data_iterator, model, return_schedule_plan=False):
+    def _forward_step(self, data_iterator, model, return_schedule_plan=False):
         tokens, labels = next(data_iterator)
-        pos = torch.arange(16, device=device).expand(2, -1)
+        pos = torch.arange(tokens.shape[1], device=tokens.device).expand(tokens.shape[0], -1)
         if return_schedule_plan:
-            return model.build_schedule_plan(tokens, pos, None, labels=labels), loss_func
-        return model(tokens, pos, None, labels=labels), loss_func
+            self.schedule_plans += 1
+            return model.build_schedule_plan(tokens, pos, None, labels=labels), self._loss
+        return model(tokens, pos, None, labels=labels), self._loss
 
-    g = torch.Generator().manual_seed(rank)
-    losses = ([], [])
-    for _ in range(steps):
-        batches = []
-        for _ in range(microbatches):
-            tokens = torch.randint(0, 64, (2, 16), generator=g).to(device)
-            batches.append((tokens, torch.roll(tokens, -1, 1)))
-        for model, log in zip(models, losses, strict=True):
-            model.zero_grad(set_to_none=True)
+    def forward_backward(self, batches) -> list[float]:
+        """The micro-batches' losses; the gradients (of loss / micro-batches) are in ``param.grad``."""
+        from megatron.core.pipeline_parallel.schedules import forward_backward_no_pipelining
+
+        self.model.zero_grad(set_to_none=True)
+        with megatron_schedule():
             out = forward_backward_no_pipelining(
-                forward_step_func=forward_step,
+                forward_step_func=self._forward_step,
                 data_iterator=iter(batches),
-                model=[model],
-                num_microbatches=microbatches,
-                seq_length=16,
-                micro_batch_size=2,
+                model=[self.model],
+                num_microbatches=len(batches),
+                seq_length=batches[0][0].shape[1],
+                micro_batch_size=batches[0][0].shape[0],
                 forward_only=False,
             )
-            log.append([float(d["loss"]) for d in out])
-            with torch.no_grad():
-                for p in model.parameters():
-                    if p.grad is not None:
-                        p -= 0.1 * p.grad
-    p0, p1 = (dict(m.named_parameters()) for m in models)
+        return [float(d["loss"]) for d in out]
+
+    def sgd(self, lr: float = 0.1) -> None:
+        with torch.no_grad():
+            for p in self.model.parameters():
+                if p.grad is not None:
+                    p -= lr * p.grad
+
+
+def _batches(g, microbatches: int, device) -> list:
+    out = []
+    for _ in range(microbatches):
+        tokens = torch.randint(0, 64, (2, 16), generator=g).to(device)
+        out.append((tokens, torch.roll(tokens, -1, 1)))
+    return out
+
+
+def _engines(model) -> list[str]:
+    from mok_megatron.adapter.layer import MoKMoELayer
+
+    return [
+        "pipelined" if m.token_dispatcher.pipelined else "plain"
+        for m in model.modules()
+        if isinstance(m, MoKMoELayer)
+    ]
+
+
+def combined_1f1b_case(rank, world, *, ep=2, microbatches=2, steps=3, dtype="bf16", **cfg_kw):
+    """A tiny MoK GPT trained ``steps`` SGD steps through Megatron's no-pipelining schedule twice from
+    the same weights and data: plainly, and with Megatron's combined 1F1B EP overlap (``OVERLAP_FLAGS``:
+    the layer's phases as separate schedule nodes on a compute and a communication stream, one
+    micro-batch's forward interleaved layer by layer with another's backward, node inputs freed after
+    the node, expert weight gradients from ``backward_dw``). Both models run MoK's plain engine (the one
+    the overlap selects), so only the schedule differs. Returns both runs' losses, whether every step's
+    gradients and every final parameter are bitwise equal, the engines and the schedule plans built."""
+    from mok_megatron.options import MoKOptions
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    setup_parallel(ep=ep)
+    runs = []
+    for overlap in (False, True):
+        cfg = schedule_config(ep, overlap, dtype, **cfg_kw)
+        torch.manual_seed(0)
+        model = build_gpt(cfg, mok=True, options=MoKOptions(engine="plain")).to(device)
+        model.config.finalize_model_grads_func = None
+        runs.append(_Steps(model))
+    runs[1].model.load_state_dict(runs[0].model.state_dict(), strict=True)
+    g = torch.Generator().manual_seed(rank)
+    losses, grads_bitwise = ([], []), True
+    for _ in range(steps):
+        batches = _batches(g, microbatches, device)
+        grads = []
+        for run, log in zip(runs, losses, strict=True):
+            log.append(run.forward_backward(batches))
+            grads.append(_grads(run.model))
+            run.sgd()
+        grads_bitwise &= _same(*grads)
+    p0, p1 = (dict(r.model.named_parameters()) for r in runs)
     return {
         "losses": losses,
+        "grads_bitwise": grads_bitwise,
         "params_bitwise": set(p0) == set(p1) and all(torch.equal(p0[k], p1[k]) for k in p0),
-        "plain_engine": [
-            not m.token_dispatcher.pipelined for m in models[1].modules() if hasattr(m, "token_dispatcher")
-        ],
+        "engines": [_engines(r.model) for r in runs],
+        "schedule_plans": [r.schedule_plans for r in runs],
     }
 
 
-def combined_1f1b_cpu_error_case(rank, world, **kw):
-    """What stops ``combined_1f1b_case`` on CPU: (Megatron file:line, error text), or None if it ran."""
-    import traceback
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    """max |a - b| relative to max |a| (the difference itself where a is zero)."""
+    a, b = a.double(), b.double()
+    diff = float((a - b).abs().max()) if a.numel() else 0.0
+    scale = float(a.abs().max()) if a.numel() else 0.0
+    return diff / scale if scale > 0 else diff
 
+
+def combined_1f1b_parity_case(rank, world, *, ep=2, microbatches=2, steps=2, **cfg_kw):
+    """Megatron's GPT with its own alltoall ``MoELayer`` (``SequentialMLP`` experts) vs the same model
+    with MoK's layers, from the same weights (MoK loads the reference state dict), both trained through
+    Megatron's combined 1F1B EP-overlap schedule: per step, every micro-batch's loss and every gradient,
+    then the same SGD step on both. fp32 (``schedule_config``: the flags set after validation), so the
+    comparison is at fp32 rounding. Returns the losses and the largest relative differences."""
+    from mok_megatron.adapter.layer import MoKMoELayer
+    from mok_megatron.experts.checkpoint import convert_state_dict
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    setup_parallel(ep=ep)
+    cfg = schedule_config(ep, True, "fp32", **cfg_kw)
+    torch.manual_seed(0)
+    models = [build_gpt(cfg, mok=False).to(device), build_gpt(cfg, mok=True).to(device)]
+    models[1].load_state_dict(models[0].state_dict(), strict=True)
+    for m in models:
+        m.config.finalize_model_grads_func = None
+    runs = [_Steps(m) for m in models]
+    g = torch.Generator().manual_seed(rank)
+    losses, worst_loss, worst_grad = [], 0.0, (0.0, "")
+    for _ in range(steps):
+        batches = _batches(g, microbatches, device)
+        (l_ref, g_ref), (l_mok, g_mok) = [(r.forward_backward(batches), _grads(r.model)) for r in runs]
+        g_ref = convert_state_dict(g_ref, "mok")
+        assert set(g_ref) == set(g_mok), sorted(set(g_ref) ^ set(g_mok))
+        losses.append((l_ref, l_mok))
+        worst_loss = max([worst_loss] + [abs(a - b) / abs(a) for a, b in zip(l_ref, l_mok, strict=True)])
+        worst_grad = max([worst_grad] + [(_rel(g_ref[k], g_mok[k]), k) for k in g_ref])
+        for r in runs:
+            r.sgd()
+    return {
+        "losses": losses,
+        "worst_loss_rel": worst_loss,
+        "worst_grad_rel": worst_grad,
+        "mok_layers": sum(isinstance(m, MoKMoELayer) for m in models[1].modules()),
+        "plain_engine": [e == "plain" for e in _engines(models[1])],
+        "schedule_plans": [r.schedule_plans for r in runs],
+    }
+
+
+def combined_1f1b_freed_input_case(rank, world, *, ep=2):
+    """The CPU harness keeps the scheduler's freeing: MoK's plain engine with a ``dispatch_postprocess``
+    that hands the experts the dispatched rows themselves (no sorting copy, as at one local expert,
+    where Megatron keeps the experts node's input) under the combined 1F1B schedule. The scheduler frees
+    the experts node's input after its forward while the expert GEMMs saved it for backward, so the
+    backward must fail. Returns the error text, or None if the run went through."""
+    from mok_megatron.engine import plain
+
+    def unsorted(x, probs, plan):
+        return x, plan.tokens_per_expert_L, probs
+
+    sort = plain.dispatch_postprocess
+    plain.dispatch_postprocess = unsorted
     try:
-        combined_1f1b_case(rank, world, **kw)
-    except Exception as e:
-        frame = traceback.extract_tb(e.__traceback__)
-        megatron = [f for f in frame if "/megatron/core/" in f.filename]
-        where = megatron[-1] if megatron else frame[-1]
-        return f"{where.filename.split('site-packages/')[-1]}:{where.lineno} {where.line}", str(e)
+        combined_1f1b_case(rank, world, ep=ep, microbatches=2, steps=1)
+    except RuntimeError as e:
+        return str(e)
+    finally:
+        plain.dispatch_postprocess = sort
     return None
