@@ -11,6 +11,7 @@ import argparse
 import importlib.util
 import os
 import pickle
+import re
 import shlex
 import shutil
 import subprocess
@@ -87,10 +88,57 @@ def test_readme_recipe_check_glob_passes():
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
 
 
-def test_pretrain_help_lists_the_mok_flags():
+# Each command below imports Megatron (~10 s of one core here); they run two at a time, once per module.
+PRETRAIN = [sys.executable, "-m", "mok_megatron.pretrain_gpt"]
+BASE = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64"]
+BASE += ["--max-position-embeddings", "64", "--num-experts", "8", "--moe-router-topk", "2"]
+BASE += ["--micro-batch-size", "2", "--train-iters", "4", "--mock-data", "--tokenizer-type", "NullTokenizer"]
+BASE += ["--vocab-size", "128", "--moe-token-dispatcher-type", "mok"]
+BAD_FLAGS = [
+    (["--mok-transport", "infiniband"], ("--mok-transport", "infiniband")),
+    (["--mok-minibatch-size", "0"], ("--mok-minibatch-size=0",)),
+    (
+        ["--mok-sync-free", "--expert-model-parallel-size", "2", "--overlap-moe-expert-parallel-comm"],
+        ("--mok-sync-free", "--overlap-moe-expert-parallel-comm"),
+    ),
+    (
+        ["--mok-minibatch-size", "64", "--moe-expert-capacity-factor", "1.0"],
+        ("--mok-minibatch-size", "moe_expert_capacity_factor=1.0"),
+    ),
+]
+
+
+def _run_many(commands: dict, timeout: float = 180) -> dict:
+    """{key: (cmd, env)} -> {key: CompletedProcess}, two at a time."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(max_workers=2) as ex:
+        futures = {k: ex.submit(_run, cmd, timeout, ROOT, **env) for k, (cmd, env) in commands.items()}
+        return {k: f.result() for k, f in futures.items()}
+
+
+@pytest.fixture(scope="module")
+def startup():
+    """Every start-up command of this module's tests, run once: help, each bad flag, rank 1's view of a bad
+    flag, a GPU transport on this CPU, Megatron's default (TE) layer without Transformer Engine."""
+    commands = {"help": (PRETRAIN + ["--help"], {})}
+    for i, (extra, _) in enumerate(BAD_FLAGS):
+        commands[f"bad{i}"] = (PRETRAIN + BASE + extra, {})
+    commands["rank1"] = (PRETRAIN + BASE + ["--mok-transport", "infiniband"], {"RANK": "1"})
+    if not torch.cuda.is_available():
+        commands["copy_engine"] = (
+            PRETRAIN + BASE + ["--mok-transport", "copy_engine", "--transformer-impl", "local"],
+            {},
+        )
+    if not have_te():
+        commands["no_te"] = (PRETRAIN + BASE, {})
+    return _run_many(commands)
+
+
+def test_pretrain_help_lists_the_mok_flags(startup):
     """``mok-pretrain-gpt --help``: megatron-core 0.19 generates help strings with a bare ``%`` (argparse
     formats help with ``%``); the flags must list."""
-    r = _run([sys.executable, "-m", "mok_megatron.pretrain_gpt", "--help"], timeout=180)
+    r = startup["help"]
     assert r.returncode == 0, r.stderr[-2000:]
     for flag in (
         "--mok-transport",
@@ -115,65 +163,40 @@ def _one_error_line(r, *needles):
         assert needle in errors[0], errors[0]
 
 
-BASE = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64"]
-BASE += ["--max-position-embeddings", "64", "--num-experts", "8", "--moe-router-topk", "2"]
-BASE += ["--micro-batch-size", "2", "--train-iters", "4", "--mock-data", "--tokenizer-type", "NullTokenizer"]
-BASE += ["--vocab-size", "128", "--moe-token-dispatcher-type", "mok"]
+@pytest.mark.parametrize("i", range(len(BAD_FLAGS)), ids=[" ".join(e) for e, _ in BAD_FLAGS])
+def test_bad_mok_flags_fail_in_one_line_right_after_parsing(startup, i):
+    _one_error_line(startup[f"bad{i}"], *BAD_FLAGS[i][1])
 
 
-@pytest.mark.parametrize(
-    "extra,needles",
-    [
-        (["--mok-transport", "infiniband"], ("--mok-transport", "infiniband")),
-        (["--mok-minibatch-size", "0"], ("--mok-minibatch-size=0",)),
-        (
-            ["--mok-sync-free", "--expert-model-parallel-size", "2", "--overlap-moe-expert-parallel-comm"],
-            ("--mok-sync-free", "--overlap-moe-expert-parallel-comm"),
-        ),
-        (
-            ["--mok-minibatch-size", "64", "--moe-expert-capacity-factor", "1.0"],
-            ("--mok-minibatch-size", "moe_expert_capacity_factor=1.0"),
-        ),
-    ],
-)
-def test_bad_mok_flags_fail_in_one_line_right_after_parsing(extra, needles):
-    r = _run([sys.executable, "-m", "mok_megatron.pretrain_gpt", *BASE, *extra], timeout=180)
-    _one_error_line(r, *needles)
-
-
-def test_bad_flags_print_once_per_job():
+def test_bad_flags_print_once_per_job(startup):
     """Under torchrun every rank parses; only rank 0 prints (all exit non-zero)."""
-    r = _run(
-        [sys.executable, "-m", "mok_megatron.pretrain_gpt", *BASE, "--mok-transport", "infiniband"], RANK="1"
-    )
+    r = startup["rank1"]
     assert r.returncode == 2 and "infiniband" not in r.stderr, r.stderr[-2000:]
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU answer: GPU transports need GPUs")
-def test_gpu_transport_without_gpus_fails_before_model_build():
-    r = _run(
-        [sys.executable, "-m", "mok_megatron.pretrain_gpt", *BASE, "--mok-transport", "copy_engine"]
-        + ["--transformer-impl", "local"],
-        timeout=180,
-    )
-    _one_error_line(r, "--mok-transport copy_engine needs CUDA GPUs", "collective")
+def test_gpu_transport_without_gpus_fails_before_model_build(startup):
+    _one_error_line(startup["copy_engine"], "--mok-transport copy_engine needs CUDA GPUs", "collective")
 
 
 @pytest.mark.skipif(have_te(), reason="Transformer Engine is installed here")
-def test_missing_transformer_engine_names_both_fixes():
-    r = _run([sys.executable, "-m", "mok_megatron.pretrain_gpt", *BASE], timeout=180)
-    _one_error_line(r, "needs Transformer Engine", "mok-megatron[te]", "--transformer-impl local")
+def test_missing_transformer_engine_names_both_fixes(startup):
+    _one_error_line(
+        startup["no_te"], "needs Transformer Engine", "mok-megatron[te]", "--transformer-impl local"
+    )
 
 
 # ---- training on a CPU as a user runs it, and a damaged checkpoint ------------------------------------
 
 
-def _tiny_command(iters: int) -> list[str]:
-    """The tiny recipe's launch command (its rendezvous on a free port of this machine)."""
+def _tiny_command(iters: int, dispatcher: str = "mok") -> list[str]:
+    """The tiny recipe's launch command: 2 gloo ranks, EP=2 (its rendezvous on a free port here)."""
     r = _run(
         ["bash", "examples/tiny_moe.sh"],
         DRY_RUN="1",
         ITERS=str(iters),
+        NPROC="2",
+        DISPATCHER=dispatcher,
         MASTER_PORT=str(_free_port()),
         timeout=60,
     )
@@ -182,14 +205,28 @@ def _tiny_command(iters: int) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def saved_checkpoint(tmp_path_factory):
-    """The tiny recipe on this CPU for 4 iterations, with torch.compile left on (a user's default), saving
-    at iteration 4; its output and the checkpoint directory."""
+def saved_checkpoint(tiny_runs):
+    """The tiny recipe on this CPU (Megatron's pretrain() loop: DDP, optimizer, scheduler, mock data) for 4
+    iterations, with torch.compile left on (a user's default), saving at iteration 4; its output and the
+    checkpoint directory."""
+    return tiny_runs["mok"], tiny_runs["ckpt"]
+
+
+@pytest.fixture(scope="module")
+def tiny_runs(tmp_path_factory):
+    """The tiny recipe as a user runs it, MoK (saving at iteration 4) and DISPATCHER=alltoall, side by side."""
     ckpt = tmp_path_factory.mktemp("ckpt")
-    cmd = _tiny_command(4) + ["--save", str(ckpt), "--save-interval", "4", "--ckpt-format", "torch_dist"]
-    cmd = [c if c != "torchrun" else shutil.which("torchrun") or "torchrun" for c in cmd]
-    r = _run(cmd, timeout=600)
-    return r, ckpt
+    mok = _tiny_command(4) + ["--save", str(ckpt), "--save-interval", "4", "--ckpt-format", "torch_dist"]
+    ref = _tiny_command(4, dispatcher="alltoall")
+    torchrun = shutil.which("torchrun") or "torchrun"
+    runs = _run_many(
+        {
+            name: ([c if c != "torchrun" else torchrun for c in cmd], {})
+            for name, cmd in (("mok", mok), ("ref", ref))
+        },
+        timeout=600,
+    )
+    return {**runs, "ckpt": ckpt}
 
 
 def _free_port() -> int:
@@ -202,6 +239,24 @@ def test_pretrain_runs_on_cpu_without_disabling_torch_compile(saved_checkpoint):
     r, _ = saved_checkpoint
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
     assert "iteration        4/       4" in r.stdout, r.stdout[-2000:]
+
+
+_LOSS = re.compile(r"iteration\s+(\d+)/\s*\d+ .*?lm loss: ([0-9.E+-]+)")
+
+
+def test_tiny_recipe_mok_matches_alltoall(tiny_runs):
+    """The same recipe with DISPATCHER=alltoall: Megatron's layer, the same losses (same math)."""
+    mok_log = tiny_runs["mok"].stdout + tiny_runs["mok"].stderr
+    ref = tiny_runs["ref"]
+    ref_log = ref.stdout + ref.stderr
+    assert ref.returncode == 0, ref_log[-4000:]
+    mok, want = ([float(m.group(2)) for m in _LOSS.finditer(log)] for log in (mok_log, ref_log))
+    assert "MoK MoE layers in the layer spec: 2 of 2" in mok_log
+    assert "MoK MoE layers" not in ref_log and "Megatron-Core MoELayer" in ref_log
+    assert len(mok) == len(want) == 4, (mok, want)
+    assert mok[-1] < mok[0], mok  # it learns
+    for i, (x, y) in enumerate(zip(mok, want, strict=True)):
+        assert abs(x - y) <= 1e-4 * abs(y), (i, mok, want)  # same math as Megatron's alltoall layer
 
 
 def test_truncated_checkpoint_is_named_at_start_up(saved_checkpoint, tmp_path):
@@ -317,35 +372,18 @@ def test_convert_refuses_pickled_code_without_the_unsafe_opt_in(tmp_path):
 
     src = tmp_path / "evil.pt"
     torch.save({"model": _model_sd(), "payload": _Exploit()}, src, pickle_protocol=pickle.DEFAULT_PROTOCOL)
-    r = _run(
-        [
-            sys.executable,
-            "-m",
-            "mok_megatron.cli",
-            "convert",
-            str(src),
-            str(tmp_path / "o.pt"),
-            "--to",
-            "mok",
-            "--key",
-            "model",
-        ]
-    )
-    assert r.returncode == 1 and "--unsafe-load" in r.stderr, r.stderr[-2000:]
     ok = tmp_path / "plain.pt"
     torch.save({"model": _model_sd(), "args": argparse.Namespace(num_layers=2), "iteration": 3}, ok)
-    r = _run(
-        [
-            sys.executable,
-            "-m",
-            "mok_megatron.cli",
-            "convert",
-            str(ok),
-            str(tmp_path / "o.pt"),
-            "--to",
-            "mok",
-            "--key",
-            "model",
-        ]
+    convert = [sys.executable, "-m", "mok_megatron.cli", "convert"]
+    runs = _run_many(
+        {
+            name: (
+                convert + [str(path), str(tmp_path / f"{name}-out.pt"), "--to", "mok", "--key", "model"],
+                {},
+            )
+            for name, path in (("evil", src), ("plain", ok))
+        }
     )
-    assert r.returncode == 0, r.stderr[-2000:]
+    evil, plain = runs["evil"], runs["plain"]
+    assert evil.returncode == 1 and "--unsafe-load" in evil.stderr, evil.stderr[-2000:]
+    assert plain.returncode == 0, plain.stderr[-2000:]

@@ -1,8 +1,8 @@
 """Two "nodes" on one host: two torchrun agents (c10d rendezvous), 2 workers each (gloo on CPU; on a
 GPU host, GPUs / 2 workers each over NCCL), training the demo's tiny MoE GPT.
 
-One launch (``first``, shared by the module) runs: Megatron's alltoall MoELayer then MoK for 20 steps
-at EP=4 (spanning both nodes) and at DP=2 x EP=2, the MoK run with a checkpoint at step 10, and the
+One launch (``first``, shared by the module) runs: Megatron's alltoall MoELayer then MoK for 10 steps
+at EP=4 (spanning both nodes) and at DP=2 x EP=2, the MoK run with a checkpoint at step 5, and the
 short skew soak. Further launches: the resume, and the three faults. See ``mok_megatron/testing``.
 """
 
@@ -19,12 +19,12 @@ import pytest
 
 from mok_megatron.testing.launch import launch
 
-STEPS = 20
-SAVE_AT = 10
+STEPS = 10
+SAVE_AT = 5
 SKEW_STEPS_CI = 20
 SKEW_STEPS_FULL = 200
 # fp32, same initial weights and data: MoK reproduces Megatron's alltoall layer bitwise on this
-# model (measured max relative difference 0.0 over 20 steps); the issue allows 1e-4.
+# model (measured max relative difference 0.0); 1e-6 leaves room for a reordered sum.
 LOSS_RTOL = 1e-6
 # Collective timeout of the fault launches: a stalled peer is detected after this long. The launch is
 # killed (and the test fails) after 4x as long.
@@ -43,9 +43,14 @@ if 0 < _gpus() < 4:
     pytest.skip("two nodes with EP=4 need 4 GPUs (or none: CPU mode)", allow_module_level=True)
 
 
-def _run(tmp, *args, node_args=None, timeout_s=240.0):
+def _run(tmp, *args, node_args=None, timeout_s=240.0, nproc_per_node=None):
     t0 = time.monotonic()
-    agents = launch(["--out", str(tmp), *map(str, args)], node_args=node_args, timeout_s=timeout_s)
+    agents = launch(
+        ["--out", str(tmp), *map(str, args)],
+        nproc_per_node=nproc_per_node,
+        node_args=node_args,
+        timeout_s=timeout_s,
+    )
     wall = time.monotonic() - t0
     output = "\n".join(a.output for a in agents)
     results = None
@@ -133,13 +138,16 @@ def test_truncated_checkpoint_fails_clearly_and_writes_nothing(first, tmp_path):
     assert not os.path.exists(new_dir), "a failed resume must not save anything"
 
 
+# The start-up and fault launches need only one worker per node: EP=2 spans both nodes.
 def test_mismatched_moe_config_is_caught_at_start_up(tmp_path):
-    agents, output, _, wall = _run(tmp_path, "--steps", 2, "--ckpt-ep", 4, node_args={1: ["--experts", "16"]})
+    agents, output, _, wall = _run(
+        tmp_path, "--steps", 2, "--ckpt-ep", 2, node_args={1: ["--experts", "16"]}, nproc_per_node=1
+    )
     print(f"\nmismatch launch: {wall:.1f} s")
     assert all(a.returncode not in (0, None) for a in agents), output[-4000:]
     lines = [ln for ln in output.splitlines() if "MoEConfigMismatchError" in ln]
-    assert len(lines) == 4, output[-4000:]
-    detail = r"num_moe_experts: (8|16) on ranks \[\d, \d\]; (16|8) on ranks \[\d, \d\]"
+    assert len(lines) == 2, output[-4000:]
+    detail = r"num_moe_experts: (8|16) on ranks \[\d\]; (16|8) on ranks \[\d\]"
     assert re.search(detail, output), output[-4000:]
     assert "job start-up, step 0" in lines[0]
     assert "loss at step" not in output
@@ -150,16 +158,16 @@ def test_failed_worker_ends_the_job_with_clear_messages(tmp_path, fault):
     """kill: the peers see the sockets close at once. stall: the rank stops answering with its sockets
     open, so the peers wait out the collective timeout; its agent then stops it with SIGTERM."""
     agents, output, _, wall = _run(
-        tmp_path, "--steps", 8, "--ckpt-ep", 4, "--timeout-s", FAULT_TIMEOUT_S,
-        "--fault", fault, "--fault-rank", 3, "--fault-step", 3,
-        timeout_s=4 * FAULT_TIMEOUT_S,
+        tmp_path, "--steps", 8, "--ckpt-ep", 2, "--timeout-s", FAULT_TIMEOUT_S,
+        "--fault", fault, "--fault-rank", 1, "--fault-step", 3,
+        timeout_s=4 * FAULT_TIMEOUT_S, nproc_per_node=1,
     )  # fmt: skip
     print(f"\n{fault} launch: {wall:.1f} s, agents exited after {[round(a.seconds, 1) for a in agents]} s")
     assert all(a.returncode not in (0, None) for a in agents), (
         "an agent hung or succeeded:\n" + output[-4000:]
     )
-    assert re.search(r"rank 3 .*step 3: fault injection: (SIGKILL|stalling)", output)
-    others = (0, 1, 2) if fault == "kill" else (0, 1, 2, 3)
+    assert re.search(r"rank 1 .*step 3: fault injection: (SIGKILL|stalling)", output)
+    others = (0,) if fault == "kill" else (0, 1)
     for rank in others:
         pattern = rf"\[mok train_tiny\] rank {rank} \(node \d, local rank \d\), job ckpt, step 3: "
         assert re.search(pattern + r"(a collective failed|stopped by SIGTERM)", output), (

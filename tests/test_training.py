@@ -1,6 +1,6 @@
-"""Megatron training integration: the --mok-* flags through Megatron's real parser, the entry point
-through Megatron's real training loop on CPU (MoK vs alltoall), the patch set applied to the wheel's
-own arguments.py, and every recipe's DRY_RUN command."""
+"""Megatron training integration: the --mok-* flags through Megatron's real parser, the patch set applied
+to the wheel's own arguments.py, and every recipe's DRY_RUN command (the training loop itself, MoK against
+alltoall: tests/test_first_run.py)."""
 
 from __future__ import annotations
 
@@ -218,41 +218,3 @@ def test_recipe_dry_run_parses_and_its_layout_adds_up(parser, recipe):
     assert r.argv[i + 1] == "mok" and ab[: len(expected)] == expected
     assert all(not x.startswith("--mok-") for x in ab[len(expected) :])
     assert not parser.parse_args(ab).mok
-
-
-# ---- the training loop on CPU ---------------------------------------------------------------------
-
-_LOSS = re.compile(r"iteration\s+(\d+)/\s*\d+ .*?lm loss: ([0-9.E+-]+)")
-
-
-def _tiny_run(dispatcher: str, iters: int) -> tuple[list[float], str]:
-    env = dict(
-        os.environ,
-        DISPATCHER=dispatcher,
-        NPROC="2",
-        ITERS=str(iters),
-        DEVICE="cpu",
-        PYTHONPATH=str(ROOT),
-        PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
-        MASTER_PORT=str(__import__("tests.pool", fromlist=["free_port"]).free_port()),
-    )
-    r = subprocess.run(
-        ["bash", str(ROOT / "examples" / "tiny_moe.sh")], env=env, capture_output=True, text=True, timeout=300
-    )
-    out = r.stdout + r.stderr
-    assert r.returncode == 0, out[-4000:]
-    losses = [float(m.group(2)) for m in _LOSS.finditer(out)]
-    return losses, out
-
-
-def test_tiny_recipe_trains_on_cpu_and_mok_matches_alltoall():
-    """Megatron's own pretrain() loop (DDP, optimizer, scheduler, mock data), 2 gloo ranks, EP=2."""
-    iters = 6
-    mok, mok_log = _tiny_run("mok", iters)
-    ref, ref_log = _tiny_run("alltoall", iters)
-    assert "MoK MoE layers in the layer spec: 2 of 2" in mok_log
-    assert "MoK MoE layers" not in ref_log and "Megatron-Core MoELayer" in ref_log
-    assert len(mok) == len(ref) == iters, (mok, ref)
-    assert mok[-1] < mok[0], mok  # it learns
-    for i, (x, y) in enumerate(zip(mok, ref, strict=True)):
-        assert abs(x - y) <= 1e-4 * abs(y), (i, mok, ref)  # same math as Megatron's alltoall layer
