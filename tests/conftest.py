@@ -33,6 +33,19 @@ def pool():
     handle.close()
 
 
+def pytest_collection_finish(session):
+    """The Triton interpreter runs start now, in the background (tests/interpret.py)."""
+    from tests import interpret
+
+    interpret.start_selected(session.items)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    from tests import interpret
+
+    interpret.stop_all()
+
+
 def pytest_collection_modifyitems(config, items):
     if os.environ.get("MOK_SLOW") == "1":
         return

@@ -25,7 +25,7 @@ from mok_megatron.ops import fp8_quantize as quantize
 from mok_megatron.kernels import INTERPRETED, Impl
 from mok_megatron.kernels import fp8_permute as FP
 from mok_megatron.kernels import fp8_quant as Q
-from tests.interpret import run_interpreted
+from tests.interpret import interpreted
 
 REPO = Path(__file__).resolve().parent.parent
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
@@ -301,11 +301,14 @@ def run_cases(cases: dict, device: str) -> dict:
 # ---- CPU: the kernels interpreted -----------------------------------------------------------------------------
 
 
+INTERPRETED_RUN = ("-m", "tests.test_fp8_quant_kernels", "--json", "{json}")
+
+
 @pytest.fixture(scope="module")
 def interpreted_results():
     if not have_triton():
         pytest.skip("Triton is not installed")
-    return run_interpreted("tests.test_fp8_quant_kernels")
+    return interpreted(list(INTERPRETED_RUN))
 
 
 @pytest.mark.parametrize("case", list(CASES))

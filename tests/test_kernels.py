@@ -19,7 +19,7 @@ from mok_megatron.kernels.swiglu import swiglu, swiglu_reference
 from mok_megatron.ops.activation import Activation, ActivationSpec, apply_activation
 from mok_megatron.ops.permute import combine_tokens_reference, permute_tokens_reference
 from mok_megatron.ops.routing import dropless_order, slot_map
-from tests.interpret import run_interpreted
+from tests.interpret import interpreted
 from tests.kernel_cases import CPU_CASES, GPU_CASES, TOL, topk_ids
 
 REPO = Path(__file__).resolve().parent.parent
@@ -173,11 +173,14 @@ def test_auto_on_cpu_is_the_reference():
 # ---- the Triton kernels on CPU, interpreted ---------------------------------------------------------------------
 
 
+INTERPRETED_RUN = ("-m", "tests.kernel_cases", "--device", "cpu", "--json", "{json}")
+
+
 @pytest.fixture(scope="module")
 def interpreted_results():
     if not have_triton():
         pytest.skip("Triton is not installed")
-    return run_interpreted("tests.kernel_cases", "--device", "cpu")
+    return interpreted(list(INTERPRETED_RUN))
 
 
 @pytest.mark.parametrize("case", list(CPU_CASES))

@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -24,6 +22,7 @@ from mok_megatron.transport.nvlink.exchange import (
     push_segments,
 )
 from mok_megatron.transport.nvlink.workspace import LoopbackWorkspace
+from tests.interpret import interpreted
 from tests.nvlink_cases import check_exchanges, loopback_moe, random_matrix
 
 REPO = Path(__file__).resolve().parent.parent
@@ -166,22 +165,17 @@ for P in (2, 4, 8):
         res[P] = "ok"
     except Exception as e:
         res[P] = repr(e)
-print(json.dumps(res))
+with open(sys.argv[1], "w") as f:
+    json.dump(res, f)
 """
+INTERPRETED_RUN = ("-c", _INTERPRETED, "{json}")
 
 
 @pytest.fixture(scope="module")
 def interpreted_results():
     if not have_triton():
         pytest.skip("needs Triton")
-    env = dict(
-        os.environ, TRITON_INTERPRET="1", PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"
-    )
-    out = subprocess.run(
-        [sys.executable, "-c", _INTERPRETED], env=env, cwd=REPO, capture_output=True, text=True, timeout=300
-    )
-    assert out.returncode == 0, out.stderr[-3000:]
-    return {int(k): v for k, v in json.loads(out.stdout.strip().splitlines()[-1]).items()}
+    return {int(k): v for k, v in interpreted(list(INTERPRETED_RUN)).items()}
 
 
 @pytest.mark.parametrize("P", [2, 4, 8])
