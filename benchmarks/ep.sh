@@ -4,7 +4,9 @@
 # Megatron's training loop (MoK vs alltoall). Run from the project root with megatron-core (and TE for the
 # Megatron+TE reference) importable:
 #   OUT=<dir> bash benchmarks/ep.sh [bf16|fp8]
-#   bf16 (default): local rows fused/overlap x exact / sync-free+graph / +FP8 dispatch, one profiled step
+#   bf16 (default): local rows fused/overlap x exact / sync-free+graph / +FP8 dispatch, one profiled step;
+#     then Megatron's combined 1F1B EP-overlap schedule against the plain one (--schedules plain,1f1b: a
+#     one-layer GPT, two micro-batches per call), Megatron's layer and MoK's
 #   fp8: native FP8 experts (--expert-backend torch-fp8), exact, sync-free+graph, FP8 dispatch and combine
 set -u
 out=${OUT:-/tmp/mok-ep}; mkdir -p "$out"
@@ -17,7 +19,10 @@ case "${1:-bf16}" in
       --transports ${TRANSPORTS:-collective,copy_engine} --local-rows fused,overlap --chunks ${CHUNKS:-1} \
       --modes ${MODES:-exact,sync-free+graph,sync-free+graph+fp8} --profile --iters 10 --warmup 3 \
       --json "$out/ep.json" > "$out/ep.txt" 2>&1
-    echo "== bench ep rc=$?"; grep -E "^\||^profile|EP=|fail|Error" "$out/ep.txt" | cut -c1-200 ;;
+    echo "== bench ep rc=$?"; grep -E "^\||^profile|EP=|fail|Error" "$out/ep.txt" | cut -c1-200
+    timeout ${T_SCHED:-300} torchrun --nproc-per-node "$ngpu" -m mok_megatron.bench.overlap ep --shapes dsv3,qwen3 \
+      --schedules plain,1f1b --iters 10 --warmup 3 --json "$out/ep-schedules.json" > "$out/ep-schedules.txt" 2>&1
+    echo "== bench ep schedules rc=$?"; grep -E "^\||EP=|fail|Error" "$out/ep-schedules.txt" | cut -c1-200 ;;
   fp8)
     timeout ${T_EP:-330} torchrun --nproc-per-node "$ngpu" -m mok_megatron.bench.overlap ep --shapes dsv3,qwen3 \
       --transports ${TRANSPORTS:-collective,copy_engine} --local-rows fused --chunks 1 \

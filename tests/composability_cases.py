@@ -4,10 +4,9 @@ Megatron's combined 1F1B EP-overlap schedule driving MoK layers."""
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 
+from mok_megatron.training.cpu_training import megatron_schedule
 from tests.cases import build_gpt, build_layers, build_mok_only, make_config, setup_parallel, tiny_gpt_config
 
 
@@ -194,52 +193,6 @@ def build_with_case(rank, world, *, ep=2, opts=None, after=None, **cfg_kw):
 
 # --overlap-moe-expert-parallel-comm --delay-wgrad-compute
 OVERLAP_FLAGS = dict(overlap_moe_expert_parallel_comm=True, delay_wgrad_compute=True)
-
-
-@contextlib.contextmanager
-def megatron_schedule():
-    """Megatron's no-pipelining schedules (plain and combined 1F1B) in this process, for this block.
-
-    Always: ``MoEAuxLossAutoScaler.main_loss_backward_scale`` (transformer/moe/moe_utils.py) is
-    process-global, and the schedule ``copy_``s its ``[1]``-shaped scale into whatever an earlier
-    backward left there (a schedule-less backward leaves a 0-d tensor, which cannot take it): cleared
-    on entry, restored on exit.
-
-    In CPU mode (``mok_megatron.training.cpu``) two CUDA-only spots of Megatron's schedule are bridged,
-    both restored on exit:
-
-    - pipeline_parallel/schedules.py (``forward_backward_no_pipelining``) allocates its token counter
-      with ``device="cuda"``: the block runs under ``CudaToCpu`` (mok_megatron.training.cpu_training),
-      which turns a CUDA ``device`` argument into the CPU.
-    - pipeline_parallel/utils.py (``ScheduleNode`` forward and backward) and
-      models/gpt/fine_grained_callables.py (the combine node) call ``Tensor.record_stream``, the CUDA
-      caching allocator's cross-stream bookkeeping, which CPU tensors reject: a no-op for CPU tensors
-      (on CPU every op completes in program order). The nodes still free their inputs
-      (``untyped_storage().resize_(0)``), so a phase whose output shares storage with a freed input,
-      or whose backward needs one, fails here as it would on a GPU.
-    """
-    from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
-
-    import mok_megatron.training.cpu as cpu_mode
-
-    scale = MoEAuxLossAutoScaler.main_loss_backward_scale
-    MoEAuxLossAutoScaler.main_loss_backward_scale = None
-    record_stream = torch.Tensor.record_stream
-    with contextlib.ExitStack() as stack:
-        if cpu_mode.is_enabled():
-            from mok_megatron.training.cpu_training import CudaToCpu
-
-            def cpu_record_stream(tensor, stream):
-                if tensor.is_cuda:
-                    record_stream(tensor, stream)
-
-            torch.Tensor.record_stream = cpu_record_stream
-            stack.callback(setattr, torch.Tensor, "record_stream", record_stream)
-            stack.enter_context(CudaToCpu())
-        try:
-            yield
-        finally:
-            MoEAuxLossAutoScaler.main_loss_backward_scale = scale
 
 
 def schedule_config(ep: int, overlap: bool, dtype: str = "bf16", **extra):

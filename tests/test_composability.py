@@ -5,8 +5,8 @@ recompute must save less for backward (numbers printed with -s); Megatron's EP o
 scopes that MoK cannot honour must fail at build with the flags named. Megatron's combined 1F1B
 EP-overlap schedule drives MoK layers at EP 2 and 4: bitwise the plain schedule, and within fp32
 parity of Megatron's own alltoall layer under the same schedule (Megatron's schedule runs on CPU with
-its CUDA-only calls bridged for the call: ``composability_cases.megatron_schedule``). CUDA-graph
-capture is GPU-only: tests/test_gpu.py.
+its CUDA-only calls bridged for the call: ``mok_megatron.training.cpu_training.megatron_schedule``).
+CUDA-graph capture is GPU-only: tests/test_gpu.py.
 """
 
 import pytest
@@ -120,8 +120,8 @@ def test_cuda_graphs_whole_layer_needs_full_capacity(pool):
 
 # Megatron's combined 1F1B EP overlap (--overlap-moe-expert-parallel-comm --delay-wgrad-compute) on CPU:
 # the cases run Megatron's forward_backward_no_pipelining with the CUDA-only spots of its schedule
-# bridged for the call (composability_cases.megatron_schedule). 3 micro-batches: the steady state
-# (one micro-batch's forward beside another's backward) runs twice per step.
+# bridged for the call (mok_megatron.training.cpu_training.megatron_schedule). 3 micro-batches: the
+# steady state (one micro-batch's forward beside another's backward) runs twice per step.
 MICROBATCHES = 3
 
 

@@ -14,6 +14,14 @@ parallelism over N GPUs (N local experts per rank x N ranks), MoK per transport 
 Megatron-Core's alltoall ``MoELayer`` (TEGroupedMLP when Transformer Engine is importable), and the
 same per-rank work at EP=1 (each rank alone), so exposed communication = t(EP=N) - t(EP=1).
 
+``mok bench ep --schedules plain,1f1b`` (``layer``, the default, is the sweep above; list it to run both):
+Megatron's combined 1F1B EP-overlap schedule (``--overlap-moe-expert-parallel-comm
+--delay-wgrad-compute``), which overlaps one micro-batch's forward with another's backward layer by
+layer, against the plain schedule, for Megatron's alltoall layer and for MoK's, at EP=N: a one-layer GPT
+(attention + MoE, the shape's per-rank tokens per micro-batch) through ``forward_backward_no_pipelining``
+with ``--microbatches`` (2); ms per micro-batch pair, the 1f1b / plain ratio and MoK / Megatron per
+schedule; losses checked first (MoK's bitwise across the schedules). Needs EP > 1 (``bench.schedules``).
+
 Times are medians of CUDA-event timings (max over ranks); outputs are checked against Megatron first.
 """
 
@@ -38,10 +46,13 @@ OVERLAP_SHAPES = {
     "tiny": dict(hidden=64, ffn=64, experts=4, topk=2, tokens=256, ep=4),
     "tiny-shared": dict(hidden=64, ffn=64, experts=4, topk=2, tokens=256, ep=4, shared=64),
 }
-EP_SHAPES = {  # per-rank: local experts, tokens
-    "dsv3": dict(hidden=7168, ffn=2048, local=8, topk=8, tokens=4096),
-    "qwen3": dict(hidden=2048, ffn=768, local=64, topk=8, tokens=16384),
-    "tiny": dict(hidden=64, ffn=64, local=4, topk=2, tokens=256),
+EP_SHAPES = {
+    # per-rank: local experts, tokens; attention (heads, KV groups, head size) of --schedules' model
+    # (bench.schedules): DeepSeek-V3's MLA stood in for by 56 heads of 128 (205M parameters against
+    # MLA's 187M), Qwen3-30B-A3B's GQA as published (32 heads of 128, 4 KV groups)
+    "dsv3": dict(hidden=7168, ffn=2048, local=8, topk=8, tokens=4096, heads=56),
+    "qwen3": dict(hidden=2048, ffn=768, local=64, topk=8, tokens=16384, heads=32, groups=4, kv_channels=128),
+    "tiny": dict(hidden=64, ffn=64, local=4, topk=2, tokens=256, heads=4),
 }
 
 
@@ -421,12 +432,15 @@ def bench_ep(
     kernels=False,
     local_rows=("overlap", "fused"),
     expert_backend="torch",
+    schedules=("layer",),
+    microbatches=2,
 ) -> list[dict]:
-    """``expert_backend``: the MoK layers' experts (``--mok-expert-backend``; Megatron's layer keeps its
-    own). ``profile``: also one profiled step (streams busy and concurrent, GPU ops, host enqueue) of
-    Megatron's layer and of every one-minibatch exact-mode MoK variant at EP=N (``kernels``: also its
-    top kernels and host ops, ``kernel_profile.kernel_summary``). ``no_b``: also each
-    transport with all local rows in region A (``pipeline_plan.MIN_LOCAL_HALF`` set huge).
+    """``schedules``: ``layer`` (this sweep) and / or ``plain``, ``1f1b`` (``bench.schedules``, with
+    ``microbatches`` per call). ``expert_backend``: the MoK layers' experts (``--mok-expert-backend``;
+    Megatron's layer keeps its own). ``profile``: also one profiled step (streams busy and concurrent,
+    GPU ops, host enqueue) of Megatron's layer and of every one-minibatch exact-mode MoK variant at EP=N
+    (``kernels``: also its top kernels and host ops, ``kernel_profile.kernel_summary``). ``no_b``: also
+    each transport with all local rows in region A (``pipeline_plan.MIN_LOCAL_HALF`` set huge).
     ``local_rows``: the ``--mok-local-rows`` settings to time per transport (overlap, fused)."""
     return _bench_ep(
         shapes,
@@ -440,11 +454,25 @@ def bench_ep(
         kernels,
         local_rows,
         expert_backend,
+        schedules,
+        microbatches,
     )
 
 
 def _bench_ep(
-    shapes, transports, chunks_list, iters, warmup, modes, profile, no_b, kernels, local_rows, expert_backend
+    shapes,
+    transports,
+    chunks_list,
+    iters,
+    warmup,
+    modes,
+    profile,
+    no_b,
+    kernels,
+    local_rows,
+    expert_backend,
+    schedules,
+    microbatches,
 ) -> list[dict]:
     import torch
     import torch.distributed as dist
@@ -477,7 +505,7 @@ def _bench_ep(
         return v.item()
 
     rows = []
-    for name in shapes:
+    for name in shapes if "layer" in schedules else ():
         s = EP_SHAPES[name]
         x, dout = _inputs(s["tokens"], s["hidden"], dtype, device, seed=rank)
         for ep in (world, 1):
@@ -583,6 +611,25 @@ def _bench_ep(
             if rank == 0:
                 meg_row = next(r for r in rows if r["shape"] == name and r["ep"] == ep and r["impl"] == meg)
                 print(f"{name} EP={ep} {meg}: {meg_row['ms']:.2f} ms", flush=True)
+    timed = [n for n in schedules if n != "layer"]
+    if timed:
+        from mok_megatron.bench.schedules import bench_schedules
+
+        _reinit(world)
+        rows += bench_schedules(
+            shapes,
+            timed,
+            microbatches,
+            iters,
+            warmup,
+            ep=world,
+            device=device,
+            dtype=dtype,
+            megatron_impl=meg,
+            tmax=tmax,
+            rank=rank,
+            expert_backend=expert_backend,
+        )
     return rows
 
 
@@ -610,7 +657,12 @@ def _profiled(shape, label, step, device, rank) -> dict:
 
 
 def format_ep(rows) -> str:
+    """The layer rows' tables (``--schedules layer``), then the schedule rows' (``bench.schedules``)."""
+    from mok_megatron.bench.schedules import format_schedules
+
     out = []
+    sched = [r for r in rows if "schedule" in r]
+    rows = [r for r in rows if "schedule" not in r]
     for shape in dict.fromkeys(r["shape"] for r in rows):
         rs = [r for r in rows if r["shape"] == shape]
         ep = max(r["ep"] for r in rs)
@@ -635,6 +687,8 @@ def format_ep(rows) -> str:
                 f"| {r['transport']} | {r['chunks']} | {r['ms']:.2f} | {meg['ms'] / r['ms']:.2f}x | "
                 f"{exp:.2f} | {hid:.0f}% |"
             )
+    if sched:
+        out.append(format_schedules(sched))
     return "\n".join(out)
 
 
@@ -690,6 +744,16 @@ def main(argv: list[str] | None = None) -> int:
         "--kernels", action="store_true", help="ep, with --profile: also print top kernels/host ops"
     )
     p.add_argument(
+        "--schedules",
+        default="layer",
+        help="ep: comma list of layer (one MoE layer fwd+bwd, the sweep above), plain, 1f1b (a one-layer GPT "
+        "through Megatron's forward_backward_no_pipelining without / with its combined 1F1B EP overlap, "
+        "--overlap-moe-expert-parallel-comm; needs EP > 1)",
+    )
+    p.add_argument(
+        "--microbatches", type=int, default=2, help="ep --schedules plain,1f1b: micro-batches per call"
+    )
+    p.add_argument(
         "--expert-backend",
         default="torch",
         help="the MoK layers' expert GEMMs (torch | torch-fp8; --mok-expert-backend; overlap: the baseline too)",
@@ -707,6 +771,18 @@ def main(argv: list[str] | None = None) -> int:
     bad = [m for m in ns.modes.split(",") if m not in MODES]
     if bad:
         p.error(f"--modes {','.join(bad)}: choose from {', '.join(MODES)}")
+    from mok_megatron.bench.schedules import EP1_ERROR, SCHEDULES
+
+    schedules = ns.schedules.split(",")
+    bad = [n for n in schedules if n not in ("layer", *SCHEDULES)]
+    if bad:
+        p.error(f"--schedules {','.join(bad)}: choose from layer, {', '.join(SCHEDULES)}")
+    if ns.microbatches < 2:
+        p.error(f"--microbatches {ns.microbatches}: the combined 1F1B schedule pairs micro-batches (>= 2)")
+    timed = [n for n in schedules if n in SCHEDULES]
+    if ns.what == "ep" and timed and int(os.environ.get("WORLD_SIZE", 1)) < 2:
+        print(EP1_ERROR.format(names=",".join(timed)), file=sys.stderr)
+        return 2
     if ns.what == "overlap":
         _warn_cpu_cost(ns, shapes, chunks)
         rows = bench_overlap(
@@ -734,6 +810,8 @@ def main(argv: list[str] | None = None) -> int:
             kernels=ns.kernels,
             local_rows=(ns.local_rows or "overlap,fused").split(","),
             expert_backend=ns.expert_backend,
+            schedules=schedules,
+            microbatches=ns.microbatches,
         )
         text = format_ep(rows)
         rank0 = int(os.environ.get("RANK", 0)) == 0

@@ -19,10 +19,15 @@ What the command line must say on CPU (``CPU_FLAGS``; the tiny recipe passes the
 kernels (apex / TE are GPU-only), fp32, local transformer implementation, no gradient-accumulation
 fusion, and ``--no-check-for-nan-in-loss-and-grad`` is *not* needed. ``check_cpu_args`` names any
 flag that cannot work here.
+
+``megatron_schedule()`` is the narrower glue for Megatron-Core's no-pipelining schedules alone (plain and
+combined 1F1B EP overlap) without the training loop: scoped to a ``with`` block, restored on exit, and
+needed on GPUs too (the aux-loss scale it resets is process-global).
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
 
 import torch
@@ -178,3 +183,49 @@ def disable() -> None:
 
 def is_enabled() -> bool:
     return bool(_state)
+
+
+@contextlib.contextmanager
+def megatron_schedule():
+    """Megatron's no-pipelining schedules (``forward_backward_no_pipelining``, plain and combined 1F1B)
+    in this process, for this block.
+
+    Always: ``MoEAuxLossAutoScaler.main_loss_backward_scale`` (transformer/moe/moe_utils.py) is
+    process-global, and the schedule ``copy_``s its ``[1]``-shaped scale into whatever an earlier
+    backward left there (a schedule-less backward leaves a 0-d tensor, which cannot take it): cleared
+    on entry, restored on exit.
+
+    In CPU mode (``mok_megatron.training.cpu``) two CUDA-only spots of Megatron's schedule are bridged,
+    both restored on exit:
+
+    - pipeline_parallel/schedules.py (``forward_backward_no_pipelining``) allocates its token counter
+      with ``device="cuda"``: the block runs under ``CudaToCpu``, which turns a CUDA ``device`` argument
+      into the CPU.
+    - pipeline_parallel/utils.py (``ScheduleNode`` forward and backward) and
+      models/gpt/fine_grained_callables.py (the combine node) call ``Tensor.record_stream``, the CUDA
+      caching allocator's cross-stream bookkeeping, which CPU tensors reject: a no-op for CPU tensors
+      (on CPU every op completes in program order). The nodes still free their inputs
+      (``untyped_storage().resize_(0)``), so a phase whose output shares storage with a freed input,
+      or whose backward needs one, fails here as it would on a GPU.
+    """
+    from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+
+    import mok_megatron.training.cpu as cpu_mode
+
+    scale = MoEAuxLossAutoScaler.main_loss_backward_scale
+    MoEAuxLossAutoScaler.main_loss_backward_scale = None
+    record_stream = torch.Tensor.record_stream
+    with contextlib.ExitStack() as stack:
+        if cpu_mode.is_enabled():
+
+            def cpu_record_stream(tensor, stream):
+                if tensor.is_cuda:
+                    record_stream(tensor, stream)
+
+            torch.Tensor.record_stream = cpu_record_stream
+            stack.callback(setattr, torch.Tensor, "record_stream", record_stream)
+            stack.enter_context(CudaToCpu())
+        try:
+            yield
+        finally:
+            MoEAuxLossAutoScaler.main_loss_backward_scale = scale
