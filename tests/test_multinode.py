@@ -179,6 +179,27 @@ def test_failed_worker_ends_the_job_with_clear_messages(tmp_path, fault):
         assert re.search(rf"collective timeout {FAULT_TIMEOUT_S} s", output)
 
 
+def test_a_launch_killed_at_its_timeout_leaves_no_worker(tmp_path):
+    """torchrun starts each worker in a session of its own; killing the agents' process groups alone
+    would orphan a stalled worker. The launch kills every process below its agents."""
+    out = tmp_path / "killed"
+    agents, _, _, wall = _run(
+        out, "--steps", 8, "--ckpt-ep", 2, "--timeout-s", 600, "--fault", "stall", "--fault-rank", 1,
+        "--fault-step", 1, timeout_s=25, nproc_per_node=1,
+    )  # fmt: skip
+    assert all(a.returncode is None for a in agents), "the launch ended before its timeout"
+    time.sleep(0.5)
+    left = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if str(out).encode() in f.read():
+                    left.append(pid)
+        except OSError:
+            pass
+    assert not left, f"processes of the killed launch still run: {left}"
+
+
 def _check_skew(res, steps):
     tokens, memory = res["tokens"], res["memory"]
     # every token of every rank went to one expert per layer, and came back

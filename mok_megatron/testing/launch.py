@@ -16,6 +16,7 @@ Timeouts (all bounded; see ``faults`` for what the workers do):
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import signal
 import socket
@@ -115,6 +116,10 @@ def launch(
     results = []
     for node, p in enumerate(procs):
         if node not in ended:
+            # torchrun starts each worker in a session of its own: kill them first, then the agent's group.
+            for pid in _descendants(p.pid):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
             os.killpg(p.pid, signal.SIGKILL)
             p.wait()
         logs[node].seek(0)
@@ -123,6 +128,27 @@ def launch(
         rc = p.returncode if node in ended else None
         results.append(AgentResult(node, rc, output, ended.get(node, timeout_s)))
     return results
+
+
+def _descendants(pid: int) -> list[int]:
+    """Every live process below ``pid`` (from /proc; empty where there is none)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc") if os.path.isdir("/proc") else ():
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])  # the name may hold spaces and parentheses
+        children.setdefault(ppid, []).append(int(entry))
+    out, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            out.append(child)
+            todo.append(child)
+    return out
 
 
 def _gpu_count() -> int:
