@@ -34,12 +34,10 @@ def pool():
 
 
 def pytest_collection_finish(session):
-    """The Triton interpreter runs start now, in the background (tests/interpret.py). Under xdist every
-    worker collects every test, so each starts its runs when a module asks for them instead."""
+    """The Triton interpreter runs start now, in the background (tests/interpret.py)."""
     from tests import interpret
 
-    if not hasattr(session.config, "workerinput"):
-        interpret.start_selected(session.items)
+    interpret.start_selected(session.items)
 
 
 def pytest_sessionfinish(session, exitstatus):
@@ -48,26 +46,7 @@ def pytest_sessionfinish(session, exitstatus):
     interpret.stop_all()
 
 
-# Modules that launch processes (tens of seconds to minutes each, most of the suite's time): run first, so
-# that `./run test`'s two xdist workers (--dist loadfile) share them instead of ending on one of them.
-LONG_MODULES = (
-    "test_multinode.py",
-    "test_first_run.py",
-    "test_bench_train.py",
-    "test_cli.py",
-    "test_wheel.py",
-    "test_checkpoint.py",
-    "test_bench_layer.py",
-)
-
-
-def _module_rank(item) -> int:
-    name = item.path.name
-    return LONG_MODULES.index(name) if name in LONG_MODULES else len(LONG_MODULES)
-
-
 def pytest_collection_modifyitems(config, items):
-    items.sort(key=_module_rank)  # stable: each module's tests keep their order and stay together
     if os.environ.get("MOK_SLOW") == "1":
         return
     skip = pytest.mark.skip(reason="slow test: set MOK_SLOW=1 to run")
