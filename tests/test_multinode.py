@@ -185,7 +185,7 @@ def test_a_launch_killed_at_its_timeout_leaves_no_worker(tmp_path):
     out = tmp_path / "killed"
     agents, _, _, wall = _run(
         out, "--steps", 8, "--ckpt-ep", 2, "--timeout-s", 600, "--fault", "stall", "--fault-rank", 1,
-        "--fault-step", 1, timeout_s=25, nproc_per_node=1,
+        "--fault-step", 1, timeout_s=15, nproc_per_node=1,
     )  # fmt: skip
     assert all(a.returncode is None for a in agents), "the launch ended before its timeout"
     time.sleep(0.5)
