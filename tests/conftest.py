@@ -33,20 +33,13 @@ def pool():
     handle.close()
 
 
-def pytest_collection_finish(session):
-    """The Triton interpreter runs start now, in the background (tests/interpret.py)."""
-    from tests import interpret
-
-    interpret.start_selected(session.items)
-
-
-def pytest_sessionfinish(session, exitstatus):
-    from tests import interpret
-
-    interpret.stop_all()
-
-
+@pytest.hookimpl(trylast=True)  # after -k / -m deselection: only the selected modules' runs start
 def pytest_collection_modifyitems(config, items):
+    """The Triton interpreter runs start now, in the background (tests/interpret.py); slow tests skip
+    unless MOK_SLOW=1."""
+    from tests import interpret
+
+    interpret.start_selected(items)
     if os.environ.get("MOK_SLOW") == "1":
         return
     skip = pytest.mark.skip(reason="slow test: set MOK_SLOW=1 to run")
@@ -89,3 +82,9 @@ def single_rank():
         from tests import cases
 
         cases._PARALLEL["key"] = None
+
+
+def pytest_unconfigure(config):
+    from tests import interpret
+
+    interpret.stop_all()

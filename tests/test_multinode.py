@@ -180,7 +180,7 @@ def test_failed_worker_ends_the_job_with_clear_messages(tmp_path, fault):
 
 
 def test_a_launch_killed_at_its_timeout_leaves_no_worker(tmp_path):
-    """torchrun starts each worker in a session of its own; killing the agents' process groups alone
+    """torchrun puts each worker in a process group of its own (setsid); killing the agents' groups alone
     would orphan a stalled worker. The launch kills every process below its agents."""
     out = tmp_path / "killed"
     agents, _, _, wall = _run(

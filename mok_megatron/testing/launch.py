@@ -116,7 +116,7 @@ def launch(
     results = []
     for node, p in enumerate(procs):
         if node not in ended:
-            # torchrun starts each worker in a session of its own: kill them first, then the agent's group.
+            # torchrun puts each worker in a process group of its own (setsid): kill them, then the agent's.
             for pid in _descendants(p.pid):
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
