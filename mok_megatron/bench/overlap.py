@@ -442,38 +442,6 @@ def bench_ep(
     (``kernels``: also its top kernels and host ops, ``kernel_profile.kernel_summary``). ``no_b``: also
     each transport with all local rows in region A (``pipeline_plan.MIN_LOCAL_HALF`` set huge).
     ``local_rows``: the ``--mok-local-rows`` settings to time per transport (overlap, fused)."""
-    return _bench_ep(
-        shapes,
-        transports,
-        chunks_list,
-        iters,
-        warmup,
-        modes,
-        profile,
-        no_b,
-        kernels,
-        local_rows,
-        expert_backend,
-        schedules,
-        microbatches,
-    )
-
-
-def _bench_ep(
-    shapes,
-    transports,
-    chunks_list,
-    iters,
-    warmup,
-    modes,
-    profile,
-    no_b,
-    kernels,
-    local_rows,
-    expert_backend,
-    schedules,
-    microbatches,
-) -> list[dict]:
     import torch
     import torch.distributed as dist
 
