@@ -1,4 +1,4 @@
-"""The ``mok`` command line: ``mok env``, ``mok demo``, ``mok bench layer|overlap|ep|train``, ``mok convert``,
+"""The ``mok`` command line: ``mok env``, ``mok demo``, ``mok bench layer|overlap|ep|train|wgrad``, ``mok convert``,
 ``mok patches check|apply|revert``, ``mok recipe check``, ``mok plan``."""
 
 from __future__ import annotations
@@ -93,6 +93,10 @@ def _load_checkpoint_file(path: str, unsafe: bool):
 
 
 def _bench(rest) -> int:
+    if rest[:1] == ["wgrad"]:
+        from mok_megatron.bench.wgrad import main as wgrad
+
+        return wgrad(rest)
     if rest[:1] == ["train"]:
         from mok_megatron.bench.train import main as train
 
@@ -120,7 +124,8 @@ def main(argv: list[str] | None = None) -> int:
             "  bench    layer: one MoE layer fwd+bwd, MoK vs Megatron, checked then timed;\n"
             "           overlap: communication hidden by the pipeline (one GPU, emulated link);\n"
             "           ep: real expert parallelism (torchrun -m mok_megatron.bench.overlap ep);\n"
-            "           train: Megatron's training loop, MoK vs Megatron from identical weights (tokens/s/GPU)\n"
+            "           train: Megatron's training loop, MoK vs Megatron from identical weights (tokens/s/GPU);\n"
+            "           wgrad: expert weight gradients over N calls, summed or accumulated in fp32\n"
             "  convert  move expert weights of a saved state dict between MoK / Megatron layouts\n"
             "  patches  check|apply|revert DIR: make a Megatron-LM checkout accept --moe-token-dispatcher-type mok\n"
             "  recipe   check SCRIPT...: a recipe's parallel layout and memory per GPU, from its DRY_RUN command\n"

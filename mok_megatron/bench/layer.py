@@ -245,7 +245,7 @@ def format_result(r: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     from mok_megatron.bench.routing import ROUTINGS
-    from mok_megatron.bench.suite import IMPLS
+    from mok_megatron.bench.suite import FP8_IMPLS, IMPLS, MEGATRON_FP8_IMPLS
 
     p = argparse.ArgumentParser(
         prog="mok bench layer", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -257,7 +257,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--impl",
         default=",".join(IMPLS),
-        help=f"comma list of {', '.join(IMPLS)} (errors are relative to the first of mok/megatron*)",
+        help=f"comma list of {', '.join(IMPLS)}; FP8 rows (opt-in): {', '.join((*FP8_IMPLS, *MEGATRON_FP8_IMPLS))} "
+        "(errors are relative to the first of mok/megatron*)",
     )
     p.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16")
     p.add_argument("--iters", type=int, default=20, help="timed iterations per phase (median reported)")

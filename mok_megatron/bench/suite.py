@@ -22,8 +22,10 @@ Implementations:
                    Hopper or Blackwell GPU, bf16, softmax routing
 
 FP8 rows (opt-in, ``--impl mok,mok-torch-fp8,...``; not in the default list): MoK's layer with an FP8 expert
-backend (``FP8_IMPLS``: --mok-expert-backend and Megatron's --fp8-recipe), checked against the reference
-with the looser ``FP8_TOLERANCE``; a path this machine cannot run is skipped with the reason.
+backend (``FP8_IMPLS``: --mok-expert-backend and Megatron's --fp8-recipe), and Megatron's TEGroupedMLP layer
+under the same FP8 context (``MEGATRON_FP8_IMPLS``: ``megatron-te-blockwise``, ``megatron-te-tensorwise``),
+checked against the reference with the looser ``FP8_TOLERANCE``; a path this machine cannot run is skipped
+with the reason.
 """
 
 from __future__ import annotations
@@ -53,13 +55,16 @@ FP8_IMPLS = {
     "mok-te-blockwise": ("te", "blockwise"),
     "mok-te-mxfp8": ("te", "mxfp8"),
 }
+# Megatron's own layer (TEGroupedMLP) under the same FP8 context: name -> --fp8-recipe (with
+# --moe-router-padding-for-quantization, which Megatron requires of its FP8 grouped GEMM)
+MEGATRON_FP8_IMPLS = {"megatron-te-blockwise": "blockwise", "megatron-te-tensorwise": "tensorwise"}
 # max |diff| / max |ref| of an FP8 path: e4m3 rounds each operand by up to 2^-4 relative, and the worst
 # element of two chained GEMMs can reach a few times that (the Frobenius error is ~0.05: tests/test_fp8_gpu.py)
 FP8_TOLERANCE = 0.25
 
 
 def check_impls(impls: list[str]) -> None:
-    bad = [i for i in impls if i not in IMPLS and i not in FP8_IMPLS]
+    bad = [i for i in impls if i not in IMPLS and i not in FP8_IMPLS and i not in MEGATRON_FP8_IMPLS]
     if bad:
         raise ValueError(f"unknown implementation(s) {bad}: choose from {', '.join(IMPLS)}")
     if not any(i in MEGATRON_IMPLS for i in impls):
@@ -110,8 +115,10 @@ def _build(impl: str, shape: dict, dtype, device, ref_sd: dict | None, router_fu
     from mok_megatron.bench.layer import build
     from mok_megatron.experts.checkpoint import convert_state_dict
 
-    if impl == "megatron-te" and (reason := _te_reason()):
+    if impl.startswith("megatron-te") and (reason := _te_reason()):
         raise PeerUnavailable(reason)
+    if impl in MEGATRON_FP8_IMPLS:
+        return _build_megatron_fp8(impl, shape, dtype, device, ref_sd, router_fusion), ""
     if impl in FP8_IMPLS:
         return _build_fp8(impl, shape, dtype, device, ref_sd, router_fusion), ""
     if impl in MEGATRON_IMPLS:
@@ -161,6 +168,21 @@ def _build_fp8(impl: str, shape: dict, dtype, device, ref_sd: dict, router_fusio
     cfg = fp8_config(_bench_config(shape, dtype, "mok", router_fusion), recipe)
     layer = build_mok_layer(backend, cfg).to(device)
     layer.load_state_dict(convert_state_dict(ref_sd, "mok"), strict=True)
+    return InQuantContext(layer, cfg)
+
+
+def _build_megatron_fp8(impl: str, shape: dict, dtype, device, ref_sd: dict, router_fusion: bool = False):
+    from mok_megatron.bench.fp8_layers import InQuantContext, fp8_config, unavailable
+    from mok_megatron.bench.layer import build
+    from mok_megatron.experts.checkpoint import convert_state_dict
+
+    recipe = MEGATRON_FP8_IMPLS[impl]
+    if reason := unavailable("te", recipe):
+        raise PeerUnavailable(f"Megatron+TE --fp8-recipe {recipe}: {reason}")
+    cfg = fp8_config(_bench_config(shape, dtype, "megatron-te", router_fusion), recipe)
+    cfg = dataclasses.replace(cfg, moe_router_padding_for_quantization=True)
+    layer = build("megatron-te", cfg).to(device)
+    layer.load_state_dict(convert_state_dict(ref_sd, "te_grouped"), strict=True)
     return InQuantContext(layer, cfg)
 
 
@@ -298,7 +320,9 @@ def _bench_impls(
             ref, ref_impl, err = (out.detach().float(), xi.grad.float()), impl, (0.0, 0.0)
         else:
             err = (_rel_err(out.detach(), ref[0]), _rel_err(xi.grad, ref[1]))
-            if max(err) > (FP8_TOLERANCE if impl in FP8_IMPLS else TOLERANCE[dtype_name]):
+            if max(err) > (
+                FP8_TOLERANCE if impl in FP8_IMPLS or impl in MEGATRON_FP8_IMPLS else TOLERANCE[dtype_name]
+            ):
                 msg = f"{impl} disagrees with {ref_impl}: relative error out {err[0]:.3e}, dx {err[1]:.3e}"
                 if impl in BEST_EFFORT:
                     skipped.append({"impl": impl, "reason": msg})

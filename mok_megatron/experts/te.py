@@ -13,8 +13,10 @@ comes from the context Megatron's ``TransformerBlock`` enters around every layer
 
 What MoK changes (``te_expert_mlp``): per-expert padding to the recipe's alignment
 is one device scatter of the rows by ``ops.align``'s plan (Megatron's ``Fp8Padding`` splits and
-concatenates per expert on the host's counts), the activation is MoK's (``ops.activation``), and plain
-(non-distributed) state dicts in MoK's stacked layout load too (``to_te_layout``).
+concatenates per expert on the host's counts), the activation is MoK's (``ops.activation``), plain
+(non-distributed) state dicts in MoK's stacked layout load too (``to_te_layout``), and where TE takes its
+native grouped GEMM (``NVTE_GROUPED_LINEAR_USE_FUSED_GROUPED_GEMM=1`` with a new-enough cuBLASLt) the
+per-expert splits stay on the device, as that path requires (``te_splits``).
 """
 
 from __future__ import annotations
@@ -40,12 +42,32 @@ def padded_counts_host(counts_L: torch.Tensor, alignment: int) -> list[int]:
     return te_m_splits((counts_L + alignment - 1) // alignment * alignment)
 
 
+def te_splits(
+    counts_L: torch.Tensor, alignment: int, linear_fc1, device
+) -> tuple[list[int] | torch.Tensor, int]:
+    """TE's ``m_splits`` for these counts padded to ``alignment``, and the padded row total.
+
+    Where the GroupedLinear takes TE's native grouped-GEMM path (``use_grouped_tensor``: one cuBLASLt
+    grouped GEMM per projection instead of one GEMM per expert; TE selects it from
+    ``NVTE_GROUPED_LINEAR_USE_FUSED_GROUPED_GEMM=1`` and uses it where cuBLASLt is new enough: 13.4 on
+    Hopper for bf16, 13.6 for FP8 blocks) the splits stay on the device, which that path requires (a
+    host list raises there); TE falls back to per-expert GEMMs itself where the path is unsupported.
+    Otherwise a host list, as ``TEGroupedMLP`` passes. The total (needed to pad) is one host read either
+    way; unpadded rows (``alignment`` 1) need none on the native path."""
+    padded_L = (counts_L.long() + alignment - 1) // alignment * alignment
+    if getattr(linear_fc1, "use_grouped_tensor", False):
+        m_splits = padded_L.to(device=device, dtype=torch.int64)
+        return m_splits, (int(m_splits.sum()) if alignment > 1 else -1)
+    m_splits = padded_counts_host(counts_L, alignment)
+    return m_splits, sum(m_splits)
+
+
 def te_expert_mlp(
     x_RH, probs_R, counts_L, linear_fc1, linear_fc2, act, alignment, *, apply_probs_on_input=False
 ):
     """The MLP through TE GroupedLinear modules (``module(x, m_splits) -> (y, bias)``, Megatron's
     wrapper contract). Runs under whatever FP8 context the caller entered (Megatron's block does)."""
-    m_splits = padded_counts_host(counts_L, alignment)
+    m_splits, num_rows = te_splits(counts_L, alignment, linear_fc1, x_RH.device)
 
     def fc1(x_PH, plan):
         return linear_fc1(x_PH, m_splits)[0]
@@ -66,7 +88,7 @@ def te_expert_mlp(
         act,
         alignment,
         apply_probs_on_input=apply_probs_on_input,
-        num_rows=sum(m_splits),
+        num_rows=num_rows,
     )
 
 
