@@ -96,7 +96,9 @@ def test_op_rejects_bad_inputs():
 # ---- the experts under Megatron's DDP -------------------------------------------------------------
 
 
-def _ddp_experts(fusion: bool, dtype, *, delay=False, recompute=False, seed=0):
+def _ddp_experts(
+    fusion: bool, dtype, *, delay=False, recompute=False, seed=0, options=None, ffn=8, overlap=False
+):
     """MoKGroupedMLP (torch backend, 4 local experts) wrapped in Megatron's DistributedDataParallel with
     fp32 main_grad buffers; the same weights for every ``seed``."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
@@ -105,16 +107,20 @@ def _ddp_experts(fusion: bool, dtype, *, delay=False, recompute=False, seed=0):
     from tests.cases import make_config, setup_parallel
 
     setup_parallel(seed=1234 + seed)  # reseeds Megatron's expert-parallel RNG stream: the same weights
-    cfg = make_config(num_experts=4, hidden=16, ffn=8, params_dtype=dtype)
+    cfg = make_config(num_experts=4, hidden=16, ffn=ffn, params_dtype=dtype)
     # set after Megatron's validation, which ties delay_wgrad_compute to its GPU-only EP overlap
     cfg.delay_wgrad_compute = delay
     if recompute:
         cfg.recompute_granularity, cfg.recompute_modules = "selective", ["moe_act"]
     cfg.gradient_accumulation_fusion = fusion
-    experts = MoKGroupedMLP(4, cfg)
+    experts = MoKGroupedMLP(4, cfg, options=options)
     assert experts.gradient_accumulation_fusion is fusion
     ddp = DistributedDataParallel(
-        cfg, DistributedDataParallelConfig(grad_reduce_in_fp32=True, delay_wgrad_compute=delay), experts
+        cfg,
+        DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True, delay_wgrad_compute=delay, overlap_grad_reduce=overlap
+        ),
+        experts,
     )
     return ddp, experts
 
@@ -186,14 +192,32 @@ def test_one_backward_over_several_expert_calls_accumulates_without_sums(single_
     ref_ddp, ref = _ddp_experts(False, torch.float32)
     _step(ref_ddp, ref, [[3, 4, 0, 5]], torch.float32, seed=2, calls_per_backward=3)
     ddp, experts = _ddp_experts(True, torch.float32)
-    dummies = []
-    for p in (experts.fc1_weight, experts.fc2_weight):
-        p.register_hook(lambda g: dummies.append(g) or g)
+    returned = []
+    real_result = torch_mlp.fused_wgrad_result
+    monkeypatch.setattr(
+        torch_mlp, "fused_wgrad_result", lambda p: returned.append(real_result(p)) or returned[-1]
+    )
     _step(ddp, experts, [[3, 4, 0, 5]], torch.float32, seed=2, calls_per_backward=3)
     assert len(calls) == 6  # fc1 and fc2 of three calls
-    assert len(dummies) == 2  # one dummy per weight reached autograd: nothing to sum
+    # one dummy per weight reaches autograd, the other calls return None: no sum of dummies
+    assert len(returned) == 6 and sum(r is not None for r in returned) == 2
     for a, b in zip(_main_grads(ref), _main_grads(experts), strict=True):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("path", ["plain", "delay"])
+def test_overlap_grad_reduce_hook_sees_a_gradient(single_rank, path):
+    """Under ``overlap_grad_reduce`` DDP's hook asserts ``param.grad is not None``: the dummy satisfies it
+    (autograd's backward, and ``backward_dw`` for delayed weight gradients)."""
+    delay = path == "delay"
+    ref_ddp, ref = _ddp_experts(False, torch.float32, delay=delay, overlap=True)
+    _step(ref_ddp, ref, STEPS[:1], torch.float32, seed=5)
+    ref_ddp.finish_grad_sync()
+    ddp, experts = _ddp_experts(True, torch.float32, delay=delay, overlap=True)
+    _step(ddp, experts, STEPS[:1], torch.float32, seed=5)
+    ddp.finish_grad_sync()
+    for a, b in zip(_main_grads(ref), _main_grads(experts), strict=True):
+        assert b.abs().sum() > 0 and torch.equal(a, b)
 
 
 def test_negative_control_skipped_accumulation_is_caught(single_rank, monkeypatch):
@@ -262,6 +286,29 @@ def test_late_wgrad_gate_accumulates_into_the_real_parameters(single_rank):
     for a, b in zip(*results, strict=True):
         assert b.abs().sum() > 0
         torch.testing.assert_close(a, b, rtol=1e-2, atol=1e-2)
+
+
+def test_torch_fp8_backend_with_fusion_on_gets_ordinary_gradients(single_rank, monkeypatch):
+    """torch-fp8 ignores the flag: real gradients through autograd, DDP's hook adds them into main_grad,
+    the same with fusion on as off (``torch._scaled_grouped_mm`` emulated in fp32: CPU has none)."""
+    from mok_megatron.ops import fp8_grouped_gemm as native
+    from mok_megatron.options import MoKOptions
+    from tests.test_fp8 import _fake_scaled_grouped_mm
+
+    monkeypatch.setattr(native, "_gemm", _fake_scaled_grouped_mm([]))
+    monkeypatch.setattr(native, "check_native_fp8", lambda device: None)
+    monkeypatch.setattr(torch_mlp, "grouped_wgrad_accumulate_", lambda *a: pytest.fail("op called"))
+    grads = []
+    for fusion in (False, True):
+        ddp, experts = _ddp_experts(
+            fusion, torch.bfloat16, options=MoKOptions(expert_backend="torch-fp8"), ffn=16
+        )
+        _step(ddp, experts, [[16, 0, 32, 16]], torch.bfloat16, seed=4)
+        grads.append(_main_grads(experts))
+        for p in (experts.fc1_weight, experts.fc2_weight):
+            assert p.grad is None and p.grad_added_to_main_grad is False
+    for a, b in zip(*grads, strict=True):
+        assert a.abs().sum() > 0 and torch.equal(a, b)
 
 
 # ---- GPU: QuACK against the portable path ---------------------------------------------------------
