@@ -124,6 +124,32 @@ def fix_triton_interpreter_index() -> bool:
     return True
 
 
+QUACK_MIN = Version("0.4.1")
+
+
+@cache
+def have_quack() -> bool:
+    """QuACK (``quack-kernels`` >= 0.4.1, the ``quack`` extra) installed: its varlen-K GEMM accumulates the
+    experts' weight gradients into ``main_grad`` on Hopper (``kernels.quack_wgrad``). Only detected here;
+    importing it loads the CuTe DSL, so ``quack_gemm_add_inplace`` imports it on first use."""
+    v = dist_version("quack-kernels")
+    return v is not None and Version(v) >= QUACK_MIN and importlib.util.find_spec("quack") is not None
+
+
+@cache
+def quack_gemm_add_inplace():
+    """QuACK's ``gemm_add_inplace`` (``out = alpha * A @ B + beta * out``, varlen-K through ``cu_seqlens_k``).
+    Raises ImportError naming the fix when QuACK is missing or older than 0.4.1."""
+    if not have_quack():
+        raise ImportError(
+            f"QuACK is not installed (or older than {QUACK_MIN}; found {dist_version('quack-kernels')}): "
+            "pip install 'mok-megatron[quack]'"
+        )
+    from quack.gemm_interface import gemm_add_inplace
+
+    return gemm_add_inplace
+
+
 def grouped_mm_fn():
     """The grouped GEMM entry point of this torch: ``F.grouped_mm`` (>= 2.10) or ``torch._grouped_mm``."""
     fn = getattr(torch.nn.functional, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
@@ -133,6 +159,13 @@ def grouped_mm_fn():
             "torch._grouped_mm; mok_megatron needs torch>=2.9."
         )
     return fn
+
+
+def current_graph_task_id() -> int:
+    """The id of the autograd backward pass running now (-1 outside one; unique per pass), or -1 on a
+    torch without ``torch._C._current_graph_task_id``."""
+    fn = getattr(torch._C, "_current_graph_task_id", None)
+    return fn() if fn is not None else -1
 
 
 def cuda_capability() -> tuple[int, int] | None:

@@ -16,6 +16,13 @@ Expert backend (``MoKOptions.expert_backend``, ``--mok-expert-backend``; checks 
     torch-fp8  the same parameters, GEMMs in native rowwise FP8 (``experts.fp8_mlp.native_expert_mlp``)
     te         ``MoKGroupedMLP(...)`` builds a ``experts.te.MoKTEGroupedMLP`` instead: Transformer
                Engine GroupedLinear parameters and GEMMs, exactly TEGroupedMLP's layout
+
+Gradient accumulation fusion (``config.gradient_accumulation_fusion``, read once at construction): with
+the torch backend and weights that have ``main_grad`` (Megatron's DDP), the weight-gradient GEMMs add
+straight into ``main_grad`` and backward returns Megatron's dummy gradients (``experts.main_grad``), in
+autograd's backward, ``backward_dw`` (delayed wgrad) and the late-wgrad gate alike. torch-fp8 returns
+ordinary gradients (DDP's hook adds them; ``grad_added_to_main_grad`` stays False); TE honours the flag
+itself.
 """
 
 from __future__ import annotations
@@ -32,6 +39,7 @@ from megatron.core.utils import get_pg_rank, get_pg_size
 from mok_megatron.config import MoKConfig, MoKConfigError
 from mok_megatron.engine.select import ExpertsContract
 from mok_megatron.experts.backend import check_expert_backend, expert_alignment
+from mok_megatron.experts.main_grad import main_grad_owner
 from mok_megatron.experts.torch_mlp import WgradQueue, expert_mlp
 from mok_megatron.options import ExpertBackend, MoKOptions
 
@@ -84,6 +92,7 @@ class MoKGroupedMLP(MegatronModule):
         super().__init__(config=config)
         cfg = self._setup(num_local_experts, config, pg_collection, mok_config, options, aligned_input)
         self.expert_backend = self.options.expert_backend
+        self.gradient_accumulation_fusion = bool(getattr(config, "gradient_accumulation_fusion", False))
         if self.expert_backend is ExpertBackend.TE and type(self) is MoKGroupedMLP:
             raise MoKConfigError(
                 "MoKGroupedMLP with expert_backend='te': the TE backend has its own parameters; build "
@@ -125,7 +134,9 @@ class MoKGroupedMLP(MegatronModule):
             for param in (self.fc1_weight, self.fc2_weight):
                 param.skip_backward_post_hook = True
 
-    def _setup(self, num_local_experts, config, pg_collection, mok_config, options, aligned_input) -> MoKConfig:
+    def _setup(
+        self, num_local_experts, config, pg_collection, mok_config, options, aligned_input
+    ) -> MoKConfig:
         """What every MoK experts class keeps: process groups, the checked config, options, row layout."""
         pg = pg_collection if pg_collection is not None else get_default_pg_collection()
         self.ep_group, self.tp_group, self.dp_group = pg.ep, pg.expt_tp, pg.expt_dp
@@ -218,11 +229,16 @@ class MoKGroupedMLP(MegatronModule):
             # rows already padded by the dispatcher (aligned plan), or padded here
             mlp = P.native_expert_mlp_aligned if self.aligned_input > 1 else P.native_expert_mlp
             return mlp(*args, apply_probs_on_input=cfg.apply_probs_on_input), None
+        fusion = self.gradient_accumulation_fusion
         out = expert_mlp(
             *args,
             apply_probs_on_input=cfg.apply_probs_on_input,
             recompute_activation=cfg.recompute_activation,
             wgrad_queue=queue,
+            main_grad_owners=(
+                main_grad_owner(self.fc1_weight, fusion),
+                main_grad_owner(self.fc2_weight, fusion),
+            ),
         )
         return out, None
 
@@ -232,7 +248,8 @@ class MoKGroupedMLP(MegatronModule):
 
     def backward_dw(self) -> None:
         """Compute the weight gradients deferred by backward (``delay_wgrad_compute``) and accumulate
-        them into ``param.grad``; then run DDP's hooks. A no-op without delayed wgrad or with nothing
+        them into ``param.grad`` (into ``main_grad``, with Megatron's dummy as ``param.grad``, under
+        gradient accumulation fusion); then run DDP's hooks. A no-op without delayed wgrad or with nothing
         queued."""
         if self.wgrad_queue is None or not len(self.wgrad_queue):
             return

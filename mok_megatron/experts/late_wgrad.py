@@ -28,6 +28,11 @@ alone (``LoopbackBytes.LINK``, no copies) it is faster at most points, by about 
 and the gate is where the weight gradients of a whole layer call can run as one accumulating GEMM. Not
 with Megatron's ``delay_wgrad_compute`` (its ``backward_dw`` already defers them further) nor with the
 FP8 / TE experts (their GEMMs are not ``experts.torch_mlp``'s); ``MoKGroupedMLP.late_wgrad`` decides.
+
+With gradient accumulation fusion the queued tasks add into the real Parameters' ``main_grad`` (the
+tasks carry the Parameter; the stand-ins are views) and ``_Gate`` returns Megatron's dummy gradient for
+each such weight (or None where DDP does not track it): the weight gradients of a whole layer call
+accumulate into ``main_grad`` with no sum between minibatches.
 """
 
 from __future__ import annotations
@@ -76,7 +81,9 @@ class _Gate(torch.autograd.Function):
                     f"(shape {tuple(weight.shape)}); expert GEMMs must use LateWgrad.weights"
                 )
             out[index[key]] = dw
-        for i, g in enumerate(grads):  # a stand-in used outside the queue (never in MoK's experts)
+        # A stand-in used outside the queue (never in MoK's experts). Not supported under fusion: the
+        # queued result is then a dummy carrying no value, as Megatron's fused linears return.
+        for i, g in enumerate(grads):
             if g is not None:
                 out[i] = g if out[i] is None else out[i] + g
         return (None, None, *out)

@@ -22,6 +22,13 @@ fc1 output ``h`` instead of the activation output; backward recomputes ``act(h) 
 and runs its backward (the same ops, so the gradients are bitwise those without recompute). Saved:
 the activation's output ``[R, F]`` and every intermediate the activation keeps for its backward.
 
+``gradient_accumulation_fusion`` (Megatron's default; ``MoKGroupedMLP`` passes ``main_grad_owners``
+when it is on and the weights have ``main_grad``): each weight-gradient GEMM adds straight into the fp32
+``param.main_grad`` (``ops.wgrad_accumulate``: QuACK's varlen-K GEMM on Hopper, torch's grouped GEMM
+elsewhere) and backward returns Megatron's dummy gradient (``experts.main_grad``), so neither autograd
+nor DDP's hook sums or adds full-size gradients. Queued (delayed or late) tasks accumulate when they
+run; the owner is the real Parameter even where the GEMM's weight is a late-wgrad stand-in.
+
 Both use torch's grouped GEMM kernel (``mok_megatron.ops.grouped_gemm``). Where the kernel cannot run
 (fp64, strides not 16-byte aligned, pre-Hopper CUDA) the per-expert reference is used and the deferred
 weight gradient is recomputed through it (correct, one extra GEMM).
@@ -35,16 +42,21 @@ from dataclasses import dataclass
 import torch
 
 from mok_megatron.experts.common import scale_input
+from mok_megatron.experts.main_grad import fused_wgrad_result
 from mok_megatron.ops import grouped_gemm as gg
 from mok_megatron.ops.activation import ActivationSpec, apply_activation
+from mok_megatron.ops.wgrad_accumulate import grouped_wgrad_accumulate_
 
 
 @dataclass
 class WgradTask:
-    """One deferred weight gradient: ``dW = f(dy, x)`` for parameter ``weight``."""
+    """One deferred weight gradient: ``dW = f(dy, x)`` for ``weight`` (the Parameter, or a late-wgrad
+    stand-in). With ``main_grad_of`` (gradient accumulation fusion), ``compute`` adds dW into that
+    Parameter's ``main_grad`` itself and returns None."""
 
-    weight: torch.nn.Parameter
-    compute: Callable[[], torch.Tensor]
+    weight: torch.Tensor
+    compute: Callable[[], torch.Tensor | None]
+    main_grad_of: torch.nn.Parameter | None = None
 
 
 class WgradQueue:
@@ -56,33 +68,59 @@ class WgradQueue:
     def __len__(self) -> int:
         return len(self.tasks)
 
-    def push(self, weight: torch.nn.Parameter, compute: Callable[[], torch.Tensor]) -> None:
-        self.tasks.append(WgradTask(weight, compute))
+    def push(
+        self,
+        weight: torch.Tensor,
+        compute: Callable[[], torch.Tensor | None],
+        main_grad_of: torch.nn.Parameter | None = None,
+    ) -> None:
+        self.tasks.append(WgradTask(weight, compute, main_grad_of))
 
-    def sums(self) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
-        """Compute every queued weight gradient and empty the queue: ``{id(weight): (weight, sum)}``,
-        each weight's gradients summed in production order (as autograd's engine sums them)."""
+    def _drain(self) -> tuple[dict[int, tuple[torch.Tensor, torch.Tensor | None]], set[int]]:
+        """Run every task in production order and empty the queue: the per-weight results (see ``sums``)
+        and the ids of the weights whose gradients went into ``main_grad``."""
         tasks, self.tasks = self.tasks, []
-        sums: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        sums: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
+        fused: dict[int, tuple[torch.Tensor, torch.nn.Parameter]] = {}
         for task in tasks:
             dw = task.compute()
             key = id(task.weight)
-            if key in sums:
+            if task.main_grad_of is not None:
+                fused[key] = (task.weight, task.main_grad_of)
+            elif key in sums:
                 sums[key] = (task.weight, sums[key][1] + dw)
             else:
                 sums[key] = (task.weight, dw)
-        return sums
+        for key, (weight, owner) in fused.items():
+            if key in sums:
+                raise RuntimeError(
+                    f"WgradQueue: weight of shape {tuple(weight.shape)} has gradients both accumulated into "
+                    "main_grad and returned; its main_grad appeared or vanished between forward calls of one "
+                    "backward. Attach main_grad (Megatron's DDP) before the first forward."
+                )
+            sums[key] = (weight, fused_wgrad_result(owner))
+        return sums, set(fused)
 
-    def run(self) -> list[torch.nn.Parameter]:
+    def sums(self) -> dict[int, tuple[torch.Tensor, torch.Tensor | None]]:
+        """Compute every queued weight gradient and empty the queue: ``{id(weight): (weight, sum)}``,
+        each weight's gradients summed in production order (as autograd's engine sums them). For a
+        weight whose tasks added into ``main_grad``, the sum is Megatron's dummy gradient, or None
+        (``experts.main_grad.fused_wgrad_result``)."""
+        return self._drain()[0]
+
+    def run(self) -> list[torch.Tensor]:
         """Compute every queued weight gradient and accumulate it into ``param.grad``, as autograd's
-        engine does: per parameter, sum in production order, then add to the existing gradient.
-        Returns the parameters that received a gradient."""
-        sums = self.sums()
+        engine does: per parameter, sum in production order, then add to the existing gradient. A
+        weight whose gradient went into ``main_grad`` gets the dummy as ``param.grad`` where it has none
+        (what DDP's hook, run next by ``backward_dw``, expects and drops). Returns the weights run."""
+        sums, fused = self._drain()
         with torch.no_grad():
-            for weight, dw in sums.values():
+            for key, (weight, dw) in sums.items():
+                if dw is None:
+                    continue
                 if weight.grad is None:
                     weight.grad = dw
-                else:
+                elif key not in fused:  # a dummy carries no value
                     weight.grad += dw
         return [w for w, _ in sums.values()]
 
@@ -125,9 +163,21 @@ def _forward_gemm(x_MK, w_GNK, offs_G) -> torch.Tensor:
     return gg.grouped_linear_reference(x_MK, w_GNK, counts)
 
 
-def _finish_wgrad(queue, param, w, dy, x, offs, needed: bool):
-    """The weight gradient to return now (None when deferred to ``queue`` for ``param``)."""
+def _finish_wgrad(queue, param, w, dy, x, offs, needed: bool, owner=None, main_grad=None):
+    """The weight gradient to return now (None when deferred to ``queue`` for ``param``). With ``owner``
+    (gradient accumulation fusion) dW is added into ``main_grad`` (``owner.main_grad`` as of forward)
+    now or when the queue runs, and the gradient returned is Megatron's dummy (or None)."""
     if not needed:
+        return None
+    if owner is not None:
+
+        def accumulate():
+            grouped_wgrad_accumulate_(main_grad, dy, x, offs)
+
+        if queue is None:
+            accumulate()
+            return fused_wgrad_result(owner)
+        queue.push(param, accumulate, main_grad_of=owner)
         return None
     fn = _wgrad_fn(dy, x, w, offs)
     if queue is None:
@@ -138,16 +188,25 @@ def _finish_wgrad(queue, param, w, dy, x, offs, needed: bool):
 
 # The parameter itself rides on ctx (not only in save_for_backward): under saved-tensor hooks (Megatron's
 # activation offloading, memory probes) ctx.saved_tensors may hand back another tensor object with the
-# same data, and a deferred gradient must land on the Parameter's .grad.
+# same data, and a deferred gradient must land on the Parameter's .grad. ``owner`` (fusion: the Parameter
+# whose main_grad receives dW) and its main_grad, taken at forward as Megatron's linears take it, ride on ctx
+# too.
+
+
+def _keep_owner(ctx, owner) -> None:
+    ctx.owner = owner
+    ctx.main_grad = owner.main_grad if owner is not None else None
 
 
 class _Linear(torch.autograd.Function):
-    """``grouped_linear`` whose weight gradient may be deferred to a ``WgradQueue``."""
+    """``grouped_linear`` whose weight gradient may be deferred to a ``WgradQueue`` and may accumulate into
+    ``owner.main_grad``."""
 
     @staticmethod
-    def forward(ctx, x_MK, w_GNK, offs_G, queue):
+    def forward(ctx, x_MK, w_GNK, offs_G, queue, owner):
         ctx.save_for_backward(x_MK, w_GNK, offs_G)
         ctx.queue, ctx.param = queue, w_GNK if queue is not None else None
+        _keep_owner(ctx, owner)
         return _forward_gemm(x_MK, w_GNK, offs_G)
 
     @staticmethod
@@ -155,20 +214,22 @@ class _Linear(torch.autograd.Function):
         x_MK, w_GNK, offs_G = ctx.saved_tensors
         dy_MN = dy_MN.contiguous()
         dx = _dgrad(dy_MN, x_MK, w_GNK, offs_G) if ctx.needs_input_grad[0] else None
-        dw = _finish_wgrad(ctx.queue, ctx.param, w_GNK, dy_MN, x_MK, offs_G, ctx.needs_input_grad[1])
-        return dx, dw, None, None
+        need_w = ctx.needs_input_grad[1]
+        dw = _finish_wgrad(ctx.queue, ctx.param, w_GNK, dy_MN, x_MK, offs_G, need_w, ctx.owner, ctx.main_grad)
+        return dx, dw, None, None, None
 
 
 class _ActFc2(torch.autograd.Function):
     """``fc2(act(h) * probs)`` saving ``h`` (not the activation output): backward recomputes it."""
 
     @staticmethod
-    def forward(ctx, h_MF1, probs_M, w2_GNK, offs_G, act: ActivationSpec, queue):
+    def forward(ctx, h_MF1, probs_M, w2_GNK, offs_G, act: ActivationSpec, queue, owner):
         with torch.no_grad():
             a_MF = apply_activation(h_MF1, act, probs_M)
             y = _forward_gemm(a_MF, w2_GNK, offs_G)
         ctx.save_for_backward(h_MF1, probs_M, w2_GNK, offs_G)
         ctx.act, ctx.queue, ctx.param = act, queue, w2_GNK if queue is not None else None
+        _keep_owner(ctx, owner)
         return y
 
     @staticmethod
@@ -181,7 +242,7 @@ class _ActFc2(torch.autograd.Function):
             p = probs_M.detach().requires_grad_(need_p)
             a_MF = apply_activation(h, ctx.act, p)
         a = a_MF.detach()
-        dw2 = _finish_wgrad(ctx.queue, ctx.param, w2_GNK, dy_MN, a, offs_G, need_w)
+        dw2 = _finish_wgrad(ctx.queue, ctx.param, w2_GNK, dy_MN, a, offs_G, need_w, ctx.owner, ctx.main_grad)
         dh = dp = None
         inputs = [t for t, need in ((h, need_h), (p, need_p)) if need]
         if inputs:
@@ -189,7 +250,7 @@ class _ActFc2(torch.autograd.Function):
             grads = list(torch.autograd.grad(a_MF, inputs, da, allow_unused=True))
             dh = grads.pop(0) if need_h else None
             dp = grads.pop(0) if need_p else None
-        return dh, dp, dw2, None, None, None
+        return dh, dp, dw2, None, None, None, None
 
 
 def expert_mlp(
@@ -203,13 +264,17 @@ def expert_mlp(
     apply_probs_on_input: bool = False,
     recompute_activation: bool = False,
     wgrad_queue: WgradQueue | None = None,
+    main_grad_owners: tuple[torch.nn.Parameter | None, torch.nn.Parameter | None] | None = None,
 ) -> torch.Tensor:
     """``fc2(act(fc1(x)) * probs)`` per local expert.
 
     Inputs: x_RH [R, H], probs_R [R] (router dtype), tokens_per_expert_L [L] (any device, sums to R).
     Output: y_RH [R, H] in x's dtype, already scaled by the router probabilities. ``wgrad_queue``: the
     weight gradients are deferred to it (Megatron's ``delay_wgrad_compute``); ``recompute_activation``:
-    the activation is recomputed in backward (``moe_act``). Without either, autograd's own backward."""
+    the activation is recomputed in backward (``moe_act``); ``main_grad_owners`` (fc1's, fc2's; None
+    for a weight without fusion): the Parameters whose ``main_grad`` receives each weight gradient
+    (gradient accumulation fusion; the GEMM weights may be stand-ins of them). Without any of these,
+    autograd's own backward."""
     if x_RH.shape[0] != probs_R.shape[0]:
         raise ValueError(f"expert_mlp: {x_RH.shape[0]} rows but {probs_R.shape[0]} probabilities")
     if tokens_per_expert_L.shape != (w1_LFH.shape[0],):
@@ -220,10 +285,11 @@ def expert_mlp(
     offs_L = gg.offsets_from_counts(tokens_per_expert_L, x_RH.device)
     if apply_probs_on_input:
         x_RH, probs_R = scale_input(x_RH, probs_R)
-    if not recompute_activation and wgrad_queue is None:
+    own1, own2 = main_grad_owners or (None, None)
+    if not recompute_activation and wgrad_queue is None and own1 is None and own2 is None:
         h = gg.grouped_linear(x_RH, w1_LFH, offs_L)
         return gg.grouped_linear(apply_activation(h, act, probs_R), w2_LHF, offs_L)
-    h = _Linear.apply(x_RH.contiguous(), w1_LFH, offs_L, wgrad_queue)
+    h = _Linear.apply(x_RH.contiguous(), w1_LFH, offs_L, wgrad_queue, own1)
     if recompute_activation:
-        return _ActFc2.apply(h, probs_R, w2_LHF, offs_L, act, wgrad_queue)
-    return _Linear.apply(apply_activation(h, act, probs_R), w2_LHF, offs_L, wgrad_queue)
+        return _ActFc2.apply(h, probs_R, w2_LHF, offs_L, act, wgrad_queue, own2)
+    return _Linear.apply(apply_activation(h, act, probs_R), w2_LHF, offs_L, wgrad_queue, own2)
