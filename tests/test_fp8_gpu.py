@@ -453,37 +453,16 @@ def test_torch_fp8_pipeline_expert_calls_take_padded_rows(sync_free):
     assert max(errs.values()) < FP8_REL and errs["out"] > FP8_RAN, errs
 
 
-def _native_grouped_reason(recipe: str | None) -> str | None:
-    """Why TE's native grouped GEMM (one cuBLASLt grouped GEMM per projection) cannot run here."""
-    if not have_te():
-        return "needs Transformer Engine"
-    import transformer_engine_torch as tex
-    from transformer_engine.pytorch.module.grouped_linear import is_module_grouped_tensor_path_supported
-
-    from mok_megatron.compat import quantization_context
-
-    with quantization_context(_config(recipe)):
-        from transformer_engine.pytorch.quantization import FP8GlobalStateManager
-
-        active = FP8GlobalStateManager.get_fp8_recipe() if recipe else None
-    if not is_module_grouped_tensor_path_supported(active, torch.bfloat16):
-        return (
-            f"TE's native grouped GEMM does not run {recipe or 'bf16'} with cuBLASLt "
-            f"{tex.get_cublasLt_version()} on sm_{''.join(map(str, torch.cuda.get_device_capability()))} "
-            "(Hopper: 13.4+ for bf16, 13.6+ for FP8 blocks; the nvidia-cublas wheel, LD_PRELOAD)"
-        )
-    return None
-
-
 @pytest.mark.usefixtures("single_rank")
-@pytest.mark.parametrize("recipe", [None, "blockwise"])
-def test_te_backend_native_grouped_gemm(recipe, monkeypatch):
-    """With NVTE_GROUPED_LINEAR_USE_FUSED_GROUPED_GEMM=1 the TE backend hands TE its splits on the device
-    (the native path refuses a host list) and matches the bf16 layer as the per-expert path does."""
-    why = _recipe_skip(recipe) or _native_grouped_reason(recipe)
-    if why:
-        pytest.skip(why)
+def test_te_backend_refuses_native_grouped_gemm(monkeypatch):
+    """TE's native grouped GEMM (NVTE_GROUPED_LINEAR_USE_FUSED_GROUPED_GEMM=1) is refused at build, with the
+    variable to unset, before any GEMM runs."""
+    if not have_te():
+        pytest.skip("needs Transformer Engine")
+    from mok_megatron.config import MoKConfigError
+
     monkeypatch.setenv("NVTE_GROUPED_LINEAR_USE_FUSED_GROUPED_GEMM", "1")
-    layer = _build("te", _config(recipe))
-    assert layer.experts.linear_fc1.use_grouped_tensor
-    _compare("te", recipe, BF16_REL if recipe is None else FP8_REL)
+    with pytest.raises(
+        MoKConfigError, match="unset NVTE_GROUPED_LINEAR_USE_FUSED_GROUPED_GEMM|Unset NVTE_GROUPED"
+    ):
+        _build("te", _config(None))

@@ -13,10 +13,15 @@ comes from the context Megatron's ``TransformerBlock`` enters around every layer
 
 What MoK changes (``te_expert_mlp``): per-expert padding to the recipe's alignment
 is one device scatter of the rows by ``ops.align``'s plan (Megatron's ``Fp8Padding`` splits and
-concatenates per expert on the host's counts), the activation is MoK's (``ops.activation``), plain
-(non-distributed) state dicts in MoK's stacked layout load too (``to_te_layout``), and where TE takes its
-native grouped GEMM (``NVTE_GROUPED_LINEAR_USE_FUSED_GROUPED_GEMM=1`` with a new-enough cuBLASLt) the
-per-expert splits stay on the device, as that path requires (``te_splits``).
+concatenates per expert on the host's counts), the activation is MoK's (``ops.activation``), and plain
+(non-distributed) state dicts in MoK's stacked layout load too (``to_te_layout``).
+
+TE's native grouped GEMM (``GroupedLinear(use_grouped_tensor=True)``, which Megatron's wrappers take from
+``NVTE_GROUPED_LINEAR_USE_FUSED_GROUPED_GEMM=1``; one cuBLASLt grouped GEMM per projection, cuBLASLt 13.4+
+on Hopper) is refused at build (``check_not_native_grouped``): it wants the splits on the device and, for
+FP8 blocks, every expert's rows padded to 128 (a device-side assertion otherwise), and with device splits
+its bf16 results did not match the per-expert GEMMs on an H200 (TE 2.20.2, cuBLASLt 13.10: NaN
+outputs). Megatron 0.19's own ``TEGroupedMLP`` passes host lists, which that path rejects too.
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ import torch
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
 
-from mok_megatron.config import MoKConfig
+from mok_megatron.config import MoKConfig, MoKConfigError
 from mok_megatron.engine.select import ExpertsContract
 from mok_megatron.experts.backend import check_expert_backend, expert_alignment
 from mok_megatron.experts.common import padded_expert_mlp, scale_input
@@ -42,24 +47,16 @@ def padded_counts_host(counts_L: torch.Tensor, alignment: int) -> list[int]:
     return te_m_splits((counts_L + alignment - 1) // alignment * alignment)
 
 
-def te_splits(
-    counts_L: torch.Tensor, alignment: int, linear_fc1, device
-) -> tuple[list[int] | torch.Tensor, int]:
-    """TE's ``m_splits`` for these counts padded to ``alignment``, and the padded row total.
-
-    Where the GroupedLinear takes TE's native grouped-GEMM path (``use_grouped_tensor``: one cuBLASLt
-    grouped GEMM per projection instead of one GEMM per expert; TE selects it from
-    ``NVTE_GROUPED_LINEAR_USE_FUSED_GROUPED_GEMM=1`` and uses it where cuBLASLt is new enough: 13.4 on
-    Hopper for bf16, 13.6 for FP8 blocks) the splits stay on the device, which that path requires (a
-    host list raises there); TE falls back to per-expert GEMMs itself where the path is unsupported.
-    Otherwise a host list, as ``TEGroupedMLP`` passes. The total (needed to pad) is one host read either
-    way; unpadded rows (``alignment`` 1) need none on the native path."""
-    padded_L = (counts_L.long() + alignment - 1) // alignment * alignment
-    if getattr(linear_fc1, "use_grouped_tensor", False):
-        m_splits = padded_L.to(device=device, dtype=torch.int64)
-        return m_splits, (int(m_splits.sum()) if alignment > 1 else -1)
-    m_splits = padded_counts_host(counts_L, alignment)
-    return m_splits, sum(m_splits)
+def check_not_native_grouped(linear) -> None:
+    """Raise ``MoKConfigError`` where ``linear`` (a TE GroupedLinear) would take TE's native grouped GEMM."""
+    if getattr(linear, "use_grouped_tensor", False):
+        raise MoKConfigError(
+            "--mok-expert-backend te: Transformer Engine's native grouped GEMM is on "
+            "(NVTE_GROUPED_LINEAR_USE_FUSED_GROUPED_GEMM=1), which this backend does not run: it needs device "
+            "splits, rows padded to 128 per expert for FP8 blocks, and its bf16 results did not match the "
+            "per-expert GEMMs. Unset NVTE_GROUPED_LINEAR_USE_FUSED_GROUPED_GEMM, or use --mok-expert-backend "
+            "torch-fp8 / torch (one grouped GEMM per projection already)."
+        )
 
 
 def te_expert_mlp(
@@ -67,7 +64,7 @@ def te_expert_mlp(
 ):
     """The MLP through TE GroupedLinear modules (``module(x, m_splits) -> (y, bias)``, Megatron's
     wrapper contract). Runs under whatever FP8 context the caller entered (Megatron's block does)."""
-    m_splits, num_rows = te_splits(counts_L, alignment, linear_fc1, x_RH.device)
+    m_splits = padded_counts_host(counts_L, alignment)
 
     def fc1(x_PH, plan):
         return linear_fc1(x_PH, m_splits)[0]
@@ -88,7 +85,7 @@ def te_expert_mlp(
         act,
         alignment,
         apply_probs_on_input=apply_probs_on_input,
-        num_rows=num_rows,
+        num_rows=sum(m_splits),
     )
 
 
@@ -175,6 +172,7 @@ class MoKTEGroupedMLP(MoKGroupedMLP):
             pg_collection=pg,
             name=(name + ".linear_fc2") if name is not None else None,
         )
+        check_not_native_grouped(self.linear_fc1)
         self.wgrad_queue = None  # TE defers weight gradients itself (delay_wgrad_compute)
         self._wgrad_hooks = []
 
