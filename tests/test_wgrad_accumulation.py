@@ -330,3 +330,25 @@ def test_quack_matches_portable_and_accumulates_gpu():
     # QuACK adds the fp32 accumulator; the portable path rounds each product to bf16 first
     torch.testing.assert_close(quack.double(), want, rtol=1e-4, atol=1e-3)
     torch.testing.assert_close(portable.double(), want, rtol=2e-2, atol=0.5)
+
+
+def test_cuda_weights_fuse_only_with_an_accumulating_gemm(monkeypatch):
+    """On CUDA the fusion needs QuACK (sm90+, bf16/fp16 weights); without it the experts keep ordinary
+    gradients, since adding every call's gradient into fp32 costs more than bf16 sums."""
+    from types import SimpleNamespace
+
+    from mok_megatron import compat
+    from mok_megatron.experts import main_grad
+
+    w = SimpleNamespace(device=torch.device("cuda", 0), dtype=torch.bfloat16, main_grad=None)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(compat, "have_quack", lambda: False)
+    assert main_grad.main_grad_owner(w, True) is None
+    monkeypatch.setattr(compat, "have_quack", lambda: True)
+    assert main_grad.main_grad_owner(w, True) is w
+    assert main_grad.main_grad_owner(w, False) is None
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    assert main_grad.main_grad_owner(w, True) is None
+    cpu = torch.nn.Parameter(torch.zeros(2))
+    cpu.main_grad = torch.zeros(2)
+    assert main_grad.main_grad_owner(cpu, True) is cpu

@@ -13,11 +13,14 @@ N = 4 calls accumulated within 5 % of one call over all rows (``one``).
 
 Variants, each timing fc1's and fc2's weight gradients (``dW1 = dy1^T x``, ``dW2 = dy2^T a``) per step,
 CUDA events over back-to-back steps, median (min..max):
-    torch-one   one ``torch`` grouped GEMM per weight over all R rows (bf16 out)
-    torch-sum   N calls, bf16 outs summed per weight
-    torch-acc   N calls, each bf16 out added to one fp32 buffer per weight
-    quack-one   one QuACK varlen-K GEMM per weight into fp32 (where QuACK runs: sm_90+, ``quack-kernels``)
-    quack-acc   N QuACK varlen-K GEMMs accumulating into one fp32 buffer per weight
+    torch-one       one ``torch`` grouped GEMM per weight over all R rows (bf16 out)
+    torch-one+add   the same, then added into an fp32 buffer (what Megatron's DDP hook does without fusion)
+    torch-sum       N calls, bf16 outs summed per weight (autograd's sum)
+    torch-sum+add   the same, then added into an fp32 buffer
+    torch-acc       N calls, each bf16 out added to one fp32 buffer (``ops.wgrad_accumulate``'s portable path)
+    quack-one       one QuACK varlen-K GEMM per weight accumulating into fp32 (``kernels.quack_wgrad``; sm_90+,
+                    ``quack-kernels``)
+    quack-acc       N QuACK varlen-K GEMMs accumulating into one fp32 buffer per weight
 Before timing, every N-call variant is checked against the fp32 sum of per-call reference products.
 """
 
@@ -36,7 +39,7 @@ SHAPES = {
     "qwen3-30b-a3b": dict(hidden=2048, ffn=768, experts=128, rows=16384 * 8),
     "tiny": dict(hidden=64, ffn=32, experts=4, rows=256),
 }
-VARIANTS = ("torch-one", "torch-sum", "torch-acc", "quack-one", "quack-acc")
+VARIANTS = ("torch-one", "torch-one+add", "torch-sum", "torch-sum+add", "torch-acc", "quack-one", "quack-acc")
 GOAL = 1.05  # N accumulating calls / one call over all rows
 
 
@@ -47,15 +50,16 @@ def _offsets(rows: int, experts: int, device) -> torch.Tensor:
     return torch.tensor(counts, device=device).cumsum(0).to(torch.int32)
 
 
-def _quack():
-    """QuACK's accumulating GEMM, or the reason it cannot run here."""
-    try:
-        from quack.gemm_interface import gemm_add_inplace
-    except Exception as e:  # ImportError, or the CUTLASS DSL's own load errors
-        return None, f"QuACK not importable ({type(e).__name__}: {e}); pip install 'mok-megatron[quack]'"
-    if torch.cuda.get_device_capability()[0] < 9:
-        return None, "QuACK's grouped GEMMs need sm_90+"
-    return gemm_add_inplace, None
+def _quack_reason(bufs, one) -> str | None:
+    """Why QuACK's variants cannot run on these tensors, or None."""
+    from mok_megatron.compat import have_quack
+    from mok_megatron.kernels import quack_wgrad
+
+    if not have_quack():
+        return "QuACK (quack-kernels >= 0.4.1) not installed: pip install 'mok-megatron[quack]'"
+    if not all(quack_wgrad.supports(b, dy, x) for b, (dy, x) in zip(bufs, _pairs(one), strict=True)):
+        return "QuACK's varlen-K GEMM does not take these tensors here (CUDA sm90+, bf16/fp16, aligned rows)"
+    return None
 
 
 def _calls(tensors: dict, calls: int, experts: int, device) -> list[dict]:
@@ -82,45 +86,38 @@ def _pairs(piece: dict):
     return ((piece["dy1"], piece["x"]), (piece["dy2"], piece["a"]))
 
 
-def _variant(name: str, one: dict, pieces: list[dict], bufs, gemm_add):
-    """A zero-argument step computing this variant's weight gradients."""
-    if name == "torch-one":
-        return lambda: [_torch_wgrad(dy, x, one["offs"]) for dy, x in _pairs(one)]
-    if name == "torch-sum":
+def _variant(name: str, one: dict, pieces: list[dict], bufs):
+    """A zero-argument step computing this variant's weight gradients; returns them (fc1's, fc2's)."""
+    from mok_megatron.kernels import quack_wgrad
+    from mok_megatron.ops.wgrad_accumulate import portable_accumulate_
 
-        def step():
-            sums = [None, None]
-            for p in pieces:
-                for i, (dy, x) in enumerate(_pairs(p)):
-                    dw = _torch_wgrad(dy, x, p["offs"])
-                    sums[i] = dw if sums[i] is None else sums[i] + dw
-            return sums
-
-        return step
-    if name == "torch-acc":
-
-        def step():
-            for p in pieces:
-                for i, (dy, x) in enumerate(_pairs(p)):
-                    bufs[i].add_(_torch_wgrad(dy, x, p["offs"]))
+    def summed(parts, add):
+        sums = [None, None]
+        for p in parts:
+            for i, (dy, x) in enumerate(_pairs(p)):
+                dw = _torch_wgrad(dy, x, p["offs"])
+                sums[i] = dw if sums[i] is None else sums[i] + dw
+        if add:  # what DDP's hook does with the gradient autograd leaves: main_grad += grad
+            for b, dw in zip(bufs, sums, strict=True):
+                b.add_(dw)
             return bufs
+        return sums
 
-        return step
-
-    def quack_into(piece):
-        cu = torch.cat([piece["offs"].new_zeros(1), piece["offs"]])
-        for i, (dy, x) in enumerate(_pairs(piece)):
-            gemm_add(dy.t(), x, bufs[i], cu_seqlens_k=cu, tuned=False)
-
-    if name == "quack-one":
-        return lambda: quack_into(one) or bufs
-
-    def quack_calls():
-        for p in pieces:
-            quack_into(p)
+    def accumulated(parts, accumulate):
+        for p in parts:
+            for b, (dy, x) in zip(bufs, _pairs(p), strict=True):
+                accumulate(b, dy, x, p["offs"])
         return bufs
 
-    return quack_calls
+    return {
+        "torch-one": lambda: summed([one], add=False),
+        "torch-one+add": lambda: summed([one], add=True),
+        "torch-sum": lambda: summed(pieces, add=False),
+        "torch-sum+add": lambda: summed(pieces, add=True),
+        "torch-acc": lambda: accumulated(pieces, portable_accumulate_),
+        "quack-one": lambda: accumulated([one], quack_wgrad.accumulate_),
+        "quack-acc": lambda: accumulated(pieces, quack_wgrad.accumulate_),
+    }[name]
 
 
 def _reference(pieces: list[dict]) -> list[torch.Tensor]:
@@ -149,16 +146,16 @@ def bench_wgrad(shape_name: str, calls: int, iters: int, warmup: int, variants=V
     one = tensors | {"offs": _offsets(rows, e, device)}
     pieces = _calls(tensors, calls, e, device)
     bufs = [torch.zeros(e, 2 * f, h, device=device), torch.zeros(e, h, f, device=device)]
-    gemm_add, quack_reason = _quack() if device.type == "cuda" else (None, "QuACK runs on CUDA GPUs only")
+    quack_reason = _quack_reason(bufs, one) if device.type == "cuda" else "QuACK runs on CUDA GPUs only"
     ref = _reference(pieces)
     rows_out, skipped = [], []
     flops = 2 * rows * h * 3 * f  # dW1: 2F x H, dW2: H x F, per row
     for name in variants:
-        if name.startswith("quack") and gemm_add is None:
+        if name.startswith("quack") and quack_reason:
             skipped.append({"variant": name, "reason": quack_reason})
             continue
-        step = _variant(name, one, pieces, bufs, gemm_add)
-        if name != "torch-one" and name != "quack-one":  # N-call variants: checked first
+        step = _variant(name, one, pieces, bufs)
+        if "one" not in name:  # N-call variants: checked first
             for b in bufs:
                 b.zero_()
             got = step()
@@ -185,12 +182,15 @@ def bench_wgrad(shape_name: str, calls: int, iters: int, warmup: int, variants=V
         )
     by = {r["variant"]: r["ms"] for r in rows_out}
     ratios = {}
-    for lib in ("torch", "quack"):
-        for n_call in ("sum", "acc"):
-            if f"{lib}-{n_call}" in by and f"{lib}-one" in by:
-                ratios[f"{lib}-{n_call}/{lib}-one"] = by[f"{lib}-{n_call}"] / by[f"{lib}-one"]
-        if f"{lib}-acc" in by and "torch-one" in by:
-            ratios[f"{lib}-acc/torch-one"] = by[f"{lib}-acc"] / by["torch-one"]
+    for a, b in (
+        ("torch-sum", "torch-one"),
+        ("torch-acc", "torch-one+add"),
+        ("quack-acc", "quack-one"),  # the goal: N accumulating calls against one call over all rows
+        ("quack-one", "torch-one+add"),  # one call: fused against Megatron's unfused gradient + DDP add
+        ("quack-acc", "torch-sum+add"),  # N calls: fused against bf16 sums + DDP add
+    ):
+        if a in by and b in by:
+            ratios[f"{a}/{b}"] = by[a] / by[b]
     return {
         "shape": shape_name,
         **shape,
