@@ -355,12 +355,16 @@ class _LogBackward(torch.autograd.Function):
 
 def late_wgrad_case(rank, world, *, ep=2, opts=None, steps=2, **cfg_kw):
     """The MoK layer through the pipeline with late weight gradients (``experts.late_wgrad``) against the
-    same layer without (``late_wgrad=False``): output, input and weight gradients bitwise equal over
-    ``steps`` backward passes accumulating into ``.grad``; each weight's post-accumulate hook fires once
-    per backward; and in the late layer's backward every queued weight gradient is computed after the
-    last dispatch-backward exchange is launched and before the packs' backward (which waits for it)."""
+    same layer without (``late_wgrad=False``): output and input gradients bitwise equal, weight gradients
+    bitwise equal (``bitwise``) or, where the late layer's one GEMM per weight sums the expert calls' rows
+    in another order, equal to fp32 rounding (``close``), over ``steps`` backward passes accumulating into
+    ``.grad``; the weight-gradient GEMMs each layer ran (``wgrad_gemms``); each weight's post-accumulate
+    hook fires once per backward; and in the late layer's backward every queued weight gradient is
+    computed after the last dispatch-backward exchange is launched and before the packs' backward (which
+    waits for it)."""
     from mok_megatron.engine import pipeline as pipeline_module
     from mok_megatron.experts import torch_mlp as expert_schedule
+    from mok_megatron.ops import grouped_gemm
     from tests.cases import build_mok_only, make_config, setup_parallel, with_engine
 
     setup_parallel(ep=ep)
@@ -381,7 +385,7 @@ def late_wgrad_case(rank, world, *, ep=2, opts=None, steps=2, **cfg_kw):
         for name, p in layer.experts.named_parameters():
             p.register_post_accumulate_grad_hook(lambda p, n=name, h=hooks: h.__setitem__(n, h.get(n, 0) + 1))
         layers.append((layer, log, hooks))
-    sums, pack = expert_schedule.WgradQueue.sums, pipeline_module._pack
+    sums, pack, wgrad_gemm = expert_schedule.WgradQueue.sums, pipeline_module._pack, grouped_gemm._wgrad
 
     res = {"steps": []}
     for step in range(steps):
@@ -401,8 +405,13 @@ def late_wgrad_case(rank, world, *, ep=2, opts=None, steps=2, **cfg_kw):
                 x_NH, meta_NW, x_ab = pack(*args)
                 return _LogBackward.apply(x_NH, log, ("pack_bwd",)), meta_NW, x_ab
 
+            def counted_wgrad(*args, log=log):
+                log.append(("wgrad_gemm",))
+                return wgrad_gemm(*args)
+
             expert_schedule.WgradQueue.sums = logged_sums
             pipeline_module._pack = logged_pack
+            grouped_gemm._wgrad = counted_wgrad
             try:
                 x = x0.clone().requires_grad_(True)
                 out, _ = layer(x)
@@ -412,6 +421,7 @@ def late_wgrad_case(rank, world, *, ep=2, opts=None, steps=2, **cfg_kw):
             finally:
                 expert_schedule.WgradQueue.sums = sums
                 pipeline_module._pack = pack
+                grouped_gemm._wgrad = wgrad_gemm
             grads = {n: p.grad.clone() for n, p in layer.named_parameters() if p.grad is not None}
             outs.append((out.detach(), x.grad.clone(), grads, dict(hooks), list(log)))
         (o1, dx1, g1, h1, log1), (o2, dx2, g2, h2, log2) = outs
@@ -426,6 +436,13 @@ def late_wgrad_case(rank, world, *, ep=2, opts=None, steps=2, **cfg_kw):
                     and g1.keys() == g2.keys()
                     and all(torch.equal(g1[k], g2[k]) for k in g1)
                 ),
+                close=bool(
+                    torch.equal(o1, o2)
+                    and torch.equal(dx1, dx2)
+                    and g1.keys() == g2.keys()
+                    and all(torch.allclose(g1[k], g2[k], rtol=1e-5, atol=1e-6) for k in g1)
+                ),
+                wgrad_gemms=[sum(1 for e in lg if e == ("wgrad_gemm",)) for lg in (log1, log2)],
                 expert_grads=sorted(k for k in g1 if "experts" in k),
                 hooks_late=h1,
                 hooks_plain=h2,

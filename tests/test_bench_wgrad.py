@@ -12,12 +12,17 @@ from mok_megatron.bench import wgrad
 def test_tiny_runs_and_reports_every_variant():
     res = wgrad.bench_wgrad("tiny", calls=4, iters=2, warmup=1)
     names = [r["variant"] for r in res["rows"]]
-    assert names == ["torch-one", "torch-one+add", "torch-sum", "torch-sum+add", "torch-acc"]
+    assert names == ["torch-one", "torch-one+add", "torch-sum", "torch-sum+add", "torch-acc", "torch-merged"]
     assert {s["variant"] for s in res["skipped"]} == {"quack-one", "quack-acc"}
     assert all("CUDA" in s["reason"] for s in res["skipped"])
     assert all(r["rel_err"] < 1e-5 for r in res["rows"] if "one" not in r["variant"])
     assert all(r["rel_err"] is None for r in res["rows"] if "one" in r["variant"])
-    assert set(res["ratios"]) == {"torch-sum/torch-one", "torch-acc/torch-one+add"}
+    assert set(res["ratios"]) == {
+        "torch-sum/torch-one",
+        "torch-merged/torch-one",
+        "torch-merged/torch-sum",
+        "torch-acc/torch-one+add",
+    }
     assert "| torch-acc |" in wgrad.markdown(res)
 
 

@@ -2,8 +2,9 @@
 the last dispatch-backward exchange is launched, then run while it flies.
 
 gloo on CPU: EP=2 over the real pipeline (one and three minibatches, local rows overlapped and fused,
-exact and sync-free) and one process per rank with the loopback transport (EP=4 emulated): bitwise the
-gradients of the same layer without it over two accumulating backward passes, each weight's
+exact and sync-free) and one process per rank with the loopback transport (EP=4 emulated): the
+gradients of the same layer without it over two accumulating backward passes (bitwise at one expert call;
+at several, one weight-gradient GEMM per weight instead of one per call, equal to fp32 rounding), each weight's
 post-accumulate hook (where Megatron's DDP hooks in) fired once per backward, and the queue run after
 the last dispatch-backward exchange and before the packs' backward (which waits for the exchanges). The gate alone: its sums, and a
 stranger's gradient rejected.
@@ -24,7 +25,9 @@ def _check(results, calls_per_step):
     for rank, r in enumerate(results):
         for step, s in enumerate(r["steps"]):
             where = (rank, step, s)
-            assert s["bitwise"], where
+            # one expert call: the same GEMM, bitwise; more: one GEMM per weight over all calls' rows
+            assert s["bitwise"] if calls_per_step == 1 else s["close"], where
+            assert s["wgrad_gemms"] == [2, 2 * calls_per_step], where
             assert s["expert_grads"] == ["experts.fc1_weight", "experts.fc2_weight"], where
             assert s["hooks_late"] == {"fc1_weight": 1, "fc2_weight": 1} == s["hooks_plain"], where
             assert s["late_wgrad_runs"] == 1 and s["plain_wgrad_runs"] == 0, where

@@ -251,3 +251,54 @@ def test_single_rank_plan_dispatch_combine_round_trip():
     assert rows.shape == (20, 8) and torch.equal(tpe, rm.sum(0))
     out = combine(rows * p_rows[:, None], plan)
     torch.testing.assert_close(out, x.view(5, 2, 8))
+
+
+def test_concat_groups_gathers_every_part_group_by_group():
+    """Parts with empty groups, an empty part and rows past the last offset (a sync-free buffer): one
+    grouped GEMM over the result equals the parts' GEMMs summed, and each group holds its parts' rows in
+    part order."""
+    from mok_megatron.ops.grouped_gemm import _wgrad, concat_groups
+
+    g = torch.Generator().manual_seed(0)
+    parts = []
+    for counts, spare in (([2, 0, 3], 2), ([1, 4, 0], 0), ([0, 0, 0], 3), ([3, 1, 2], 1)):
+        m = sum(counts) + spare
+        parts.append(
+            ([torch.randn(m, 8, generator=g), torch.randn(m, 4, generator=g)], torch.tensor(counts).cumsum(0))
+        )
+    (dy, x), offs = concat_groups(parts)
+    assert offs.tolist() == [6, 11, 16] and offs.dtype == torch.int32 and dy.shape == (22, 8)
+    want = sum(_wgrad(p[0], p[1], o.int()) for p, o in parts if o[-1] > 0)
+    torch.testing.assert_close(_wgrad(dy, x, offs), want, rtol=1e-5, atol=1e-5)
+    # group 1 holds part 1's four rows, then part 3's one row
+    assert torch.equal(dy[6:10], parts[1][0][0][1:5]) and torch.equal(dy[10], parts[3][0][0][3])
+    with pytest.raises(ValueError, match="every part needs"):
+        concat_groups([parts[0], ([torch.zeros(1, 8), torch.zeros(1, 4)], torch.tensor([1, 1]))])
+
+
+def test_merging_queue_runs_one_gemm_per_weight(monkeypatch):
+    """WgradQueue(merge_calls=True): a weight's grouped-GEMM tasks run as one GEMM; a task that is not one
+    (operands None) keeps its weight on the per-task path."""
+    from mok_megatron.experts.torch_mlp import WgradQueue, _finish_wgrad
+    from mok_megatron.ops import grouped_gemm
+
+    calls = []
+    real = grouped_gemm._wgrad
+    monkeypatch.setattr(grouped_gemm, "_wgrad", lambda *a: calls.append(1) or real(*a))
+    w = torch.nn.Parameter(torch.randn(2, 8, 4))
+    other = torch.nn.Parameter(torch.randn(2, 8, 4))
+    g = torch.Generator().manual_seed(1)
+    per_call = []
+    for queue in (WgradQueue(), WgradQueue(merge_calls=True)):
+        for _ in range(3):
+            dy, x = torch.randn(5, 8, generator=g), torch.randn(5, 4, generator=g)
+            offs = torch.tensor([2, 5], dtype=torch.int32)
+            _finish_wgrad(queue, w, w, dy, x, offs, True)
+            per_call.append((dy, x, offs))
+        queue.push(other, lambda: torch.ones(2, 8, 4))  # not a grouped GEMM: operands None
+        queue.push(other, lambda: torch.ones(2, 8, 4))
+        calls.clear()
+        sums = queue.sums()
+        assert len(calls) == (1 if queue.merge_calls else 3)
+        torch.testing.assert_close(sums[id(w)][1], sum(real(*c) for c in per_call[-3:]), rtol=1e-5, atol=1e-5)
+        assert torch.equal(sums[id(other)][1], torch.full((2, 8, 4), 2.0))

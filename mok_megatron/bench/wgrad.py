@@ -18,6 +18,8 @@ CUDA events over back-to-back steps, median (min..max):
     torch-sum       N calls, bf16 outs summed per weight (autograd's sum)
     torch-sum+add   the same, then added into an fp32 buffer
     torch-acc       N calls, each bf16 out added to one fp32 buffer (``ops.wgrad_accumulate``'s portable path)
+    torch-merged    the N calls' rows gathered group by group (``ops.grouped_gemm.concat_groups``), then one
+                    grouped GEMM per weight: what the late-wgrad gate runs
     quack-one       one QuACK varlen-K GEMM per weight accumulating into fp32 (``kernels.quack_wgrad``; sm_90+,
                     ``quack-kernels``)
     quack-acc       N QuACK varlen-K GEMMs accumulating into one fp32 buffer per weight
@@ -39,7 +41,16 @@ SHAPES = {
     "qwen3-30b-a3b": dict(hidden=2048, ffn=768, experts=128, rows=16384 * 8),
     "tiny": dict(hidden=64, ffn=32, experts=4, rows=256),
 }
-VARIANTS = ("torch-one", "torch-one+add", "torch-sum", "torch-sum+add", "torch-acc", "quack-one", "quack-acc")
+VARIANTS = (
+    "torch-one",
+    "torch-one+add",
+    "torch-sum",
+    "torch-sum+add",
+    "torch-acc",
+    "torch-merged",
+    "quack-one",
+    "quack-acc",
+)
 GOAL = 1.05  # N accumulating calls / one call over all rows
 
 
@@ -109,12 +120,22 @@ def _variant(name: str, one: dict, pieces: list[dict], bufs):
                 accumulate(b, dy, x, p["offs"])
         return bufs
 
+    def merged():  # the late-wgrad gate's way: the calls' rows gathered group by group, one GEMM
+        from mok_megatron.ops.grouped_gemm import concat_groups
+
+        out = []
+        for i in range(2):
+            (dy, x), offs = concat_groups([(list(_pairs(p)[i]), p["offs"]) for p in pieces])
+            out.append(_torch_wgrad(dy, x, offs))
+        return out
+
     return {
         "torch-one": lambda: summed([one], add=False),
         "torch-one+add": lambda: summed([one], add=True),
         "torch-sum": lambda: summed(pieces, add=False),
         "torch-sum+add": lambda: summed(pieces, add=True),
         "torch-acc": lambda: accumulated(pieces, portable_accumulate_),
+        "torch-merged": lambda: merged(),
         "quack-one": lambda: accumulated([one], quack_wgrad.accumulate_),
         "quack-acc": lambda: accumulated(pieces, quack_wgrad.accumulate_),
     }[name]
@@ -184,6 +205,8 @@ def bench_wgrad(shape_name: str, calls: int, iters: int, warmup: int, variants=V
     ratios = {}
     for a, b in (
         ("torch-sum", "torch-one"),
+        ("torch-merged", "torch-one"),  # the gather's cost
+        ("torch-merged", "torch-sum"),
         ("torch-acc", "torch-one+add"),
         ("quack-acc", "quack-one"),  # the goal: N accumulating calls against one call over all rows
         ("quack-one", "torch-one+add"),  # one call: fused against Megatron's unfused gradient + DDP add

@@ -14,25 +14,31 @@ any expert call or dispatch-exchange autograd node, passes the experts' weights 
 node (``_Gate``); the layer call's expert GEMMs use its outputs and queue their weight gradients in
 ``LateWgrad.queue``. Autograd runs ready nodes most recently created first, so ``_Gate``'s backward
 runs after every dispatch-backward node (created later) has launched its exchange and before the
-packs' backward (created earlier), which waits for those exchanges. It computes the queued gradients
-in the order backward produced them, sums them per weight in that order and returns the sums through
-autograd: ``AccumulateGrad`` and every hook on the weights (Megatron's DDP) run as without it, and the
-gradients are bitwise the same (the same GEMMs, the same summation order; tested).
+packs' backward (created earlier), which waits for those exchanges. There each weight's gradient is
+one grouped GEMM over the rows of every expert call of the layer call (the calls' rows gathered group by
+group, ``WgradQueue(merge_calls=True)``), not one GEMM per call plus a full-size sum per extra call, and
+the gate returns it through autograd: ``AccumulateGrad`` and every hook on the weights (Megatron's DDP)
+run as without it. The gradients equal the per-call sums up to the order of the additions (tested to
+fp32 rounding; bitwise at one expert call, and bitwise repeatable run to run). Why one GEMM: on an H200 a
+layer call's weight gradients in 4 calls cost 5.63 ms against 3.80 ms in one (DeepSeek-V3 EP slice) and
+5.63 against 1.86 ms (Qwen3-30B-A3B, whose 128 experts get ~256 rows each per call; ``mok bench wgrad``);
+the gather moves every operand row once more (not yet timed in the pipeline).
 
 Cost: each expert GEMM's output gradient lives until ``_Gate`` runs (DeepSeek-V3's slice at 4096
 tokens, 8 local experts: ~0.7 GB more at the peak). Opt-in (``--mok-late-wgrad``): on one H200 with the
 loopback transport it gains nothing consistent (±1.2 ms both ways between runs): the exchange's spin
 runs beside the weight gradients, but the loopback's copies wait for them to finish. With the link time
 alone (``LoopbackBytes.LINK``, no copies) it is faster at most points, by about the run-to-run spread
-(DeepSeek's slice at 900 GB/s: 14.85 vs 15.03 ms; docs/performance.md). A real link is where it can pay,
-and the gate is where the weight gradients of a whole layer call can run as one accumulating GEMM. Not
+(DeepSeek's slice at 900 GB/s: 14.85 vs 15.03 ms; docs/performance.md; measured with one weight-gradient
+GEMM per expert call). A real link is where it can pay. The gather adds, while one weight's GEMM runs,
+a copy of that weight's operand rows (fc1 on DeepSeek's slice at 4096 tokens: x and dy, ~0.74 GB). Not
 with Megatron's ``delay_wgrad_compute`` (its ``backward_dw`` already defers them further) nor with the
 FP8 / TE experts (their GEMMs are not ``experts.torch_mlp``'s); ``MoKGroupedMLP.late_wgrad`` decides.
 
 With gradient accumulation fusion the queued tasks add into the real Parameters' ``main_grad`` (the
 tasks carry the Parameter; the stand-ins are views) and ``_Gate`` returns Megatron's dummy gradient for
-each such weight (or None where DDP does not track it): the weight gradients of a whole layer call
-accumulate into ``main_grad`` with no sum between minibatches.
+each such weight (or None where DDP does not track it): a whole layer call's weight gradient is one
+accumulating GEMM into ``main_grad``.
 """
 
 from __future__ import annotations
@@ -53,11 +59,11 @@ class LateWgrad:
 
     def __init__(self, params: tuple[torch.nn.Parameter, ...]):
         self.params = params
-        self.queue = WgradQueue()
+        self.queue = WgradQueue(merge_calls=True)
         self.weights: tuple[torch.Tensor, ...] | None = None
 
     def open(self) -> None:
-        self.queue = WgradQueue()
+        self.queue = WgradQueue(merge_calls=True)
         stand_in_ids: list[int] = []
         self.weights = _Gate.apply(self.queue, stand_in_ids, *self.params)
         stand_in_ids.extend(id(w) for w in self.weights)
