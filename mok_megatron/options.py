@@ -24,7 +24,9 @@ Typed (enums) and frozen; strings are accepted once, here, and become the enum (
     loopback             the emulated link of the loopback transport (``LoopbackLink``)
     expert_backend       torch (bf16 ``torch._grouped_mm``) | torch-fp8 (native rowwise FP8, Hopper+, no TE) |
                          te (Transformer Engine GroupedLinear under Megatron's --fp8-format/--fp8-recipe)
-    nvlink_programs      nvlink transport: CTAs (SMs) that communicate
+    nvlink_programs      nvlink transport: CTAs (SMs) that communicate in the forward
+    nvlink_programs_backward  the same in the backward (None: as the forward); each CTA that communicates
+                         is one the GEMMs beside it lose, and the backward runs twice the forward's GEMMs
     nvlink_sync          nvlink transport: barrier (one device barrier per exchange) | flags (per-peer ready
                          flags: a destination reads each source as soon as that source has staged)
     local_rows           pipeline: rows whose expert is on this rank. overlap: computed in two halves while
@@ -138,6 +140,7 @@ class MoKOptions:
     loopback: LoopbackLink | None = None
     expert_backend: ExpertBackend = ExpertBackend.TORCH
     nvlink_programs: int = 64
+    nvlink_programs_backward: int | None = None
     nvlink_sync: NVLinkSync = NVLinkSync.BARRIER
     local_rows: LocalRows = LocalRows.AUTO
     fp8_dispatch: bool = False
@@ -196,6 +199,11 @@ class MoKOptions:
         if self.nvlink_programs < 1:
             raise MoKOptionsError(
                 f"--mok-nvlink-programs={self.nvlink_programs}: must be >= 1 (CTAs that communicate)."
+            )
+        if self.nvlink_programs_backward is not None and self.nvlink_programs_backward < 1:
+            raise MoKOptionsError(
+                f"--mok-nvlink-programs-backward={self.nvlink_programs_backward}: must be >= 1 (CTAs that "
+                "communicate in the backward), or omitted to use --mok-nvlink-programs."
             )
 
     def replace(self, **changes) -> MoKOptions:

@@ -181,4 +181,6 @@ else:
 
 
 def __getattr__(name: str):
-    raise AttributeError(f"module 'mok_megatron.spec' has no attribute {name!r}; specs: {', '.join(SPEC_NAMES)}")
+    raise AttributeError(
+        f"module 'mok_megatron.spec' has no attribute {name!r}; specs: {', '.join(SPEC_NAMES)}"
+    )

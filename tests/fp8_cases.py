@@ -33,9 +33,9 @@ class _Recording:
         self.inner = CollectiveTransport(group)
         self.calls = []
 
-    def move(self, x, mb, direction):
+    def move(self, x, mb, direction, backward=False):
         self.calls.append((str(x.dtype), x.numel() * x.element_size(), direction))
-        return self.inner.move(x, mb, direction)
+        return self.inner.move(x, mb, direction, backward=backward)
 
 
 def fp8_exchange_case(rank, world, *, block=0):

@@ -30,9 +30,9 @@ class Recording:
     def __getattr__(self, name):  # the inner transport's own attributes (emulated_ep, slow_link, ...)
         return getattr(self.inner, name)
 
-    def move(self, x, mb, direction):
+    def move(self, x, mb, direction, backward=False):
         self.log.append(("move", direction, x.shape[0]))
-        return self.inner.move(x, mb, direction)
+        return self.inner.move(x, mb, direction, backward=backward)
 
 
 class GroupedExperts(torch.nn.Module):

@@ -266,7 +266,51 @@ def test_options_and_flags_accept_nvlink():
     argv = ["--mok-transport", "nvlink", "--mok-nvlink-programs", "24", "--mok-nvlink-sync", "flags"]
     opts = options_from_args(p.parse_args(argv))
     assert (opts.transport, opts.nvlink_programs, opts.nvlink_sync) == ("nvlink", 24, "flags")
+    assert opts.nvlink_programs_backward is None
+    opts = options_from_args(p.parse_args([*argv, "--mok-nvlink-programs-backward", "8"]))
+    assert (opts.nvlink_programs, opts.nvlink_programs_backward) == (24, 8)
+    with pytest.raises(MoKOptionsError, match="nvlink-programs-backward=0"):
+        MoKOptions(nvlink_programs_backward=0)
     assert MoKOptions().transport == "auto"
+
+
+def test_backward_moves_take_the_backward_cta_budget(monkeypatch):
+    """The pipeline's gradient moves ask for the backward budget (``backward=True``); the NVLink
+    transport launches its kernels with --mok-nvlink-programs there and --mok-nvlink-programs-backward
+    here, the same count for both when it is not given."""
+    from mok_megatron.engine import pipeline
+    from mok_megatron.transport.base import COMBINE, DISPATCH
+    from mok_megatron.transport.nvlink import transport as NT
+
+    launched = []
+    monkeypatch.setattr(NT, "workspace", lambda group, device: None)
+    monkeypatch.setattr(
+        NT, "exchange_rows", lambda ws, x, m, me, push, programs, **kw: launched.append(programs) or x
+    )
+
+    class _Plan:
+        capacity, split_matrix = 2, [[1, 1], [1, 1]]
+
+    x = torch.zeros(4, 2)
+    for backward_budget, want in ((8, [32, 8]), (None, [32, 32])):
+        t = NT.NVLinkTransport(None, 32, "barrier", backward_budget)
+        t.ep = 2  # as a rank of an EP=2 group (no process group here: the launch is recorded, not run)
+        launched.clear()
+        t.move(x, _Plan(), DISPATCH)
+        t.move(x, _Plan(), COMBINE, backward=True)
+        assert launched == want
+    # the pipeline's autograd node moves the gradient with backward=True
+    seen = []
+
+    class _Recorder:
+        def move(self, g, mb, direction, backward=False):
+            seen.append((direction, backward))
+            return g
+
+    src = torch.zeros(3, 2, requires_grad=True)
+    out = pipeline._Arrived.apply(src, torch.zeros(3, 2), _Recorder(), None, DISPATCH)
+    out.sum().backward()
+    assert seen == [(COMBINE, True)]
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only error")
@@ -574,8 +618,8 @@ def test_nvlink_transport_choice_follows_the_domains(monkeypatch):
 
     assert HT.node_name() == socket.gethostname()
     made = []
-    monkeypatch.setattr(HT.NT, "NVLinkTransport", lambda g, p, s: made.append(("flat", p)) or "flat")
-    monkeypatch.setattr(HT, "HierarchicalTransport", lambda g, p, n, s: made.append(("hier", n)) or "hier")
+    monkeypatch.setattr(HT.NT, "NVLinkTransport", lambda g, p, s, pb: made.append(("flat", p)) or "flat")
+    monkeypatch.setattr(HT, "HierarchicalTransport", lambda g, p, n, s, pb: made.append(("hier", n)) or "hier")
     monkeypatch.setattr(HT, "domains_of", lambda g: ["h0", "h0"])
     assert HT.nvlink_transport(None, 8) == "flat"
     monkeypatch.setattr(HT, "domains_of", lambda g: ["h0", "h1"])

@@ -227,7 +227,7 @@ class _Arrived(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):
         back = COMBINE if ctx.direction == DISPATCH else DISPATCH
-        return ctx.transport.move(g.contiguous(), ctx.mb, back), None, None, None, None
+        return ctx.transport.move(g.contiguous(), ctx.mb, back, backward=True), None, None, None, None
 
 
 def run_pipeline(

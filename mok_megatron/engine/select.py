@@ -81,9 +81,7 @@ class EngineChoice:
         return "experts" if self.fused_experts else None
 
 
-def pipeline_blockers(
-    capacity_factor: float | None, router_padding: bool, etp_size: int
-) -> list[str]:
+def pipeline_blockers(capacity_factor: float | None, router_padding: bool, etp_size: int) -> list[str]:
     """The settings of a layer that keep it off the overlap pipeline (it then runs the plain engine)."""
     why = []
     if capacity_factor is not None:
@@ -159,7 +157,9 @@ def select_transport(cfg: MoKConfig, options: MoKOptions, ep_group):
         from mok_megatron.transport.nvlink.hierarchical import nvlink_transport
 
         # one NVLink domain: NVLinkTransport; an EP group across domains: NVLink inside, NCCL between
-        return nvlink_transport(ep_group, options.nvlink_programs, options.nvlink_sync)
+        return nvlink_transport(
+            ep_group, options.nvlink_programs, options.nvlink_sync, options.nvlink_programs_backward
+        )
     if kind is TransportKind.COPY_ENGINE:
         from mok_megatron.transport.copy_engine import CopyEngineTransport
 

@@ -27,6 +27,7 @@ group exists. argparse has no post-parse hook, so ``extra_args_provider`` wraps 
     --mok-transport T           transport             auto
     --mok-expert-backend B      expert_backend        torch (bf16; torch-fp8 | te for FP8)
     --mok-nvlink-programs N     nvlink_programs       64
+    --mok-nvlink-programs-backward N   nvlink_programs_backward   as --mok-nvlink-programs
     --mok-nvlink-sync S         nvlink_sync           barrier (flags: per-peer ready flags)
     --mok-local-rows R          local_rows            auto (fused in one NVLink domain, else overlap)
     --mok-fp8-dispatch          fp8_dispatch          off (e4m3 dispatch rows, rowwise scales)
@@ -165,6 +166,12 @@ def add_mok_flags(parser) -> None:
         help="--mok-transport nvlink: CTAs (SMs) that communicate (default: %(default)s)",
     )
     g.add_argument(
+        "--mok-nvlink-programs-backward",
+        type=int,
+        default=d.nvlink_programs_backward,
+        help="--mok-transport nvlink: CTAs that communicate in the backward (default: as --mok-nvlink-programs)",
+    )
+    g.add_argument(
         "--mok-nvlink-sync",
         choices=_choices(NVLinkSync),
         default=d.nvlink_sync,
@@ -280,6 +287,7 @@ def options_from_args(args) -> MoKOptions:
         transport=args.mok_transport,
         expert_backend=getattr(args, "mok_expert_backend", "torch"),
         nvlink_programs=getattr(args, "mok_nvlink_programs", MoKOptions().nvlink_programs),
+        nvlink_programs_backward=getattr(args, "mok_nvlink_programs_backward", None),
         nvlink_sync=getattr(args, "mok_nvlink_sync", MoKOptions().nvlink_sync),
         local_rows=getattr(args, "mok_local_rows", MoKOptions().local_rows),
         fp8_dispatch=getattr(args, "mok_fp8_dispatch", False),
@@ -301,6 +309,7 @@ def _given_mok_flags(args) -> list[str]:
             "transport",
             "expert_backend",
             "nvlink_programs",
+            "nvlink_programs_backward",
             "nvlink_sync",
             "local_rows",
             "fp8_dispatch",
@@ -347,7 +356,10 @@ def validate(args) -> None:
         flag
         for flag, field in (
             ("--overlap-moe-expert-parallel-comm", "overlap_moe_expert_parallel_comm"),
-            ("--overlap-dispatch-backward-with-experts-wgrad", "overlap_dispatch_backward_with_experts_wgrad"),
+            (
+                "--overlap-dispatch-backward-with-experts-wgrad",
+                "overlap_dispatch_backward_with_experts_wgrad",
+            ),
         )
         if getattr(args, field, False)
     )

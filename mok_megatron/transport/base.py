@@ -31,8 +31,10 @@ DISPATCH, COMBINE = 0, 1
 class Transport(Protocol):
     name: str
 
-    def move(self, x: torch.Tensor, mb: SendPlan, direction: int) -> torch.Tensor:
-        """Rows of ``x`` grouped by destination -> rows received, grouped by source."""
+    def move(self, x: torch.Tensor, mb: SendPlan, direction: int, backward: bool = False) -> torch.Tensor:
+        """Rows of ``x`` grouped by destination -> rows received, grouped by source. ``backward``: the move
+        is a gradient's, in the layer's backward (a transport may give it other resources: the NVLink
+        transport's CTA budget, ``--mok-nvlink-programs-backward``)."""
         ...
 
 

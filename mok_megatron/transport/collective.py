@@ -18,7 +18,7 @@ class CollectiveTransport:
         self.group = group
         self.ep = group_size(group)
 
-    def move(self, x: torch.Tensor, mb: SendPlan, direction: int) -> torch.Tensor:
+    def move(self, x: torch.Tensor, mb: SendPlan, direction: int, backward: bool = False) -> torch.Tensor:
         if self.ep == 1:
             return x.clone()
         in_splits, out_splits = splits(mb, direction, self.ep)

@@ -40,7 +40,7 @@ class CopyEngineTransport:
             m = [list(r) for r in zip(*m, strict=True)]
         return m
 
-    def move(self, x: torch.Tensor, mb: SendPlan, direction: int) -> torch.Tensor:
+    def move(self, x: torch.Tensor, mb: SendPlan, direction: int, backward: bool = False) -> torch.Tensor:
         if self.ep == 1:
             return x.clone()
         x = x.contiguous()

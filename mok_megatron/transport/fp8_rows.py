@@ -122,7 +122,7 @@ class _FP8Dispatch(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g_RH, _gq, _gs):
         back = COMBINE if ctx.direction == DISPATCH else DISPATCH
-        return ctx.transport.move(g_RH.contiguous(), ctx.mb, back), None, None, None, None
+        return ctx.transport.move(g_RH.contiguous(), ctx.mb, back, backward=True), None, None, None, None
 
 
 def fp8_dispatch(x_NH: torch.Tensor, transport, mb, block: int = 0, direction: int = DISPATCH):

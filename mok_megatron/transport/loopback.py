@@ -57,7 +57,7 @@ class LoopbackTransport:
         self._delay_stream = None
         self.bytes_moved = 0  # emulated link bytes so far (benchmarks read it)
 
-    def move(self, x: torch.Tensor, mb: SendPlan, direction: int) -> torch.Tensor:
+    def move(self, x: torch.Tensor, mb: SendPlan, direction: int, backward: bool = False) -> torch.Tensor:
         # The emulated peers' share (region R) is charged as the minibatch's whole exchange; rows moved
         # outside a pipeline plan (``mb`` None) are charged as they are.
         r = mb.local.regions[0] if mb is not None else 0

@@ -100,34 +100,43 @@ class HierarchicalTransport:
     name = "hierarchical"
 
     def __init__(
-        self, group, programs: int = DEFAULT_PROGRAMS, names: list[str] | None = None, sync: str = "barrier"
+        self,
+        group,
+        programs: int = DEFAULT_PROGRAMS,
+        names: list[str] | None = None,
+        sync: str = "barrier",
+        programs_backward: int | None = None,
     ):
         self.group = group
         self.ep = group_size(group)
         self.rank = dist.get_rank(group)
         self.programs = programs
+        self.programs_backward = programs if programs_backward is None else programs_backward
         self.sync = sync
         names = names if names is not None else domains_of(group)
         self.domain = [r for r, n in enumerate(names) if n == names[self.rank]]
         self.domains = len(set(names))
         self.node_group = domain_group(group)
 
-    def _exchange_in_domain(self, x: torch.Tensor, m, push: bool) -> torch.Tensor:
+    def _exchange_in_domain(self, x: torch.Tensor, m, push: bool, programs: int) -> torch.Tensor:
         D = self.domain
         if self.node_group is None:  # alone in my domain: my rows to myself
             return x
         sub = [[m[s][d] for d in D] for s in D]
         ws = NT.workspace(self.node_group, x.device)
         me = D.index(self.rank)
-        return exchange_rows(ws, x, sub, me, push, self.programs, use_triton=x.is_cuda, sync=self.sync)
+        return exchange_rows(ws, x, sub, me, push, programs, use_triton=x.is_cuda, sync=self.sync)
 
-    def move(self, x: torch.Tensor, mb: SendPlan, direction: int) -> torch.Tensor:
+    def move(self, x: torch.Tensor, mb: SendPlan, direction: int, backward: bool = False) -> torch.Tensor:
         if self.ep == 1:
             return x.clone()
         m = NT.split_matrix(mb, direction, self.ep)
         me, ep, D = self.rank, self.ep, set(self.domain)
         sends = x.contiguous().split([m[me][d] for d in range(ep)])
-        near = self._exchange_in_domain(torch.cat([sends[d] for d in self.domain]), m, direction == COMBINE)
+        programs = self.programs_backward if backward else self.programs
+        near = self._exchange_in_domain(
+            torch.cat([sends[d] for d in self.domain]), m, direction == COMBINE, programs
+        )
         far_out = [0 if d in D else m[me][d] for d in range(ep)]
         far_in = [0 if s in D else m[s][me] for s in range(ep)]
         far = torch.cat([sends[d] for d in range(ep) if d not in D])
@@ -137,10 +146,13 @@ class HierarchicalTransport:
         return torch.cat([next(near_parts) if s in D else next(far_parts) for s in range(ep)])
 
 
-def nvlink_transport(group, programs: int = DEFAULT_PROGRAMS, sync: str = "barrier"):
+def nvlink_transport(
+    group, programs: int = DEFAULT_PROGRAMS, sync: str = "barrier", programs_backward: int | None = None
+):
     """``--mok-transport nvlink``: ``NVLinkTransport`` when the EP group is one NVLink domain, else
-    ``HierarchicalTransport`` (collective over the EP group: every rank builds its layers in the same order)."""
+    ``HierarchicalTransport`` (collective over the EP group: every rank builds its layers in the same order).
+    ``programs`` / ``programs_backward``: the CTAs that communicate in the forward / backward."""
     names = domains_of(group)
     if len(set(names)) == 1:
-        return NT.NVLinkTransport(group, programs, sync)
-    return HierarchicalTransport(group, programs, names, sync)
+        return NT.NVLinkTransport(group, programs, sync, programs_backward)
+    return HierarchicalTransport(group, programs, names, sync, programs_backward)

@@ -4,7 +4,9 @@ Same interface as ``mok_megatron.transport.base`` (``move(x, mb, direction)``): 
 (each destination rank's kernel reads its rows from every source's symmetric buffer), COMBINE pushes
 (each expert rank's kernel writes its output rows into the source ranks' buffers). The backward of a
 dispatch is a combine and vice versa, so backward uses both kernels too. ``programs`` bounds the CTAs
-that communicate; ``sync`` how the ranks signal each exchange: 'barrier' (symmetric memory's barrier)
+that communicate in the forward, ``programs_backward`` in the backward (None: the same), as MoK's
+``fwd_num_comm_sms`` / ``bwd_num_comm_sms``: every CTA that communicates is one the GEMMs beside it do not
+get, and the backward's GEMMs are twice the forward's; ``sync`` how the ranks signal each exchange: 'barrier' (symmetric memory's barrier)
 or 'flags' (per-peer ready flags, ``transport.nvlink.signals``). One NVLink domain only (the workspace checks it);
 across nodes the collective transport stays.
 """
@@ -35,18 +37,26 @@ def split_matrix(mb: SendPlan, direction: int, ep: int) -> list[list[int]]:
 class NVLinkTransport:
     name = "nvlink"
 
-    def __init__(self, group, programs: int = DEFAULT_PROGRAMS, sync: str = "barrier"):
+    def __init__(
+        self,
+        group,
+        programs: int = DEFAULT_PROGRAMS,
+        sync: str = "barrier",
+        programs_backward: int | None = None,
+    ):
         self.group = group
         self.ep = group_size(group)
         self.rank = 0 if group is None else dist.get_rank(group)
         self.programs = programs
+        self.programs_backward = programs if programs_backward is None else programs_backward
         self.sync = sync
 
-    def move(self, x: torch.Tensor, mb: SendPlan, direction: int) -> torch.Tensor:
+    def move(self, x: torch.Tensor, mb: SendPlan, direction: int, backward: bool = False) -> torch.Tensor:
         if self.ep == 1:
             return x.clone()
         ws = workspace(self.group, x.device)
         m = split_matrix(mb, direction, self.ep)
         push = direction == COMBINE
         # CPU tensors (tests with a shared-memory workspace) take the torch references.
-        return exchange_rows(ws, x, m, self.rank, push, self.programs, use_triton=x.is_cuda, sync=self.sync)
+        programs = self.programs_backward if backward else self.programs
+        return exchange_rows(ws, x, m, self.rank, push, programs, use_triton=x.is_cuda, sync=self.sync)
