@@ -5,9 +5,11 @@
 #   tests    every GPU test (skips cleanly what this machine cannot run)
 #   layer    mok bench layer, every shape (uniform / zipf / one-hot routing), one process per shape
 #   overlap  benchmarks/overlap.sh;  ep  benchmarks/ep.sh (2+ GPUs)
+#   wgrad    mok bench wgrad (weight gradients in 1 vs 4 calls: summed, merged, accumulated; QuACK if installed)
+#            and the loopback sweep's late-wgrad A/B (one weight-gradient GEMM per layer call vs per minibatch)
 # Each phase leaves its logs in outdir and, with OUT set, one tarball $OUT/<phase>.tgz.
 set -u
-phase=${1:?phase: tests, ep, layer or overlap}
+phase=${1:?phase: tests, ep, layer, overlap or wgrad}
 out=${2:-/tmp/mok-evidence/$phase}
 mkdir -p "$out"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -31,6 +33,13 @@ case "$phase" in
     ;;
   overlap) # one-GPU loopback sweep (+ real EP when >= 2 GPUs)
     OUT=$out bash benchmarks/overlap.sh
+    ;;
+  wgrad)
+    timeout 240 $py -m mok_megatron.cli bench wgrad --shape deepseek-v3-ep32,qwen3-30b-a3b --calls 4 --iters 10 \
+      --json "$out/wgrad.json" 2>&1 | grep -v -i warn | tee "$out/wgrad.txt"
+    CUDA_VISIBLE_DEVICES=0 timeout 300 $py -m mok_megatron.bench.overlap overlap --iters 20 \
+      --shapes dsv3-4k,qwen3-ep8 --gbps 0,900 --chunks 2,4 --modes sync-free+graph,sync-free+graph+late-wgrad \
+      --json "$out/late-wgrad.json" 2>&1 | grep -v -i warn | tee "$out/late-wgrad.txt"
     ;;
   *) echo "unknown phase $phase"; exit 2 ;;
 esac
