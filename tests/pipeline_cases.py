@@ -385,7 +385,7 @@ def late_wgrad_case(rank, world, *, ep=2, opts=None, steps=2, **cfg_kw):
         for name, p in layer.experts.named_parameters():
             p.register_post_accumulate_grad_hook(lambda p, n=name, h=hooks: h.__setitem__(n, h.get(n, 0) + 1))
         layers.append((layer, log, hooks))
-    sums, pack, wgrad_gemm = expert_schedule.WgradQueue.sums, pipeline_module._pack, grouped_gemm._wgrad
+    sums, pack, wgrad_gemm = expert_schedule.WgradQueue.drain, pipeline_module._pack, grouped_gemm._wgrad
 
     res = {"steps": []}
     for step in range(steps):
@@ -397,7 +397,7 @@ def late_wgrad_case(rank, world, *, ep=2, opts=None, steps=2, **cfg_kw):
             log.clear()
             hooks.clear()
 
-            def logged_sums(queue, log=log):
+            def logged_drain(queue, log=log):
                 log.append(("wgrad", len(queue)))
                 return sums(queue)
 
@@ -409,7 +409,7 @@ def late_wgrad_case(rank, world, *, ep=2, opts=None, steps=2, **cfg_kw):
                 log.append(("wgrad_gemm",))
                 return wgrad_gemm(*args)
 
-            expert_schedule.WgradQueue.sums = logged_sums
+            expert_schedule.WgradQueue.drain = logged_drain
             pipeline_module._pack = logged_pack
             grouped_gemm._wgrad = counted_wgrad
             try:
@@ -419,7 +419,7 @@ def late_wgrad_case(rank, world, *, ep=2, opts=None, steps=2, **cfg_kw):
                 log.append(("forward_done",))
                 out.backward(dout)
             finally:
-                expert_schedule.WgradQueue.sums = sums
+                expert_schedule.WgradQueue.drain = sums
                 pipeline_module._pack = pack
                 grouped_gemm._wgrad = wgrad_gemm
             grads = {n: p.grad.clone() for n, p in layer.named_parameters() if p.grad is not None}

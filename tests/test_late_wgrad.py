@@ -40,7 +40,7 @@ def _check(results, calls_per_step):
     "chunks,local_rows,sync_free,calls",
     [(1, "fused", False, 1), (1, "overlap", True, 2), (3, "overlap", False, 6), (3, "fused", True, 3)],
 )
-def test_late_wgrad_bitwise_and_ordered_ep2(pool, chunks, local_rows, sync_free, calls):
+def test_late_wgrad_equal_and_ordered_ep2(pool, chunks, local_rows, sync_free, calls):
     opts = dict(minibatch_size=-(-32 // chunks), local_rows=local_rows, sync_free=sync_free)
     # overlap: region A (dispatch in flight) + the received rows; region B stays empty at these sizes
     _check(pool.run(CASE, ep=2, opts=opts, topk=4), calls)
@@ -87,3 +87,15 @@ def test_gate_keeps_no_reference_cycle():
         assert [r() for r in refs] == [None, None]
     finally:
         gc.enable()
+
+
+def test_gate_refuses_a_gradient_outside_the_queue_under_fusion():
+    """Under gradient accumulation fusion the gate hands autograd a dummy; a gradient reaching a stand-in
+    from outside the queue would vanish in it, so the gate raises instead."""
+    w = torch.nn.Parameter(torch.randn(2, 3))
+    w.main_grad, w.grad_added_to_main_grad = torch.zeros(2, 3), False
+    late = LateWgrad((w,))
+    late.open()
+    late.queue.push(late.weights[0], lambda: (w.main_grad.add_(1.0), None)[1], main_grad_of=w)
+    with pytest.raises(RuntimeError, match="outside the queue"):
+        late.weights[0].sum().backward()

@@ -287,6 +287,7 @@ def test_merging_queue_runs_one_gemm_per_weight(monkeypatch):
     monkeypatch.setattr(grouped_gemm, "_wgrad", lambda *a: calls.append(1) or real(*a))
     w = torch.nn.Parameter(torch.randn(2, 8, 4))
     other = torch.nn.Parameter(torch.randn(2, 8, 4))
+    mixed = torch.nn.Parameter(torch.randn(2, 8, 4))
     g = torch.Generator().manual_seed(1)
     per_call = []
     for queue in (WgradQueue(), WgradQueue(merge_calls=True)):
@@ -297,8 +298,14 @@ def test_merging_queue_runs_one_gemm_per_weight(monkeypatch):
             per_call.append((dy, x, offs))
         queue.push(other, lambda: torch.ones(2, 8, 4))  # not a grouped GEMM: operands None
         queue.push(other, lambda: torch.ones(2, 8, 4))
+        dy, x = torch.randn(5, 8, generator=g), torch.randn(5, 4, generator=g)
+        _finish_wgrad(queue, mixed, mixed, dy, x, torch.tensor([2, 5], dtype=torch.int32), True)
+        queue.push(mixed, lambda: torch.ones(2, 8, 4))  # one of its tasks is no grouped GEMM: per task
         calls.clear()
         sums = queue.sums()
-        assert len(calls) == (1 if queue.merge_calls else 3)
+        assert len(calls) == (1 + 1 if queue.merge_calls else 3 + 1)
         torch.testing.assert_close(sums[id(w)][1], sum(real(*c) for c in per_call[-3:]), rtol=1e-5, atol=1e-5)
         assert torch.equal(sums[id(other)][1], torch.full((2, 8, 4), 2.0))
+        torch.testing.assert_close(
+            sums[id(mixed)][1], real(dy, x, torch.tensor([2, 5], dtype=torch.int32)) + 1
+        )

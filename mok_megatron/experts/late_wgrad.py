@@ -80,16 +80,25 @@ class _Gate(torch.autograd.Function):
     def backward(ctx, *grads):
         index = {key: i for i, key in enumerate(ctx.stand_in_ids)}
         out: list[torch.Tensor | None] = [None] * len(grads)
-        for key, (weight, dw) in ctx.queue.sums().items():
+        sums, fused = ctx.queue.drain()
+        for key, (weight, dw) in sums.items():
             if key not in index:
                 raise RuntimeError(
                     "late weight gradients: a queued gradient belongs to no weight of this gate "
                     f"(shape {tuple(weight.shape)}); expert GEMMs must use LateWgrad.weights"
                 )
             out[index[key]] = dw
-        # A stand-in used outside the queue (never in MoK's experts). Not supported under fusion: the
-        # queued result is then a dummy carrying no value, as Megatron's fused linears return.
+        # A stand-in used outside the queue (never in MoK's experts): its gradient adds to the queued sum,
+        # which under fusion is a dummy carrying no value, so there it would be lost.
+        fused_slots = {index[key] for key in fused if key in index}
         for i, g in enumerate(grads):
-            if g is not None:
-                out[i] = g if out[i] is None else out[i] + g
+            if g is None:
+                continue
+            if i in fused_slots:
+                raise RuntimeError(
+                    "late weight gradients: a weight whose queued gradients went into main_grad (gradient "
+                    "accumulation fusion) also got a gradient outside the queue, which main_grad would not "
+                    "receive; use LateWgrad.weights only in the expert GEMMs, or --no-gradient-accumulation-fusion."
+                )
+            out[i] = g if out[i] is None else out[i] + g
         return (None, None, *out)

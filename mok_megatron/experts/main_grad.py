@@ -19,8 +19,7 @@ One dummy per weight per backward pass: where one backward reaches a weight thro
 overlap pipeline's expert call per minibatch), the later ones return None, so autograd has no dummies to
 sum before the weight's ``AccumulateGrad`` (which, with its hooks, still runs once).
 
-Why for the experts: see ``ops.wgrad_accumulate`` (one full-size bf16 sum per extra minibatch saved,
-plus the separate add into ``main_grad``).
+Why for the experts, and what it costs: see ``ops.wgrad_accumulate``.
 """
 
 from __future__ import annotations

@@ -112,7 +112,7 @@ class WgradQueue:
                 out.append(_merged_task(group))
         return out
 
-    def _drain(self) -> tuple[dict[int, tuple[torch.Tensor, torch.Tensor | None]], set[int]]:
+    def drain(self) -> tuple[dict[int, tuple[torch.Tensor, torch.Tensor | None]], set[int]]:
         """Run every task in production order and empty the queue: the per-weight results (see ``sums``)
         and the ids of the weights whose gradients went into ``main_grad``."""
         tasks, self.tasks = self.tasks, []
@@ -144,14 +144,14 @@ class WgradQueue:
         each weight's gradients summed in production order (as autograd's engine sums them). For a
         weight whose tasks added into ``main_grad``, the sum is Megatron's dummy gradient, or None
         (``experts.main_grad.fused_wgrad_result``)."""
-        return self._drain()[0]
+        return self.drain()[0]
 
     def run(self) -> list[torch.Tensor]:
         """Compute every queued weight gradient and accumulate it into ``param.grad``, as autograd's
         engine does: per parameter, sum in production order, then add to the existing gradient. A
         weight whose gradient went into ``main_grad`` gets the dummy as ``param.grad`` where it has none
         (what DDP's hook, run next by ``backward_dw``, expects and drops). Returns the weights run."""
-        sums, fused = self._drain()
+        sums, fused = self.drain()
         with torch.no_grad():
             for key, (weight, dw) in sums.items():
                 if dw is None:

@@ -145,7 +145,7 @@ def concat_groups(
     # destination row of part p's group-g rows: new start of g + rows of g in earlier parts - g's start in p
     shift_PG = (new_ends_G - totals_G) + earlier_PG - (ends_PG - counts_PG)
     # group-less rows (past a part's last offset) go after every group, part after part
-    sizes_P = torch.tensor([ts[0].shape[0] for ts, _ in parts], device=device)
+    sizes_P = torch.stack([ends_PG.new_full((), ts[0].shape[0]) for ts, _ in parts])  # no host-to-device copy
     spare_P = sizes_P - ends_PG[:, -1]
     tail_P = new_ends_G[-1] + torch.cumsum(spare_P, 0) - spare_P
     shift_PG = torch.cat([shift_PG, (tail_P - ends_PG[:, -1])[:, None]], 1)  # column G: group-less rows
