@@ -352,3 +352,5 @@ def test_cuda_weights_fuse_only_with_an_accumulating_gemm(monkeypatch):
     cpu = torch.nn.Parameter(torch.zeros(2))
     cpu.main_grad = torch.zeros(2)
     assert main_grad.main_grad_owner(cpu, True) is cpu
+    cpu.__fsdp_param__ = True  # Megatron-FSDP: main_grad is made in backward, so no fusion
+    assert main_grad.main_grad_owner(cpu, True) is None

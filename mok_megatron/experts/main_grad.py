@@ -55,6 +55,10 @@ def main_grad_owner(weight: torch.nn.Parameter, fusion: bool) -> torch.nn.Parame
     ``has_accumulating_gemm``), else None (ordinary gradients, which DDP's hook adds)."""
     if not (fusion and hasattr(weight, "main_grad")):
         return None
+    if hasattr(weight, "__fsdp_param__"):
+        # Megatron-FSDP makes a parameter's main_grad in backward (``get_main_grad()``), not before the
+        # forward that would capture it here: such weights keep ordinary gradients, which FSDP reduces.
+        return None
     return weight if has_accumulating_gemm(weight) else None
 
 
