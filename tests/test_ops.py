@@ -309,3 +309,24 @@ def test_merging_queue_runs_one_gemm_per_weight(monkeypatch):
         torch.testing.assert_close(
             sums[id(mixed)][1], real(dy, x, torch.tensor([2, 5], dtype=torch.int32)) + 1
         )
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_concat_groups_never_syncs_the_host():
+    """The late-wgrad gate gathers in backward, where the host must keep queueing (and a CUDA graph may be
+    capturing): no device-to-host or blocking host-to-device copy."""
+    from mok_megatron.ops.grouped_gemm import concat_groups
+
+    parts = []
+    for counts, spare in (([2, 0, 3], 2), ([1, 4, 0], 0)):
+        m = sum(counts) + spare
+        offs = torch.tensor(counts).cumsum(0).to("cuda", torch.int32)
+        parts.append(([torch.randn(m, 8, device="cuda"), torch.randn(m, 4, device="cuda")], offs))
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        (dy, x), offs = concat_groups(parts)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert offs.tolist() == [3, 7, 10] and dy.shape == (14, 8)
