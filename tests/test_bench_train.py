@@ -35,8 +35,10 @@ QWEN3_COMMAND = (
 ).split()
 
 
-def _plan(preset="qwen3-30b-a3b", machine=H200, nproc=1, forwarded=(), runs="auto", iters=12, warmup=2):
-    return make_plan(preset, runs, iters, warmup, nproc, list(forwarded), machine, "/ckpt")
+def _plan(
+    preset="qwen3-30b-a3b", machine=H200, nproc=1, forwarded=(), runs="auto", iters=12, warmup=2, fusion=False
+):
+    return make_plan(preset, runs, iters, warmup, nproc, list(forwarded), machine, "/ckpt", fusion)
 
 
 def _flag_values(argv) -> dict:
@@ -139,6 +141,7 @@ def test_mok_flags_are_routed_to_the_mok_run_only():
         (dict(forwarded=["--train-iters", "5"]), r"--train-iters: the bench sets it itself \(set the number"),
         (dict(forwarded=["--load=/x"]), r"--load: the bench sets it itself"),
         (dict(nproc=6, forwarded=["--tensor-model-parallel-size", "4"]), r"6 process\(es\) do not split"),
+        (dict(fusion=True, machine=Machine(True, 8, False, False)), r"--gradient-accumulation-fusion: .* no Transformer"),
     ],
 )
 def test_bad_input_is_one_line(kwargs, message):
@@ -374,3 +377,10 @@ def test_qwen3_loss_agreement_over_100_steps(tmp_path):
     assert rc == 0, (d["runs"], a)
     assert a["steps"] == 100 and a["step1_rel"] <= 1e-3 and a["max_rel"] <= 2e-2 and a["mean_rel"] <= 5e-3
     assert all(r["loaded_iteration"] == 0 for r in d["runs"].values())
+
+
+def test_gradient_accumulation_fusion_restores_megatrons_default_for_every_run():
+    plan = _plan(fusion=True)
+    for run in (plan.init, *plan.runs):
+        assert "--no-gradient-accumulation-fusion" not in run.argv, run.name
+    assert all("--no-gradient-accumulation-fusion" in run.argv for run in _plan().runs)

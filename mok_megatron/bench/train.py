@@ -246,8 +246,10 @@ def make_plan(
     forwarded: list[str],
     machine: Machine,
     init_dir: str,
+    grad_accum_fusion: bool = False,
 ) -> Plan:
-    """Every command line of one comparison; raises ``BenchTrainError`` on bad input."""
+    """Every command line of one comparison; raises ``BenchTrainError`` on bad input. ``grad_accum_fusion``:
+    drop the presets' ``--no-gradient-accumulation-fusion`` (Megatron's default back on, for both layers)."""
     if preset_name not in PRESETS:
         raise BenchTrainError(f"--preset {preset_name}: unknown; choose from {', '.join(PRESETS)}.")
     preset = PRESETS[preset_name]
@@ -272,6 +274,14 @@ def make_plan(
     base = list(preset.flags)
     if machine.cuda:
         base += list(preset.gpu_flags)
+    if grad_accum_fusion:
+        if not (machine.cuda and machine.te):
+            raise BenchTrainError(
+                "--gradient-accumulation-fusion: Megatron fuses the weight-gradient accumulation in Transformer "
+                "Engine's linears on a GPU (its local linears need apex); this machine has "
+                f"{'no GPU' if not machine.cuda else 'no Transformer Engine'}. Drop the flag."
+            )
+        base = [t for t in base if t != "--no-gradient-accumulation-fusion"]
         if not machine.te:
             base += ["--transformer-impl", "local"]
     else:
@@ -529,6 +539,12 @@ def parser() -> argparse.ArgumentParser:
         "--torchrun", default=None, help="the torchrun executable (default: beside python, or on PATH)"
     )
     p.add_argument("--timeout-s", type=float, default=None, help="stop a run that takes longer (seconds)")
+    p.add_argument(
+        "--gradient-accumulation-fusion",
+        action="store_true",
+        help="drop the presets' --no-gradient-accumulation-fusion: Megatron's default, weight gradients added "
+        "straight into main_grad (TE's linears; MoK's experts where QuACK is installed); GPU with TE",
+    )
     p.add_argument("--dry-run", action="store_true", help="print the command lines and stop")
     p.add_argument("--verbose", action="store_true", help="stream Megatron's logs too")
     return p
@@ -558,7 +574,15 @@ def main(argv: list[str] | None = None) -> int:
         def plan_in(d: str) -> Plan:
             init_dir = os.path.join(d, "initial-checkpoint")
             return make_plan(
-                ns.preset, ns.runs, ns.iters, ns.warmup, ns.nproc_per_node, forwarded, machine, init_dir
+                ns.preset,
+                ns.runs,
+                ns.iters,
+                ns.warmup,
+                ns.nproc_per_node,
+                forwarded,
+                machine,
+                init_dir,
+                ns.gradient_accumulation_fusion,
             )
 
         plan = plan_in(workdir or "WORKDIR")
