@@ -274,6 +274,10 @@ def make_plan(
     base = list(preset.flags)
     if machine.cuda:
         base += list(preset.gpu_flags)
+        if not machine.te:
+            base += ["--transformer-impl", "local"]
+    else:
+        base += list(CPU_FLAGS)
     if grad_accum_fusion:
         if not (machine.cuda and machine.te):
             raise BenchTrainError(
@@ -282,10 +286,6 @@ def make_plan(
                 f"{'no GPU' if not machine.cuda else 'no Transformer Engine'}. Drop the flag."
             )
         base = [t for t in base if t != "--no-gradient-accumulation-fusion"]
-        if not machine.te:
-            base += ["--transformer-impl", "local"]
-    else:
-        base += list(CPU_FLAGS)
     merged = base + common
     sizes = _sizes(merged, nproc)
     names = ["mok", "alltoall"] if runs == "auto" else [n.strip() for n in runs.split(",") if n.strip()]
