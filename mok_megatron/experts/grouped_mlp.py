@@ -18,8 +18,9 @@ Expert backend (``MoKOptions.expert_backend``, ``--mok-expert-backend``; checks 
                Engine GroupedLinear parameters and GEMMs, exactly TEGroupedMLP's layout
 
 Gradient accumulation fusion (``config.gradient_accumulation_fusion``, read once at construction): with
-the torch backend and weights that have ``main_grad`` (Megatron's DDP), the weight-gradient GEMMs add
-straight into ``main_grad`` and backward returns Megatron's dummy gradients (``experts.main_grad``), in
+the torch backend, weights that have ``main_grad`` (Megatron's DDP) and an accumulating GEMM for their
+device (QuACK on Hopper, or the CPU reference: ``experts.main_grad.has_accumulating_gemm``), the
+weight-gradient GEMMs add straight into ``main_grad`` and backward returns Megatron's dummy gradients (``experts.main_grad``), in
 autograd's backward, ``backward_dw`` (delayed wgrad) and the late-wgrad gate alike. torch-fp8 returns
 ordinary gradients (DDP's hook adds them; ``grad_added_to_main_grad`` stays False); TE honours the flag
 itself.
