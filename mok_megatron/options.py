@@ -12,6 +12,12 @@ Typed (enums) and frozen; strings are accepted once, here, and become the enum (
     engine               auto | pipeline (the overlap engine) | plain (one dispatch, experts and combine per
                          layer call, Megatron's row layout). auto: ``engine.select.select_engine``
     minibatch_size       tokens per pipelined minibatch (None: ``engine.pipeline_plan.auto_minibatch_size``)
+    minibatch_split      pipeline: how a layer call is cut into minibatches. tokens: each minibatch a run of
+                         tokens through every local expert (a weight-gradient sum per extra minibatch, GEMMs
+                         shrink); experts: each minibatch every token through one group of local experts (as
+                         many groups as token minibatches would be, at most one per local expert; no
+                         weight-gradient sums, GEMMs keep their height; a token travels once per group it
+                         uses). MoK's torch experts only
     capacity_multiplier  sync-free mode: receive buffer per source rank, as a fraction of that rank's tokens
                          (1.0 can never overflow; smaller saves memory; an overflow is detected and the call's
                          exchange redone with exact sizes, never dropped)
@@ -77,6 +83,11 @@ class LocalRows(StrEnum):
     FUSED = "fused"
 
 
+class MinibatchSplit(StrEnum):
+    TOKENS = "tokens"
+    EXPERTS = "experts"
+
+
 class NVLinkSync(StrEnum):
     BARRIER = "barrier"
     FLAGS = "flags"
@@ -97,6 +108,7 @@ _FLAG = {  # field -> the flag that sets it (for messages)
     "engine": "--mok-engine",
     "transport": "--mok-transport",
     "local_rows": "--mok-local-rows",
+    "minibatch_split": "--mok-minibatch-split",
     "nvlink_sync": "--mok-nvlink-sync",
     "expert_backend": "--mok-expert-backend",
     "bytes": "loopback bytes",
@@ -134,6 +146,7 @@ class LoopbackLink:
 class MoKOptions:
     engine: Engine = Engine.AUTO
     minibatch_size: int | None = None
+    minibatch_split: MinibatchSplit = MinibatchSplit.TOKENS
     capacity_multiplier: float = 1.0
     sync_free: bool = False
     transport: TransportKind = TransportKind.AUTO
@@ -152,6 +165,7 @@ class MoKOptions:
             ("engine", Engine),
             ("transport", TransportKind),
             ("local_rows", LocalRows),
+            ("minibatch_split", MinibatchSplit),
             ("nvlink_sync", NVLinkSync),
             ("expert_backend", ExpertBackend),
         ):
@@ -175,11 +189,21 @@ class MoKOptions:
                 "memory (a destination receives each source token at most once); use 1.0."
             )
         if self.engine is Engine.PLAIN and (
-            self.minibatch_size is not None or self.sync_free or self.fp8_dispatch or self.fp8_combine
+            self.minibatch_size is not None
+            or self.sync_free
+            or self.fp8_dispatch
+            or self.fp8_combine
+            or self.minibatch_split is not MinibatchSplit.TOKENS
         ):
             raise MoKOptionsError(
-                "--mok-engine plain runs no pipeline: drop --mok-minibatch-size / --mok-sync-free / "
-                "--mok-fp8-dispatch / --mok-fp8-combine, or use --mok-engine pipeline."
+                "--mok-engine plain runs no pipeline: drop --mok-minibatch-size / --mok-minibatch-split / "
+                "--mok-sync-free / --mok-fp8-dispatch / --mok-fp8-combine, or use --mok-engine pipeline."
+            )
+        if self.minibatch_split is MinibatchSplit.EXPERTS and self.late_wgrad:
+            raise MoKOptionsError(
+                "--mok-minibatch-split experts with --mok-late-wgrad: the late-wgrad gate queues whole "
+                "weights, expert minibatches use one view per group of experts; the two do not combine. "
+                "Drop one of them."
             )
         for on, flag in ((self.fp8_dispatch, "--mok-fp8-dispatch"), (self.fp8_combine, "--mok-fp8-combine")):
             if on and self.transport is TransportKind.NVLINK:
@@ -217,6 +241,10 @@ class MoKOptions:
             for flag, on in (
                 ("--mok-engine pipeline", self.engine is Engine.PIPELINE),
                 ("--mok-minibatch-size", self.minibatch_size is not None),
+                (
+                    f"--mok-minibatch-split {self.minibatch_split.value}",
+                    self.minibatch_split is not MinibatchSplit.TOKENS,
+                ),
                 ("--mok-sync-free", self.sync_free),
                 (f"--mok-transport {self.transport.value}", self.transport is not TransportKind.AUTO),
                 (f"--mok-local-rows {self.local_rows.value}", self.local_rows is not LocalRows.AUTO),

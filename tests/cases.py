@@ -251,9 +251,16 @@ def parity_case(
                 for e, v in router_bias.items():
                     layer.router.expert_bias[e] = v
     seen_counts = []  # rows each local MoK expert received, per forward
-    mok.experts.register_forward_pre_hook(
-        lambda m, args: seen_counts.append([int(v) for v in args[1].tolist()])
-    )
+
+    def seen(module, args, kwargs):  # a call of one group of experts (split by experts) counts for its own
+        counts = [int(v) for v in args[1].tolist()]
+        if kwargs.get("group") is not None:
+            groups, c = kwargs["group"]
+            lo, hi = groups.experts(c)
+            counts = [0] * lo + counts + [0] * (module.num_local_experts - hi)
+        seen_counts.append(counts)
+
+    mok.experts.register_forward_pre_hook(seen, with_kwargs=True)
     g = torch.Generator().manual_seed(1000 * seed + rank)
     results = []
     for _ in range(steps):

@@ -36,7 +36,7 @@ from mok_megatron.engine.pipeline_plan import (
 )
 from mok_megatron.engine.plan import DispatchPlan, EPGroups, build_aligned_plan, build_plan
 from mok_megatron.engine.select import EngineChoice
-from mok_megatron.options import MoKOptions
+from mok_megatron.options import MinibatchSplit, MoKOptions
 
 
 @dataclass(frozen=True)
@@ -167,6 +167,7 @@ class MoKTokenDispatcher(MoETokenDispatcher):
             capacity_multiplier=o.capacity_multiplier,
             emulated_ep=emulated_ep,
             fuse_local=fuse_local_rows(o.local_rows, slow_link),
+            split_experts=o.minibatch_split is MinibatchSplit.EXPERTS,
         )
 
     def run_pipeline(

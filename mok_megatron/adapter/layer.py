@@ -134,10 +134,19 @@ class MoKMoELayer(MoELayer):
         # MoK's bf16 experts: weight gradients late, hiding the last dispatch-backward (experts.late_wgrad)
         late = experts.late_wgrad() if contract.mok and self.mok_options.late_wgrad else None
 
-        def expert_fn(x_MH, tpe_dev, tpe_host, probs_M):
+        groups = {}  # split by experts: this call's weight views, one autograd node for every group
+
+        def expert_fn(x_MH, tpe_dev, tpe_host, probs_M, group=None):
             # Megatron's own experts read the counts on the host (tolist): give them host counts.
             tpe = tpe_dev if contract.mok or tpe_host is None else torch.tensor(tpe_host)
-            y, bias = experts(x_MH, tpe, probs_M) if late is None else experts(x_MH, tpe, probs_M, late=late)
+            if group is not None:
+                if group.bounds not in groups:
+                    groups[group.bounds] = experts.expert_groups(group.bounds)
+                y, bias = experts(x_MH, tpe, probs_M, group=(groups[group.bounds], group.index))
+            elif late is None:
+                y, bias = experts(x_MH, tpe, probs_M)
+            else:
+                y, bias = experts(x_MH, tpe, probs_M, late=late)
             if bias is not None:
                 raise MoKConfigError("the pipelined MoK layer needs experts without an output bias")
             return y

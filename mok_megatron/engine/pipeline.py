@@ -46,6 +46,7 @@ Legend:
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import torch
@@ -273,14 +274,25 @@ def run_pipeline(
         return x_TH.new_zeros((0, H)) + 0 * x_TH.sum()
     st = _Streams(x_TH.device)
     me = 0 if ep == 1 else torch.distributed.get_rank(plan.ep_group)
-    # Each (token, destination) row carries the destination's slice of probabilities and mask.
-    meta_TPW = torch.cat([probs_TE.view(T, ep, L), routing_map_TE.view(T, ep, L).to(probs_TE.dtype)], -1)
     C = len(plan.minibatches)
-    # One split (its backward is one concatenation), not C slices (C full-size gradient adds).
-    sizes = [mb.num_tokens for mb in plan.minibatches]
-    x_parts = x_TH.split(sizes) if C > 1 else (x_TH,)
-    meta_parts = meta_TPW.split(sizes) if C > 1 else (meta_TPW,)
-    run = (L, topk, expert_fn, row_alignment, token_rows_fn, routing_kernels)
+    probs_TPL = probs_TE.view(T, ep, L)
+    mask_TPL = routing_map_TE.view(T, ep, L).to(probs_TE.dtype)
+    if plan.expert_bounds is None:
+        # Each (token, destination) row carries the destination's slice of probabilities and mask.
+        meta_TPW = torch.cat([probs_TPL, mask_TPL], -1)
+        # One split (its backward is one concatenation), not C slices (C full-size gradient adds).
+        sizes = [mb.num_tokens for mb in plan.minibatches]
+        x_parts = x_TH.split(sizes) if C > 1 else (x_TH,)
+        meta_parts = meta_TPW.split(sizes) if C > 1 else (meta_TPW,)
+        runs = [(L, topk, expert_fn, row_alignment, token_rows_fn, routing_kernels)] * C
+    else:  # split by experts: every minibatch has every token, with its group's slice of the metadata
+        x_parts = (x_TH,) * C
+        meta_parts, runs = [], []
+        for mb in plan.minibatches:
+            lo, hi = mb.group.experts
+            meta_parts.append(torch.cat([probs_TPL[:, :, lo:hi], mask_TPL[:, :, lo:hi]], -1))
+            fn = functools.partial(expert_fn, group=mb.group)
+            runs.append((hi - lo, topk, fn, row_alignment, None, routing_kernels))
 
     # 1. Pack every minibatch's remote rows and launch its dispatch on the communication stream.
     layout = PackLayout(H) if fp8_dispatch else None
@@ -312,6 +324,7 @@ def run_pipeline(
         lp = mb.local
         tr, x_NH, meta_NW, (x_a, x_b), (x_raw, meta_raw), ev_recv = flights[c]
         meta_loc = meta_parts[c].select(1, me).split(list(lp.regions))
+        run = runs[c]
         if not plan.fuse_local:
             z_a = _experts(x_a, meta_loc[1], lp.part_a, *run, local=True)
         with st.on("comm"):  # created after A: A's backward hides the dispatch-backward
@@ -338,7 +351,7 @@ def run_pipeline(
             else:
                 back_raw = tr.move(z_RH.detach(), mb, COMBINE)
             ev_back = st.event("comm")
-        z_b = _experts(x_b, meta_loc[2], lp.part_b, *run, local=True)
+        z_b = _experts(x_b, meta_loc[2], lp.part_b, *runs[c], local=True)
         pending.append((z_RH, back_raw, tr, z_a, z_b, ev_back))
 
     if after_combines is not None:
@@ -354,12 +367,28 @@ def run_pipeline(
             arrived.append((_Arrived.apply(z_RH, back_raw, tr, mb, COMBINE), z_a, z_b, ev_back))
 
     # 4. Each token's sum: its remote ranks' partial rows, then its local rows, in a fixed order.
-    outs = []
+    outs, rows_all = [], []
     for c, mb in enumerate(plan.minibatches):
         lp = mb.local
         back_NH, z_a, z_b, ev_back = arrived[c]
         st.wait("main", ev_back)
         st.hand_over("main", back_NH)
         rows = torch.cat([back_NH, z_a, z_b])
-        outs.append(_sum_rows(rows, lp.sum_slots))
+        if plan.expert_bounds is None:
+            outs.append(_sum_rows(rows, lp.sum_slots))
+        else:
+            rows_all.append(rows)
+    if plan.expert_bounds is not None:  # one fixed-order sum over every group's rows of each token
+        maps = [mb.local.sum_slots for mb in plan.minibatches]
+        return _sum_rows(torch.cat(rows_all), _concat_slots(maps, [r.shape[0] for r in rows_all]))
     return outs[0] if C == 1 else torch.cat(outs, 0)
+
+
+def _concat_slots(maps: list[SlotMap], rows: list[int]) -> SlotMap:
+    """The slot maps of several row blocks over the same tokens, as one map over ``cat(blocks)``."""
+    row_TK, valid_TK, off = [], [], 0
+    for m, n in zip(maps, rows, strict=True):
+        row_TK.append(m.row_TK + off)
+        valid_TK.append(m.valid_TK if m.valid_TK is not None else torch.ones_like(m.row_TK, dtype=torch.bool))
+        off += n
+    return SlotMap(torch.cat(row_TK, 1), torch.cat(valid_TK, 1))

@@ -16,6 +16,14 @@ sort, no gather and no communication. With ``fuse_local`` (fast links: what is l
 smaller than what splitting costs) there is no region B and region A's rows join the received rows
 in one expert call after the dispatch lands (one grouped GEMM per weight, no weight-gradient sum).
 
+Two ways to cut a call into minibatches (``MinibatchSplit``): by *tokens* (minibatch c is a run of
+tokens through every local expert; each extra minibatch shrinks every expert's GEMMs and adds a
+weight-gradient sum) or by *experts* (minibatch c is every token through one group of local experts,
+the same group on every rank: each expert's weights are used by exactly one minibatch, so there is no
+weight-gradient sum and no GEMM shrinks; a token travels once per group it uses, so the exchanges carry
+more rows). Everything below holds for both; with experts, ``Tc`` = T and the routing map, counts and
+metadata of minibatch c are those of its group's experts (``ExpertGroup``).
+
 Legend:
     T  local tokens             C  minibatches           EP expert-parallel ranks
     E  global experts           L  local experts (E / EP)
@@ -92,6 +100,30 @@ def minibatch_bounds(num_tokens: int, minibatch_size: int) -> tuple[int, ...]:
 
 
 @dataclass(frozen=True)
+class ExpertGroup:
+    """Minibatch ``index`` of a call split by experts: local experts ``[bounds[index], bounds[index + 1])``
+    (what an expert call gets to pick its weights; ``bounds`` the same for every call of the layer call)."""
+
+    bounds: tuple[int, ...]
+    index: int
+
+    @property
+    def experts(self) -> tuple[int, int]:
+        return self.bounds[self.index], self.bounds[self.index + 1]
+
+
+def expert_bounds(num_local_experts: int, groups: int) -> tuple[int, ...]:
+    """``(0, e1, ..., L)``: ``groups`` (capped at L) groups of consecutive local experts, sizes differing
+    by at most one (the larger first)."""
+    g = max(1, min(groups, num_local_experts))
+    per, extra = divmod(num_local_experts, g)
+    out = [0]
+    for i in range(g):
+        out.append(out[-1] + per + (1 if i < extra else 0))
+    return tuple(out)
+
+
+@dataclass(frozen=True)
 class ExpertPart:
     """One grouped-GEMM call's rows: the received remote rows, or a local region."""
 
@@ -132,6 +164,7 @@ class SendPlan:
     tokens_per_expert_L: torch.Tensor  # [L] int64 on device
     tokens_per_expert_host: tuple[int, ...] | None  # exact mode: the same on the host
     local: LocalPlan | None = None  # None: every row goes through the transport (hand-built plans)
+    group: ExpertGroup | None = None  # split by experts: this minibatch's group (None: every local expert)
 
 
 @dataclass(frozen=True)
@@ -145,6 +178,7 @@ class PipelinePlan:
     overflow: torch.Tensor | None  # sync-free: bool scalar on device, identical on every rank
     emulated_ep: int = 1  # loopback: region R holds the emulated peers' share of the tokens
     fuse_local: bool = False  # region A's rows join the received rows' expert call (no region B)
+    expert_bounds: tuple[int, ...] | None = None  # split by experts: the groups' bounds (None: by tokens)
 
     @property
     def ep_size(self) -> int:
@@ -209,6 +243,36 @@ def _counts(routing_map_TE, bounds, ep, L, emulated_ep, split_local=True):
     return out.view(3 * C, ep, L + 1)
 
 
+def _group_of_expert(L: int, bounds: tuple[int, ...], device) -> torch.Tensor:
+    """``[L]`` the group of each local expert, by device arithmetic (capturable: no host tensor)."""
+    l_L = torch.arange(L, device=device)
+    g_L = torch.zeros_like(l_L)
+    for b in bounds[1:-1]:
+        g_L += (l_L >= b).to(g_L.dtype)
+    return g_L
+
+
+def _counts_by_experts(routing_map_TE, bounds, ep, L, emulated_ep, split_local=True):
+    """``_counts`` for a call split by experts: minibatch c is every token with only group c's experts,
+    so rows per (region, destination local expert) land in the expert's group, and a token row to a
+    destination counts in every group it uses there."""
+    T = routing_map_TE.shape[0]
+    C = len(bounds) - 1
+    dev = routing_map_TE.device
+    label_T = _region_labels(T, max(T, 1), emulated_ep, dev, split_local)  # one minibatch of T: 0..2
+    rm_TPL = routing_map_TE.view(T, ep, L)
+    group_L = _group_of_expert(L, bounds, dev)
+    onehot_LC = (group_L.unsqueeze(1) == torch.arange(C, device=dev)).to(torch.int64)  # [L, C]
+    uses_TPC = (rm_TPL.to(torch.int64) @ onehot_LC) > 0  # [T, EP, C] token uses group c on dest
+    per = torch.cat([rm_TPL, uses_TPC], -1).to(torch.int64).view(T, -1)  # [T, EP*(L+C)]
+    sums = torch.zeros((3, ep * (L + C)), dtype=torch.int64, device=dev)
+    sums.index_add_(0, label_T, per)
+    sums = sums.view(3, ep, L + C)
+    rows_CGPL = sums[:, :, :L].unsqueeze(0) * onehot_LC.t().view(C, 1, 1, L)  # [C, 3, EP, L]
+    tokens_CGP = sums[:, :, L:].permute(2, 0, 1)  # [C, 3, EP]
+    return torch.cat([rows_CGPL, tokens_CGP.unsqueeze(-1)], -1).view(3 * C, ep, L + 1)
+
+
 def build_pipeline_plan(
     hidden_shape: torch.Size,
     routing_map_TE: torch.Tensor,
@@ -220,8 +284,12 @@ def build_pipeline_plan(
     capacity_multiplier: float = 1.0,
     emulated_ep: int = 1,
     fuse_local: bool = False,
+    split_experts: bool = False,
 ) -> PipelinePlan:
     """Route this rank's tokens into minibatches: one all-gather of counts, at most one host read.
+
+    ``split_experts``: the minibatches are groups of local experts (as many as ``minibatch_size`` gives
+    token minibatches, at most L), each over every token (see the module docstring).
 
     ``emulated_ep`` > 1 (loopback benchmarks, EP=1 only): region R of each minibatch, the share of
     rows an EP rank would receive from its peers, goes through the transport as if remote.
@@ -240,7 +308,16 @@ def build_pipeline_plan(
     device = routing_map_TE.device
     bounds = minibatch_bounds(T, minibatch_size)
     C = len(bounds) - 1
-    counts_GPW = _counts(routing_map_TE, bounds, ep, L, emulated_ep, not fuse_local)  # [3C, EP(dest), L+1]
+    groups = None
+    if split_experts:
+        groups = expert_bounds(L, C)
+        C = len(groups) - 1
+        bounds = (0, T)  # every minibatch spans every token
+        counts_GPW = _counts_by_experts(routing_map_TE, groups, ep, L, emulated_ep, not fuse_local)
+    else:
+        counts_GPW = _counts(
+            routing_map_TE, bounds, ep, L, emulated_ep, not fuse_local
+        )  # [3C, EP(dest), L+1]
     # Every rank learns every count: [EP(src), EP(dest), 3C, L+1] (padded to 3*MAX_MINIBATCHES so
     # the collective has the same size on every rank; T rides along to check that the ranks agree).
     payload = torch.zeros((ep, 3 * MAX_MINIBATCHES, L + 1), dtype=torch.int64, device=device)
@@ -254,7 +331,7 @@ def build_pipeline_plan(
         gathered = payload.view(1, -1)
     me = 0 if ep == 1 else dist.get_rank(ep_group)
     all_SDGW = gathered[:, :-1].view(ep, ep, 3 * MAX_MINIBATCHES, L + 1)
-    ctx = _Ctx(routing_map_TE, bounds, me, ep, L, topk, emulated_ep, all_SDGW, not fuse_local)
+    ctx = _Ctx(routing_map_TE, bounds, me, ep, L, topk, emulated_ep, all_SDGW, not fuse_local, groups)
     if sync_free:
         tokens_S = gathered[:, -1]
         overflow = (tokens_S != T).any()  # ranks disagree on T: flagged like an overflow, never silent
@@ -263,7 +340,9 @@ def build_pipeline_plan(
             mb, over = _sync_free_minibatch(ctx, c, capacity_multiplier)
             overflow = overflow | over
             mbs.append(mb)
-        return PipelinePlan(hidden_shape, T, tuple(mbs), L, ep_group, True, overflow, emulated_ep, fuse_local)
+        return PipelinePlan(
+            hidden_shape, T, tuple(mbs), L, ep_group, True, overflow, emulated_ep, fuse_local, groups
+        )
 
     host = gathered.cpu()  # the one host read of this call
     tokens_host = host[:, -1].tolist()
@@ -275,7 +354,7 @@ def build_pipeline_plan(
     host_SDGW = host[:, :-1].view(ep, ep, 3 * MAX_MINIBATCHES, L + 1).tolist()
     tpe = ctx.device_tpe(C)
     mbs = tuple(_exact_minibatch(ctx, c, host_SDGW, [t[c] for t in tpe]) for c in range(C))
-    return PipelinePlan(hidden_shape, T, mbs, L, ep_group, False, None, emulated_ep, fuse_local)
+    return PipelinePlan(hidden_shape, T, mbs, L, ep_group, False, None, emulated_ep, fuse_local, groups)
 
 
 @dataclass(frozen=True)
@@ -289,11 +368,25 @@ class _Ctx:
     emulated_ep: int
     all_SDGW: torch.Tensor  # device counts [EP(src), EP(dest), 3*MAX, L+1]
     split_local: bool = True  # local rows in halves A/B (False: all A, fused with the received rows)
+    groups: tuple[int, ...] | None = None  # split by experts: the groups' bounds
+
+    def group(self, c) -> ExpertGroup | None:
+        return None if self.groups is None else ExpertGroup(self.groups, c)
+
+    def experts(self, c) -> tuple[int, int]:
+        """Local experts ``[lo, hi)`` of minibatch c."""
+        return (0, self.L) if self.groups is None else (self.groups[c], self.groups[c + 1])
 
     def minibatch(self, c):
-        start, stop = self.bounds[c], self.bounds[c + 1]
+        if self.groups is None:
+            start, stop = self.bounds[c], self.bounds[c + 1]
+            rm_TPL = self.routing_map_TE[start:stop].view(stop - start, self.ep, self.L)
+        else:
+            start, stop = 0, self.bounds[-1]
+            lo, hi = self.experts(c)
+            rm_TPL = self.routing_map_TE.view(stop, self.ep, self.L)[:, :, lo:hi]
         tc = stop - start
-        to_rank_TP = self.routing_map_TE[start:stop].view(tc, self.ep, self.L).any(-1)  # [Tc, EP]
+        to_rank_TP = rm_TPL.any(-1)  # [Tc, EP]
         return start, tc, to_rank_TP, regions(tc, self.emulated_ep, self.split_local)
 
     def device_tpe(self, C):
@@ -344,12 +437,14 @@ def _exact_minibatch(ctx: _Ctx, c: int, host_SDGW, tpe_dev) -> SendPlan:
     def rows(s, d, gs):  # token rows s sends d over regions gs
         return sum(host_SDGW[s][d][g][L] for g in gs)
 
+    lo, hi = ctx.experts(c)
+
     def tpe(s_list, d, gs):
-        return tuple(sum(host_SDGW[s][d][g][l] for s in s_list for g in gs) for l in range(L))
+        return tuple(sum(host_SDGW[s][d][g][l] for s in s_list for g in gs) for l in range(lo, hi))
 
     emulated = ctx.emulated_ep > 1
-    if emulated:  # one rank: region R is the exchange
-        split = ((rows(0, 0, G[:1]),),)
+    if emulated:  # one rank: region R is the exchange, all of its tokens (dense)
+        split = ((r,),)
         src_gs = G[:1]
     else:
         split = tuple(tuple(0 if s == d else rows(s, d, G) for d in range(ep)) for s in range(ep))
@@ -372,7 +467,7 @@ def _exact_minibatch(ctx: _Ctx, c: int, host_SDGW, tpe_dev) -> SendPlan:
     sum_slots = _sum_map(tc, tok, here_T, r, slots)
 
     def part(i, host):
-        return ExpertPart(sum(host), tpe_dev[i], host, False)
+        return ExpertPart(sum(host), tpe_dev[i][lo:hi], host, False)
 
     local = LocalPlan(
         regions=(r, a, b),
@@ -397,13 +492,15 @@ def _exact_minibatch(ctx: _Ctx, c: int, host_SDGW, tpe_dev) -> SendPlan:
         tokens_per_expert_L=local.remote.tokens_per_expert_L,
         tokens_per_expert_host=tpe_remote,
         local=local,
+        group=ctx.group(c),
     )
 
 
 def _sync_free_minibatch(ctx: _Ctx, c: int, multiplier: float):
     ep, me, L = ctx.ep, ctx.me, ctx.L
     start, tc, to_rank_TP, (r, a, b) = ctx.minibatch(c)
-    kk = min(ctx.topk, L)
+    lo, hi = ctx.experts(c)
+    kk = min(ctx.topk, hi - lo)
     dev = to_rank_TP.device
     G = slice(3 * c, 3 * c + 3)
     emulated = ctx.emulated_ep > 1
@@ -440,7 +537,7 @@ def _sync_free_minibatch(ctx: _Ctx, c: int, multiplier: float):
     slots = slot_map(tok, valid, tc, max(ep - 1, 1))
     sum_slots = _sum_map(tc, tok, here_T, r, slots)
     nrecv = sum(recv)
-    zero = torch.zeros(L, dtype=torch.int64, device=dev)
+    zero = torch.zeros(hi - lo, dtype=torch.int64, device=dev)
     local = LocalPlan(
         regions=(r, a, b),
         here_T=here_T,
@@ -464,5 +561,6 @@ def _sync_free_minibatch(ctx: _Ctx, c: int, multiplier: float):
         tokens_per_expert_L=zero,
         tokens_per_expert_host=None,
         local=local,
+        group=ctx.group(c),
     )
     return mb, over

@@ -38,7 +38,7 @@ import torch
 
 from mok_megatron.config import MoKConfig, MoKConfigError
 from mok_megatron.engine.plan import aligned_plan_applies
-from mok_megatron.options import Engine, MoKOptions, TransportKind
+from mok_megatron.options import Engine, MinibatchSplit, MoKOptions, TransportKind
 
 
 @dataclass(frozen=True)
@@ -176,6 +176,17 @@ def select_engine(cfg: MoKConfig, options: MoKOptions, ep_group, experts: Expert
         raise MoKConfigError(
             "--mok-sync-free needs MoK's experts (MoKGroupedMLP); these experts read token counts on the "
             "host. Use a MoK spec, or drop --mok-sync-free."
+        )
+    if (
+        options.minibatch_split is MinibatchSplit.EXPERTS
+        and transport is not None
+        and not experts.device_counts
+    ):
+        raise MoKConfigError(
+            "--mok-minibatch-split experts needs MoK's torch or torch-fp8 experts (each minibatch computes "
+            "one group of experts through views of their stacked weights); these experts are "
+            f"{'TE GroupedLinear' if experts.mok else 'Megatron experts'}. Use --mok-expert-backend torch or "
+            "torch-fp8 with a MoK spec, or drop --mok-minibatch-split."
         )
     pipelined = transport is not None
     aligned_plan = not pipelined and aligned_plan_applies(cfg)

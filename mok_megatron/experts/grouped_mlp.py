@@ -40,6 +40,7 @@ from megatron.core.utils import get_pg_rank, get_pg_size
 from mok_megatron.config import MoKConfig, MoKConfigError
 from mok_megatron.engine.select import ExpertsContract
 from mok_megatron.experts.backend import check_expert_backend, expert_alignment
+from mok_megatron.experts.groups import ExpertGroups
 from mok_megatron.experts.main_grad import main_grad_owner
 from mok_megatron.experts.torch_mlp import WgradQueue, expert_mlp
 from mok_megatron.options import ExpertBackend, MoKOptions
@@ -207,15 +208,34 @@ class MoKGroupedMLP(MegatronModule):
             return None
         return LateWgrad(weights)
 
-    def forward(self, permuted_local_hidden_states, tokens_per_expert, permuted_probs, late=None):
+    def expert_groups(self, bounds: tuple[int, ...]) -> ExpertGroups:
+        """This layer call's weights cut into groups of local experts (a pipeline split by experts): one
+        autograd node for all groups (``experts.groups``). The torch and torch-fp8 backends."""
+        fusion = self.gradient_accumulation_fusion and self.expert_backend is ExpertBackend.TORCH
+        owners = (main_grad_owner(self.fc1_weight, fusion), main_grad_owner(self.fc2_weight, fusion))
+        return ExpertGroups((self.fc1_weight, self.fc2_weight), bounds, owners)
+
+    def forward(self, permuted_local_hidden_states, tokens_per_expert, permuted_probs, late=None, group=None):
         """Megatron's experts call. ``late`` (an open ``LateWgrad`` of this module, pipeline only): the
-        GEMMs use its stand-in weights and queue their weight gradients in it."""
+        GEMMs use its stand-in weights and queue their weight gradients in it. ``group`` (``(groups,
+        c)``, ``groups`` from ``expert_groups``): the rows and counts are those of group c's local
+        experts, which its views of the weights compute."""
         cfg = self.mok_config
         w1, w2, queue = self.fc1_weight, self.fc2_weight, self.wgrad_queue
+        owners, rng = None, None
         if late is not None:
             if late.weights is None or late.params[0] is not self.fc1_weight:
                 raise RuntimeError("MoKGroupedMLP.forward: late= must be this module's LateWgrad, opened")
             (w1, w2), queue = late.weights, late.queue
+        if group is not None:
+            groups, c = group
+            if late is not None or queue is not None:
+                raise MoKConfigError(
+                    "MoKGroupedMLP: expert groups (--mok-minibatch-split experts) with delayed or late "
+                    "weight gradients: drop --mok-late-wgrad or Megatron's --delay-wgrad-compute, or split "
+                    "by tokens."
+                )
+            (w1, w2), rng, owners = groups.weights(c), groups.experts(c), groups.owners
         args = (
             permuted_local_hidden_states,
             permuted_probs,
@@ -236,10 +256,9 @@ class MoKGroupedMLP(MegatronModule):
             apply_probs_on_input=cfg.apply_probs_on_input,
             recompute_activation=cfg.recompute_activation,
             wgrad_queue=queue,
-            main_grad_owners=(
-                main_grad_owner(self.fc1_weight, fusion),
-                main_grad_owner(self.fc2_weight, fusion),
-            ),
+            main_grad_owners=owners
+            or (main_grad_owner(self.fc1_weight, fusion), main_grad_owner(self.fc2_weight, fusion)),
+            main_grad_range=rng,
         )
         return out, None
 

@@ -219,10 +219,11 @@ def _forward_gemm(x_MK, w_GNK, offs_G) -> torch.Tensor:
     return gg.grouped_linear_reference(x_MK, w_GNK, counts)
 
 
-def _finish_wgrad(queue, param, w, dy, x, offs, needed: bool, owner=None, main_grad=None):
+def _finish_wgrad(queue, param, w, dy, x, offs, needed: bool, owner=None, main_grad=None, dummy=True):
     """The weight gradient to return now (None when deferred to ``queue`` for ``param``). With ``owner``
-    (gradient accumulation fusion) dW is added into ``main_grad`` (``owner.main_grad`` as of forward)
-    now or when the queue runs, and the gradient returned is Megatron's dummy (or None)."""
+    (gradient accumulation fusion) dW is added into ``main_grad`` (``owner.main_grad`` as of forward, or
+    a group's slice of it) now or when the queue runs, and the gradient returned is Megatron's dummy (or
+    None; always None for a group's slice, ``dummy`` False: ``experts.groups`` hands the dummy)."""
     if not needed:
         return None
     if owner is not None:
@@ -232,7 +233,7 @@ def _finish_wgrad(queue, param, w, dy, x, offs, needed: bool, owner=None, main_g
 
         if queue is None:
             accumulate()
-            return fused_wgrad_result(owner)
+            return fused_wgrad_result(owner) if dummy else None
         queue.push(param, accumulate, main_grad_of=owner, operands=_operands(dy, x, w, offs, main_grad))
         return None
     fn = _wgrad_fn(dy, x, w, offs)
@@ -254,9 +255,13 @@ def _operands(dy, x, w, offs, main_grad) -> tuple | None:
 # too.
 
 
-def _keep_owner(ctx, owner) -> None:
+def _keep_owner(ctx, owner, main_grad_range=None) -> None:
     ctx.owner = owner
     ctx.main_grad = owner.main_grad if owner is not None else None
+    ctx.dummy = main_grad_range is None
+    if ctx.main_grad is not None and main_grad_range is not None:
+        lo, hi = main_grad_range
+        ctx.main_grad = ctx.main_grad[lo:hi]
 
 
 class _Linear(torch.autograd.Function):
@@ -264,10 +269,10 @@ class _Linear(torch.autograd.Function):
     ``owner.main_grad``."""
 
     @staticmethod
-    def forward(ctx, x_MK, w_GNK, offs_G, queue, owner):
+    def forward(ctx, x_MK, w_GNK, offs_G, queue, owner, main_grad_range=None):
         ctx.save_for_backward(x_MK, w_GNK, offs_G)
         ctx.queue, ctx.param = queue, w_GNK if queue is not None else None
-        _keep_owner(ctx, owner)
+        _keep_owner(ctx, owner, main_grad_range)
         return _forward_gemm(x_MK, w_GNK, offs_G)
 
     @staticmethod
@@ -276,21 +281,23 @@ class _Linear(torch.autograd.Function):
         dy_MN = dy_MN.contiguous()
         dx = _dgrad(dy_MN, x_MK, w_GNK, offs_G) if ctx.needs_input_grad[0] else None
         need_w = ctx.needs_input_grad[1]
-        dw = _finish_wgrad(ctx.queue, ctx.param, w_GNK, dy_MN, x_MK, offs_G, need_w, ctx.owner, ctx.main_grad)
-        return dx, dw, None, None, None
+        dw = _finish_wgrad(
+            ctx.queue, ctx.param, w_GNK, dy_MN, x_MK, offs_G, need_w, ctx.owner, ctx.main_grad, ctx.dummy
+        )
+        return dx, dw, None, None, None, None
 
 
 class _ActFc2(torch.autograd.Function):
     """``fc2(act(h) * probs)`` saving ``h`` (not the activation output): backward recomputes it."""
 
     @staticmethod
-    def forward(ctx, h_MF1, probs_M, w2_GNK, offs_G, act: ActivationSpec, queue, owner):
+    def forward(ctx, h_MF1, probs_M, w2_GNK, offs_G, act: ActivationSpec, queue, owner, main_grad_range=None):
         with torch.no_grad():
             a_MF = apply_activation(h_MF1, act, probs_M)
             y = _forward_gemm(a_MF, w2_GNK, offs_G)
         ctx.save_for_backward(h_MF1, probs_M, w2_GNK, offs_G)
         ctx.act, ctx.queue, ctx.param = act, queue, w2_GNK if queue is not None else None
-        _keep_owner(ctx, owner)
+        _keep_owner(ctx, owner, main_grad_range)
         return y
 
     @staticmethod
@@ -303,7 +310,9 @@ class _ActFc2(torch.autograd.Function):
             p = probs_M.detach().requires_grad_(need_p)
             a_MF = apply_activation(h, ctx.act, p)
         a = a_MF.detach()
-        dw2 = _finish_wgrad(ctx.queue, ctx.param, w2_GNK, dy_MN, a, offs_G, need_w, ctx.owner, ctx.main_grad)
+        dw2 = _finish_wgrad(
+            ctx.queue, ctx.param, w2_GNK, dy_MN, a, offs_G, need_w, ctx.owner, ctx.main_grad, ctx.dummy
+        )
         dh = dp = None
         inputs = [t for t, need in ((h, need_h), (p, need_p)) if need]
         if inputs:
@@ -311,7 +320,7 @@ class _ActFc2(torch.autograd.Function):
             grads = list(torch.autograd.grad(a_MF, inputs, da, allow_unused=True))
             dh = grads.pop(0) if need_h else None
             dp = grads.pop(0) if need_p else None
-        return dh, dp, dw2, None, None, None, None
+        return dh, dp, dw2, None, None, None, None, None
 
 
 def expert_mlp(
@@ -326,6 +335,7 @@ def expert_mlp(
     recompute_activation: bool = False,
     wgrad_queue: WgradQueue | None = None,
     main_grad_owners: tuple[torch.nn.Parameter | None, torch.nn.Parameter | None] | None = None,
+    main_grad_range: tuple[int, int] | None = None,
 ) -> torch.Tensor:
     """``fc2(act(fc1(x)) * probs)`` per local expert.
 
@@ -334,7 +344,9 @@ def expert_mlp(
     weight gradients are deferred to it (Megatron's ``delay_wgrad_compute``); ``recompute_activation``:
     the activation is recomputed in backward (``moe_act``); ``main_grad_owners`` (fc1's, fc2's; None
     for a weight without fusion): the Parameters whose ``main_grad`` receives each weight gradient
-    (gradient accumulation fusion; the GEMM weights may be stand-ins of them). Without any of these,
+    (gradient accumulation fusion; the GEMM weights may be stand-ins of them); ``main_grad_range``: the
+    weights are local experts ``[lo, hi)`` of those Parameters (a group of ``experts.groups``), whose
+    slice of ``main_grad`` receives them, and no dummy gradient is returned. Without any of these,
     autograd's own backward."""
     if x_RH.shape[0] != probs_R.shape[0]:
         raise ValueError(f"expert_mlp: {x_RH.shape[0]} rows but {probs_R.shape[0]} probabilities")
@@ -347,10 +359,16 @@ def expert_mlp(
     if apply_probs_on_input:
         x_RH, probs_R = scale_input(x_RH, probs_R)
     own1, own2 = main_grad_owners or (None, None)
+    if main_grad_range is not None and wgrad_queue is not None:
+        raise ValueError(
+            "expert_mlp: a group of experts (main_grad_range) with a weight-gradient queue: queued tasks "
+            "hold whole weights; run expert groups without delayed or late weight gradients."
+        )
     if not recompute_activation and wgrad_queue is None and own1 is None and own2 is None:
         h = gg.grouped_linear(x_RH, w1_LFH, offs_L)
         return gg.grouped_linear(apply_activation(h, act, probs_R), w2_LHF, offs_L)
-    h = _Linear.apply(x_RH.contiguous(), w1_LFH, offs_L, wgrad_queue, own1)
+    rng = main_grad_range
+    h = _Linear.apply(x_RH.contiguous(), w1_LFH, offs_L, wgrad_queue, own1, rng)
     if recompute_activation:
-        return _ActFc2.apply(h, probs_R, w2_LHF, offs_L, act, wgrad_queue, own2)
-    return _Linear.apply(apply_activation(h, act, probs_R), w2_LHF, offs_L, wgrad_queue, own2)
+        return _ActFc2.apply(h, probs_R, w2_LHF, offs_L, act, wgrad_queue, own2, rng)
+    return _Linear.apply(apply_activation(h, act, probs_R), w2_LHF, offs_L, wgrad_queue, own2, rng)

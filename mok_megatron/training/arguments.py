@@ -22,6 +22,7 @@ group exists. argparse has no post-parse hook, so ``extra_args_provider`` wraps 
     flag                        MoKOptions field      default
     --mok-engine E              engine                auto (pipeline when EP > 1 and supported)
     --mok-minibatch-size N      minibatch_size        automatic
+    --mok-minibatch-split S     minibatch_split       tokens (experts: each minibatch a group of local experts)
     --mok-capacity-multiplier   capacity_multiplier   1.0 (never overflows)
     --mok-sync-free             sync_free             off
     --mok-transport T           transport             auto
@@ -49,6 +50,7 @@ from mok_megatron.options import (
     Engine,
     ExpertBackend,
     LocalRows,
+    MinibatchSplit,
     MoKOptions,
     MoKOptionsError,
     NVLinkSync,
@@ -110,6 +112,14 @@ def add_mok_flags(parser) -> None:
         type=int,
         default=d.minibatch_size,
         help="tokens per pipelined dispatch/expert/combine minibatch (default: automatic)",
+    )
+    g.add_argument(
+        "--mok-minibatch-split",
+        choices=_choices(MinibatchSplit),
+        default=d.minibatch_split,
+        help="pipeline: tokens (default): each minibatch a run of tokens through every local expert; "
+        "experts: each minibatch all tokens through one group of local experts (as many groups as "
+        "--mok-minibatch-size gives minibatches; no weight-gradient sums; MoK's torch experts)",
     )
     g.add_argument(
         "--mok-capacity-multiplier",
@@ -282,6 +292,7 @@ def options_from_args(args) -> MoKOptions:
     return MoKOptions(
         engine=args.mok_engine,
         minibatch_size=args.mok_minibatch_size,
+        minibatch_split=getattr(args, "mok_minibatch_split", MoKOptions().minibatch_split),
         capacity_multiplier=args.mok_capacity_multiplier,
         sync_free=args.mok_sync_free,
         transport=args.mok_transport,
@@ -304,6 +315,7 @@ def _given_mok_flags(args) -> list[str]:
         for f in (
             "engine",
             "minibatch_size",
+            "minibatch_split",
             "capacity_multiplier",
             "sync_free",
             "transport",

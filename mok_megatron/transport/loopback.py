@@ -17,15 +17,18 @@ from mok_megatron.options import LoopbackBytes, LoopbackLink
 SLOW_LINK_GBPS = 200
 
 
-def expected_remote_ranks(ep: int, num_local_experts: int, topk: int) -> float:
-    """Expected number of *other* EP ranks one token visits (uniform top-k over ep * L experts)."""
+def expected_remote_ranks(ep: int, num_local_experts: int, topk: int, group: int | None = None) -> float:
+    """Expected number of *other* EP ranks one token visits (uniform top-k over ep * L experts).
+    ``group``: the visits for one group of that many of each rank's local experts (a minibatch of a
+    call split by experts: a token visits a rank once per group it uses there)."""
     if ep <= 1:
         return 0.0
     e = ep * num_local_experts
+    g = num_local_experts if group is None else group
     miss = 1.0
     for i in range(topk):
-        miss *= max(e - num_local_experts - i, 0) / (e - i)
-    return ep * (1.0 - miss) * (ep - 1) / ep
+        miss *= max(e - g - i, 0) / (e - i)
+    return (1.0 - miss) * (ep - 1)
 
 
 class LoopbackTransport:
@@ -49,6 +52,7 @@ class LoopbackTransport:
 
     def __init__(self, link: LoopbackLink, num_local_experts: int, topk: int):
         self.link = link
+        self.num_local_experts, self.topk = num_local_experts, topk
         self.factor = expected_remote_ranks(link.ep, num_local_experts, topk)
         self.copies = link.bytes is LoopbackBytes.COPY
         self.gbps = link.gbps
@@ -62,7 +66,11 @@ class LoopbackTransport:
         # outside a pipeline plan (``mb`` None) are charged as they are.
         r = mb.local.regions[0] if mb is not None else 0
         scale = mb.num_tokens / r if r else 1.0
-        nbytes = x.numel() * x.element_size() * self.factor * scale
+        factor = self.factor
+        if mb is not None and mb.group is not None:  # split by experts: this group's visits
+            lo, hi = mb.group.experts
+            factor = expected_remote_ranks(self.link.ep, self.num_local_experts, self.topk, hi - lo)
+        nbytes = x.numel() * x.element_size() * factor * scale
         self.bytes_moved += nbytes
         if x.device.type != "cuda":
             return x.clone()
@@ -79,7 +87,7 @@ class LoopbackTransport:
         # The emulated rank pulls `factor * scale` rows per row sent: copy that many bytes (at least once).
         # Without copies the received rows are the sent ones (a copy, even one, would wait for the GEMMs
         # beside it and hold the exchange until they end).
-        for _ in range(max(1, round(self.factor * scale)) if self.copies else 0):
+        for _ in range(max(1, round(factor * scale)) if self.copies else 0):
             out.copy_(x)
         if self.gbps > 0:
             cur.wait_stream(self._delay_stream)

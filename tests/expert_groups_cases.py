@@ -1,0 +1,111 @@
+"""Cases for ``tests/test_expert_groups.py``: the MoK layer's pipeline split by experts (``--mok-minibatch-split
+experts``) against the same layer split by tokens, run in gloo worker processes."""
+
+from __future__ import annotations
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+
+class _WeightSums(TorchDispatchMode):
+    """Counts the additions of two tensors shaped like (a slice of) an expert weight: ``[*, F1, H]`` or
+    ``[*, H, F]`` with three dimensions, i.e. weight-gradient sums (activations are two-dimensional).
+    Additions into ``sinks`` (``main_grad`` buffers: gradient accumulation fusion's own accumulate, which
+    a Hopper GEMM does in its epilogue) are not sums between gradients and are not counted."""
+
+    def __init__(self, trailing: list[tuple[int, int]], sinks: list[torch.Tensor]):
+        super().__init__()
+        self.trailing = trailing
+        self.sinks = {t.untyped_storage().data_ptr() for t in sinks}
+        self.n = 0
+        self.sink_elems = 0  # elements added into the sinks (one pass over main_grad = its numel)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func.overloadpacket in (torch.ops.aten.add, torch.ops.aten.add_) and all(
+            isinstance(a, torch.Tensor) for a in args[:2]
+        ):
+            into_sink = out.untyped_storage().data_ptr() in self.sinks
+            if out.dim() == 3 and tuple(out.shape[1:]) in self.trailing and not into_sink:
+                self.n += 1
+            elif into_sink:
+                self.sink_elems += out.numel()
+        return out
+
+
+def split_case(rank, world, *, ep=2, chunks=2, opts=None, fusion=False, **cfg_kw):
+    """One layer (weights from seed 0) with the pipeline split by tokens and by experts, ``chunks``
+    minibatches each, forward + backward on this rank's input. Returns the largest differences of the
+    output, input gradient and weight gradients (``main_grad`` with ``fusion``: the contract's fp32
+    buffers, filled by each group's GEMMs), the weight-gradient sums counted in each backward, the
+    groups' local-expert bounds, and whether a second expert-split run is bitwise the first."""
+    from tests.cases import build_mok_only, make_config, setup_parallel
+
+    setup_parallel(ep=ep)
+    cfg = make_config(ep=ep, **cfg_kw)
+    tokens = 32
+    base = dict(engine="pipeline", minibatch_size=-(-tokens // chunks), **(opts or {}))
+    if ep == 1:
+        base.update(transport="loopback", loopback=dict(ep=4))
+    g = torch.Generator().manual_seed(rank)
+    x0 = torch.randn(16, 2, cfg.hidden_size, generator=g)
+    dout = torch.randn(16, 2, cfg.hidden_size, generator=g)
+    runs, state = {}, None
+    for name, split in (("tokens", "tokens"), ("experts", "experts"), ("experts2", "experts")):
+        torch.manual_seed(0)
+        layer = build_mok_only(cfg, dict(base, minibatch_split=split))
+        if state is None:
+            state = layer.state_dict()
+        layer.load_state_dict(state)
+        experts = layer.experts
+        weights = (experts.fc1_weight, experts.fc2_weight)
+        if fusion:  # Megatron DDP's view of the contract: an fp32 main_grad per weight
+            experts.gradient_accumulation_fusion = True
+            for p in weights:
+                p.main_grad = torch.zeros(p.shape, dtype=torch.float32)
+                p.grad_added_to_main_grad = False
+        seen = set()
+        experts.register_forward_pre_hook(
+            lambda m, a, kw, seen=seen: seen.add(kw["group"][0].bounds if kw.get("group") else None),
+            with_kwargs=True,
+        )
+        x = x0.clone().requires_grad_(True)
+        out, _ = layer(x)
+        sinks = [p.main_grad for p in weights] if fusion else []
+        counter = _WeightSums([tuple(p.shape[1:]) for p in weights], sinks)
+        with counter:
+            out.backward(dout)
+        grads = [p.main_grad.clone() if fusion else p.grad.clone() for p in weights]
+        runs[name] = dict(
+            out=out.detach(),
+            dx=x.grad.clone(),
+            grads=grads,
+            sums=counter.n,
+            main_grad_passes=counter.sink_elems / sum(p.numel() for p in weights),
+            added=[bool(getattr(p, "grad_added_to_main_grad", False)) for p in weights],
+            bounds=sorted(seen, key=str),
+        )
+
+    def diff(a, b):
+        return float((a.float() - b.float()).abs().max())
+
+    t, e, e2 = runs["tokens"], runs["experts"], runs["experts2"]
+    return dict(
+        out=diff(t["out"], e["out"]),
+        out_scale=float(t["out"].abs().max()),
+        dx=diff(t["dx"], e["dx"]),
+        dx_scale=float(t["dx"].abs().max()),
+        grads=max(diff(a, b) for a, b in zip(t["grads"], e["grads"], strict=True)),
+        grad_scale=max(float(a.abs().max()) for a in t["grads"]),
+        sums_tokens=t["sums"],
+        sums_experts=e["sums"],
+        passes_tokens=t["main_grad_passes"],
+        passes_experts=e["main_grad_passes"],
+        added=e["added"],
+        bounds=e["bounds"],
+        bitwise=bool(
+            torch.equal(e["out"], e2["out"])
+            and torch.equal(e["dx"], e2["dx"])
+            and all(torch.equal(a, b) for a, b in zip(e["grads"], e2["grads"], strict=True))
+        ),
+    )
