@@ -115,6 +115,13 @@ MODES = {  # label: (MoKOptions overrides, capture in a CUDA graph)
         dict(sync_free=True, late_wgrad=True, loopback_bytes="link"),
         True,
     ),
+    # --mok-minibatch-split experts: each minibatch every token through one group of local experts
+    "exact+experts": (dict(minibatch_split="experts"), False),
+    "sync-free+graph+experts": (dict(sync_free=True, minibatch_split="experts"), True),
+    "sync-free+graph+experts+link-only": (
+        dict(sync_free=True, minibatch_split="experts", loopback_bytes="link"),
+        True,
+    ),
     # no option: the layer as built, replayed from a CUDA graph (the no-communication baselines)
     "graph": ({}, True),
 }
