@@ -1,4 +1,4 @@
-"""The ``mok`` command line: ``mok env``, ``mok demo``, ``mok bench layer|overlap|ep|train|wgrad``, ``mok convert``,
+"""The ``mok`` command line: ``mok env``, ``mok demo``, ``mok bench layer|overlap|ep|train|wgrad|gather``, ``mok convert``,
 ``mok patches check|apply|revert``, ``mok recipe check``, ``mok plan``."""
 
 from __future__ import annotations
@@ -97,6 +97,10 @@ def _bench(rest) -> int:
         from mok_megatron.bench.wgrad import main as wgrad
 
         return wgrad(rest)
+    if rest[:1] == ["gather"]:
+        from mok_megatron.bench.gather import main as gather
+
+        return gather(rest)
     if rest[:1] == ["train"]:
         from mok_megatron.bench.train import main as train
 
@@ -125,7 +129,8 @@ def main(argv: list[str] | None = None) -> int:
             "           overlap: communication hidden by the pipeline (one GPU, emulated link);\n"
             "           ep: real expert parallelism (torchrun -m mok_megatron.bench.overlap ep);\n"
             "           train: Megatron's training loop, MoK vs Megatron from identical weights (tokens/s/GPU);\n"
-            "           wgrad: expert weight gradients over N calls, summed or accumulated in fp32\n"
+            "           wgrad: expert weight gradients over N calls, summed or accumulated in fp32;\n"
+            "           gather: fc1 grouped GEMM reading token rows through an index vs the permuted copy\n"
             "  convert  move expert weights of a saved state dict between MoK / Megatron layouts\n"
             "  patches  check|apply|revert DIR: make a Megatron-LM checkout accept --moe-token-dispatcher-type mok\n"
             "  recipe   check SCRIPT...: a recipe's parallel layout and memory per GPU, from its DRY_RUN command\n"

@@ -140,14 +140,30 @@ def have_quack() -> bool:
 def quack_gemm_add_inplace():
     """QuACK's ``gemm_add_inplace`` (``out = alpha * A @ B + beta * out``, varlen-K through ``cu_seqlens_k``).
     Raises ImportError naming the fix when QuACK is missing or older than 0.4.1."""
+    _require_quack()
+    from quack.gemm_interface import gemm_add_inplace
+
+    return gemm_add_inplace
+
+
+@cache
+def quack_gemm():
+    """QuACK's ``gemm`` (``out = A @ B``, varlen-M through ``cu_seqlens_m`` or varlen-K through
+    ``cu_seqlens_k``; ``A_idx``, int32, reads A's rows (varlen-M) or columns (varlen-K) through an index
+    instead of a gathered copy). These keywords are the same from quack-kernels 0.4.1 on.
+    Raises ImportError naming the fix when QuACK is missing or older than 0.4.1."""
+    _require_quack()
+    from quack.gemm_interface import gemm
+
+    return gemm
+
+
+def _require_quack() -> None:
     if not have_quack():
         raise ImportError(
             f"QuACK is not installed (or older than {QUACK_MIN}; found {dist_version('quack-kernels')}): "
             "pip install 'mok-megatron[quack]'"
         )
-    from quack.gemm_interface import gemm_add_inplace
-
-    return gemm_add_inplace
 
 
 def grouped_mm_fn():
