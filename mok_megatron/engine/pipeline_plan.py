@@ -263,7 +263,10 @@ def _counts_by_experts(routing_map_TE, bounds, ep, L, emulated_ep, split_local=T
     rm_TPL = routing_map_TE.view(T, ep, L)
     group_L = _group_of_expert(L, bounds, dev)
     onehot_LC = (group_L.unsqueeze(1) == torch.arange(C, device=dev)).to(torch.int64)  # [L, C]
-    uses_TPC = (rm_TPL.to(torch.int64) @ onehot_LC) > 0  # [T, EP, C] token uses group c on dest
+    # [T, EP, C] the token uses group c on that destination
+    uses_TPC = torch.stack(
+        [rm_TPL[:, :, lo:hi].any(-1) for lo, hi in zip(bounds[:-1], bounds[1:], strict=True)], -1
+    )
     per = torch.cat([rm_TPL, uses_TPC], -1).to(torch.int64).view(T, -1)  # [T, EP*(L+C)]
     sums = torch.zeros((3, ep * (L + C)), dtype=torch.int64, device=dev)
     sums.index_add_(0, label_T, per)
