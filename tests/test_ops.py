@@ -276,6 +276,18 @@ def test_concat_groups_gathers_every_part_group_by_group():
         concat_groups([parts[0], ([torch.zeros(1, 8), torch.zeros(1, 4)], torch.tensor([1, 1]))])
 
 
+def test_merging_queue_merges_only_where_the_gather_moves_fewer_bytes_than_the_sums():
+    from mok_megatron.experts.torch_mlp import WgradQueue, _finish_wgrad
+
+    w = torch.nn.Parameter(torch.randn(2, 8, 4))  # 64 elements; 2 extra calls sum 128
+    for rows, merged in ((3, True), (4, False)):  # gathered 3 x 3 x 12 = 108 <= 128; 4 x 3 x 12 = 144
+        queue = WgradQueue(merge_calls=True)
+        for _ in range(3):
+            offs = torch.tensor([1, rows], dtype=torch.int32)
+            _finish_wgrad(queue, w, w, torch.randn(rows, 8), torch.randn(rows, 4), offs, True)
+        assert len(WgradQueue._merged(queue.tasks)) == (1 if merged else 3), rows
+
+
 def test_merging_queue_runs_one_gemm_per_weight(monkeypatch):
     """WgradQueue(merge_calls=True): a weight's grouped-GEMM tasks run as one GEMM; a task that is not one
     (operands None) keeps its weight on the per-task path."""
@@ -291,9 +303,9 @@ def test_merging_queue_runs_one_gemm_per_weight(monkeypatch):
     g = torch.Generator().manual_seed(1)
     per_call = []
     for queue in (WgradQueue(), WgradQueue(merge_calls=True)):
-        for _ in range(3):
-            dy, x = torch.randn(5, 8, generator=g), torch.randn(5, 4, generator=g)
-            offs = torch.tensor([2, 5], dtype=torch.int32)
+        for _ in range(3):  # 6 rows x (8 + 4) gathered <= 2 sums x 64: merging pays (``_merge_pays``)
+            dy, x = torch.randn(2, 8, generator=g), torch.randn(2, 4, generator=g)
+            offs = torch.tensor([1, 2], dtype=torch.int32)
             _finish_wgrad(queue, w, w, dy, x, offs, True)
             per_call.append((dy, x, offs))
         queue.push(other, lambda: torch.ones(2, 8, 4))  # not a grouped GEMM: operands None

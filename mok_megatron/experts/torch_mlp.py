@@ -67,11 +67,12 @@ class WgradQueue:
 
     ``merge_calls``: the tasks of one weight that are torch grouped GEMMs (``WgradTask.operands``) run as one
     grouped GEMM over all their rows, gathered group by group (``ops.grouped_gemm.concat_groups``), instead
-    of one GEMM per task and a full-size sum per extra task. The result equals the per-task sum up to the
-    order of the additions (and is bitwise repeatable run to run). Why: one layer call's weight gradients
-    split over 4 expert calls cost 1.5x (DeepSeek-V3 EP slice) to 3.0x (Qwen3-30B-A3B) one call over all
-    rows on an H200 (``mok bench wgrad``: 5.63 vs 3.80 and 5.63 vs 1.86 ms); the gather copies every
-    operand row once."""
+    of one GEMM per task and a full-size sum per extra task, where the gather moves fewer bytes than the
+    sums (``_merge_pays``). The result equals the per-task sum up to the order of the additions (and is
+    bitwise repeatable run to run). Why: one layer call's weight gradients in 4 expert calls cost 5.83 ms
+    summed against 5.41 merged and 3.79 in one call (DeepSeek-V3 EP slice), 5.50 / 3.81 / 1.88 ms
+    (Qwen3-30B-A3B, 128 experts) on an H200 (``mok bench wgrad``); with few, small experts the gather costs
+    more than the sums it saves."""
 
     def __init__(self, merge_calls: bool = False):
         self.tasks: list[WgradTask] = []
@@ -104,6 +105,7 @@ class WgradQueue:
                 len(group) > 1
                 and all(t.operands is not None for t in group)
                 and len({id(t.main_grad_of) for t in group}) == 1
+                and _merge_pays(group)
             )
             if not mergeable:
                 out.append(task)
@@ -161,6 +163,18 @@ class WgradQueue:
                 elif key not in fused:  # a dummy carries no value
                     weight.grad += dw
         return [w for w, _ in sums.values()]
+
+
+def _merge_pays(group: list[WgradTask]) -> bool:
+    """Whether one GEMM over the gathered rows beats one GEMM per task plus the sums, by bytes: the gather
+    moves every operand row (``rows x (N + K)`` elements), the sums ``len - 1`` full-size gradients.
+    Measured on an H200 in the pipeline (``mok bench overlap``, late-wgrad): DeepSeek-V3's slice (8 experts
+    of 7168 x 2048) gains 0.4-0.5 ms at 4 calls and loses 0.6-0.8 ms at 2, where the rule merges only at 4;
+    Qwen3's EP=8 slice (16 experts of 2048 x 768, 16k tokens) loses 1.3-1.6 ms merged, where the rule never
+    merges."""
+    dy_MN, x_MK = group[0].operands[0], group[0].operands[1]
+    rows = sum(t.operands[0].shape[0] for t in group)
+    return rows * (dy_MN.shape[1] + x_MK.shape[1]) <= (len(group) - 1) * group[0].weight.numel()
 
 
 def _merged_task(group: list[WgradTask]) -> WgradTask:

@@ -149,15 +149,17 @@ def concat_groups(
     spare_P = sizes_P - ends_PG[:, -1]
     tail_P = new_ends_G[-1] + torch.cumsum(spare_P, 0) - spare_P
     shift_PG = torch.cat([shift_PG, (tail_P - ends_PG[:, -1])[:, None]], 1)  # column G: group-less rows
-    rows = sum(ts[0].shape[0] for ts, _ in parts)
-    outs = [parts[0][0][i].new_empty((rows, *t.shape[1:])) for i, t in enumerate(parts[0][0])]
+    # Where each row of cat(parts) goes, inverted into the cat row each output row reads: one row gather
+    # per operand (on an H200 8-10 % faster than scattering each part's rows with index_copy_).
+    dests = []
     for p, (tensors, _) in enumerate(parts):
-        m = tensors[0].shape[0]
-        if m == 0:
-            continue
-        r = torch.arange(m, device=device)
+        r = torch.arange(tensors[0].shape[0], device=device)
         g = torch.searchsorted(ends_PG[p], r, right=True)
-        dest = r + shift_PG[p][g]
-        for out, t in zip(outs, tensors, strict=True):
-            out.index_copy_(0, dest, t)
+        dests.append(r + shift_PG[p][g])
+    dest_R = torch.cat(dests)
+    src_R = torch.empty_like(dest_R).index_copy_(0, dest_R, torch.arange(dest_R.shape[0], device=device))
+    outs = []
+    for i in range(len(parts[0][0])):
+        ts = [tensors[i] for tensors, _ in parts]
+        outs.append((torch.cat(ts) if len(ts) > 1 else ts[0]).index_select(0, src_R))
     return outs, new_ends_G.to(torch.int32)
