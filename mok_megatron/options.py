@@ -45,8 +45,8 @@ Typed (enums) and frozen; strings are accepted once, here, and become the enum (
                          combine in bf16); gradients stay bf16
     late_wgrad           pipeline, MoK's bf16 experts: a layer call's weight gradients wait until the last
                          dispatch-backward exchange is launched and run while it flies, one grouped GEMM per
-                         weight over every expert call's rows (the per-call sums up to the order of
-                         additions; more activation memory held until then)
+                         weight over every expert call's rows where that moves fewer bytes than the sums
+                         (the per-call sums up to the order of additions; more activation memory held)
 
 Every reduction is deterministic (fixed-order gather-sums in fp32): the layer is bitwise repeatable run
 to run.

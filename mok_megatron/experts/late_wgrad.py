@@ -16,24 +16,21 @@ node (``_Gate``); the layer call's expert GEMMs use its outputs and queue their 
 runs after every dispatch-backward node (created later) has launched its exchange and before the
 packs' backward (created earlier), which waits for those exchanges. There each weight's gradient is
 one grouped GEMM over the rows of every expert call of the layer call (the calls' rows gathered group by
-group, ``WgradQueue(merge_calls=True)``), not one GEMM per call plus a full-size sum per extra call, and
-the gate returns it through autograd: ``AccumulateGrad`` and every hook on the weights (Megatron's DDP)
-run as without it. The gradients equal the per-call sums up to the order of the additions (tested to
-fp32 rounding; bitwise at one expert call, and bitwise repeatable run to run). Why one GEMM: on an H200 a
-layer call's weight gradients in 4 calls cost 5.63 ms against 3.80 ms in one (DeepSeek-V3 EP slice) and
-5.63 against 1.86 ms (Qwen3-30B-A3B, whose 128 experts get ~256 rows each per call; ``mok bench wgrad``);
-the gather moves every operand row once more (not yet timed in the pipeline).
+group, ``WgradQueue(merge_calls=True)``) where that gather moves fewer bytes than the full-size sums it
+replaces (``experts.torch_mlp._merge_pays``), else one GEMM per call plus the sums; the gate returns it
+through autograd: ``AccumulateGrad`` and every hook on the weights (Megatron's DDP) run as without it. The
+gradients equal the per-call sums up to the order of the additions (tested to fp32 rounding; bitwise at one
+expert call, and bitwise repeatable run to run).
 
 Cost: each expert GEMM's output gradient lives until ``_Gate`` runs (DeepSeek-V3's slice at 4096
-tokens, 8 local experts: ~0.7 GB more at the peak). Opt-in (``--mok-late-wgrad``): on one H200 with the
-loopback transport it gains nothing consistent (±1.2 ms both ways between runs): the exchange's spin
-runs beside the weight gradients, but the loopback's copies wait for them to finish. With the link time
-alone (``LoopbackBytes.LINK``, no copies) it is faster at most points, by about the run-to-run spread
-(DeepSeek's slice at 900 GB/s: 14.85 vs 15.03 ms; docs/performance.md; measured with one weight-gradient
-GEMM per expert call). A real link is where it can pay. The gather adds, while one weight's GEMM runs,
-a copy of that weight's operand rows (fc1 on DeepSeek's slice at 4096 tokens: x and dy, ~0.74 GB). Not
-with Megatron's ``delay_wgrad_compute`` (its ``backward_dw`` already defers them further) nor with the
-FP8 / TE experts (their GEMMs are not ``experts.torch_mlp``'s); ``MoKGroupedMLP.late_wgrad`` decides.
+tokens, 8 local experts: ~0.7 GB more at the peak), and a merged GEMM copies its weight's operand rows
+(fc1 on DeepSeek's slice at 4096 tokens: x and dy, ~0.74 GB) while it runs. Opt-in (``--mok-late-wgrad``):
+on one H200 with the loopback transport (CUDA graphs, sync-free) it gains 0.2-0.5 ms on DeepSeek-V3's 4k
+slice at 4 minibatches (merged) and is within ±0.2 ms elsewhere (Qwen3's EP=8 slice; 2 minibatches),
+docs/results/2026-12-02-late-wgrad-merge: the exchange's spin runs beside the weight gradients, but the
+loopback's copies wait for them to finish. A real link is where it can pay. Not with Megatron's
+``delay_wgrad_compute`` (its ``backward_dw`` already defers them further) nor with the FP8 / TE experts
+(their GEMMs are not ``experts.torch_mlp``'s); ``MoKGroupedMLP.late_wgrad`` decides.
 
 With gradient accumulation fusion the queued tasks add into the real Parameters' ``main_grad`` (the
 tasks carry the Parameter; the stand-ins are views) and ``_Gate`` returns Megatron's dummy gradient for
