@@ -8,6 +8,8 @@
 #     then Megatron's combined 1F1B EP-overlap schedule against the plain one (--schedules plain,1f1b: a
 #     one-layer GPT, two micro-batches per call), Megatron's layer and MoK's
 #   fp8: native FP8 experts (--expert-backend torch-fp8), exact, sync-free+graph, FP8 dispatch and combine
+#   budget: the nvlink transport's communication CTAs, forward / backward (--mok-nvlink-programs[-backward]),
+#     against the same layer's EP=1 work: what the GEMMs beside the exchanges lose per CTA taken
 set -u
 out=${OUT:-/tmp/mok-ep}; mkdir -p "$out"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -29,7 +31,13 @@ case "${1:-bf16}" in
       --modes ${MODES:-exact,sync-free+graph,sync-free+graph+fp8-both} --expert-backend torch-fp8 --iters 10 \
       --warmup 3 --json "$out/ep-torch-fp8.json" > "$out/ep-torch-fp8.txt" 2>&1
     echo "== bench ep torch-fp8 rc=$?"; grep -E "^\||EP=|fail|Error" "$out/ep-torch-fp8.txt" | cut -c1-200 ;;
-  *) echo "usage: OUT=<dir> bash benchmarks/ep.sh [bf16|fp8]"; exit 2 ;;
+  budget)
+    timeout ${T_EP:-330} torchrun --nproc-per-node "$ngpu" -m mok_megatron.bench.overlap ep --shapes dsv3,qwen3 \
+      --transports ${TRANSPORTS:-nvlink:64/64,nvlink:32/32,nvlink:16/16,nvlink:32/64,nvlink:16/64} --local-rows fused \
+      --chunks 1 --modes ${MODES:-exact,sync-free+graph} --iters 10 --warmup 3 --json "$out/ep-budget.json" \
+      > "$out/ep-budget.txt" 2>&1
+    echo "== bench ep budget rc=$?"; grep -E "^\||EP=|fail|Error" "$out/ep-budget.txt" | cut -c1-200 ;;
+  *) echo "usage: OUT=<dir> bash benchmarks/ep.sh [bf16|fp8|budget]"; exit 2 ;;
 esac
 for d in mok alltoall; do
   DEVICE=gpu ITERS=50 NPROC=$ngpu DISPATCHER=$d timeout 100 bash examples/tiny_moe.sh > "$out/tiny_$d.log" 2>&1

@@ -190,3 +190,19 @@ def test_tiny_point_on_cpu(tmp_path):
     assert all(len(r) == len(OVERLAP_COLUMNS) for r in table)
     assert table[3][OVERLAP_COLUMNS.index("exposed %")] == "-" and CPU_NOTE in p.stdout
     assert "exposed" in p.stdout and "(-)" in p.stdout  # the per-point progress line: no percentage either
+
+
+def test_transport_labels_set_the_communication_budget():
+    from mok_megatron.bench.overlap import transport_options
+    from mok_megatron.options import MoKOptions
+
+    assert transport_options("collective") == dict(transport="collective", nvlink_sync="barrier")
+    assert transport_options("nvlink-flags") == dict(transport="nvlink", nvlink_sync="flags")
+    opts = MoKOptions(**transport_options("nvlink:32/16"))
+    assert (opts.nvlink_programs, opts.nvlink_programs_backward) == (32, 16)
+    opts = MoKOptions(**transport_options("nvlink-flags:24"))
+    assert (opts.nvlink_sync, opts.nvlink_programs, opts.nvlink_programs_backward) == ("flags", 24, None)
+    with pytest.raises(ValueError, match="applies to nvlink only"):
+        transport_options("collective:32")
+    with pytest.raises(ValueError, match="e.g. nvlink:32/16"):
+        transport_options("nvlink:many")

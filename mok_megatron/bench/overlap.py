@@ -141,6 +141,27 @@ def loopback_options(shape: dict, chunks: int, gbps: float, loopback_bytes: str 
     )
 
 
+def transport_options(label: str) -> dict:
+    """``mok bench ep --transports`` label -> ``MoKOptions`` fields. ``nvlink-flags``: the nvlink transport
+    signalled by per-peer ready flags; ``nvlink:F/B`` (or ``nvlink-flags:F/B``): F CTAs communicate in the
+    forward and B in the backward (the communication budget; ``nvlink:F`` for both)."""
+    name, _, budget = label.partition(":")
+    opts = dict(transport=name, nvlink_sync="barrier")
+    if name == "nvlink-flags":
+        opts.update(transport="nvlink", nvlink_sync="flags")
+    if budget:
+        if opts["transport"] != "nvlink":
+            raise ValueError(f"transport {label!r}: a CTA budget (':F/B') applies to nvlink only")
+        fwd, _, bwd = budget.partition("/")
+        try:
+            opts.update(nvlink_programs=int(fwd), nvlink_programs_backward=int(bwd) if bwd else None)
+        except ValueError:
+            raise ValueError(
+                f"transport {label!r}: the budget is ':F' or ':F/B' in CTAs, e.g. nvlink:32/16"
+            ) from None
+    return opts
+
+
 def _inputs(tokens, hidden, dtype, device, seed=0):
     import torch
 
@@ -527,12 +548,9 @@ def bench_ep(
                 opts = MoKOptions(engine="plain", expert_backend=expert_backend)
                 if tr is not None:
                     lr = "fused" if label.endswith("fused") else "overlap"
-                    # "nvlink-flags": the nvlink transport signalled by per-peer ready flags
-                    tr_opt, sync = ("nvlink", "flags") if tr == "nvlink-flags" else (tr, "barrier")
                     opts = MoKOptions(
                         minibatch_size=math.ceil(s["tokens"] / chunks),
-                        transport=tr_opt,
-                        nvlink_sync=sync,
+                        **transport_options(tr),
                         local_rows=lr,
                         expert_backend=expert_backend,
                         **extra,
@@ -702,7 +720,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--transports",
         default="collective,copy_engine",
-        help="ep: MoK transports (also nvlink, nvlink-flags)",
+        help="ep: MoK transports (also nvlink, nvlink-flags; nvlink:F/B sets the CTAs that communicate in "
+        "forward / backward, e.g. nvlink:32/16)",
     )
     p.add_argument("--modes", default="exact", help=f"comma list of {', '.join(MODES)}")
     p.add_argument("--iters", type=int, default=20)
@@ -743,6 +762,13 @@ def main(argv: list[str] | None = None) -> int:
     bad = [n for n in shapes if n not in table]
     if bad:
         p.error(f"--shapes {','.join(bad)}: {ns.what} shapes are {', '.join(table)}")
+    for label in ns.transports.split(","):
+        try:
+            from mok_megatron.options import MoKOptions
+
+            MoKOptions(**transport_options(label))
+        except ValueError as e:
+            p.error(f"--transports: {e}")
     bad = [m for m in ns.modes.split(",") if m not in MODES]
     if bad:
         p.error(f"--modes {','.join(bad)}: choose from {', '.join(MODES)}")
