@@ -109,3 +109,64 @@ def split_case(rank, world, *, ep=2, chunks=2, opts=None, fusion=False, **cfg_kw
             and all(torch.equal(a, b) for a, b in zip(e["grads"], e2["grads"], strict=True))
         ),
     )
+
+
+def host_data_case(
+    rank, world, *, ep=2, local_experts=3, topk=2, groups=2, sync_free=True, align=1, fuse=False
+):
+    """The pipeline split by experts driven directly (``groups`` groups of ``local_experts``, uneven when
+    they do not divide): the host data its plan, forward and backward move (``tests.pipeline_cases._HostData``:
+    none may in sync-free mode, where a CUDA graph must capture them), the largest error against every
+    token's experts computed here, and the groups' experts each expert call got."""
+    import torch.distributed as dist
+
+    from mok_megatron.engine.pipeline import run_pipeline
+    from mok_megatron.engine.pipeline_plan import build_pipeline_plan
+    from mok_megatron.transport.collective import CollectiveTransport
+    from tests.pipeline_cases import _HostData
+
+    group = dist.new_group(list(range(ep)))  # every rank must call new_group
+    if rank >= ep:
+        return None
+    T, H, L = 32, 8, local_experts
+    g = torch.Generator().manual_seed(100 + rank)
+    w_LHH = torch.nn.Parameter(torch.randn(L, H, H, generator=torch.Generator().manual_seed(7 + rank)) / H)
+    x_TH = torch.randn(T, H, generator=g, requires_grad=True)
+    logits_TE = torch.randn(T, ep * L, generator=g)
+    routing_TE = torch.zeros(T, ep * L, dtype=torch.bool).scatter_(
+        1, logits_TE.topk(topk, dim=-1).indices, True
+    )
+    probs_TE = (logits_TE.softmax(-1) * routing_TE).requires_grad_(True)
+    calls = set()
+
+    def expert_fn(x_MH, tpe_L, tpe_host, probs_M, group=None):
+        lo, hi = group.experts
+        calls.add((lo, hi))
+        # rows past the counts are sync-free padding (probability 0): they map to the group's last expert
+        l_M = torch.searchsorted(tpe_L.cumsum(0), torch.arange(x_MH.shape[0]), right=True).clamp(
+            max=hi - lo - 1
+        )
+        return torch.bmm(x_MH.unsqueeze(1), w_LHH[lo:hi][l_M]).squeeze(1) * probs_M.unsqueeze(-1)
+
+    kw = dict(sync_free=sync_free, fuse_local=fuse, split_experts=True)
+    size = -(-T // groups)
+    build_pipeline_plan(x_TH.shape, routing_TE, L, topk, group, size, **kw)  # fill the per-shape caches
+    host = _HostData()
+    with host:
+        plan = build_pipeline_plan(x_TH.shape, routing_TE, L, topk, group, size, **kw)
+        out = run_pipeline(
+            x_TH, probs_TE, routing_TE, plan, expert_fn, CollectiveTransport(group), topk, row_alignment=align
+        )
+        out.backward(torch.ones_like(out))
+    with torch.no_grad():
+        ws = [torch.empty_like(w_LHH) for _ in range(ep)]
+        dist.all_gather(ws, w_LHH.detach().contiguous(), group=group)
+        w_EHH = torch.cat(ws)
+        ref = torch.einsum("th,teho,te->to", x_TH, w_EHH[None].expand(T, -1, -1, -1), probs_TE)
+    return dict(
+        host_data=host.hits,
+        max_err=float((out.detach() - ref).abs().max()),
+        bounds=plan.expert_bounds,
+        calls=sorted(calls),
+        grads=x_TH.grad is not None and w_LHH.grad is not None,
+    )

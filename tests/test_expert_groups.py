@@ -128,3 +128,106 @@ def test_minibatch_split_flag_reaches_the_options():
         == "experts"
     )
     assert options_from_args(parser.parse_args([])).minibatch_split == "tokens"
+
+
+@pytest.mark.parametrize("local_rows", ["overlap", "fused"])
+def test_uneven_groups_top1_match_megatron_bitwise_repeatable(pool, local_rows):
+    # 6 experts at EP 2: 3 local experts in 2 groups (2 + 1); top-1 leaves most tokens with one group.
+    opts = dict(minibatch_size=16, minibatch_split="experts", local_rows=local_rows)
+    res = pool.run(
+        "tests.pipeline_cases:megatron_case",
+        ep=2,
+        topk=1,
+        num_experts=6,
+        opts=opts,
+        min_local_half=2,
+        repeat=True,
+    )
+    for r in res:
+        check(r, f"uneven groups top-1 {local_rows}")
+        assert r["bitwise"] and r["overflow_redos"] == 0, r
+        assert len(r["tokens_per_expert"]) == 3, r
+
+
+def test_probs_on_input_top1_matches_megatron(pool):
+    opts = dict(minibatch_size=16, minibatch_split="experts")
+    for r in pool.run(
+        "tests.pipeline_cases:megatron_case",
+        ep=2,
+        topk=1,
+        num_experts=6,
+        opts=opts,
+        min_local_half=2,
+        moe_apply_probs_on_input=True,
+    ):
+        check(r, "experts probs on input")
+
+
+def test_overflow_redo_with_a_group_no_token_uses(pool):
+    # Every token to experts 0 and 1 (rank 0, group 0 of (0, 2, 3)): group 1 gets no row on any rank,
+    # rank 1 none at all, and a capacity of 1/8 of the tokens overflows: the call is redone with exact
+    # sizes, nothing dropped (with the overlapped shared expert, whose fc2 must run once per call).
+    opts = dict(minibatch_size=16, minibatch_split="experts", sync_free=True, capacity_multiplier=0.125)
+    res = pool.run(
+        "tests.pipeline_cases:megatron_case",
+        ep=2,
+        topk=2,
+        num_experts=6,
+        opts=opts,
+        min_local_half=2,
+        shared=True,
+        shared_overlap=True,
+        score="sigmoid",
+        moe_router_enable_expert_bias=True,
+        router_bias={0: 100.0, 1: 100.0},
+    )
+    for rank, r in enumerate(res):
+        check(r, "experts overflow redo")
+        assert r["overflow_redos"] == 1, r
+        ep_rank = rank % 2  # world 4 at EP 2: ranks 0 and 2 hold experts 0-2
+        counts = r["tokens_per_expert"]
+        assert counts[2] == 0 and (counts[0] > 0) == (ep_rank == 0) and (counts[1] > 0) == (ep_rank == 0), r
+
+
+@pytest.mark.parametrize("fusion", [False, True])
+def test_uneven_groups_top1_weight_gradients(pool, fusion):
+    # 3 local experts in 2 groups at EP 2, top-1: each group's slice of each weight gradient (of main_grad
+    # under fusion: one pass over it, the dummy handed once) equals the split by tokens'.
+    for r in pool.run(
+        "tests.expert_groups_cases:split_case", ep=2, chunks=2, topk=1, num_experts=6, fusion=fusion
+    ):
+        assert r["bounds"] == [(0, 2, 3)], r
+        assert r["out"] <= 1e-5 * r["out_scale"] and r["dx"] <= 1e-5 * r["dx_scale"], r
+        assert r["grads"] <= 1e-5 * r["grad_scale"] and r["sums_experts"] == 0, r
+        assert r["added"] == [fusion, fusion] and r["bitwise"], r
+        if fusion:
+            assert r["passes_experts"] == 1.0, r
+
+
+def test_moe_act_recompute_bitwise(pool):
+    opts = dict(engine="pipeline", minibatch_size=128, minibatch_split="experts")
+    for r in pool.run("tests.composability_cases:recompute_act_case", ep=2, opts=opts, num_experts=6):
+        assert r["pipelined"] and r["bitwise"], r
+        assert r["experts_saved_bytes"][1] < r["experts_saved_bytes"][0], r
+
+
+@pytest.mark.parametrize(
+    "kw", [dict(), dict(fuse=True), dict(align=16), dict(local_experts=3, groups=3, topk=1)], ids=str
+)
+def test_sync_free_expert_split_moves_no_host_data(pool, kw):
+    # Capturable in a CUDA graph: no host read, no tensor from Python values, in the plan, forward or backward.
+    for r in pool.run("tests.expert_groups_cases:host_data_case", **kw):
+        if r is None:
+            continue
+        assert r["host_data"] == [] and r["max_err"] < 1e-5 and r["grads"], r
+        bounds = r["bounds"]
+        assert r["calls"] == list(zip(bounds[:-1], bounds[1:], strict=True)), r
+
+
+def test_torch_fp8_experts_split_by_experts_within_fp8_error(pool):
+    # Native FP8 experts (GEMMs emulated in fp32 on CPU) through group views of their weights; split by
+    # experts the permute is not fused into the FP8 operands (no token_rows_fn).
+    opts = dict(minibatch_size=16, minibatch_split="experts", sync_free=True)
+    for r in pool.run("tests.pipeline_cases:fp8_token_rows_case", ep=2, num_experts=6, opts=opts):
+        assert r["fused_calls"] == 0 and r["bitwise"], r
+        assert 1e-3 < r["min_rel_err"] and r["max_rel_err"] < 0.1, r
