@@ -44,7 +44,9 @@ def split_case(rank, world, *, ep=2, chunks=2, opts=None, fusion=False, **cfg_kw
     setup_parallel(ep=ep)
     cfg = make_config(ep=ep, **cfg_kw)
     tokens = 32
-    base = dict(engine="pipeline", minibatch_size=-(-tokens // chunks), **(opts or {}))
+    base = dict(engine="pipeline", **(opts or {}))
+    if chunks is not None:  # None: the automatic count
+        base["minibatch_size"] = -(-tokens // chunks)
     if ep == 1:
         base.update(transport="loopback", loopback=dict(ep=4))
     g = torch.Generator().manual_seed(rank)

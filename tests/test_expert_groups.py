@@ -106,6 +106,7 @@ def test_expert_split_refuses_experts_without_device_counts():
         megatron_overlap_flags=(),
         num_local_experts=4,
         topk=2,
+        delay_wgrad=False,
     )
     opts = MoKOptions(minibatch_split="experts", transport="loopback")
     te = ExpertsContract(mok=True, host_counts=True)
@@ -114,6 +115,9 @@ def test_expert_split_refuses_experts_without_device_counts():
             select_engine(cfg, opts, None, contract)
         assert needle in str(e.value) and "--mok-expert-backend torch" in str(e.value)
     assert select_engine(cfg, opts, None, ExpertsContract(mok=True)).pipelined
+    cfg.delay_wgrad = True  # Megatron's delay_wgrad_compute: refused when the layer is built
+    with pytest.raises(MoKConfigError, match="delay_wgrad_compute.*Drop --delay-wgrad-compute or"):
+        select_engine(cfg, opts, None, ExpertsContract(mok=True))
 
 
 def test_minibatch_split_flag_reaches_the_options():
@@ -231,3 +235,13 @@ def test_torch_fp8_experts_split_by_experts_within_fp8_error(pool):
     for r in pool.run("tests.pipeline_cases:fp8_token_rows_case", ep=2, num_experts=6, opts=opts):
         assert r["fused_calls"] == 0 and r["bitwise"], r
         assert 1e-3 < r["min_rel_err"] and r["max_rel_err"] < 0.1, r
+
+
+def test_expert_split_without_a_size_makes_four_groups(pool):
+    # 16 experts at EP 2: 8 local experts, the automatic 4 groups (engine.pipeline_plan.AUTO_EXPERT_GROUPS)
+    opts = dict(local_rows="fused")
+    for r in pool.run(
+        "tests.expert_groups_cases:split_case", ep=2, chunks=None, topk=4, num_experts=16, opts=opts
+    ):
+        assert r["bounds"] == [(0, 2, 4, 6, 8)], r
+        assert r["grads"] <= 1e-5 * r["grad_scale"], r

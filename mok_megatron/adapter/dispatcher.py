@@ -18,6 +18,7 @@ runs beside the dispatches and fc2 beside the last combines (the pipeline's ``af
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -29,6 +30,7 @@ from mok_megatron.engine import plain as F
 from mok_megatron.transport.comm import all_to_all_v
 from mok_megatron.engine.pipeline import run_pipeline as _run_pipeline
 from mok_megatron.engine.pipeline_plan import (
+    AUTO_EXPERT_GROUPS,
     PipelinePlan,
     auto_minibatch_size,
     build_pipeline_plan,
@@ -153,9 +155,15 @@ class MoKTokenDispatcher(MoETokenDispatcher):
         # A transport that emulates EP (the loopback) says how many ranks and how slow a link it stands for.
         emulated_ep = getattr(tr, "emulated_ep", 1) if cfg.ep_size == 1 else 1
         slow_link = getattr(tr, "slow_link", not self._ep_in_one_node)
-        mbs = o.minibatch_size or auto_minibatch_size(
-            T, cfg.topk, cfg.num_local_experts, max(cfg.ep_size, emulated_ep), slow_link=slow_link
-        )
+        split_experts = o.minibatch_split is MinibatchSplit.EXPERTS
+        if o.minibatch_size:
+            mbs = o.minibatch_size
+        elif split_experts:  # asked for groups of experts: the automatic count is AUTO_EXPERT_GROUPS
+            mbs = math.ceil(max(T, 1) / AUTO_EXPERT_GROUPS)
+        else:
+            mbs = auto_minibatch_size(
+                T, cfg.topk, cfg.num_local_experts, max(cfg.ep_size, emulated_ep), slow_link=slow_link
+            )
         return build_pipeline_plan(
             hidden_shape,
             routing_map,
@@ -167,7 +175,7 @@ class MoKTokenDispatcher(MoETokenDispatcher):
             capacity_multiplier=o.capacity_multiplier,
             emulated_ep=emulated_ep,
             fuse_local=fuse_local_rows(o.local_rows, slow_link),
-            split_experts=o.minibatch_split is MinibatchSplit.EXPERTS,
+            split_experts=split_experts,
         )
 
     def run_pipeline(

@@ -188,6 +188,12 @@ def select_engine(cfg: MoKConfig, options: MoKOptions, ep_group, experts: Expert
             f"{'TE GroupedLinear' if experts.mok else 'Megatron experts'}. Use --mok-expert-backend torch or "
             "torch-fp8 with a MoK spec, or drop --mok-minibatch-split."
         )
+    if options.minibatch_split is MinibatchSplit.EXPERTS and transport is not None and cfg.delay_wgrad:
+        raise MoKConfigError(
+            "--mok-minibatch-split experts with delay_wgrad_compute: delayed weight gradients queue whole "
+            "weights, expert minibatches use one view per group of experts. Drop --delay-wgrad-compute or "
+            "--mok-minibatch-split."
+        )
     pipelined = transport is not None
     aligned_plan = not pipelined and aligned_plan_applies(cfg)
     align = experts.alignment

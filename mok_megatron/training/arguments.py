@@ -119,7 +119,8 @@ def add_mok_flags(parser) -> None:
         default=d.minibatch_split,
         help="pipeline: tokens (default): each minibatch a run of tokens through every local expert; "
         "experts: each minibatch all tokens through one group of local experts (as many groups as "
-        "--mok-minibatch-size gives minibatches; no weight-gradient sums; MoK's torch experts)",
+        "--mok-minibatch-size gives minibatches, else 4, at most one per local expert; no weight-gradient "
+        "sums; MoK's torch / torch-fp8 experts)",
     )
     g.add_argument(
         "--mok-capacity-multiplier",
