@@ -18,8 +18,8 @@ Typed (enums) and frozen; strings are accepted once, here, and become the enum (
                          many groups as token minibatches would be, at most one per local expert; no
                          weight-gradient sums, GEMMs keep their height; a token travels once per group it
                          uses; without minibatch_size, ``engine.pipeline_plan.AUTO_EXPERT_GROUPS`` groups).
-                         MoK's torch and torch-fp8 experts (torch-fp8: each group's weights are quantized per
-                         call and the permute / combine are not fused into the FP8 operands). Sync-free
+                         MoK's torch and torch-fp8 experts (torch-fp8: the permute / combine are not fused into
+                         the FP8 operands). Sync-free
                          buffers are sized per group: C groups hold C times the token split's rows
     capacity_multiplier  sync-free mode: receive buffer per source rank, as a fraction of that rank's tokens
                          (1.0 can never overflow; smaller saves memory; an overflow is detected and the call's

@@ -671,7 +671,14 @@ def test_weight_cache_hits_until_the_weight_changes(monkeypatch):
     q2, s2 = native.quantized_weight(w, "fwd")
     assert counts["fwd"] == 2 and torch.equal(s2, first[1] * 2)
     assert torch.equal(q2.view(torch.uint8), quantize.quantize_rowwise(w.detach())[0].view(torch.uint8))
-    native.quantized_weight(w[1:], "fwd")  # a view is its own entry, not the parent's
+    # some experts of the weight (a view along dim 0): the parent's entry, sliced, bitwise their own
+    q3, s3 = native.quantized_weight(w[1:], "fwd")
+    assert counts["fwd"] == 2
+    ref_q, ref_s = quantize.quantize_rowwise(w.detach()[1:])
+    assert torch.equal(q3.view(torch.uint8), ref_q.view(torch.uint8)) and torch.equal(s3, ref_s)
+    qd, _ = native.quantized_weight(w[:2], "dgrad")
+    assert counts["dgrad"] == 2 and qd.shape == (2, 48, 32)  # the parent changed: dgrad requantized once
+    native.quantized_weight(w[:, 1:], "fwd")  # not a group of experts: its own entry
     assert counts["fwd"] == 3
     with pytest.raises(ValueError, match="orientation='bwd'"):
         native.quantized_weight(w, "bwd")
@@ -963,3 +970,19 @@ def test_te_backend_refuses_te_native_grouped_gemm():
     check_not_native_grouped(SimpleNamespace())  # a TE without the option
     with pytest.raises(MoKConfigError, match="Unset NVTE_GROUPED_LINEAR_USE_FUSED_GROUPED_GEMM"):
         check_not_native_grouped(SimpleNamespace(use_grouped_tensor=True))
+
+
+def test_expert_groups_share_one_weight_quantization(monkeypatch):
+    """A pipeline split by experts makes new views of the weights every layer call (``experts.groups``):
+    they are served from the stacked weight's one entry, not quantized per group and call."""
+    from mok_megatron.experts.groups import ExpertGroups
+
+    counts = _count_weight_quantization(monkeypatch)
+    w = torch.nn.Parameter((torch.randn(3, 32, 48) / 8).to(torch.bfloat16))
+    for _ in range(2):  # two layer calls
+        groups = ExpertGroups((w,), (0, 1, 3), (None,))
+        for c in range(2):
+            (view,) = groups.weights(c)
+            q, s = native.quantized_weight(view, "fwd")
+            assert q.shape[0] == view.shape[0]
+    assert counts["fwd"] == 1

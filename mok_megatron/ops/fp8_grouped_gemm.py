@@ -170,11 +170,33 @@ def _quantize_weight(w_GNK: torch.Tensor, orientation: str) -> tuple[torch.Tenso
     raise ValueError(f"quantized_weight: orientation={orientation!r}, expected 'fwd' or 'dgrad'")
 
 
+def _experts_of(w_GNK: torch.Tensor) -> tuple[torch.Tensor, int] | None:
+    """``(base, lo)`` when ``w_GNK`` is ``base[lo:lo + G]`` (a group of a stacked weight's experts, or the
+    whole of it: ``experts.groups``, the late-wgrad stand-ins), else None."""
+    base = w_GNK._base
+    if base is None or base.dim() != w_GNK.dim() or base.shape[1:] != w_GNK.shape[1:]:
+        return None
+    if base.stride() != w_GNK.stride() or not base.is_contiguous():
+        return None
+    lo, rem = divmod(w_GNK.storage_offset() - base.storage_offset(), base.stride(0))
+    if rem or lo < 0 or lo + w_GNK.shape[0] > base.shape[0]:
+        return None
+    return base, lo
+
+
 def quantized_weight(w_GNK: torch.Tensor, orientation: str) -> tuple[torch.Tensor, torch.Tensor]:
     """(q, scale) of ``w_GNK`` for the forward (``"fwd"``: q [G, N, K], scale [G, N]) or the dgrad
-    (``"dgrad"``: q [G, K, N], scale [G, K]), row-major; cached per weight version (module docstring)."""
+    (``"dgrad"``: q [G, K, N], scale [G, K]), row-major; cached per weight version (module docstring).
+    A view of some of a stacked weight's experts gets its slice of the stacked weight's entry (the scales
+    are per expert, so the slice is bitwise its own quantization): the views made anew every layer call
+    share one quantization per weight version."""
     if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
         return _quantize_weight(w_GNK, orientation)
+    group = _experts_of(w_GNK)
+    if group is not None:
+        base, lo = group
+        q, scale = quantized_weight(base, orientation)
+        return q[lo : lo + w_GNK.shape[0]], scale[lo : lo + w_GNK.shape[0]]
     _register_optimizer_hook()
     key = _weight_key(w_GNK)
     cached = _WEIGHTS.get(w_GNK)
