@@ -144,6 +144,38 @@ def check_swiglu(device, M, F, dtype, with_probs=True):
         _close(f"swiglu {name}", g, w, dtype)
 
 
+def check_swiglu_live_rows(device, M, F, dtype, live):
+    """``live_rows``: the kernels neither read nor write rows at and past ``live`` (a sync-free buffer's
+    spare rows): NaN there stays out of every live row, and the live rows equal the reference's."""
+    h = _grad_inputs((M, 2 * F), dtype, device, 8)
+    h[live:] = float("nan")
+    probs = _grad_inputs((M,), torch.float32, device, 9, positive=True)
+    da = _grad_inputs((M, F), dtype, device, 10)
+    live_t = torch.tensor([live], dtype=torch.int32, device=device)
+
+    def run(impl):
+        h_ = h.clone().requires_grad_()
+        p_ = probs.clone().requires_grad_()
+        a = swiglu(h_, p_, impl=impl, live_rows=live_t)
+        a.backward(da)
+        return a[:live], h_.grad[:live], p_.grad[:live]
+
+    got, want = _both(run)
+    for name, g, w in zip(("a_MF", "dh_M2F", "dprobs_M"), got, want, strict=True):
+        assert torch.isfinite(g).all(), f"swiglu live rows {name}: a spare row leaked in"
+        _close(f"swiglu live rows {name}", g, w, dtype)
+    # the spare rows are not written: a sentinel there survives the forward kernel
+    from mok_megatron.kernels import swiglu as S
+
+    a = torch.full((M, F), 7.0, dtype=dtype, device=device)
+    bm, bf = S._blocks(F)
+    S._swiglu_fwd_kernel[(-(-M // bm), -(-F // bf))](
+        h, probs, a, live_t, M, F, bm, bf, HAS_PROBS=True, HAS_LIVE=True
+    )
+    assert bool((a[live:] == 7.0).all()), "swiglu live rows: a spare row was written"
+    _close("swiglu live rows direct", a[:live], want[0], dtype)
+
+
 def check_bench_cases(device, alignment):
     """The benchmark's own correctness gate (Triton vs reference on every kernel it times), on a tiny shape."""
     from mok_megatron.bench.kernels import Shape, _cases, _check
@@ -487,6 +519,7 @@ CPU_CASES = {
     "swiglu/M7-F5-probs": partial(check_swiglu, M=7, F=5, dtype=f32),
     "swiglu/M33-F300-no-probs": partial(check_swiglu, M=33, F=300, dtype=f32, with_probs=False),
     "swiglu/M5-F1100-bf16-probs": partial(check_swiglu, M=5, F=1100, dtype=bf16),
+    "swiglu/M37-F40-live-rows": partial(check_swiglu_live_rows, M=37, F=40, dtype=f32, live=21),
     "topk/T13-E5-K2": partial(check_topk, T=13, E=5, K=2, dtype=f32),
     "topk/T40-E128-K8-bf16": partial(check_topk, T=40, E=128, K=8, dtype=bf16),
     "topk/T30-E9-K9-ties-nan-inf": partial(check_topk, T=30, E=9, K=9, dtype=f32, ties=True),
@@ -546,6 +579,7 @@ GPU_CASES = {
     "swiglu/M8193-F768-bf16-probs": partial(check_swiglu, M=8193, F=768, dtype=bf16),
     "swiglu/M1000-F2048-bf16-no-probs": partial(check_swiglu, M=1000, F=2048, dtype=bf16, with_probs=False),
     "swiglu/M999-F1537-f32-probs": partial(check_swiglu, M=999, F=1537, dtype=f32),
+    "swiglu/M9000-F768-bf16-live-rows": partial(check_swiglu_live_rows, M=9000, F=768, dtype=bf16, live=4097),
     "wired/permute-combine-T1001-K8-E128-H2048-bf16": partial(
         check_wired_permute_combine, T=1001, K=8, E=128, H=2048, dtype=bf16
     ),

@@ -240,13 +240,13 @@ def _sm90_specializations():
         ),
         "swiglu_fwd": (
             S._swiglu_fwd_kernel,
-            dict(h_ptr=bf, p_ptr=fp, a_ptr=bf),
-            dict(BLOCK_M=2, BLOCK_F=1024, HAS_PROBS=True),
+            dict(h_ptr=bf, p_ptr=fp, a_ptr=bf, live_ptr=i32),
+            dict(BLOCK_M=2, BLOCK_F=1024, HAS_PROBS=True, HAS_LIVE=True),
         ),
         "swiglu_bwd": (
             S._swiglu_bwd_kernel,
-            dict(h_ptr=bf, p_ptr=fp, da_ptr=bf, dh_ptr=bf, dp_ptr=fp),
-            dict(BLOCK_M=2, BLOCK_F=1024, HAS_PROBS=True),
+            dict(h_ptr=bf, p_ptr=fp, da_ptr=bf, dh_ptr=bf, dp_ptr=fp, live_ptr=i32),
+            dict(BLOCK_M=2, BLOCK_F=1024, HAS_PROBS=True, HAS_LIVE=True),
         ),
         "topk": (K._topk_kernel, dict(s_ptr=fp, idx_ptr="*i64"), dict(K=8, BLOCK_T=64, BLOCK_E=128)),
     }

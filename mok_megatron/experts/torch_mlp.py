@@ -307,7 +307,7 @@ class _ActFc2(torch.autograd.Function):
     @staticmethod
     def forward(ctx, h_MF1, probs_M, w2_GNK, offs_G, act: ActivationSpec, queue, owner, main_grad_range=None):
         with torch.no_grad():
-            a_MF = apply_activation(h_MF1, act, probs_M)
+            a_MF = apply_activation(h_MF1, act, probs_M, offs_G[-1:])
             y = _forward_gemm(a_MF, w2_GNK, offs_G)
         ctx.save_for_backward(h_MF1, probs_M, w2_GNK, offs_G)
         ctx.act, ctx.queue, ctx.param = act, queue, w2_GNK if queue is not None else None
@@ -322,7 +322,7 @@ class _ActFc2(torch.autograd.Function):
         with torch.enable_grad():
             h = h_MF1.detach().requires_grad_(need_h)
             p = probs_M.detach().requires_grad_(need_p)
-            a_MF = apply_activation(h, ctx.act, p)
+            a_MF = apply_activation(h, ctx.act, p, offs_G[-1:])
         a = a_MF.detach()
         dw2 = _finish_wgrad(
             ctx.queue, ctx.param, w2_GNK, dy_MN, a, offs_G, need_w, ctx.owner, ctx.main_grad, ctx.dummy
@@ -372,6 +372,9 @@ def expert_mlp(
     offs_L = gg.offsets_from_counts(tokens_per_expert_L, x_RH.device)
     if apply_probs_on_input:
         x_RH, probs_R = scale_input(x_RH, probs_R)
+    # rows past the last offset are a sync-free buffer's spare rows, which no GEMM reads: the fused
+    # activation skips them
+    live = offs_L[-1:] if offs_L.numel() else None
     own1, own2 = main_grad_owners or (None, None)
     if main_grad_range is not None and wgrad_queue is not None:
         raise ValueError(
@@ -380,9 +383,9 @@ def expert_mlp(
         )
     if not recompute_activation and wgrad_queue is None and own1 is None and own2 is None:
         h = gg.grouped_linear(x_RH, w1_LFH, offs_L)
-        return gg.grouped_linear(apply_activation(h, act, probs_R), w2_LHF, offs_L)
+        return gg.grouped_linear(apply_activation(h, act, probs_R, live), w2_LHF, offs_L)
     rng = main_grad_range
     h = _Linear.apply(x_RH.contiguous(), w1_LFH, offs_L, wgrad_queue, own1, rng)
     if recompute_activation:
         return _ActFc2.apply(h, probs_R, w2_LHF, offs_L, act, wgrad_queue, own2, rng)
-    return _Linear.apply(apply_activation(h, act, probs_R), w2_LHF, offs_L, wgrad_queue, own2, rng)
+    return _Linear.apply(apply_activation(h, act, probs_R, live), w2_LHF, offs_L, wgrad_queue, own2, rng)

@@ -25,8 +25,19 @@ from mok_megatron.kernels import Impl, jit, next_pow2, tl, use_triton
 
 @jit
 def _swiglu_fwd_kernel(
-    h_ptr, p_ptr, a_ptr, num_rows, ffn, BLOCK_M: tl.constexpr, BLOCK_F: tl.constexpr, HAS_PROBS: tl.constexpr
+    h_ptr,
+    p_ptr,
+    a_ptr,
+    live_ptr,
+    num_rows,
+    ffn,
+    BLOCK_M: tl.constexpr,
+    BLOCK_F: tl.constexpr,
+    HAS_PROBS: tl.constexpr,
+    HAS_LIVE: tl.constexpr,
 ):
+    if HAS_LIVE:  # rows past the live count are neither read nor written
+        num_rows = tl.minimum(num_rows, tl.load(live_ptr).to(tl.int32))
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_F + tl.arange(0, BLOCK_F)
     mask = (rows < num_rows)[:, None] & (cols < ffn)[None, :]
@@ -47,13 +58,17 @@ def _swiglu_bwd_kernel(
     da_ptr,
     dh_ptr,
     dp_ptr,
+    live_ptr,
     num_rows,
     ffn,
     BLOCK_M: tl.constexpr,
     BLOCK_F: tl.constexpr,
     HAS_PROBS: tl.constexpr,
+    HAS_LIVE: tl.constexpr,
 ):
     """One program per BLOCK_M rows, looping over F so the probability gradient is a plain row sum."""
+    if HAS_LIVE:
+        num_rows = tl.minimum(num_rows, tl.load(live_ptr).to(tl.int32))
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = rows < num_rows
     rows64 = rows.to(tl.int64)[:, None]
@@ -90,26 +105,35 @@ def _blocks(ffn: int) -> tuple[int, int]:
 
 class _SwiGLU(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, h_M2F, probs_M):
+    def forward(ctx, h_M2F, probs_M, live_rows):
         num_rows, ffn = h_M2F.shape[0], h_M2F.shape[1] // 2
         h_M2F = h_M2F.contiguous()
         a_MF = h_M2F.new_empty(num_rows, ffn)
-        ctx.save_for_backward(h_M2F, probs_M)
+        ctx.save_for_backward(h_M2F, probs_M, live_rows)
         if num_rows and ffn:
             block_m, block_f = _blocks(ffn)
             grid = (-(-num_rows // block_m), -(-ffn // block_f))
             p = probs_M.contiguous() if probs_M is not None else h_M2F
             _swiglu_fwd_kernel[grid](
-                h_M2F, p, a_MF, num_rows, ffn, block_m, block_f, HAS_PROBS=probs_M is not None
+                h_M2F,
+                p,
+                a_MF,
+                live_rows if live_rows is not None else h_M2F,
+                num_rows,
+                ffn,
+                block_m,
+                block_f,
+                HAS_PROBS=probs_M is not None,
+                HAS_LIVE=live_rows is not None,
             )
         return a_MF
 
     @staticmethod
     def backward(ctx, da_MF):
-        h_M2F, probs_M = ctx.saved_tensors
+        h_M2F, probs_M, live_rows = ctx.saved_tensors
         num_rows, ffn = h_M2F.shape[0], h_M2F.shape[1] // 2
         dh_M2F = torch.empty_like(h_M2F)
-        dp_M = None if probs_M is None else torch.empty_like(probs_M)  # every row is written
+        dp_M = None if probs_M is None else torch.empty_like(probs_M)  # every live row is written
         if num_rows and ffn:
             block_m, block_f = _blocks(ffn)
             p = probs_M.contiguous() if probs_M is not None else h_M2F
@@ -119,25 +143,37 @@ class _SwiGLU(torch.autograd.Function):
                 da_MF.contiguous(),
                 dh_M2F,
                 dh_M2F if dp_M is None else dp_M,
+                live_rows if live_rows is not None else h_M2F,
                 num_rows,
                 ffn,
                 block_m,
                 block_f,
                 HAS_PROBS=probs_M is not None,
+                HAS_LIVE=live_rows is not None,
             )
-        return dh_M2F, dp_M
+        return dh_M2F, dp_M, None
 
 
-def swiglu(h_M2F: torch.Tensor, probs_M: torch.Tensor | None = None, impl: Impl = Impl.AUTO) -> torch.Tensor:
+def swiglu(
+    h_M2F: torch.Tensor,
+    probs_M: torch.Tensor | None = None,
+    impl: Impl = Impl.AUTO,
+    live_rows: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Inputs: h_M2F [M, 2F] ([gate | up]); probs_M [M] or None. Output: a_MF [M, F] in h's dtype.
-    Differentiable in h and probs (the probability gradient comes back in probs' dtype)."""
+    Differentiable in h and probs (the probability gradient comes back in probs' dtype).
+    ``live_rows`` (a one-element integer tensor on h's device, e.g. the grouped GEMMs' last offset): rows at
+    and past it are padding no GEMM reads (a sync-free buffer's spare rows); the kernels neither read nor
+    write them, so their output and gradient entries are unspecified. The torch path computes them."""
     if h_M2F.dim() != 2 or h_M2F.shape[1] % 2:
         raise ValueError(f"swiglu: h has shape {tuple(h_M2F.shape)}, expected [M, 2F] ([gate | up] halves)")
     if probs_M is not None and probs_M.shape != (h_M2F.shape[0],):
         raise ValueError(f"swiglu: probs has shape {tuple(probs_M.shape)}, expected ({h_M2F.shape[0]},)")
     if not use_triton(impl, h_M2F, "swiglu"):
         return swiglu_reference(h_M2F, probs_M)
-    return _SwiGLU.apply(h_M2F, probs_M)
+    if live_rows is not None and live_rows.numel() != 1:
+        raise ValueError(f"swiglu: live_rows has {live_rows.numel()} elements, expected one (a row count)")
+    return _SwiGLU.apply(h_M2F, probs_M, live_rows)
 
 
 def swiglu_reference(h_M2F: torch.Tensor, probs_M: torch.Tensor | None = None) -> torch.Tensor:

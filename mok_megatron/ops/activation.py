@@ -95,12 +95,16 @@ def fused_swiglu_applies(spec: ActivationSpec, h: torch.Tensor) -> bool:
     return triton_path(h, "swiglu")
 
 
-def apply_activation(h: torch.Tensor, spec: ActivationSpec, probs_M: torch.Tensor | None) -> torch.Tensor:
-    """``act(h) * probs`` (probs may be None). Input ``[M, 2F]`` (gated) or ``[M, F]``; output ``[M, F]``."""
+def apply_activation(
+    h: torch.Tensor, spec: ActivationSpec, probs_M: torch.Tensor | None, live_rows: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``act(h) * probs`` (probs may be None). Input ``[M, 2F]`` (gated) or ``[M, F]``; output ``[M, F]``.
+    ``live_rows``: rows at and past it are padding no GEMM reads; the fused kernel skips them
+    (``kernels.swiglu``), other paths compute them."""
     if fused_swiglu_applies(spec, h):
         from mok_megatron.kernels.swiglu import swiglu
 
-        return swiglu(h, probs_M)
+        return swiglu(h, probs_M, live_rows=live_rows)
     fn = _FUNCS[spec.kind]
     if spec.gated:
         if spec.glu_interleave is not None:
