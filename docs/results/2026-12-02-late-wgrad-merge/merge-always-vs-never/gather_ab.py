@@ -52,7 +52,7 @@ def old(parts, ends, shift, how):
     rows = sum(ts[0].shape[0] for ts, _ in parts)
     outs = [parts[0][0][i].new_empty((rows, *t.shape[1:])) for i, t in enumerate(parts[0][0])]
     for p, (tensors, _) in enumerate(parts):
-        for out, t, d in zip(outs, tensors, [shift[p]] * len(tensors)):
+        for out, t, d in zip(outs, tensors, [shift[p]] * len(tensors), strict=True):
             if how == "index_copy": out.index_copy_(0, d, t)
             else: out[d] = t
     return outs
@@ -67,13 +67,13 @@ def t(fn, n=10):
 for name, H, N, E, R in (("deepseek", 7168, 4096, 8, 32768), ("qwen3", 2048, 1536, 128, 131072)):
     C = 4; m = R // C
     parts = []
-    for c in range(C):
+    for _c in range(C):
         counts = torch.full((E,), m // E, dtype=torch.int64)
         parts.append(([torch.randn(m, N, device="cuda", dtype=torch.bfloat16), torch.randn(m, H, device="cuda", dtype=torch.bfloat16)], counts.cumsum(0).cuda().int()))
     a = concat_groups(parts); b = concat_groups_old(parts)
-    assert all(torch.equal(x, y) for x, y in zip(a[0], b[0])) and torch.equal(a[1], b[1])
-    new_ms = t(lambda: concat_groups(parts))
-    ic = t(lambda: concat_groups_old(parts))
+    assert all(torch.equal(x, y) for x, y in zip(a[0], b[0], strict=True)) and torch.equal(a[1], b[1])
+    new_ms = t(lambda parts=parts: concat_groups(parts))
+    ic = t(lambda parts=parts: concat_groups_old(parts))
     ip = float("nan")
     gb = 2 * R * (N + H) * 2 / 1e9
     print(f"{name}: concat_groups (cat + gather) {new_ms:.3f} ms; index_copy_ scatter {ic:.3f}; index_put_ {ip:.3f}; bytes moved once {gb:.2f} GB")
