@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 
 import torch
@@ -116,7 +115,7 @@ def _quack_reason(p: dict) -> str | None:
 
 
 def bench_gather(shape_name: str, iters: int, warmup: int, variants=VARIANTS) -> dict:
-    from mok_megatron.bench.timing import _timed_back_to_back
+    from mok_megatron.bench.timing import variant_row
 
     shape = SHAPES[shape_name]
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -140,19 +139,8 @@ def bench_gather(shape_name: str, iters: int, warmup: int, variants=VARIANTS) ->
         if err > bound:
             raise RuntimeError(f"{name}: relative error {err:.2e} against the fp32 reference > {bound}")
         del got
-        times = [t * 1e3 for t in _timed_back_to_back(step, iters, warmup)]
-        ms = statistics.median(times)
         flops = flops_fwd * (3 if name.endswith("fwdbwd") else 1)
-        out.append(
-            {
-                "variant": name,
-                "ms": ms,
-                "min_ms": min(times),
-                "max_ms": max(times),
-                "tflops": flops / (ms / 1e3) / 1e12,
-                "rel_err": err,
-            }
-        )
+        out.append(variant_row(name, step, iters, warmup, flops, err))
     by = {r["variant"]: r["ms"] for r in out}
     return {
         "shape": shape_name,

@@ -105,6 +105,13 @@ def spread_ms(seconds: list[float]) -> dict:
     }
 
 
+def variant_row(name: str, step: Callable, iters: int, warmup: int, flops: float, rel_err) -> dict:
+    """One benchmark variant: ``step`` timed back to back (``spread_ms``), TFLOP/s of ``flops`` per step at
+    the median, and its checked error."""
+    row = {"variant": name, **spread_ms(_timed_back_to_back(step, iters, warmup))}
+    return {**row, "tflops": flops / (row["ms"] / 1e3) / 1e12, "rel_err": rel_err}
+
+
 def peak_memory_mib(forward: Callable, backward: Callable, reset: Callable) -> float | None:
     """Extra GPU memory one forward+backward needs at its peak (MiB); None on CPU."""
     import torch

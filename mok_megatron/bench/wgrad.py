@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 
 import torch
@@ -152,7 +151,7 @@ def _reference(pieces: list[dict]) -> list[torch.Tensor]:
 
 
 def bench_wgrad(shape_name: str, calls: int, iters: int, warmup: int, variants=VARIANTS) -> dict:
-    from mok_megatron.bench.timing import _timed_back_to_back
+    from mok_megatron.bench.timing import variant_row
 
     shape = SHAPES[shape_name]
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -189,18 +188,7 @@ def bench_wgrad(shape_name: str, calls: int, iters: int, warmup: int, variants=V
                 raise RuntimeError(f"{name}: relative error {err:.2e} against the fp32 reference > {bound}")
         else:
             err = None
-        times = [t * 1e3 for t in _timed_back_to_back(step, iters, warmup)]
-        ms = statistics.median(times)
-        rows_out.append(
-            {
-                "variant": name,
-                "ms": ms,
-                "min_ms": min(times),
-                "max_ms": max(times),
-                "tflops": flops / (ms / 1e3) / 1e12,
-                "rel_err": err,
-            }
-        )
+        rows_out.append(variant_row(name, step, iters, warmup, flops, err))
     by = {r["variant"]: r["ms"] for r in rows_out}
     ratios = {}
     for a, b in (
