@@ -127,6 +127,35 @@ def check_combine(device, T, K, E, A, H, dtype, weighted=True, drop="none"):
         assert g is None or torch.equal(g, w), f"combine {name} differs between two identical runs"
 
 
+def check_permute_spare_rows(device, T, K, E, H, dtype, spare):
+    """``zero_spare_rows=False``: a static buffer with ``spare`` rows past the last group; the rows the
+    groups hold, the probabilities and both gradients equal the reference's, and the spare rows are not
+    written (left as the allocator gave them)."""
+    from mok_megatron.engine.plan import static_aligned_rows
+
+    meta, counts_E = static_aligned_rows(
+        routing_metadata(topk_ids(T, K, E, "none").to(device), E, 1, impl=Impl.TORCH), T * K + spare
+    )
+    live = int(counts_E.sum())
+    assert meta.num_rows == live + spare
+    x = _grad_inputs((T, H), dtype, device, 1)
+    probs = _grad_inputs((T, K), torch.float32, device, 2, positive=True)
+    dx_out = _grad_inputs((meta.num_rows, H), dtype, device, 3)
+    dp_out = _grad_inputs((meta.num_rows,), torch.float32, device, 4)
+
+    def run(impl):
+        x_ = x.clone().requires_grad_()
+        p_ = probs.clone().requires_grad_()
+        x_RH, p_R = permute(x_, meta, p_, impl=impl, zero_spare_rows=False)
+        loss = (x_RH[:live].float() * dx_out[:live].float()).sum() + (p_R[:live] * dp_out[:live]).sum()
+        loss.backward()
+        return x_RH[:live], p_R[:live], x_.grad, p_.grad
+
+    got, want = _both(run)
+    for name, g, w in zip(("x_RH", "probs_R", "dx_TH", "dprobs_TK"), got, want, strict=True):
+        _close(f"permute spare rows {name}", g, w, dtype)
+
+
 def check_swiglu(device, M, F, dtype, with_probs=True):
     h = _grad_inputs((M, 2 * F), dtype, device, 8)
     probs = _grad_inputs((M,), torch.float32, device, 9, positive=True) if with_probs else None
@@ -520,6 +549,9 @@ CPU_CASES = {
     "swiglu/M33-F300-no-probs": partial(check_swiglu, M=33, F=300, dtype=f32, with_probs=False),
     "swiglu/M5-F1100-bf16-probs": partial(check_swiglu, M=5, F=1100, dtype=bf16),
     "swiglu/M37-F40-live-rows": partial(check_swiglu_live_rows, M=37, F=40, dtype=f32, live=21),
+    "permute/spare-rows-T9-K2-E3": partial(
+        check_permute_spare_rows, T=9, K=2, E=3, H=24, dtype=f32, spare=13
+    ),
     "topk/T13-E5-K2": partial(check_topk, T=13, E=5, K=2, dtype=f32),
     "topk/T40-E128-K8-bf16": partial(check_topk, T=40, E=128, K=8, dtype=bf16),
     "topk/T30-E9-K9-ties-nan-inf": partial(check_topk, T=30, E=9, K=9, dtype=f32, ties=True),
@@ -580,6 +612,9 @@ GPU_CASES = {
     "swiglu/M1000-F2048-bf16-no-probs": partial(check_swiglu, M=1000, F=2048, dtype=bf16, with_probs=False),
     "swiglu/M999-F1537-f32-probs": partial(check_swiglu, M=999, F=1537, dtype=f32),
     "swiglu/M9000-F768-bf16-live-rows": partial(check_swiglu_live_rows, M=9000, F=768, dtype=bf16, live=4097),
+    "permute/spare-rows-T2000-K8-E16": partial(
+        check_permute_spare_rows, T=2000, K=8, E=16, H=2048, dtype=bf16, spare=9000
+    ),
     "wired/permute-combine-T1001-K8-E128-H2048-bf16": partial(
         check_wired_permute_combine, T=1001, K=8, E=128, H=2048, dtype=bf16
     ),

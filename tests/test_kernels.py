@@ -307,3 +307,9 @@ def test_link_delay_needs_a_gpu_and_says_so():
 
     with pytest.raises(ValueError, match="CUDA device.*got cpu"):
         spin_ns(1000, torch.device("cpu"))
+
+
+def test_permute_keeps_zeroing_padding_inside_aligned_groups():
+    meta = routing_metadata(topk_ids(5, 2, 3, "none"), 3, 16, impl=Impl.TORCH)
+    with pytest.raises(ValueError, match="zero_spare_rows=False with alignment 16"):
+        permute(torch.randn(5, 8), meta, zero_spare_rows=False)

@@ -151,7 +151,9 @@ def _experts_aligned(
     meta, counts_L = static_aligned_rows(routing_metadata(ids_RK, L, alignment), min(part.rows_M, R * kk))
     if token_rows_fn is not None:
         return token_rows_fn(x_RH, probs_RL.gather(1, idx_RK), meta, counts_L)
-    x_PH, probs_P = permute(x_RH, meta, probs_RL.gather(1, idx_RK))
+    # Without alignment the rows past the last group are the static buffer's spare rows: no GEMM reads them
+    # (and the fused activation skips them), so they are not zeroed.
+    x_PH, probs_P = permute(x_RH, meta, probs_RL.gather(1, idx_RK), zero_spare_rows=alignment > 1)
     return combine(expert_fn(x_PH, counts_L, None, probs_P), meta)
 
 

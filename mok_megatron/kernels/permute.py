@@ -167,9 +167,11 @@ def scatter_rows(
     scale_TK: torch.Tensor | None = None,
     other_RH: torch.Tensor | None = None,
     probs_TK: torch.Tensor | None = None,
+    fill: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """Triton launcher: ``(dst_RH, dots_TK | None, probs_R | None)``. ``dots_TK[t, k]`` = fp32 dot of the
-    unscaled ``src_TH[t]`` with ``other_RH[row_TK[t, k]]``, returned in ``scale_TK``'s dtype."""
+    unscaled ``src_TH[t]`` with ``other_RH[row_TK[t, k]]``, returned in ``scale_TK``'s dtype. ``fill`` False:
+    the rows no route lands on are left unwritten (no fill programs)."""
     num_tokens, hidden = src_TH.shape
     topk = meta.row_TK.shape[1]
     num_rows = meta.num_rows
@@ -180,10 +182,10 @@ def scatter_rows(
         else torch.empty(num_tokens, topk, dtype=scale_TK.dtype, device=src_TH.device)
     )
     probs_R = None if probs_TK is None else torch.empty(num_rows, dtype=probs_TK.dtype, device=src_TH.device)
-    if num_rows == 0:  # no routes at all (T == 0 or K == 0): nothing to move or fill
+    if num_rows == 0 or (num_tokens == 0 and not fill):  # nothing to move (or fill)
         return dst_RH, dots_TK, probs_R
     block_h = min(next_pow2(hidden), BLOCK_H_MAX)
-    fill_programs = min(-(-num_rows // FILL_ROWS), FILL_PROGRAMS_MAX)
+    fill_programs = min(-(-num_rows // FILL_ROWS), FILL_PROGRAMS_MAX) if fill else 0
     src_TH = src_TH.contiguous()
     dummy = dst_RH
     _scatter_kernel[(num_tokens + fill_programs,)](
@@ -201,7 +203,7 @@ def scatter_rows(
         hidden,
         num_rows,
         meta.num_experts,
-        fill_programs * FILL_ROWS,
+        max(fill_programs, 1) * FILL_ROWS,
         K=topk,
         K_P2=next_pow2(topk),
         E_P2=next_pow2(meta.num_experts),
@@ -260,11 +262,11 @@ def gather_sum_rows(
 
 class _Permute(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x_TH, probs_TK, meta, out_dtype):
+    def forward(ctx, x_TH, probs_TK, meta, out_dtype, fill):
         ctx.meta = meta
         ctx.x_dtype = x_TH.dtype
         ctx.probs_dtype = None if probs_TK is None else probs_TK.dtype
-        x_RH, _, probs_R = scatter_rows(x_TH, meta, out_dtype, probs_TK=probs_TK)
+        x_RH, _, probs_R = scatter_rows(x_TH, meta, out_dtype, probs_TK=probs_TK, fill=fill)
         if probs_R is None:
             return x_RH, x_RH.new_empty(0)
         return x_RH, probs_R
@@ -279,7 +281,7 @@ class _Permute(torch.autograd.Function):
             probs_R=dprobs_R if want_probs else None,
             probs_dtype=ctx.probs_dtype,
         )
-        return dx_TH, dprobs_TK, None, None
+        return dx_TH, dprobs_TK, None, None, None
 
 
 def _validate(x_TH: torch.Tensor, meta: RoutingMeta, probs_TK: torch.Tensor | None, op: str) -> None:
@@ -309,15 +311,23 @@ def permute(
     probs_TK: torch.Tensor | None = None,
     out_dtype: torch.dtype | None = None,
     impl: Impl = Impl.AUTO,
+    zero_spare_rows: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Inputs: x_TH [T, H]; meta from routing_metadata; probs_TK [T, K] or None; out_dtype (default x's).
     Outputs: x_RH [R, H] out_dtype (zero rows where no route lands), probs_R [R] probs' dtype or None.
-    Differentiable in x and probs."""
+    Differentiable in x and probs. ``zero_spare_rows`` False (alignment 1 only: no padding inside the groups):
+    the rows past the last group, which no grouped GEMM reads (a static buffer's spare rows), are left
+    unwritten instead of zeroed (the Triton path; the torch path zeroes them)."""
     _validate(x_TH, meta, probs_TK, "permute")
+    if not zero_spare_rows and meta.alignment != 1:
+        raise ValueError(
+            f"permute: zero_spare_rows=False with alignment {meta.alignment}: padding inside the groups must "
+            "be zero; leave zero_spare_rows=True for aligned layouts."
+        )
     out_dtype = out_dtype or x_TH.dtype
     if not use_triton(impl, x_TH, "permute"):
         return permute_reference(x_TH, meta, probs_TK, out_dtype)
-    x_RH, probs_R = _Permute.apply(x_TH, probs_TK, meta, out_dtype)
+    x_RH, probs_R = _Permute.apply(x_TH, probs_TK, meta, out_dtype, zero_spare_rows)
     return x_RH, (probs_R if probs_TK is not None else None)
 
 
