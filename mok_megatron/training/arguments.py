@@ -167,8 +167,8 @@ def add_mok_flags(parser) -> None:
         action=argparse.BooleanOptionalAction,
         default=d.late_wgrad,
         help="pipeline, opt-in: the experts' weight gradients wait until the last dispatch-backward "
-        "exchange flies and hide it, one GEMM per weight over all expert calls' rows (default: off, measured no "
-        "gain on one GPU)",
+        "exchange flies and hide it, one GEMM per weight over all expert calls' rows where that moves fewer "
+        "bytes than the sums (default: off; on one GPU it gained 0.2-0.5 ms only at 4 minibatches)",
     )
     g.add_argument(
         "--mok-nvlink-programs",
