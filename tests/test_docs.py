@@ -2,7 +2,7 @@
 and no development history in product text.
 
 Legend: ROOT the repository root; DOCS the Markdown files checked (README.md, docs/*.md and the README of
-every results folder, docs/results/*/README.md; raw result data is not product text).
+every results folder and measurement below it, docs/results/**/README.md; raw result data is not product text).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
 README_MAX_BYTES = 10_240
-DOCS = sorted([README, *(ROOT / "docs").glob("*.md"), *(ROOT / "docs" / "results").glob("*/README.md")])
+DOCS = sorted([README, *(ROOT / "docs").glob("*.md"), *(ROOT / "docs" / "results").rglob("README.md")])
 
 # Words that tell the project's own history (work periods, run ids, issue numbers, engine generations).
 # The first alternative is spelled in two pieces so that this file does not match its own pattern.
