@@ -296,8 +296,8 @@ def test_every_record_names_its_shape_machine_date_and_source():
 
 
 def test_every_record_names_the_commit_that_holds_its_folder():
-    """A record's source folder may be gone from docs/results (a re-measurement replaces its folder); its commit
-    still holds it: one full commit hash per source."""
+    """A record's source folder may be gone from docs/results (a re-measurement replaces its folder); its
+    commit still holds it: one full commit hash per source."""
     data = measurements.read_data()
     commits: dict[str, set] = {}
     for kind in extract.KINDS:
@@ -337,9 +337,8 @@ def test_a_new_results_folder_is_read_with_no_code_change(tmp_path):
     for kind in extract.KINDS:
         assert data[kind][: len(packaged[kind])] == packaged[kind]  # the others, untouched
     m = measurements.from_records(json.loads(extract.dumps(data)))
-    assert [(p.transport, p.mode, p.machine) for p in m.ep if p.source == folder.name and p.impl == "mok"] == [
-        ("collective", "sync-free+graph fused", extract.TWO_GPU)
-    ]
+    mok = [(p.transport, p.mode, p.machine) for p in m.ep if p.source == folder.name and p.impl == "mok"]
+    assert mok == [("collective", "sync-free+graph fused", extract.TWO_GPU)]
     assert set(calibrate.undeclared(m)) == {folder.name}
     # a re-measurement replaces its source's records, it does not add to them
     again = extract.refresh(data, fresh, folder.name, "e" * 40)
