@@ -2,7 +2,8 @@
 and no development history in product text.
 
 Legend: ROOT the repository root; DOCS the Markdown files checked (README.md, docs/*.md and the README of
-every results folder, docs/results/*/README.md; raw result data is not product text).
+every results folder and measurement below it, docs/results/**/README.md; raw result data is not product
+text).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
 README_MAX_BYTES = 10_240
-DOCS = sorted([README, *(ROOT / "docs").glob("*.md"), *(ROOT / "docs" / "results").glob("*/README.md")])
+DOCS = sorted([README, *(ROOT / "docs").glob("*.md"), *(ROOT / "docs" / "results").rglob("README.md")])
 
 # Words that tell the project's own history (work periods, run ids, issue numbers, engine generations).
 # The first alternative is spelled in two pieces so that this file does not match its own pattern.
@@ -146,3 +147,40 @@ def test_no_history_in_product_text(doc):
         "Product text tells the project's history (work periods, run ids, issue numbers, engine "
         "generations); say what the design is and the measured reason instead:\n" + "\n".join(hits[:20])
     )
+
+
+def _perf_table_row(first_cell: str, second_starts: str = "") -> list[str]:
+    """The cells after the first of docs/performance.md's table row whose first cell is ``first_cell`` (and
+    whose second starts with ``second_starts``)."""
+    for line in (ROOT / "docs" / "performance.md").read_text().splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if line.startswith("|") and cells[0] == first_cell and cells[1].startswith(second_starts):
+            return cells[1:]
+    raise AssertionError(f"docs/performance.md has no table row {first_cell!r} | {second_starts!r}")
+
+
+def _gbps(rows: list[str]) -> str:
+    """'lo-hi' GB/s over the 'dispatch / combine' cells of performance.md's NVLink table rows."""
+    vals = [float(v) for r in rows for cell in _perf_table_row(r) for v in cell.split(" / ")]
+    return f"{round(min(vals))}-{round(max(vals))}"
+
+
+def test_readme_headline_numbers_are_performance_md_s():
+    """README's NVLink row and its loopback hiding figure are computed from docs/performance.md's tables."""
+    readme = README.read_text()
+    barriers = _gbps(
+        [
+            "nvlink, 64 programs (default), with the device barriers",
+            "nvlink, 128 programs, with the device barriers",
+        ]
+    )
+    kernels = _gbps(["nvlink kernels alone, 64 programs"])
+    nccl = _gbps(["NCCL `all_to_all_single`"])
+    row = next(line for line in readme.splitlines() if line.startswith("| NVLink"))
+    assert f"{barriers} GB/s" in row, row
+    assert f"kernels alone {kernels} GB/s at the default 64 programs" in row, row
+    assert f"NCCL all-to-all {nccl} GB/s" in row, row
+    exposed = _perf_table_row("DeepSeek 4k", "900 GB/s")[1:3]  # "ms, exposed %": copies, link time only
+    copies, ideal = (int(c.split(", ")[1].rstrip(" %")) for c in exposed)
+    hidden = re.search(r"hides (\d+) %\s+\(with the emulated copies\) to (\d+) % \(link time only\)", readme)
+    assert hidden and (int(hidden[1]), int(hidden[2])) == (100 - copies, 100 - ideal), hidden

@@ -333,25 +333,60 @@ def test_patched_arguments_surfaces_a_broken_install(tmp_path):
     assert absent.returncode == 0, absent.stderr[-2000:]
 
 
-def test_patches_update_a_tree_an_earlier_patch_set_changed(tmp_path):
+def test_a_file_an_earlier_patch_set_changed_gets_one_line_to_restore_it(tmp_path):
+    """A file as an earlier mok-megatron patched it (recognised by its hash) is not updated in place: one line
+    says how to restore the pinned file, then apply."""
+    import dataclasses
+
     import megatron.training.arguments as margs
 
     from mok_megatron.training import patches
 
-    f = next(p for p in patches.Manifest.load().files if p.path == ARGS_PY)
-    old = f.superseded[0]
+    m = patches.Manifest.load()
+    f = next(p for p in m.files if p.path == ARGS_PY)
+    assert f.earlier_sha256_patched  # the manifest lists the earlier patched file's hash
     dst = tmp_path / ARGS_PY
     dst.parent.mkdir(parents=True)
-    dst.write_text(
-        patches.apply_diff(Path(margs.__file__).read_text(), (patches.PATCH_DIR / old.patch).read_text())
+    dst.write_text(Path(margs.__file__).read_text() + "# patched by an earlier mok-megatron\n")
+    earlier = dataclasses.replace(f, earlier_sha256_patched=(patches._sha(dst.read_bytes()),))
+    m = dataclasses.replace(m, files=tuple(earlier if p is f else p for p in m.files))
+    assert patches.status(tmp_path, [ARGS_PY], m) == {ARGS_PY: patches.EARLIER}
+    subprocess.run(["git", "init", "-q", str(tmp_path)], check=True)
+    subprocess.run(["git", "-C", str(tmp_path), "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q",
+                    "--allow-empty", "-m", "x"], check=True)  # fmt: skip
+    with pytest.raises(patches.PatchError) as e:
+        patches.apply(tmp_path, [ARGS_PY], m)
+    assert str(e.value) == (
+        f"{ARGS_PY}: patched by an earlier mok-megatron; restore it (git -C {tmp_path} checkout "
+        f"{m.commit[:12]} -- {ARGS_PY}), then run 'mok patches apply {tmp_path}'."
     )
-    assert patches.status(tmp_path, [ARGS_PY]) == {ARGS_PY: patches.SUPERSEDED}
-    r = _run(
-        [sys.executable, "-m", "mok_megatron.cli", "patches", "check", str(tmp_path), "--files", ARGS_PY]
-    )
-    assert r.returncode == 1 and "mok patches apply" in r.stderr, r.stdout + r.stderr
-    assert patches.apply(tmp_path, [ARGS_PY]) == [ARGS_PY]
-    assert patches.status(tmp_path, [ARGS_PY]) == {ARGS_PY: patches.APPLIED}
+    assert dst.read_text().endswith("# patched by an earlier mok-megatron\n")  # untouched
+
+
+def test_patches_check_on_a_tree_inside_another_checkout_reports_that_tree_only(tmp_path):
+    """A site-packages tree (no git checkout of its own) inside some other git repository, here standing for
+    a virtual environment inside a checkout: the report names neither that repository's HEAD nor a git
+    command to run in the tree."""
+    repo = tmp_path / "repo"
+    site = repo / ".venv" / "lib" / "site-packages"
+    (site / "megatron" / "training").mkdir(parents=True)
+    (site / ARGS_PY).write_text("# a local edit\n")
+    git = ["git", "-C", str(repo), "-c", "user.name=t", "-c", "user.email=t@t"]
+    subprocess.run(["git", "init", "-q", str(repo)], check=True)
+    subprocess.run([*git, "commit", "-q", "--allow-empty", "-m", "x"], check=True)
+    r = _run([sys.executable, "-m", "mok_megatron.cli", "patches", "check", str(site), "--files", ARGS_PY])
+    assert r.returncode == 1 and f"{ARGS_PY}: unknown" in r.stderr, r.stdout + r.stderr
+    assert "not a git checkout" in r.stderr and "git HEAD" not in r.stderr, r.stderr
+    assert "git -C" not in r.stderr and "checkout f8837c04ef6c" not in r.stderr, r.stderr
+    # the same file in a Megatron-LM git checkout of its own: its HEAD and the git command to restore it
+    own = tmp_path / "megatron-lm"
+    (own / "megatron" / "training").mkdir(parents=True)
+    (own / ARGS_PY).write_text("# a local edit\n")
+    subprocess.run(["git", "init", "-q", str(own)], check=True)
+    subprocess.run(["git", "-C", str(own), "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q",
+                    "--allow-empty", "-m", "x"], check=True)  # fmt: skip
+    r = _run([sys.executable, "-m", "mok_megatron.cli", "patches", "check", str(own), "--files", ARGS_PY])
+    assert r.returncode == 1 and "git HEAD" in r.stderr and f"git -C {own} checkout" in r.stderr, r.stderr
 
 
 def test_patches_on_a_missing_directory_say_so(tmp_path):

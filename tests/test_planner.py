@@ -1,5 +1,5 @@
 """The scale planner (mok plan): units, FLOP/byte counts against hand-computed cases, rejected
-layouts, the package data and its regeneration from docs/results, calibration, the one headline, and the
+layouts, the package data and its refresh from a results folder, calibration, the one headline, and the
 recipes running what the planner recommends. No torch, no GPU; a few seconds."""
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from mok_megatron.tools.planner.main import main, model_setup
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples"
 DSV3_SLICE = shapes.MoEShape(7168, 2048, 8, 8)
-# source names (docs/results/<source>) the assertions below refer to
+# source names (docs/results/<source> at the record's commit) the assertions below refer to
 EP2_PROFILED = "2026-12-01-ep2-layer"  # EP=2, local rows, profiled steps (2 x H200)
 EP2_EAGER = "2026-12-01-ep2-modes-profile"  # EP=2 exact / eager sync-free, a noisy host
 EP2_LOCAL_FIRST = "2026-11-30-ep2-local-regions"
@@ -291,43 +291,25 @@ def test_every_record_names_its_shape_machine_date_and_source():
         for r in data[kind]:
             assert r["source"] and re.fullmatch(r"\d{4}-\d{2}-\d{2}", r["date"]) and "H200" in r["machine"], r
             assert all(k in r for k in keys), r
-            if r["source"] != extract.BENCHMARKS_SOURCE:
-                assert r["source"].startswith(r["date"]), r
+            assert r["source"].startswith(r["date"]), r
     assert {r["machine"] for r in data["ep"]} == {extract.TWO_GPU}
 
 
-def _signature(records: list[dict]) -> tuple:
-    return tuple(
-        sorted(json.dumps({k: v for k, v in r.items() if k != "source"}, sort_keys=True) for r in records)
-    )
-
-
-def _by_source(data: dict) -> dict:
-    out: dict[str, list] = {}
-    for kind in ("layer1", "ep", "loop", "profiles"):
+def test_every_record_names_the_commit_that_holds_its_folder():
+    """A record's source folder may be gone from docs/results (a re-measurement replaces its folder); its
+    commit still holds it: one full commit hash per source."""
+    data = measurements.read_data()
+    commits: dict[str, set] = {}
+    for kind in extract.KINDS:
         for r in data[kind]:
-            out.setdefault(r["source"], []).append({"kind": kind, **r})
-    return {s: _signature(rs) for s, rs in out.items()}
+            assert re.fullmatch(r"[0-9a-f]{40}", r.get("commit", "")), r
+            commits.setdefault(r["source"], set()).add(r["commit"])
+    assert all(len(c) == 1 for c in commits.values()), commits
 
 
-@pytest.mark.skipif(not (ROOT / "docs/results").is_dir(), reason="needs the checkout's docs/results")
-def test_package_data_is_what_the_results_folders_hold():
-    """extract.py regenerates data/measurements.json from docs/results: the same records, source for source
-    (a source's name is its folder's path, so renaming a folder renames its source, nothing else)."""
-    packaged, fresh = measurements.read_data(), extract.extract(ROOT / "docs")
-    assert fresh["loopback_shapes"] == packaged["loopback_shapes"]
-    a, b = _by_source(packaged), _by_source(fresh)
-    assert sorted(a.values()) == sorted(b.values())
-    # once every folder is named <date>-<topic>, the sources are exactly the folder names
-    if all(len(p.name) > 10 for p in (ROOT / "docs/results").iterdir() if p.is_dir()):
-        assert set(a) == set(b)
-
-
-def test_a_new_results_folder_is_read_with_no_code_change(tmp_path):
-    """A folder named <date>-<topic> (or <topic> inside <date>/) is read as it is, files anywhere below it."""
-    table = Path("results") / extract.BENCHMARKS_SOURCE / extract.LAYER_TABLE
-    (tmp_path / table).parent.mkdir(parents=True)
-    shutil.copy(ROOT / "docs" / table, tmp_path / table)
+def _results_folder(tmp_path: Path) -> Path:
+    folder = tmp_path / "results" / "2026-12-02-new-topic"
+    (folder / "deep").mkdir(parents=True)
     ep = [
         {"shape": "qwen3", "ep": 2, "impl": "mok", "transport": "collective fused sync-free+graph", "chunks": 1, "ms": 11.0},
         {"shape": "qwen3", "ep": 1, "impl": "mok", "transport": "plain", "chunks": 1, "ms": 8.0},
@@ -338,22 +320,62 @@ def test_a_new_results_folder_is_read_with_no_code_change(tmp_path):
         {**base, "shape": "dsv3-4k", "gbps": None, "chunks": 0, "ms": 14.0, "comm_ms": 0.0},
         {**base, "shape": "dsv3-4k", "gbps": 900.0, "ms": 15.0, "mode": "sync-free+graph fused"},
     ]
-    (tmp_path / "results/2026-12-02-new-topic/deep").mkdir(parents=True)
-    (tmp_path / "results/2026-12-02-new-topic/deep/ep.json").write_text(json.dumps(ep))
-    (tmp_path / "results/2026-12-02/other-topic").mkdir(parents=True)
-    (tmp_path / "results/2026-12-02/other-topic/overlap.json").write_text(json.dumps(overlap))
-    data = extract.extract(tmp_path)
-    srcs = {(r["source"], r["date"]) for k in ("layer1", "ep", "loop") for r in data[k]}
-    assert srcs == {
-        (extract.BENCHMARKS_SOURCE, extract.BENCHMARKS_DATE),
-        ("2026-12-02-new-topic", "2026-12-02"),
-        ("2026-12-02-other-topic", "2026-12-02"),
-    }
+    (folder / "deep/ep.json").write_text(json.dumps(ep))
+    (folder / "overlap.json").write_text(json.dumps(overlap))
+    return folder
+
+
+def test_a_new_results_folder_is_read_with_no_code_change(tmp_path):
+    """A folder named <date>-<topic> is read as it is, result files anywhere below it; its records join the
+    data under its name and commit, and every other record stays."""
+    folder = _results_folder(tmp_path)
+    packaged = measurements.read_data()
+    fresh = extract.extract(folder)
+    data = extract.refresh(packaged, fresh, folder.name, "f" * 40)
+    new = [r for k in extract.KINDS for r in data[k] if r["source"] == folder.name]
+    assert new and {(r["date"], r["commit"]) for r in new} == {("2026-12-02", "f" * 40)}
+    for kind in extract.KINDS:
+        assert data[kind][: len(packaged[kind])] == packaged[kind]  # the others, untouched
     m = measurements.from_records(json.loads(extract.dumps(data)))
-    assert [(p.transport, p.mode, p.machine) for p in m.ep if p.impl == "mok"] == [
-        ("collective", "sync-free+graph fused", extract.TWO_GPU)
+    mok = [(p.transport, p.mode, p.machine) for p in m.ep if p.source == folder.name and p.impl == "mok"]
+    assert mok == [("collective", "sync-free+graph fused", extract.TWO_GPU)]
+    assert set(calibrate.undeclared(m)) == {folder.name}
+    # a re-measurement replaces its source's records, it does not add to them
+    again = extract.refresh(data, fresh, folder.name, "e" * 40)
+    assert sum(len(again[k]) for k in extract.KINDS) == sum(len(data[k]) for k in extract.KINDS)
+
+
+def test_the_layer_table_is_read_from_its_folder(tmp_path):
+    table = ROOT / "docs/results" / extract.BENCHMARKS_SOURCE / extract.LAYER_TABLE
+    folder = tmp_path / extract.BENCHMARKS_SOURCE
+    folder.mkdir()
+    shutil.copy(table, folder / extract.LAYER_TABLE)
+    got = extract.extract(folder)["layer1"]
+    packaged = [
+        {k: v for k, v in r.items() if k != "commit"}
+        for r in measurements.read_data()["layer1"]
+        if r["source"] == extract.BENCHMARKS_SOURCE
     ]
-    assert set(calibrate.undeclared(m)) == {"2026-12-02-new-topic", "2026-12-02-other-topic"}
+    assert got == packaged and len(got) == 6
+
+
+def test_refresh_from_the_command_line(tmp_path):
+    folder = _results_folder(tmp_path)
+    out = tmp_path / "measurements.json"
+    shutil.copy(measurements.DATA_DIR / measurements.MEASUREMENTS_FILE, out)
+    r = subprocess.run(
+        [sys.executable, "-m", "mok_megatron.tools.planner.extract", str(folder), "--out", str(out)],
+        capture_output=True, text=True, cwd=tmp_path,
+    )  # fmt: skip
+    assert r.returncode == 1 and "not committed in a git checkout" in r.stderr, r.stderr  # no commit to name
+    r = subprocess.run(
+        [sys.executable, "-m", "mok_megatron.tools.planner.extract", str(folder), "--out", str(out),
+         "--commit", "a" * 40],
+        capture_output=True, text=True, cwd=tmp_path,
+    )  # fmt: skip
+    assert r.returncode == 0 and "2026-12-02-new-topic @ aaaaaaaaaaaa" in r.stdout, r.stderr
+    data = json.loads(out.read_text())
+    assert {r["commit"] for k in extract.KINDS for r in data[k] if r["source"] == folder.name} == {"a" * 40}
 
 
 # ---- calibration and validation -------------------------------------------------------------------
@@ -643,6 +665,17 @@ def test_the_most_uncertain_input_is_computed_by_perturbing_each_fitted_input(ca
         "the most uncertain input is Megatron alltoall's exposed all-to-all"
         in headline.headline(cal, model, layout, cl, errors=errors).text()
     )
+
+
+def test_the_validation_table_counts_the_points_the_command_prints(meas):
+    """docs/planner.md's validation table: the point count `mok plan --validate` prints, and its groups
+    (the rows not starting with '...') add up to it."""
+    n = len(validate.checks(meas))
+    text = (ROOT / "docs/planner.md").read_text()
+    assert f"current data ({n} points" in text, n
+    section = text.split("## Validation", 1)[1].split("\n## ", 1)[0]
+    groups = re.findall(r"^\| (?!\.\.\.)[^|]*\((\d+)\) \|", section, re.MULTILINE)
+    assert groups and sum(map(int, groups)) == n, groups
 
 
 def test_held_out_errors_are_those_of_the_points_that_carry_each_term(meas):

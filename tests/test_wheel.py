@@ -13,11 +13,21 @@ import shutil
 import subprocess
 import sys
 import sysconfig
+import zipfile
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
+
+
+def purelib_of(py: Path) -> str:
+    return subprocess.run(
+        [str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
 
 
 @pytest.fixture(scope="module")
@@ -35,17 +45,14 @@ def installed(tmp_path_factory):
     env_dir = tmp / "env"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(env_dir)], check=True, timeout=120)
     py = env_dir / "bin" / "python"
-    purelib = subprocess.run(
-        [str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout.strip()
+    purelib = purelib_of(py)
     # The dependencies (torch, megatron-core) from the test environment; its .pth files are not processed
-    # there, so its editable install of this checkout stays inactive.
+    # there, so its editable install of this checkout stays inactive (--ignore-installed: pip sees that
+    # install's metadata through this path and would otherwise skip the wheel).
     Path(purelib, "test_env_dependencies.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
     install = subprocess.run(
-        [sys.executable, "-m", "pip", "--python", str(py), "install", "--no-deps", "--no-index", str(wheel)],
+        [sys.executable, "-m", "pip", "--python", str(py), "install", "--no-deps", "--no-index"]
+        + ["--ignore-installed", str(wheel)],
         capture_output=True,
         text=True,
         timeout=300,
@@ -89,6 +96,21 @@ def test_patches_check(installed, tmp_path):
     shutil.copyfile(margs.__file__, tree / "megatron" / "training" / "arguments.py")
     r = _run(installed, str(installed[1]), "patches", "check", str(tree), "--files", "megatron/training/arguments.py")
     assert r.returncode == 0 and "pristine" in r.stdout, r.stdout + r.stderr[-2000:]
+
+
+def test_the_wheel_ships_the_patch_set_byte_for_byte(installed):
+    """The wheel's mok_megatron/patches/ is the repository's patches/, file for file and byte for byte, and
+    the installed package reads its own copy."""
+    py, _, tmp = installed
+    (wheel,) = (tmp / "dist").glob("mok_megatron-*.whl")
+    prefix = "mok_megatron/patches/"
+    with zipfile.ZipFile(wheel) as z:
+        shipped = {n.removeprefix(prefix): z.read(n) for n in z.namelist() if n.startswith(prefix)}
+    source = {p.name: p.read_bytes() for p in (ROOT / "patches").iterdir() if p.is_file()}
+    assert "manifest.json" in source and shipped == source, (sorted(shipped), sorted(source))
+    r = _run(installed, str(py), "-c", "from mok_megatron.training import patches; print(patches.PATCH_DIR)")
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert Path(r.stdout.strip()) == Path(purelib_of(py)) / "mok_megatron" / "patches", r.stdout
 
 
 def test_demo(installed):

@@ -34,7 +34,7 @@ from mok_megatron.kernels import Impl, jit, next_pow2, tl, triton, use_triton
 
 
 # Launch defaults: few elements per program, few warps (benchmarks/topk_probe.py on an H200,
-# docs/results/2026-12-01-topk-gemm-layout: at [16384, 128] 2 rows x 2 warps took 36 us per call incl.
+# docs/results/2026-12-01-kernels/topk-gemm-layout: at [16384, 128] 2 rows x 2 warps took 36 us per call incl.
 # launch vs 47 us for 64 rows x 4 warps; at [65536, 256] 1 row x 1 warp 97 us, torch.topk 844 us).
 _BLOCK_T, _BLOCK_ELEMS = 64, 256
 

@@ -8,7 +8,7 @@ Legend:
 Megatron-Core's ``router_gating_linear`` with ``moe_router_dtype='fp32'`` casts the bf16 input and
 weight to fp32 and runs fp32 GEMMs (without TE: CUDA-core FFMA kernels, plus two [T, H] fp32 copies of
 the input). On the Qwen3-30B-A3B layer that is ~0.8 ms of a ~8.5 ms fwd+bwd (H200 profile:
-docs/results/2026-12-01-fp8-host-profile). The same numbers come from bf16 tensor cores:
+docs/results/2026-12-01-fp8-experts/host-profile). The same numbers come from bf16 tensor cores:
 
 * forward: ``logits_TE = x_TH @ w_EH.T``. A product of two bf16 numbers is exact in fp32, so a bf16
   GEMM that accumulates and writes fp32 equals the fp32 GEMM up to summation order.

@@ -1,7 +1,8 @@
-"""``mok patches check|apply|revert DIR``: the Megatron-LM patch set (``training/megatron_lm_patches/``, shipped in the wheel) for a Megatron-LM tree.
+"""``mok patches check|apply|revert DIR``: the Megatron-LM patch set for a Megatron-LM tree. Its one source
+is the repository's ``patches/``; the wheel ships it as ``mok_megatron/patches/`` (pyproject's package-dir).
 
-The patches make stock Megatron-LM (at ``PINNED_COMMIT``) accept ``--moe-token-dispatcher-type mok``
-and the ``--mok-*`` flags:
+The patches make stock Megatron-LM (at the commit pinned in ``manifest.json``) accept
+``--moe-token-dispatcher-type mok`` and the ``--mok-*`` flags:
 
     megatron/training/arguments.py  every parser Megatron builds gets mok_megatron.training.arguments'
                                     flags (also shipped by the megatron-core wheel: the same patch
@@ -11,9 +12,11 @@ and the ``--mok-*`` flags:
 
 Every file is recognised by content, not by git: its SHA-256 is that of the pinned original
 (``pristine``), of the patched file (``applied``), of a file patched by an earlier mok-megatron
-(``superseded``: ``apply`` updates it, ``check`` says so), or none of them (``unknown``). ``apply`` and
-``revert`` refuse a tree with any unknown file, change nothing until every file checks, are idempotent,
-and verify each result's hash. ``files`` restricts the set (e.g. the wheel ships only arguments.py).
+(``earlier``: restore the pinned file, then apply), or none of them (``unknown``). ``apply`` and
+``revert`` refuse a tree with any earlier, unknown or missing file, change nothing until every file checks,
+are idempotent, and verify each result's hash. ``files`` restricts the set (e.g. the wheel ships only
+arguments.py). Messages describe the target tree only; git advice is given only where the target is
+itself a git checkout.
 """
 
 from __future__ import annotations
@@ -23,11 +26,21 @@ import json
 import re
 import subprocess
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
-PATCH_DIR = Path(__file__).resolve().parent / "megatron_lm_patches"
-PRISTINE, APPLIED, SUPERSEDED, UNKNOWN, MISSING = "pristine", "applied", "superseded", "unknown", "missing"
+
+def _find_patch_dir() -> Path:
+    """The wheel's copy (``mok_megatron/patches/``), else the checkout's ``patches/`` beside the package."""
+    package = Path(__file__).resolve().parent.parent
+    for d in (package / "patches", package.parent / "patches"):
+        if (d / "manifest.json").is_file():
+            return d
+    return package / "patches"
+
+
+PATCH_DIR = _find_patch_dir()
+PRISTINE, APPLIED, EARLIER, UNKNOWN, MISSING = "pristine", "applied", "earlier", "unknown", "missing"
 
 
 class PatchError(RuntimeError):
@@ -35,23 +48,12 @@ class PatchError(RuntimeError):
 
 
 @dataclass(frozen=True)
-class Superseded:
-    """A patch an earlier mok-megatron applied to the same file, and the hash of that patched file."""
-
-    patch: str
-    sha256_patched: str
-
-
-@dataclass(frozen=True)
 class FilePatch:
     path: str  # relative to the Megatron-LM root
-    patch: str  # file name in PATCH_DIR
+    patch: str  # file name in the patch directory
     sha256_original: str
     sha256_patched: str
-    superseded: tuple[Superseded, ...] = ()
-
-    def superseded_by_hash(self, sha: str) -> Superseded | None:
-        return next((o for o in self.superseded if o.sha256_patched == sha), None)
+    earlier_sha256_patched: tuple[str, ...] = ()  # the file as an earlier mok-megatron patched it
 
 
 @dataclass(frozen=True)
@@ -59,15 +61,22 @@ class Manifest:
     upstream: str
     commit: str
     files: tuple[FilePatch, ...]
+    patch_dir: Path = field(default=PATCH_DIR)
 
     @staticmethod
     def load(patch_dir: Path = PATCH_DIR) -> Manifest:
-        raw = json.loads((patch_dir / "manifest.json").read_text())
+        path = patch_dir / "manifest.json"
+        if not path.is_file():
+            raise PatchError(
+                f"{path} not found: the patch set ships in the wheel (mok_megatron/patches/) and lives in "
+                "the repository's patches/; reinstall mok-megatron."
+            )
+        raw = json.loads(path.read_text())
         files = tuple(
-            FilePatch(**{**f, "superseded": tuple(Superseded(**o) for o in f.get("superseded", ()))})
+            FilePatch(**{**f, "earlier_sha256_patched": tuple(f.get("earlier_sha256_patched", ()))})
             for f in raw["files"]
         )
-        return Manifest(raw["upstream"], raw["commit"], files)
+        return Manifest(raw["upstream"], raw["commit"], files, patch_dir)
 
     def select(self, files: list[str] | None) -> tuple[FilePatch, ...]:
         if not files:
@@ -136,11 +145,11 @@ def _state(f: FilePatch, sha: str) -> str:
         return PRISTINE
     if sha == f.sha256_patched:
         return APPLIED
-    return SUPERSEDED if f.superseded_by_hash(sha) else UNKNOWN
+    return EARLIER if sha in f.earlier_sha256_patched else UNKNOWN
 
 
 def status(root: str | Path, files: list[str] | None = None, manifest: Manifest | None = None) -> dict:
-    """{path: pristine | applied | superseded | unknown | missing} for the selected files under ``root``."""
+    """{path: pristine | applied | earlier | unknown | missing} for the selected files under ``root``."""
     m = manifest or Manifest.load()
     root = Path(root)
     if not root.is_dir():
@@ -156,41 +165,68 @@ def status(root: str | Path, files: list[str] | None = None, manifest: Manifest 
     return out
 
 
-def _git_head(root: Path) -> str | None:
+def git_head(root: Path) -> str | None:
+    """HEAD of the git checkout whose top level is ``root``; None where ``root`` is not one (a site-packages
+    directory, or any folder inside another repository: that repository's state is not the tree's)."""
     try:
         r = subprocess.run(
-            ["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10
+            ["git", "-C", str(root), "rev-parse", "--show-toplevel", "HEAD"],
+            capture_output=True,
+            text=True,
+            timeout=10,
         )
     except (OSError, subprocess.TimeoutExpired):
         return None
-    return r.stdout.strip() if r.returncode == 0 else None
+    lines = r.stdout.split()
+    if r.returncode != 0 or len(lines) != 2 or Path(lines[0]).resolve() != root.resolve():
+        return None
+    return lines[1]
+
+
+def _restore_hint(root: Path, path: str, m: Manifest, head: str | None) -> str:
+    if head:
+        return f"git -C {root} checkout {m.commit[:12]} -- {path}"
+    return f"replace it with {m.upstream}/blob/{m.commit}/{path} (or reinstall the package that holds it)"
 
 
 def _refuse_bad(root: Path, st: dict, m: Manifest) -> None:
-    bad = {p: s for p, s in st.items() if s in (UNKNOWN, MISSING)}
+    bad = {p: s for p, s in st.items() if s in (EARLIER, UNKNOWN, MISSING)}
     if not bad:
         return
-    head = _git_head(root)
-    where = f" (git HEAD {head[:12]})" if head else ""
-    lines = [f"  {p}: {s}" for p, s in bad.items()]
+    head = git_head(root)
+    earlier = [
+        f"{p}: patched by an earlier mok-megatron; restore it ({_restore_hint(root, p, m, head)}), then run "
+        f"'mok patches apply {root}'."
+        for p, s in bad.items()
+        if s == EARLIER
+    ]
+    other = {p: s for p, s in bad.items() if s != EARLIER}
+    if not other:
+        raise PatchError("\n".join(earlier))
+    where = f" (git HEAD {head[:12]})" if head else " (not a git checkout)"
+    lines = [f"  {p}: {s}" for p, s in other.items()]
+    restore = (
+        f"restore the pinned file (git -C {root} checkout {m.commit[:12]} -- <file>)"
+        if head
+        else f"replace it with that commit's copy ({m.upstream}/blob/{m.commit}/<file>) or reinstall the "
+        "package that holds it"
+    )
     raise PatchError(
         f"{root}{where} is not a Megatron-LM tree this patch set knows:\n"
-        + "\n".join(lines)
+        + "\n".join([f"  {e}" for e in earlier] + lines)
         + f"\nThe patches are for {m.upstream} at commit {m.commit}. 'unknown' = the file's content is "
         "neither that commit's nor the patched one (files are recognised by content, so local edits or "
-        f"another Megatron-LM commit): restore the pinned file (git -C {root} checkout {m.commit[:12]} -- "
-        f"<file>), or make the change by hand from the patch files in {PATCH_DIR}. 'missing' = not a "
-        "Megatron-LM root; pass the directory holding pretrain_gpt.py, or --files for a partial tree "
-        "(e.g. an installed megatron-core)."
+        f"another Megatron-LM commit): {restore}, or make the change by hand from the patch files in "
+        f"{m.patch_dir}. 'missing' = not a Megatron-LM root; pass the directory holding pretrain_gpt.py, or "
+        "--files for a partial tree (e.g. an installed megatron-core)."
     )
 
 
-def _to_pristine(f: FilePatch, text: str, state: str) -> str:
-    """The pinned original of a patched (or superseded-patched) file's text, hash-checked."""
+def _to_pristine(f: FilePatch, text: str, state: str, m: Manifest) -> str:
+    """The pinned original of a patched file's text, hash-checked."""
     if state == PRISTINE:
         return text
-    patch = f.patch if state == APPLIED else f.superseded_by_hash(_sha(text.encode())).patch
-    out = apply_diff(text, (PATCH_DIR / patch).read_text(), reverse=True)
+    out = apply_diff(text, (m.patch_dir / f.patch).read_text(), reverse=True)
     if _sha(out.encode()) != f.sha256_original:
         raise PatchError(f"{f.path}: reverting it does not give the pinned original; nothing changed.")
     return out
@@ -205,9 +241,9 @@ def _transition(root, files, to: str, manifest: Manifest | None) -> list[str]:
     for f in m.select(files):  # compute everything first: change nothing unless every file works
         if st[f.path] == to:
             continue
-        text = _to_pristine(f, (root / f.path).read_text(), st[f.path])
+        text = _to_pristine(f, (root / f.path).read_text(), st[f.path], m)
         if to == APPLIED:
-            text = apply_diff(text, (PATCH_DIR / f.patch).read_text())
+            text = apply_diff(text, (m.patch_dir / f.patch).read_text())
             if _sha(text.encode()) != f.sha256_patched:
                 raise PatchError(
                     f"{f.path}: the result does not match the expected patched file; nothing changed."
@@ -219,14 +255,12 @@ def _transition(root, files, to: str, manifest: Manifest | None) -> list[str]:
 
 
 def apply(root, files: list[str] | None = None, manifest: Manifest | None = None) -> list[str]:
-    """Patch the pristine files and update those an earlier mok-megatron patched; applied ones are left
-    alone. Returns the files changed."""
+    """Patch the pristine files; applied ones are left alone. Returns the files changed."""
     return _transition(root, files, APPLIED, manifest)
 
 
 def revert(root, files: list[str] | None = None, manifest: Manifest | None = None) -> list[str]:
-    """Restore the patched files (this patch set's or an earlier one's) to the pinned originals. Returns
-    the files changed."""
+    """Restore the patched files to the pinned originals. Returns the files changed."""
     return _transition(root, files, PRISTINE, manifest)
 
 
@@ -247,21 +281,13 @@ def main(argv: list[str]) -> int:
         "megatron-core (site-packages)",
     )
     ns = p.parse_args(argv)
-    m = Manifest.load()
     try:
+        m = Manifest.load()
         if ns.action == "check":
             st = status(ns.megatron_lm_dir, ns.files, m)
             for path, s in st.items():
                 print(f"{s:>10}  {path}")
             _refuse_bad(Path(ns.megatron_lm_dir), st, m)
-            old = [path for path, s in st.items() if s == SUPERSEDED]
-            if old:
-                print(
-                    f"mok patches check: {', '.join(old)} carry an earlier mok-megatron's patch; run "
-                    f"'mok patches apply {ns.megatron_lm_dir}' to update them.",
-                    file=sys.stderr,
-                )
-                return 1
             print(f"patch set for {m.upstream} @ {m.commit[:12]}: ok")
             return 0
         fn = apply if ns.action == "apply" else revert

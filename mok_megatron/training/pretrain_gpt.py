@@ -4,8 +4,8 @@ its MoE layers MoK layers, any other type keeps Megatron's own, so one command A
     torchrun --nproc-per-node 8 -m mok_megatron.pretrain_gpt <Megatron-LM flags> \\
         --moe-token-dispatcher-type mok [--mok-* flags]      # or the console script mok-pretrain-gpt
 
-The flow is Megatron-LM's ``pretrain_gpt.py`` at the commit pinned in ``training/megatron_lm_patches`` (this package's
-own code, written from that file; the megatron-core wheel ships ``megatron.training`` but not the
+The flow is Megatron-LM's ``pretrain_gpt.py`` at the commit pinned in ``patches/manifest.json`` (this
+package's own code, written from that file; the megatron-core wheel ships ``megatron.training`` but not the
 script): ``parse_and_validate_args`` (with ``mok_megatron.training.arguments.extra_args_provider``) ->
 ``gpt_config_from_args`` -> ``pretrain_cfg_container_from_args`` -> ``pretrain``. Data:
 ``--mock-data`` or Megatron's indexed datasets (``--data-path``, ``--split``, blends).

@@ -1,19 +1,20 @@
-"""Regenerate the planner's measurement data from the repo's result files. Run in a checkout:
+"""Refresh the planner's measurement data (data/measurements.json) from one results folder. Run in a checkout:
 
-    python -m mok_megatron.tools.planner.extract docs      # writes data/measurements.json
+    python -m mok_megatron.tools.planner.extract docs/results/<date>-<topic>
 
-It reads docs/results/2026-11-30-layer-foundation/layer_table.md (the EP=1 layer table: MoK, Megatron+TE, Megatron without TE on the
-Qwen3-30B-A3B and DeepSeek-V3 slices) and every results folder below docs/results, laid out either as
-``<date>-<topic>/`` or ``<date>/<topic>/`` (one machine start each; result files anywhere below it):
-ep.json (EP=2 on 2 x H200 and the EP=1 same-work baselines), overlap.json (one-H200 loopback sweep),
-layer-*.json (``mok bench layer``: one-GPU layer, fwd+bwd) and profile*.txt (kernel launches and host
-enqueue time). Each record keeps its shape, machine, date and the folder it came from (its *source*:
-the folder's path below docs/results with '/' as '-'). A new measurement is added by data only: drop
-its folder under docs/results, regenerate, and declare its code state in data/calibration.json.
+It reads the result files anywhere below the folder: ep.json (EP=2 on 2 x H200 and the EP=1 same-work
+baselines), overlap.json (one-H200 loopback sweep), layer-*.json (``mok bench layer``: one-GPU layer,
+fwd+bwd), profile*.txt (kernel launches and host enqueue time) and layer_table.md (the EP=1 layer table of
+MoK, Megatron+TE and Megatron without TE on the Qwen3-30B-A3B and DeepSeek-V3 slices). Its records replace
+those of the same source in the data file; every other record stays. Each record keeps its shape, machine,
+date, its *source* (the folder's name) and the *commit* that holds the folder (``git show
+<commit>:docs/results/<source>/...``), so the data outlives the folder: a re-measurement replaces its
+folder, and git keeps the past. A new measurement is added by data only: commit its folder, refresh, and
+declare its code state in data/calibration.json (docs/planner.md, 'Adding a measurement').
 
-``mok plan`` never reads docs/: it reads only the package data this writes (``measurements.load``).
-Shapes come from the benchmark definitions (``mok_megatron.bench.overlap``), so a result file and the
-planner never disagree on what was timed.
+``mok plan`` never reads docs/: it reads only the package data (``measurements.load``). Shapes come from the
+benchmark definitions (``mok_megatron.bench.overlap``), so a result file and the planner never disagree on
+what was timed.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import subprocess
 import sys
 from pathlib import Path
 
@@ -28,15 +30,14 @@ from mok_megatron.tools.planner.measurements import DATA_DIR, MEASUREMENTS_FILE
 
 ONE_GPU, TWO_GPU = "H200", "2 x H200 (NVLink)"
 BENCHMARKS_SOURCE = "2026-11-30-layer-foundation"  # the results folder holding the EP=1 layer table
-BENCHMARKS_DATE = "2026-11-30"
 LAYER_TABLE = "layer_table.md"
+KINDS = ("layer1", "ep", "loop", "profiles")
 
 _BENCH_SHAPES = {  # layer-table rows (shape column prefix -> per-rank shape)
     "Qwen3-30B-A3B": ("qwen3-30b-a3b", dict(hidden=2048, ffn=768, experts=128, topk=8), 16384),
     "DeepSeek-V3 slice": ("deepseek-v3-ep32", dict(hidden=7168, ffn=2048, experts=8, topk=8), 4096),
 }
 _BENCH_IMPLS = ("mok", "megatron-te", "megatron")
-RESULT_FILES = ("ep.json", "overlap.json", "layer-*.json", "profile*.txt")
 _DATE = re.compile(r"^\d{4}-\d{2}-\d{2}")
 
 
@@ -44,7 +45,7 @@ def _rec(source: str, date: str, machine: str, **kw) -> dict:
     return dict(source=source, date=date, machine=machine, **kw)
 
 
-def benchmarks_md(path: Path) -> list[dict]:
+def benchmarks_md(path: Path, source: str = BENCHMARKS_SOURCE, date: str = "") -> list[dict]:
     """The EP=1 layer table (``layer_table.md``): rows "| Qwen3-30B-A3B (H 2048, ...) | ..."."""
     out = []
     for line in path.read_text().splitlines():
@@ -54,43 +55,14 @@ def benchmarks_md(path: Path) -> list[dict]:
                 for impl, cell in zip(_BENCH_IMPLS, cells, strict=True):
                     ms = float(re.search(r"([\d.]+) ms", cell).group(1))
                     out.append(
-                        _rec(BENCHMARKS_SOURCE, BENCHMARKS_DATE, ONE_GPU, impl=impl, shape=shape,
-                             **moe, tokens=tokens, ms=ms)
+                        _rec(source, date or source[:10], ONE_GPU, impl=impl, shape=shape, **moe,
+                             tokens=tokens, ms=ms)
                     )  # fmt: skip
     if len(out) != 6:
         raise ValueError(
             f"{path}: expected 2 shapes x 3 implementations in the layer table, found {len(out)}"
         )
     return out
-
-
-def _has_results(p: Path) -> bool:
-    return any(next(p.rglob(g), None) for g in RESULT_FILES)
-
-
-def _natural(name: str) -> tuple:
-    return tuple(int(t) if t.isdigit() else t for t in re.split(r"(\d+)", name))
-
-
-def results_folders(root: Path) -> list[Path]:
-    """Every results folder below ``root`` holding a result file: ``<date>-<topic>/`` directly, or
-    ``<topic>/`` inside a ``<date>/`` folder."""
-    out = []
-    for p in sorted(root.iterdir()):
-        if not p.is_dir() or not _DATE.match(p.name):
-            continue
-        if len(p.name) > 10:
-            out += [p] if _has_results(p) else []
-        else:
-            out += sorted(
-                (c for c in p.iterdir() if c.is_dir() and _has_results(c)), key=lambda c: _natural(c.name)
-            )
-    return out
-
-
-def source_name(folder: Path, root: Path) -> str:
-    """A results folder's source name: its path below ``root`` with '/' as '-' (``<date>-<topic>``)."""
-    return folder.relative_to(root).as_posix().replace("/", "-")
 
 
 def _one(folder: Path, name: str) -> Path | None:
@@ -297,50 +269,95 @@ def loopback_shapes() -> dict:
     }
 
 
-def extract(docs: Path, names: dict[str, str] | None = None) -> dict:
-    """Every record below ``docs`` (results/, the layer table included); ``names`` maps a folder's path below
-    docs/results (e.g. "2026-12-01/ep2") to the source name it is recorded under (default: source_name)."""
-    root = docs / "results"
-    table = docs / "results" / BENCHMARKS_SOURCE / LAYER_TABLE
-    data = {"layer1": benchmarks_md(table), "ep": [], "loop": [], "profiles": []}
-    for folder in results_folders(root):
-        rel = folder.relative_to(root).as_posix()
-        src, date = (names or {}).get(rel, source_name(folder, root)), rel[:10]
-        a, b = ep_results(folder, src, date)
-        c, d = overlap_results(folder, src, date)
-        data["layer1"] += a + c + layer_results(folder, src, date)
-        data["ep"] += b
-        data["loop"] += d
-        data["profiles"] += profile_results(folder, src, date) + ep_profiles(folder, src, date)
-    if not data["ep"] or not data["loop"]:
-        raise ValueError(f"{root}: no ep.json / overlap.json rows found; the planner needs both")
-    return {"loopback_shapes": loopback_shapes(), **data}
+def extract(folder: Path, source: str | None = None) -> dict:
+    """Every record below one results folder, recorded under ``source`` (default: the folder's name,
+    ``<date>-<topic>``) and that name's date."""
+    source = source or folder.name
+    if not _DATE.match(source):
+        raise ValueError(f"source {source!r}: a results folder is named <date>-<topic> (e.g. 2026-12-02-ep2)")
+    date = source[:10]
+    data: dict[str, list] = {k: [] for k in KINDS}
+    table = folder / LAYER_TABLE
+    if table.is_file():
+        data["layer1"] += benchmarks_md(table, source, date)
+    a, b = ep_results(folder, source, date)
+    c, d = overlap_results(folder, source, date)
+    data["layer1"] += a + c + layer_results(folder, source, date)
+    data["ep"] += b
+    data["loop"] += d
+    data["profiles"] += profile_results(folder, source, date) + ep_profiles(folder, source, date)
+    if not any(data.values()):
+        raise ValueError(
+            f"{folder}: no result files (ep.json, overlap.json, layer-*.json, profile*.txt, {LAYER_TABLE}) "
+            "below it"
+        )
+    return data
+
+
+def folder_commit(folder: Path) -> str:
+    """The last commit that changed ``folder`` (its measurement as recorded); the folder must be committed."""
+    r = subprocess.run(
+        ["git", "-C", str(folder), "log", "-1", "--format=%H", "--", "."], capture_output=True, text=True
+    )
+    dirty = subprocess.run(
+        ["git", "-C", str(folder), "status", "--porcelain", "--", "."], capture_output=True, text=True
+    )
+    if r.returncode != 0 or not r.stdout.strip() or dirty.stdout.strip():
+        raise ValueError(
+            f"{folder}: not committed in a git checkout; commit the folder first, or pass --commit"
+        )
+    return r.stdout.strip()
+
+
+def refresh(data: dict, fresh: dict, source: str, commit: str) -> dict:
+    """The data file's records with ``source``'s replaced by ``fresh`` (each naming ``commit``)."""
+    out = {"loopback_shapes": loopback_shapes()}
+    for kind in KINDS:
+        kept = [r for r in data.get(kind, []) if r["source"] != source]
+        out[kind] = kept + [{"source": r["source"], "commit": commit, **r} for r in fresh[kind]]
+    if not out["ep"] or not out["loop"]:
+        raise ValueError("no ep.json / overlap.json rows in the data; the planner needs both")
+    return out
 
 
 def dumps(data: dict) -> str:
     """Compact JSON: one record per line, so a new measurement is a readable diff."""
     doc = (
-        "Measured records mok plan fits; generated by `python -m mok_megatron.tools.planner.extract docs` "
-        "from docs/results (do not edit by hand). source: the results folder (docs/results/<source>)."
+        "Measured records mok plan fits; refreshed one results folder at a time by "
+        "`python -m mok_megatron.tools.planner.extract docs/results/<source>` (do not edit by hand). source: "
+        "the results folder, commit: the commit holding it (git show <commit>:docs/results/<source>)."
     )
     parts = [f'{{"_doc": {json.dumps(doc)},\n"loopback_shapes": {json.dumps(data["loopback_shapes"])}']
-    for key in ("layer1", "ep", "loop", "profiles"):
+    for key in KINDS:
         rows = ",\n".join(json.dumps(r) for r in data[key])
         parts.append(f'"{key}": [\n{rows}\n]')
     return ",\n".join(parts) + "}\n"
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m mok_megatron.tools.planner.extract", description=__doc__)
-    p.add_argument("docs", type=Path, help="the checkout's docs/ folder (its results/)")
+    p = argparse.ArgumentParser(prog="python -m mok_megatron.tools.planner.extract", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    p.add_argument("folder", type=Path, help="a results folder, docs/results/<date>-<topic>")
+    p.add_argument("--source", help="the source name its records get (default: the folder's name)")
+    p.add_argument(
+        "--commit", help="the commit holding the folder (default: the last commit that changed it)"
+    )
     p.add_argument("--out", type=Path, default=DATA_DIR / MEASUREMENTS_FILE)
-    p.add_argument("--names", type=Path, help="JSON {folder path below docs/results: source name}")
     ns = p.parse_args(argv)
-    names = json.loads(ns.names.read_text()) if ns.names else None
-    data = extract(ns.docs, names)
+    if not ns.folder.is_dir():
+        p.error(f"{ns.folder} is not a folder; pass a results folder such as docs/results/<date>-<topic>")
+    source = ns.source or ns.folder.resolve().name
+    try:
+        fresh = extract(ns.folder, source)
+        commit = ns.commit or folder_commit(ns.folder)
+        old = json.loads(ns.out.read_text()) if ns.out.is_file() else {}
+        data = refresh(old, fresh, source, commit)
+    except ValueError as e:
+        print(f"extract: {e}", file=sys.stderr)
+        return 1
     ns.out.write_text(dumps(data))
-    counts = ", ".join(f"{len(data[k])} {k}" for k in ("layer1", "ep", "loop", "profiles"))
-    print(f"wrote {ns.out}: {counts}")
+    counts = ", ".join(f"{len(fresh[k])} {k}" for k in KINDS)
+    print(f"wrote {ns.out}: {source} @ {commit[:12]}: {counts}")
     return 0
 
 

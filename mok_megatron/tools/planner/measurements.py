@@ -1,8 +1,7 @@
-"""The measured records the planner fits, read from package data only (data/measurements.json, written
-by ``extract`` from docs/results in a checkout), so ``mok plan`` runs from an
-installed wheel.
+"""The measured records the planner fits, read from package data only (data/measurements.json, refreshed
+by ``extract`` from one results folder at a time in a checkout), so ``mok plan`` runs from an installed wheel.
 
-Record kinds (every record names its source folder, date and machine):
+Record kinds (every record names its source folder, the commit holding it, date and machine):
     Layer1   one EP=1 layer time (fwd+bwd, ms): per-rank work of one MoE layer on one H200
     EPPoint  one real EP=2 layer time on 2 x H200 (max over ranks)
     LoopRow  one loopback row (one H200 emulating an EP rank's link): link GB/s (0 = infinite),
@@ -26,7 +25,7 @@ MEASUREMENTS_FILE = "measurements.json"
 class Layer1:
     """One EP=1 layer time (fwd+bwd, ms): per-rank work of one MoE layer on one H200."""
 
-    source: str  # the results folder (docs/results/<source>)
+    source: str  # the results folder (docs/results/<source> at the record's commit)
     impl: str  # mok, megatron-te, megatron, torchtitan-compiled, ...
     shape: str
     moe: MoEShape  # experts = local experts
@@ -115,7 +114,7 @@ def _moe(r: dict) -> MoEShape:
 
 
 def from_records(data: dict) -> Measurements:
-    """Measurements from the JSON form (``extract.extract`` output or data/measurements.json)."""
+    """Measurements from the JSON form (``extract.refresh`` output or data/measurements.json)."""
     meta = ("date", "machine")
     return Measurements(
         tuple(
@@ -174,8 +173,8 @@ def read_data(name: str = MEASUREMENTS_FILE) -> dict:
     if not path.is_file():
         raise FileNotFoundError(
             f"{path}: the planner's package data is missing; reinstall mok-megatron (the wheel ships "
-            "mok_megatron/tools/planner/data/*.json), or in a checkout run "
-            "`python -m mok_megatron.tools.planner.extract docs`."
+            "mok_megatron/tools/planner/data/*.json), or in a checkout restore it with "
+            "`git checkout -- mok_megatron/tools/planner/data`."
         )
     return json.loads(path.read_text())
 
