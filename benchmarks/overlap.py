@@ -45,7 +45,6 @@ def loopback_options(shape: dict, chunks: int, gbps: float, loopback_bytes: str 
     )
 
 
-
 def bench_overlap(
     shapes,
     gbps_list,
@@ -248,7 +247,6 @@ def format_overlap(rows) -> str:
     if any(r.get("link_emulated") is False for r in rows):
         out += ["", CPU_NOTE]
     return "\n".join(out)
-
 
 
 def _cpu_cost(ns, shapes: list[str], chunks: list[int]) -> str:

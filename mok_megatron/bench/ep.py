@@ -57,7 +57,6 @@ def transport_options(label: str) -> dict:
     return opts
 
 
-
 def _ep_config(s, world, ep, dtype):
     from mok_megatron.bench.build import layer_config
 
