@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from mok_megatron.bench.ep import transport_options
 
@@ -21,6 +22,16 @@ def test_without_torchrun_refuses_in_one_line():
     assert r.returncode == 2 and len(err.splitlines()) == 1 and r.stdout == "", r.stdout + err
     assert "must be launched with torchrun" in err
     assert "torchrun --nproc-per-node 2 -m mok_megatron.bench.ep --shapes tiny" in err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU-only refusal")
+def test_real_shapes_on_cpu_ranks_refuse_in_one_line():
+    env = {**os.environ, "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0"}
+    cmd = [sys.executable, "-m", "mok_megatron.cli", "bench", "ep", "--shapes", "tiny,dsv3"]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    err = r.stderr.strip()
+    assert r.returncode == 2 and len(err.splitlines()) == 1 and r.stdout == "", r.stdout + err
+    assert err.startswith("mok bench ep --shapes dsv3: no CUDA GPU") and "--allow-cpu" in err
 
 
 def test_under_torchrun_compares_with_megatron(tmp_path):

@@ -30,6 +30,10 @@ from mok_megatron.bench.steps import MODES, graphed, inputs, median_time, steppe
 
 DEFAULT_SHAPES = "dsv3,qwen3"
 LAUNCH = "torchrun --nproc-per-node 2 -m mok_megatron.bench.ep --shapes tiny"
+CPU_REFUSAL = (
+    "mok bench ep --shapes {shapes}: no CUDA GPU: on CPU ranks these shapes take hours and their times say "
+    "nothing about GPUs; run on GPUs, use --shapes tiny to check the command, or add --allow-cpu"
+)
 NOT_LAUNCHED = (
     "mok bench ep runs one process per GPU and must be launched with torchrun (RANK and WORLD_SIZE are "
     "not set), e.g.: " + LAUNCH
@@ -354,6 +358,11 @@ def main(argv: list[str] | None = None) -> int:
         default="torch",
         help="the MoK layers' expert GEMMs (torch | torch-fp8; --mok-expert-backend)",
     )
+    p.add_argument(
+        "--allow-cpu",
+        action="store_true",
+        help="without CUDA GPUs, run shapes other than tiny on CPU ranks anyway (hours for dsv3, qwen3)",
+    )
     ns = p.parse_args(argv)
     import warnings
 
@@ -387,6 +396,13 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
         print(NOT_LAUNCHED, file=sys.stderr)
+        return 2
+    import torch
+
+    big = [n for n in shapes if n != "tiny"]
+    if big and not torch.cuda.is_available() and not ns.allow_cpu:
+        if int(os.environ["RANK"]) == 0:
+            print(CPU_REFUSAL.format(shapes=",".join(big)), file=sys.stderr)
         return 2
     rows = bench_ep(
         shapes,
