@@ -47,7 +47,8 @@ def installed(tmp_path_factory):
     # --ignore-installed: the dependencies' site-packages may hold an editable install of this checkout, which
     # pip would otherwise take as the package already installed.
     install = subprocess.run(
-        [sys.executable, "-m", "pip", "--python", str(py), "install", "--no-deps", "--no-index", "--ignore-installed", str(wheel)],
+        [sys.executable, "-m", "pip", "--python", str(py), "install", "--no-deps", "--no-index"]
+        + ["--ignore-installed", str(wheel)],
         capture_output=True,
         text=True,
         timeout=300,
