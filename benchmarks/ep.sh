@@ -17,22 +17,22 @@ ngpu=$(python3 -c "import torch; print(torch.cuda.device_count())")
 [ "$ngpu" -ge 2 ] || { echo "benchmarks/ep.sh needs 2 or more GPUs (found $ngpu)"; exit 2; }
 case "${1:-bf16}" in
   bf16)
-    timeout ${T_EP:-330} torchrun --nproc-per-node "$ngpu" -m mok_megatron.bench.overlap ep --shapes dsv3,qwen3 \
+    timeout ${T_EP:-330} torchrun --nproc-per-node "$ngpu" -m mok_megatron.bench.ep --shapes dsv3,qwen3 \
       --transports ${TRANSPORTS:-collective,copy_engine} --local-rows fused,overlap --chunks ${CHUNKS:-1} \
       --modes ${MODES:-exact,sync-free+graph,sync-free+graph+fp8} --profile --iters 10 --warmup 3 \
       --json "$out/ep.json" > "$out/ep.txt" 2>&1
     echo "== bench ep rc=$?"; grep -E "^\||^profile|EP=|fail|Error" "$out/ep.txt" | cut -c1-200
-    timeout ${T_SCHED:-300} torchrun --nproc-per-node "$ngpu" -m mok_megatron.bench.overlap ep --shapes dsv3,qwen3 \
+    timeout ${T_SCHED:-300} torchrun --nproc-per-node "$ngpu" -m mok_megatron.bench.ep --shapes dsv3,qwen3 \
       --schedules plain,1f1b --iters 10 --warmup 3 --json "$out/ep-schedules.json" > "$out/ep-schedules.txt" 2>&1
     echo "== bench ep schedules rc=$?"; grep -E "^\||EP=|fail|Error" "$out/ep-schedules.txt" | cut -c1-200 ;;
   fp8)
-    timeout ${T_EP:-330} torchrun --nproc-per-node "$ngpu" -m mok_megatron.bench.overlap ep --shapes dsv3,qwen3 \
+    timeout ${T_EP:-330} torchrun --nproc-per-node "$ngpu" -m mok_megatron.bench.ep --shapes dsv3,qwen3 \
       --transports ${TRANSPORTS:-collective,copy_engine} --local-rows fused --chunks 1 \
       --modes ${MODES:-exact,sync-free+graph,sync-free+graph+fp8-both} --expert-backend torch-fp8 --iters 10 \
       --warmup 3 --json "$out/ep-torch-fp8.json" > "$out/ep-torch-fp8.txt" 2>&1
     echo "== bench ep torch-fp8 rc=$?"; grep -E "^\||EP=|fail|Error" "$out/ep-torch-fp8.txt" | cut -c1-200 ;;
   budget)
-    timeout ${T_EP:-330} torchrun --nproc-per-node "$ngpu" -m mok_megatron.bench.overlap ep --shapes dsv3,qwen3 \
+    timeout ${T_EP:-330} torchrun --nproc-per-node "$ngpu" -m mok_megatron.bench.ep --shapes dsv3,qwen3 \
       --transports ${TRANSPORTS:-nvlink:64/64,nvlink:32/32,nvlink:16/16,nvlink:32/64,nvlink:16/64} --local-rows fused \
       --chunks 1 --modes ${MODES:-exact,sync-free+graph} --iters 10 --warmup 3 --json "$out/ep-budget.json" \
       > "$out/ep-budget.txt" 2>&1

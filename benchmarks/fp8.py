@@ -70,10 +70,10 @@ def skip_reason(backend: str, recipe: str | None) -> str | None:
 
 
 def layer_config(shape: dict, recipe: str | None):
-    from mok_megatron.bench.layer import _config
+    from mok_megatron.bench.build import layer_config
     from mok_megatron.bench.fp8_layers import fp8_config
 
-    return fp8_config(_config(shape, torch.bfloat16), recipe)
+    return fp8_config(layer_config(shape, torch.bfloat16), recipe)
 
 
 def build_layer(backend: str, cfg, state: dict | None):
@@ -150,7 +150,8 @@ def accuracy(results: dict, shape: dict = ACC_SHAPE) -> None:
 
 
 def timing(results: dict, shapes=TIME_SHAPES, iters: int = 10, warmup: int = 3) -> None:
-    from mok_megatron.bench.layer import SHAPES, time_steps
+    from mok_megatron.bench.layer import SHAPES
+    from mok_megatron.bench.timing import time_steps
 
     for shape_name in shapes:
         shape = SHAPES[shape_name]
@@ -314,7 +315,7 @@ def main(argv=None) -> int:
     p.add_argument("--with-tests", action="store_true", help="also run tests/test_fp8_gpu.py (before timing)")
     a = p.parse_args(argv)
     os.makedirs(a.out, exist_ok=True)
-    from mok_megatron.bench.layer import _init_single_process
+    from mok_megatron.bench.build import init_single_process
     from mok_megatron.compat import te_version
 
     t0 = time.time()
@@ -322,7 +323,7 @@ def main(argv=None) -> int:
     rep = {"device": device, "torch": torch.__version__, "te": te_version()}
     procs = {} if (a.no_tiny or a.smoke) else start_tiny_runs(a.out, a.tiny_iters)
     tests = start_gpu_tests(a.out) if a.with_tests else None
-    _init_single_process()
+    init_single_process()
     rep["accuracy"], rep["timing"] = {}, {}
     rep["acc_shape"] = SMOKE_SHAPE if a.smoke else ACC_SHAPE
     accuracy(rep["accuracy"], rep["acc_shape"])

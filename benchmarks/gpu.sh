@@ -5,11 +5,11 @@
 #   tests    every GPU test (skips cleanly what this machine cannot run)
 #   layer    mok bench layer, every shape (uniform / zipf / one-hot routing), one process per shape
 #   overlap  benchmarks/overlap.sh;  ep  benchmarks/ep.sh (2+ GPUs)
-#   wgrad    mok bench wgrad (weight gradients in 1 vs 4 calls: summed, merged, accumulated; QuACK if installed)
+#   wgrad    benchmarks.wgrad (weight gradients in 1 vs 4 calls: summed, merged, accumulated; QuACK if installed)
 #            and the loopback sweep's late-wgrad A/B (one weight-gradient GEMM per layer call vs per minibatch)
 #   split    the loopback sweep with minibatches split by tokens and by experts (--mok-minibatch-split),
 #            with the emulated copies and link time only, against the graphed no-communication layer
-#   gather   mok bench gather (fc1 over gathered rows, QuACK, vs the permuted copy + torch's grouped GEMM)
+#   gather   benchmarks.gather (fc1 over gathered rows, QuACK, vs the permuted copy + torch's grouped GEMM)
 # Each phase leaves its logs in outdir and, with OUT set, one tarball $OUT/<phase>.tgz.
 set -u
 phase=${1:?phase: tests, ep, layer, overlap or wgrad}
@@ -38,20 +38,20 @@ case "$phase" in
     OUT=$out bash benchmarks/overlap.sh
     ;;
   wgrad)
-    timeout 240 $py -m mok_megatron.cli bench wgrad --shape deepseek-v3-ep32,qwen3-30b-a3b --calls 4 --iters 10 \
+    timeout 240 $py -m benchmarks.wgrad --shape deepseek-v3-ep32,qwen3-30b-a3b --calls 4 --iters 10 \
       --json "$out/wgrad.json" 2>&1 | grep -v -i warn | tee "$out/wgrad.txt"
-    CUDA_VISIBLE_DEVICES=0 timeout 300 $py -m mok_megatron.bench.overlap overlap --iters 20 \
+    CUDA_VISIBLE_DEVICES=0 timeout 300 $py -m benchmarks.overlap --iters 20 \
       --shapes dsv3-4k,qwen3-ep8 --gbps 0,900 --chunks 2,4 --modes sync-free+graph,sync-free+graph+late-wgrad \
       --json "$out/late-wgrad.json" 2>&1 | grep -v -i warn | tee "$out/late-wgrad.txt"
     ;;
   split)
-    CUDA_VISIBLE_DEVICES=0 timeout ${SPLIT_TIMEOUT:-540} $py -m mok_megatron.bench.overlap overlap --iters ${ITERS:-10} \
+    CUDA_VISIBLE_DEVICES=0 timeout ${SPLIT_TIMEOUT:-540} $py -m benchmarks.overlap --iters ${ITERS:-10} \
       --warmup 3 --shapes ${SHAPES:-dsv3-4k,dsv3-16k,qwen3-ep8} --gbps ${GBPS:-0,900} --chunks ${CHUNKS:-1,2,4} \
       --modes ${MODES:-sync-free+graph,sync-free+graph+experts,sync-free+graph+link-only,sync-free+graph+experts+link-only} \
       --json "$out/split.json" 2>&1 | grep -v -i warn | tee "$out/split.txt"
     ;;
   gather)
-    timeout 240 $py -m mok_megatron.cli bench gather --shape deepseek-v3-ep32,qwen3-30b-a3b \
+    timeout 240 $py -m benchmarks.gather --shape deepseek-v3-ep32,qwen3-30b-a3b \
       --json "$out/gather.json" 2>&1 | grep -v -i warn | tee "$out/gather.txt"
     ;;
   *) echo "unknown phase $phase"; exit 2 ;;

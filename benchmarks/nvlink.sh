@@ -19,12 +19,12 @@ if [ "$phase" = all ] || [ "$phase" = tests ]; then
   echo "== nvlink GPU tests rc=$?"; grep -E "passed|failed|error|Error|SKIP" "$out/nvlink_tests.txt" | tail -12
 fi
 if { [ "$phase" = all ] || [ "$phase" = bench ]; } && [ "$ngpu" -ge 2 ]; then
-  timeout 42 torchrun --nproc-per-node 2 -m mok_megatron.bench.nvlink --iters 20 --warmup 3 \
+  timeout 42 torchrun --nproc-per-node 2 -m benchmarks.nvlink --iters 20 --warmup 3 \
     --json "$out/nvlink_bench.json" > "$out/nvlink_bench.txt" 2>&1
   echo "== nvlink bench rc=$?"; grep -E "GB/s|Error|error" "$out/nvlink_bench.txt" | head -20
 fi
 if [ "$phase" = layer ] && [ "$ngpu" -ge 2 ]; then
-  timeout 500 torchrun --nproc-per-node 2 -m mok_megatron.bench.overlap ep --transports collective,copy_engine,nvlink,nvlink-flags \
+  timeout 500 torchrun --nproc-per-node 2 -m mok_megatron.bench.ep --transports collective,copy_engine,nvlink,nvlink-flags \
     --chunks 1,2 --iters 12 --warmup 3 --json "$out/ep_nvlink.json" > "$out/ep_nvlink.txt" 2>&1
   echo "== bench_overlap ep rc=$?"; grep -E "^\||ms" "$out/ep_nvlink.txt" | head -30
 fi

@@ -1,4 +1,4 @@
-"""The ``mok`` command line: ``mok env``, ``mok demo``, ``mok bench layer|overlap|ep|train|wgrad|gather``, ``mok convert``,
+"""The ``mok`` command line: ``mok env``, ``mok demo``, ``mok bench layer|train|ep``, ``mok convert``,
 ``mok patches check|apply|revert``, ``mok recipe check``, ``mok plan``."""
 
 from __future__ import annotations
@@ -92,21 +92,53 @@ def _load_checkpoint_file(path: str, unsafe: bool):
         return torch.load(path, map_location="cpu", weights_only=True)
 
 
+BENCH_COMMANDS = {
+    "layer": (
+        "mok_megatron.bench.layer",
+        "one MoE layer fwd+bwd, MoK vs Megatron and peers, checked then timed (one process)",
+    ),
+    "train": (
+        "mok_megatron.bench.train",
+        "Megatron's training loop, MoK vs Megatron from identical weights (tokens/s/GPU, loss)",
+    ),
+    "ep": (
+        "mok_megatron.bench.ep",
+        "the layer at real expert parallelism, one process per GPU: torchrun --nproc-per-node N "
+        "-m mok_megatron.bench.ep",
+    ),
+}
+# The research sweeps of the repository's benchmarks/ (not in the wheel): how each is run from a checkout.
+RESEARCH_SWEEPS = {
+    "overlap": "python -m benchmarks.overlap",
+    "wgrad": "python -m benchmarks.wgrad",
+    "gather": "python -m benchmarks.gather",
+    "nvlink": "torchrun --nproc-per-node 2 -m benchmarks.nvlink",
+    "kernels": "python -m benchmarks.kernels",
+}
+BENCH_USAGE = (
+    "usage: mok bench {" + ",".join(BENCH_COMMANDS) + "} [options]   (mok bench COMMAND --help)\n\n"
+    + "\n".join(f"  {name:<6} {text}" for name, (_, text) in BENCH_COMMANDS.items())
+    + "\n\nResearch sweeps (loopback overlap, wgrad, gather, NVLink bandwidth, kernels) live in the "
+    "repository's benchmarks/, run from a checkout (benchmarks/README.md): "
+    + "; ".join(RESEARCH_SWEEPS.values())
+)
+
+
 def _bench(rest) -> int:
-    if rest[:1] == ["wgrad"]:
-        from mok_megatron.bench.wgrad import main as wgrad
-
-        return wgrad(rest)
-    if rest[:1] == ["gather"]:
-        from mok_megatron.bench.gather import main as gather
-
-        return gather(rest)
-    if rest[:1] == ["train"]:
-        from mok_megatron.bench.train import main as train
-
-        return train(rest[1:])
-    module = "mok_megatron.bench.overlap" if rest[:1] in (["overlap"], ["ep"]) else "mok_megatron.bench.layer"
-    return __import__(module, fromlist=["main"]).main(rest)
+    if not rest or rest[0] in ("-h", "--help"):
+        print(BENCH_USAGE)
+        return 0 if rest else 2
+    name = rest[0]
+    if name not in BENCH_COMMANDS:
+        where = f" ({name} is a research sweep: {RESEARCH_SWEEPS[name]})" if name in RESEARCH_SWEEPS else ""
+        print(
+            f"mok bench: unknown bench command {name!r}{where}; choose from {', '.join(BENCH_COMMANDS)}. "
+            "The research sweeps live in the repository's benchmarks/ (benchmarks/README.md).",
+            file=sys.stderr,
+        )
+        return 2
+    module = __import__(BENCH_COMMANDS[name][0], fromlist=["main"])
+    return module.main(rest[1:])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -126,11 +158,8 @@ def main(argv: list[str] | None = None) -> int:
             "  env      versions, GPUs, FP8 recipes available here, and what is missing\n"
             "  demo     pretrain a tiny MoE GPT with the MoK layer (the main job)\n"
             "  bench    layer: one MoE layer fwd+bwd, MoK vs Megatron, checked then timed;\n"
-            "           overlap: communication hidden by the pipeline (one GPU, emulated link);\n"
-            "           ep: real expert parallelism (torchrun -m mok_megatron.bench.overlap ep);\n"
             "           train: Megatron's training loop, MoK vs Megatron from identical weights (tokens/s/GPU);\n"
-            "           wgrad: expert weight gradients over N calls, summed or accumulated in fp32;\n"
-            "           gather: fc1 grouped GEMM reading token rows through an index vs the permuted copy\n"
+            "           ep: real expert parallelism (torchrun --nproc-per-node N -m mok_megatron.bench.ep)\n"
             "  convert  move expert weights of a saved state dict between MoK / Megatron layouts\n"
             "  patches  check|apply|revert DIR: make a Megatron-LM checkout accept --moe-token-dispatcher-type mok\n"
             "  recipe   check SCRIPT...: a recipe's parallel layout and memory per GPU, from its DRY_RUN command\n"

@@ -207,7 +207,7 @@ def check_swiglu_live_rows(device, M, F, dtype, live):
 
 def check_bench_cases(device, alignment):
     """The benchmark's own correctness gate (Triton vs reference on every kernel it times), on a tiny shape."""
-    from mok_megatron.bench.kernels import Shape, _cases, _check
+    from benchmarks.kernels import Shape, _cases, _check
 
     for name, nbytes, fn in _cases(
         Shape("tiny", tokens=37, hidden=24, ffn=20, experts=6, topk=3), alignment, device

@@ -110,11 +110,11 @@ def main() -> None:
     warnings.filterwarnings("ignore")
     import mok_megatron.ops.activation as act_ops
     import mok_megatron.ops.permute as permute_ops
-    from mok_megatron.bench.layer import _config, _init_single_process, build
+    from mok_megatron.bench.build import layer_config, init_single_process, build
 
-    _init_single_process()
+    init_single_process()
     torch.manual_seed(0)
-    layer = build("mok", _config(SHAPE, torch.bfloat16))
+    layer = build("mok", layer_config(SHAPE, torch.bfloat16))
     g = torch.Generator().manual_seed(0)
     x = torch.randn(SHAPE["tokens"], 1, SHAPE["hidden"], generator=g).to(torch.bfloat16)
     dout = torch.randn(x.shape, generator=g).to(torch.bfloat16)

@@ -1,21 +1,21 @@
-"""``mok bench gather`` on CPU: the tiny shape runs through the command line, every torch variant is checked
-against the fp32 reference before timing, QuACK's variants are skipped with the reason, and a wrong
-gradient is caught."""
+"""``python -m benchmarks.gather`` on CPU: refused without ``--allow-cpu``; with it the tiny shape runs through
+the command line, every torch variant is checked against the fp32 reference before timing, QuACK's variants
+are skipped with the reason, and a wrong gradient is caught."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from mok_megatron import cli
 from mok_megatron.compat import have_quack
-from mok_megatron.bench import gather
+from benchmarks import gather
 from mok_megatron.ops import gather_gemm
+from tests.sweeps import refusal_of
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CPU run: the GPU runs the QuACK variants instead")
 def test_tiny_runs_from_the_command_line(capsys):
-    assert cli.main(["bench", "gather", "--shape", "tiny", "--iters", "2", "--warmup", "1"]) == 0
+    assert gather.main(["--shape", "tiny", "--iters", "2", "--warmup", "1", "--allow-cpu"]) == 0
     out = capsys.readouterr().out
     for name in ("torch-fwd", "torch-fwdbwd", "portable-fwdbwd"):
         assert f"| {name} | " in out
@@ -54,3 +54,8 @@ def test_tiny_runs_every_variant_gpu():
     assert [r["variant"] for r in res["results"]] == list(gather.VARIANTS) and not res["skipped"]
     assert all(r["rel_err"] < 1e-2 for r in res["results"])
     assert set(res["ratios"]) == {f"{a}/{b}" for a, b in gather.RATIOS}
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU-only refusal")
+def test_refuses_a_cpu_in_one_line():
+    refusal_of("gather", "--shape", "tiny", tiny="--shape tiny")

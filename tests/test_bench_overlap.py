@@ -1,23 +1,22 @@
-"""``mok bench overlap``'s output: the table's columns (every row as wide as the header, each value under its
-label), no exposed fraction where the loopback waited no link time (CPU), every shape in ``--help``, the
-CPU cost warning printed once before anything runs, and one real tiny point on CPU."""
+"""The loopback overlap sweep (``python -m benchmarks.overlap``)'s output: the table's columns (every row as
+wide as the header, each value under its label), no exposed fraction where the loopback waited no link time
+(CPU), every shape in ``--help``, a CPU-only machine refused in one line with the estimated cost (and with
+``--allow-cpu`` the cost printed once before anything runs), and real tiny points on CPU."""
 
 from __future__ import annotations
 
 import json
-import os
 import re
-import subprocess
-import sys
 
 import pytest
 import torch
 
-from mok_megatron.bench import overlap
-from mok_megatron.bench.cpu_cost import cpu_warning, overlap_steps, step_flops, step_seconds
-from mok_megatron.bench.overlap import CPU_NOTE, EP_SHAPES, OVERLAP_COLUMNS, OVERLAP_SHAPES, format_overlap
+from benchmarks import overlap
+from benchmarks.cpu_cost import cpu_estimate, overlap_steps, step_flops, step_seconds
+from benchmarks.overlap import CPU_NOTE, OVERLAP_COLUMNS, format_overlap
+from mok_megatron.bench.shapes import OVERLAP_SHAPES
+from tests.sweeps import refusal_of, run_sweep
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 cpu_only = pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU path (no link time, cost warning)")
 
 
@@ -105,16 +104,15 @@ def test_cpu_rows_have_no_exposed_fraction_and_say_why():
 
 def _help(capsys) -> str:
     with pytest.raises(SystemExit) as e:
-        overlap.main(["overlap", "--help"])
+        overlap.main(["--help"])
     assert e.value.code == 0
     return re.sub(r"\s+", " ", re.sub(r"-\n\s*", "-", capsys.readouterr().out))
 
 
 def test_help_lists_every_shape_from_the_tables(capsys):
     text = _help(capsys)
-    listed = re.search(r"overlap: (.*?) \(default", text).group(1).split(", ")
+    listed = re.search(r"--shapes SHAPES comma list of (.*?) \(default", text).group(1).split(", ")
     assert listed == list(OVERLAP_SHAPES) and "tiny" in listed
-    assert re.search(r"ep: (.*?) \(default", text).group(1).split(", ") == list(EP_SHAPES)
 
 
 def test_unknown_shape_or_mode_is_named(capsys):
@@ -123,7 +121,7 @@ def test_unknown_shape_or_mode_is_named(capsys):
         (["--modes", "exact,fast"], "--modes fast: choose from exact, sync-free"),
     ):
         with pytest.raises(SystemExit) as e:
-            overlap.main(["overlap", *args])
+            overlap.main(args)
         assert e.value.code == 2 and want in capsys.readouterr().err
 
 
@@ -137,19 +135,25 @@ def test_cost_estimate_hand_worked():
     assert step_seconds(tiny, gflops) == pytest.approx(step_flops(tiny) / (0.25 * 100e9) + 0.02)
 
 
-def test_cpu_warning_names_the_cost_and_suggests_tiny():
+def test_cpu_estimate_names_the_cost():
     big = {n: OVERLAP_SHAPES[n] for n in ("dsv3-4k", "dsv3-16k", "qwen3-ep8")}
-    msg = cpu_warning(big, points=16, iters=20, warmup=5, gflops=73.0)
+    msg = cpu_estimate(big, points=16, iters=20, warmup=5, gflops=73.0)
     total = sum(step_seconds(s, 73.0) * overlap_steps(16, 20, 5) for s in big.values())
-    assert msg.startswith("mok bench overlap: no CUDA GPU, running on CPU: 3 shape(s) x 17 points")
+    assert msg.startswith("3 shape(s) x 17 points")
     assert f"estimated ~{total / 3600:.1f} h in all" in msg and "73 GFLOP/s" in msg
-    assert msg.endswith("For a quick check of the command use --shapes tiny.")
-    small = cpu_warning({"tiny": OVERLAP_SHAPES["tiny"]}, points=1, iters=2, warmup=1, gflops=73.0)
-    assert "--shapes tiny" not in small and re.search(r"estimated ~\d+ s in all", small)
+    small = cpu_estimate({"tiny": OVERLAP_SHAPES["tiny"]}, points=1, iters=2, warmup=1, gflops=73.0)
+    assert re.search(r"estimated ~\d+ s in all", small)
 
 
 @cpu_only
-def test_cpu_warning_comes_once_before_the_run(monkeypatch, capsys):
+def test_cpu_only_machine_is_refused_in_one_line_with_the_cost():
+    """The default sweep would run for days on a CPU: it refuses before building anything."""
+    err = refusal_of("overlap", tiny="--shapes tiny")
+    assert re.search(r"3 shape\(s\) x \d+ points .* estimated ~[\d.]+ h in all", err), err
+
+
+@cpu_only
+def test_allow_cpu_prints_the_cost_once_before_the_run(monkeypatch, capsys):
     calls = []
 
     def fake_bench(shapes, gbps, chunks, iters, warmup, **kw):
@@ -157,13 +161,13 @@ def test_cpu_warning_comes_once_before_the_run(monkeypatch, capsys):
         return CPU_ROWS
 
     monkeypatch.setattr(overlap, "bench_overlap", fake_bench)
-    monkeypatch.setattr("mok_megatron.bench.cpu_cost.matmul_gflops", lambda: 50.0)
+    monkeypatch.setattr("benchmarks.cpu_cost.matmul_gflops", lambda: 50.0)
     args = ["--gbps", "0,50", "--chunks", "1,2", "--modes", "exact,sync-free+graph", "--iters", "3"]
-    assert overlap.main(["overlap", *args]) == 0
+    assert overlap.main([*args, "--allow-cpu"]) == 0
     before = calls[0]
-    assert before.count("mok bench overlap: no CUDA GPU") == 1
-    # 2 link speeds x 2 minibatch counts x 1 mode (the CUDA-graph mode is skipped on CPU) = 4 points + baseline
-    assert "3 shape(s) x 5 points" in before and "--shapes tiny" in before
+    assert before.count("python -m benchmarks.overlap: no CUDA GPU, running on CPU") == 1
+    # 2 link speeds x 2 minibatch counts x 1 mode (the CUDA-graph mode is skipped on CPU): 4 points + baseline
+    assert "3 shape(s) x 5 points" in before
     rest = capsys.readouterr()
     assert "no CUDA GPU" not in rest.err and CPU_NOTE in rest.out
 
@@ -172,16 +176,10 @@ def test_cpu_warning_comes_once_before_the_run(monkeypatch, capsys):
 def test_tiny_point_on_cpu(tmp_path):
     """One real point: the printed table and the JSON rows agree with the rules above."""
     out = tmp_path / "ov.json"
-    cmd = [sys.executable, "-m", "mok_megatron.cli", "bench", "overlap", "--shapes", "tiny", "--gbps", "50"]
-    cmd += ["--chunks", "2", "--iters", "1", "--warmup", "0", "--json", str(out)]
-    env = {
-        **os.environ,
-        "TORCHDYNAMO_DISABLE": "1",
-        "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
-    }
-    p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300, cwd=ROOT)
+    args = ["--shapes", "tiny", "--gbps", "50", "--chunks", "2", "--iters", "1", "--warmup", "0"]
+    p = run_sweep("overlap", *args, "--json", str(out), "--allow-cpu")
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
-    assert p.stderr.count("mok bench overlap: no CUDA GPU, running on CPU: 1 shape(s) x 2 points") == 1
+    assert p.stderr.count("no CUDA GPU, running on CPU: 1 shape(s) x 2 points") == 1
     rows = json.loads(out.read_text())
     timed = [r for r in rows if r["gbps"] is not None]
     assert len(timed) == 1 and timed[0]["link_emulated"] is False and timed[0]["exposed_frac"] is None
@@ -192,17 +190,19 @@ def test_tiny_point_on_cpu(tmp_path):
     assert "exposed" in p.stdout and "(-)" in p.stdout  # the per-point progress line: no percentage either
 
 
-def test_transport_labels_set_the_communication_budget():
-    from mok_megatron.bench.overlap import transport_options
-    from mok_megatron.options import MoKOptions
-
-    assert transport_options("collective") == dict(transport="collective", nvlink_sync="barrier")
-    assert transport_options("nvlink-flags") == dict(transport="nvlink", nvlink_sync="flags")
-    opts = MoKOptions(**transport_options("nvlink:32/16"))
-    assert (opts.nvlink_programs, opts.nvlink_programs_backward) == (32, 16)
-    opts = MoKOptions(**transport_options("nvlink-flags:24"))
-    assert (opts.nvlink_sync, opts.nvlink_programs, opts.nvlink_programs_backward) == ("flags", 24, None)
-    with pytest.raises(ValueError, match="applies to nvlink only"):
-        transport_options("collective:32")
-    with pytest.raises(ValueError, match="e.g. nvlink:32/16"):
-        transport_options("nvlink:many")
+def test_sweep_runs_and_reports_exposed_communication(tmp_path):
+    out = tmp_path / "ov.json"
+    args = ["--shapes", "tiny", "--gbps", "0,50", "--chunks", "1,2", "--iters", "2", "--warmup", "1"]
+    p = run_sweep("overlap", *args, "--modes", "exact,sync-free", "--json", str(out), "--allow-cpu")
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    rows = [row for row in json.loads(out.read_text()) if "profile" not in row]
+    plain = [row for row in rows if row["gbps"] is None]
+    assert len(plain) == 1 and plain[0]["ms"] > 0
+    timed = [row for row in rows if row["gbps"] is not None]
+    assert {(row["mode"], row["gbps"], row["chunks"]) for row in timed} == {
+        (m, g, c) for m in ("exact", "sync-free") for g in (0.0, 50.0) for c in (1, 2)
+    }
+    for row in timed:
+        assert row["expert_backend"] == "torch"  # the default --expert-backend
+        assert row["rel_err"] < 1e-4  # fp32 on CPU: the pipelined layer equals the plain one
+        assert (row["bytes_per_step"] > 0) and ((row["comm_ms"] > 0) == (row["gbps"] > 0))

@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from mok_megatron.bench import overlap
+from mok_megatron.bench import ep
 from mok_megatron.bench.schedules import LAYER_RTOL, SCHEDULE_COLUMNS, SCHEDULE_RTOL
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -39,7 +39,7 @@ ROW_KEYS = {
 
 def test_schedules_refuse_ep1_in_one_line(monkeypatch, capsys):
     monkeypatch.delenv("WORLD_SIZE", raising=False)
-    assert overlap.main(["ep", "--shapes", "tiny", "--schedules", "plain,1f1b"]) == 2
+    assert ep.main(["--shapes", "tiny", "--schedules", "plain,1f1b"]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1, err
     assert "EP > 1" in err and "torchrun --nproc-per-node N" in err and "--schedules plain,1f1b" in err
@@ -47,7 +47,7 @@ def test_schedules_refuse_ep1_in_one_line(monkeypatch, capsys):
 
 def test_unknown_schedule_is_named(capsys):
     with pytest.raises(SystemExit) as e:
-        overlap.main(["ep", "--schedules", "plain,2f2b"])
+        ep.main(["--schedules", "plain,2f2b"])
     assert e.value.code == 2 and "--schedules 2f2b: choose from layer, plain, 1f1b" in capsys.readouterr().err
 
 
@@ -58,7 +58,7 @@ def test_schedules_at_ep2_under_torchrun(tmp_path):
 
     out = tmp_path / "sched.json"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"]
-    cmd += ["--master-port", str(free_port()), "-m", "mok_megatron.bench.overlap", "ep", "--shapes", "tiny"]
+    cmd += ["--master-port", str(free_port()), "-m", "mok_megatron.bench.ep", "--shapes", "tiny"]
     cmd += ["--schedules", "plain,1f1b", "--iters", "1", "--warmup", "0", "--json", str(out)]
     env = {
         **os.environ,

@@ -1,12 +1,14 @@
-"""``mok bench wgrad`` on CPU: the N-call variants are checked against the fp32 reference before timing,
-QuACK's variants are skipped with the reason, and a wrong accumulation is caught."""
+"""``python -m benchmarks.wgrad`` on CPU: refused without ``--allow-cpu``; the N-call variants are checked
+against the fp32 reference before timing, QuACK's variants are skipped with the reason, and a wrong
+accumulation is caught."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from mok_megatron.bench import wgrad
+from benchmarks import wgrad
+from tests.sweeps import refusal_of
 
 
 def test_tiny_runs_and_reports_every_variant():
@@ -44,4 +46,9 @@ def test_an_accumulation_that_drops_a_call_is_caught(monkeypatch):
 
 def test_calls_must_divide_the_rows():
     with pytest.raises(SystemExit):
-        wgrad.main(["wgrad", "--shape", "tiny", "--calls", "3"])
+        wgrad.main(["--shape", "tiny", "--calls", "3", "--allow-cpu"])
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU-only refusal")
+def test_refuses_a_cpu_in_one_line():
+    refusal_of("wgrad", "--shape", "tiny", tiny="--shape tiny")

@@ -63,84 +63,20 @@ def test_convert_command(tmp_path):
     assert got["model"]["decoder.layers.1.mlp.experts.fc1_weight"].shape == (4, 16, 8)
 
 
-def test_bench_overlap_runs_and_reports_exposed_communication(tmp_path):
-    out = tmp_path / "ov.json"
-    r = _mok(
-        "bench",
-        "overlap",
-        "--shapes",
-        "tiny",
-        "--gbps",
-        "0,50",
-        "--chunks",
-        "1,2",
-        "--iters",
-        "2",
-        "--warmup",
-        "1",
-        "--modes",
-        "exact,sync-free",
-        "--json",
-        str(out),
-    )
-    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
-    rows = [row for row in json.loads(out.read_text()) if "profile" not in row]
-    plain = [row for row in rows if row["gbps"] is None]
-    assert len(plain) == 1 and plain[0]["ms"] > 0
-    timed = [row for row in rows if row["gbps"] is not None]
-    assert {(row["mode"], row["gbps"], row["chunks"]) for row in timed} == {
-        (m, g, c) for m in ("exact", "sync-free") for g in (0.0, 50.0) for c in (1, 2)
-    }
-    for row in timed:
-        assert row["expert_backend"] == "torch"  # the default --expert-backend
-        assert row["rel_err"] < 1e-4  # fp32 on CPU: the pipelined layer equals the plain one
-        assert (row["bytes_per_step"] > 0) and ((row["comm_ms"] > 0) == (row["gbps"] > 0))
+def test_bench_help_lists_every_bench_command():
+    r = _mok("bench", "--help")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith("usage: mok bench {layer,train,ep}")
+    for name in ("layer", "train", "ep"):
+        assert f"\n  {name} " in r.stdout
+    assert "benchmarks/" in r.stdout and "python -m benchmarks.overlap" in r.stdout
 
 
-def test_bench_ep_under_torchrun_compares_with_megatron(tmp_path):
-    from tests.pool import free_port
-
-    out = tmp_path / "ep.json"
-    r = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--nproc-per-node",
-            "2",
-            "--master-port",
-            str(free_port()),
-            "-m",
-            "mok_megatron.bench.overlap",
-            "ep",
-            "--shapes",
-            "tiny",
-            "--transports",
-            "collective",
-            "--chunks",
-            "1,2",
-            "--iters",
-            "2",
-            "--warmup",
-            "1",
-            "--json",
-            str(out),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env={**__import__("os").environ, "TORCHDYNAMO_DISABLE": "1"},
-    )
-    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
-    rows = json.loads(out.read_text())
-    mok2 = [row for row in rows if row["impl"] == "mok" and row["ep"] == 2]
-    # one row per transport x --mok-local-rows setting (default: both) x minibatch count
-    assert {row["transport"] for row in mok2} == {
-        "plain",
-        "collective overlap exact",
-        "collective fused exact",
-    }
-    assert sorted(row["chunks"] for row in mok2 if row["transport"] != "plain") == [1, 1, 2, 2]
-    assert all(row["expert_backend"] == "torch" for row in mok2)  # the default --expert-backend
-    assert all(row["rel_err"] < 1e-4 for row in rows if "rel_err" in row)
-    assert "hidden vs Megatron's comm" in r.stdout
+def test_bench_unknown_command_names_the_commands_and_the_sweeps():
+    r = _mok("bench", "foo")
+    err = r.stderr.strip()
+    assert r.returncode == 2 and len(err.splitlines()) == 1, err
+    assert err.startswith("mok bench: unknown bench command 'foo'; choose from layer, train, ep.")
+    assert "benchmarks/" in err
+    r = _mok("bench", "overlap")
+    assert r.returncode == 2 and "overlap is a research sweep: python -m benchmarks.overlap" in r.stderr

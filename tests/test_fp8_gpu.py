@@ -26,15 +26,15 @@ FP8_RAN = 5e-3
 SHAPE = dict(hidden=512, ffn=256, experts=8, topk=2, tokens=1024)
 
 
-def _config(recipe: str | None):
-    from mok_megatron.bench.layer import _config
+def layer_config(recipe: str | None):
+    from mok_megatron.bench.build import layer_config
     from mok_megatron.bench.fp8_layers import fp8_config
 
-    return fp8_config(_config(SHAPE, torch.bfloat16), recipe)
+    return fp8_config(layer_config(SHAPE, torch.bfloat16), recipe)
 
 
 def _build(backend: str, cfg, impl: str = "mok"):
-    from mok_megatron.bench.layer import build
+    from mok_megatron.bench.build import build
     from mok_megatron.bench.fp8_layers import build_mok_layer
 
     torch.manual_seed(0)
@@ -65,10 +65,10 @@ def _compare(backend: str, recipe: str | None, bound: float):
     g = torch.Generator().manual_seed(0)
     x = torch.randn(SHAPE["tokens"], 1, SHAPE["hidden"], generator=g).to("cuda", torch.bfloat16)
     dout = torch.randn(SHAPE["tokens"], 1, SHAPE["hidden"], generator=g).to("cuda", torch.bfloat16)
-    ref = _build("torch", _config(None))
+    ref = _build("torch", layer_config(None))
     state = ref.state_dict()
-    want = _run(ref, _config(None), x, dout, 1)
-    cfg = _config(recipe)
+    want = _run(ref, layer_config(None), x, dout, 1)
+    cfg = layer_config(recipe)
     layer = _build(backend, cfg)
     layer.load_state_dict(convert_state_dict(state, "mok"), strict=True)
     got = _run(layer, cfg, x, dout, 3 if (recipe or backend == "torch-fp8") else 1)
@@ -115,7 +115,7 @@ def test_te_backend_takes_the_aligned_plan_at_ep1(recipe):
     why = _recipe_skip(recipe)
     if why:
         pytest.skip(f"{recipe}: {why}")
-    layer = _build("te", _config(recipe))
+    layer = _build("te", layer_config(recipe))
     align = layer.experts.expert_alignment
     engine = layer.token_dispatcher.engine
     assert align > 1 and engine.row_alignment == align == layer.experts.aligned_input
@@ -133,7 +133,7 @@ def test_te_backend_keys_and_dist_checkpoint_match_te_grouped_mlp(tmp_path):
     from mok_megatron.experts.checkpoint import convert_state_dict
     from mok_megatron.experts.te import MoKTEGroupedMLP
 
-    cfg = _config(None)
+    cfg = layer_config(None)
     te_layer = _build("te", cfg)
     assert isinstance(te_layer.experts, MoKTEGroupedMLP)
     meg = _build("torch", cfg, impl="megatron-te")
@@ -342,7 +342,7 @@ def test_torch_fp8_layer_runs_on_the_aligned_plan_and_matches_the_pad_path():
     from mok_megatron.experts.checkpoint import convert_state_dict
 
     _native_or_skip()
-    cfg = _config(None)
+    cfg = layer_config(None)
     aligned = _build("torch-fp8", cfg)
     assert aligned.token_dispatcher.engine.row_alignment == 16 and aligned.experts.aligned_input == 16
     padding = _build("torch-fp8", cfg)
@@ -366,7 +366,7 @@ def test_torch_fp8_layer_fused_permute_equals_unfused_bitwise():
     from mok_megatron.experts.checkpoint import convert_state_dict
 
     _native_or_skip()
-    cfg = _config(None)
+    cfg = layer_config(None)
     fused = _build("torch-fp8", cfg)
     assert fused.token_dispatcher.engine.fused_experts
     unfused = _build("torch-fp8", cfg)
@@ -421,12 +421,12 @@ def test_torch_fp8_pipeline_expert_calls_take_padded_rows(sync_free):
     """The overlap pipeline (loopback, emulated EP=8) with torch-fp8 experts: every expert call gets its
     rows padded by the permute; the output matches the EP=1 torch-fp8 layer row for row (same rowwise
     quantization), the gradients the bf16 layer within the FP8 bound."""
-    from mok_megatron.bench.layer import build
+    from mok_megatron.bench.build import build
     from mok_megatron.experts.checkpoint import convert_state_dict
     from mok_megatron.options import LoopbackLink, MoKOptions
 
     _native_or_skip()
-    cfg = _config(None)
+    cfg = layer_config(None)
     ref = _build("torch", cfg)
     ep1 = _build("torch-fp8", cfg)
     link = LoopbackLink(ep=8, gbps=450.0 if sync_free else 0.0)
@@ -465,4 +465,4 @@ def test_te_backend_refuses_native_grouped_gemm(monkeypatch):
     with pytest.raises(
         MoKConfigError, match="unset NVTE_GROUPED_LINEAR_USE_FUSED_GROUPED_GEMM|Unset NVTE_GROUPED"
     ):
-        _build("te", _config(None))
+        _build("te", layer_config(None))

@@ -39,10 +39,10 @@ def test_grouped_linear_on_gpu(dtype):
 
 
 def _parity(impl_ref: str, dtype, tokens=1024, experts=16, topk=4, hidden=512, ffn=256):
-    from mok_megatron.bench.layer import _config, build
+    from mok_megatron.bench.build import layer_config, build
     from mok_megatron.experts.checkpoint import convert_state_dict
 
-    cfg = _config(dict(hidden=hidden, ffn=ffn, experts=experts, topk=topk, tokens=tokens), dtype)
+    cfg = layer_config(dict(hidden=hidden, ffn=ffn, experts=experts, topk=topk, tokens=tokens), dtype)
     torch.manual_seed(0)
     ref = build(impl_ref, cfg).cuda()
     mok = build("mok", cfg).cuda()
@@ -140,13 +140,13 @@ def _two_gpu_worker(rank, port, out_path, dtype_name):
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
-    from mok_megatron.bench.layer import _config, build
+    from mok_megatron.bench.build import layer_config, build
     from mok_megatron.experts.checkpoint import convert_state_dict
 
     ps.initialize_model_parallel(expert_model_parallel_size=2)
     model_parallel_cuda_manual_seed(7)
     dtype = getattr(torch, dtype_name)
-    cfg = _config(dict(hidden=512, ffn=256, experts=16, topk=4, tokens=2048), dtype)
+    cfg = layer_config(dict(hidden=512, ffn=256, experts=16, topk=4, tokens=2048), dtype)
     cfg.expert_model_parallel_size = 2
     from mok_megatron.adapter.dispatcher import PipelineStats
     from mok_megatron.options import MoKOptions
@@ -205,10 +205,10 @@ def test_dist_checkpoint_between_te_grouped_mlp_and_mok(tmp_path):
     import torch.distributed as dist
     from megatron.core import dist_checkpointing
 
-    from mok_megatron.bench.layer import _config, build
+    from mok_megatron.bench.build import layer_config, build
     from mok_megatron.experts.checkpoint import convert_state_dict
 
-    cfg = _config(dict(hidden=256, ffn=128, experts=8, topk=2, tokens=64), torch.bfloat16)
+    cfg = layer_config(dict(hidden=256, ffn=128, experts=8, topk=2, tokens=64), torch.bfloat16)
 
     def experts(layer):
         sd = {
@@ -237,9 +237,9 @@ def test_dist_checkpoint_between_te_grouped_mlp_and_mok(tmp_path):
 def test_mok_layer_is_bitwise_deterministic_on_gpu():
     """Same input twice: bitwise-equal output, input gradient and weight gradients (no atomics in
     permute/combine; grouped GEMMs are deterministic)."""
-    from mok_megatron.bench.layer import _config, build
+    from mok_megatron.bench.build import layer_config, build
 
-    cfg = _config(dict(hidden=1024, ffn=512, experts=32, topk=8, tokens=4096), torch.bfloat16)
+    cfg = layer_config(dict(hidden=1024, ffn=512, experts=32, topk=8, tokens=4096), torch.bfloat16)
     torch.manual_seed(0)
     layer = build("mok", cfg).cuda()
     x = torch.randn(4096, 1, 1024, device="cuda", dtype=torch.bfloat16)
@@ -259,11 +259,11 @@ def test_mok_layer_is_bitwise_deterministic_on_gpu():
 def _loopback_layer(dtype, opts, tokens=2048, hidden=512, experts=16, topk=4, router="aux_loss", shared=None):
     """A Megatron layer and a MoK layer on the loopback transport (emulating EP=8; ``opts`` may give the
     link's ``gbps`` and ``bytes``), same weights."""
-    from mok_megatron.bench.layer import _config, build
+    from mok_megatron.bench.build import layer_config, build
     from mok_megatron.options import MoKOptions
 
     shape = dict(hidden=hidden, ffn=256, experts=experts, topk=topk, tokens=tokens, shared=shared)
-    cfg = _config(shape, dtype)
+    cfg = layer_config(shape, dtype)
     cfg.moe_router_load_balancing_type = router
     torch.manual_seed(0)
     ref = build("megatron", cfg).cuda()

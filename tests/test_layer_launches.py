@@ -89,11 +89,11 @@ MAX_CUDA_KERNELS_PER_STEP = 120
 
 
 def _gpu_layer():
-    from mok_megatron.bench.layer import _config, build
+    from mok_megatron.bench.build import layer_config, build
 
     shape = dict(hidden=2048, ffn=768, experts=128, topk=8, tokens=4096)
     torch.manual_seed(0)
-    layer = build("mok", _config(shape, torch.bfloat16)).cuda()
+    layer = build("mok", layer_config(shape, torch.bfloat16)).cuda()
     x = torch.randn(shape["tokens"], 1, shape["hidden"], device="cuda", dtype=torch.bfloat16)
     dout = torch.randn_like(x) * 1e-2
 

@@ -3,7 +3,7 @@ GPU host, GPUs / 2 workers each over NCCL), training the demo's tiny MoE GPT.
 
 One launch (``first``, shared by the module) runs: Megatron's alltoall MoELayer then MoK for 10 steps
 at EP=4 (spanning both nodes) and at DP=2 x EP=2, the MoK run with a checkpoint at step 5, and the
-short skew soak. Further launches: the resume, and the three faults. See ``mok_megatron/testing``.
+short skew soak. Further launches: the resume, and the three faults. See ``tests/harness``.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import time
 
 import pytest
 
-from mok_megatron.testing.launch import launch
+from tests.harness.launch import launch
 
 STEPS = 10
 SAVE_AT = 5

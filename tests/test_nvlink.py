@@ -429,14 +429,14 @@ def _nvlink_worker(rank, port, out_path):
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
-    from mok_megatron.bench.layer import _config, build
+    from mok_megatron.bench.build import layer_config, build
     from mok_megatron.options import MoKOptions
     from tests.test_gpu import _run_both
 
     ps.initialize_model_parallel(expert_model_parallel_size=2)
     model_parallel_cuda_manual_seed(7)
     dtype = torch.bfloat16
-    cfg = _config(dict(hidden=512, ffn=256, experts=16, topk=4, tokens=2048), dtype)
+    cfg = layer_config(dict(hidden=512, ffn=256, experts=16, topk=4, tokens=2048), dtype)
     cfg.expert_model_parallel_size = 2
     g = torch.Generator().manual_seed(rank)
     x = torch.randn(2048, 1, 512, generator=g).to("cuda", dtype)

@@ -108,7 +108,7 @@ def test_dedup_bytes_match_the_loopback_byte_counter(meas):
 
 
 def test_loopback_shapes_are_the_benchmarks_definitions():
-    from mok_megatron.bench.overlap import OVERLAP_SHAPES
+    from mok_megatron.bench.shapes import OVERLAP_SHAPES
 
     assert calibrate.LOOPBACK_SHAPES == {
         n: {k: s[k] for k in ("hidden", "ffn", "experts", "topk", "tokens", "ep")}

@@ -50,6 +50,8 @@ def installed(tmp_path_factory):
     # there, so its editable install of this checkout stays inactive (--ignore-installed: pip sees that
     # install's metadata through this path and would otherwise skip the wheel).
     Path(purelib, "test_env_dependencies.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    # --ignore-installed: the dependencies' site-packages may hold an editable install of this checkout, which
+    # pip would otherwise take as the package already installed.
     install = subprocess.run(
         [sys.executable, "-m", "pip", "--python", str(py), "install", "--no-deps", "--no-index"]
         + ["--ignore-installed", str(wheel)],
@@ -86,6 +88,23 @@ def test_plan(installed):
     r = _run(installed, str(installed[1]), "plan", "--model", "deepseek-v3", timeout=600)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     assert "tokens/s/GPU" in r.stdout
+
+
+def test_bench_ships_its_commands_and_no_research_sweeps(installed):
+    """``mok bench layer / train / ep`` run from the wheel; the sweeps of benchmarks/ and the test harness
+    are not in it."""
+    import zipfile
+
+    (wheel,) = (installed[2] / "dist").glob("mok_megatron-*.whl")
+    names = zipfile.ZipFile(wheel).namelist()
+    assert not [n for n in names if n.startswith(("benchmarks/", "tests/", "mok_megatron/testing/"))]
+    for sweep in ("overlap", "wgrad", "gather", "nvlink", "kernels", "cpu_cost"):
+        assert f"mok_megatron/bench/{sweep}.py" not in names
+    r = _run(installed, str(installed[1]), "bench", "--help")
+    assert r.returncode == 0 and r.stdout.startswith("usage: mok bench {layer,train,ep}"), r.stdout + r.stderr
+    for name in ("layer", "train", "ep"):
+        r = _run(installed, str(installed[1]), "bench", name, "--help")
+        assert r.returncode == 0 and f"mok bench {name}" in r.stdout, r.stdout[-2000:] + r.stderr[-2000:]
 
 
 def test_patches_check(installed, tmp_path):

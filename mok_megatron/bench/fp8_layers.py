@@ -28,7 +28,7 @@ def fp8_config(cfg, recipe: str | None):
 
 def build_mok_layer(backend: str, cfg):
     """``mok_megatron.bench.layer.build('mok', cfg)`` with ``--mok-expert-backend backend``."""
-    from mok_megatron.bench.layer import build
+    from mok_megatron.bench.build import build
     from mok_megatron.options import MoKOptions
 
     return build("mok", cfg, options=MoKOptions(expert_backend=backend))

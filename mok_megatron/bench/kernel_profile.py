@@ -1,6 +1,6 @@
 """One training step under the torch profiler, summarised: GPU-busy ms, kernel launches, host enqueue ms
-and the top kernels (on a CPU: no kernels, host ops only). Shared by the ``benchmarks/profile_*.py`` scripts; the header line's format is what
-``mok_megatron.tools.planner.measurements`` parses from their outputs.
+and the top kernels (on a CPU: no kernels, host ops only). ``mok bench ep --profile --kernels`` prints it;
+the header line's format is what ``mok_megatron.tools.planner.measurements`` parses from such outputs.
 
     print(kernel_summary(step, "qwen3-30b-a3b", wall_ms=9.7))
 """

@@ -1,7 +1,7 @@
 """``mok bench layer``: one MoE layer, forward / backward / both, MoK vs Megatron-Core and peers, one process.
 
 The command runs ``bench_suite`` (shapes x routing patterns x implementations; markdown table, ``--json``,
-``--png``); ``bench_layer`` below is the original fwd+bwd-only measurement, kept for its callers.
+``--png``). The layers are built by ``bench.build``.
 
 Every implementation gets the same weights (copied through ``load_state_dict``) and the same input;
 outputs and input gradients are checked against the first implementation before anything is timed.
@@ -23,11 +23,7 @@ Named shapes (from the projects' published configs):
 from __future__ import annotations
 
 import argparse
-import os
-import statistics
 import sys
-import time
-from datetime import timedelta
 
 SHAPES = {
     "qwen3-30b-a3b": dict(hidden=2048, ffn=768, experts=128, topk=8, tokens=16384),
@@ -38,211 +34,6 @@ SHAPES = {
 }
 
 
-def time_steps(step, iters: int, warmup: int) -> list[float]:
-    """Seconds per call of ``step`` after ``warmup`` calls: CUDA events on a GPU, the wall clock on CPU."""
-    import torch
-
-    for _ in range(warmup):
-        step()
-    times = []
-    for _ in range(iters):
-        if torch.cuda.is_available():
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            step()
-            b.record()
-            b.synchronize()
-            times.append(a.elapsed_time(b) / 1e3)
-        else:
-            t0 = time.perf_counter()
-            step()
-            times.append(time.perf_counter() - t0)
-    return times
-
-
-def _init_single_process():
-    import torch
-    import torch.distributed as dist
-
-    if not dist.is_initialized():
-        import socket
-
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ["MASTER_PORT"] = str(port)
-        dist.init_process_group(
-            "nccl" if torch.cuda.is_available() else "gloo",
-            rank=0,
-            world_size=1,
-            timeout=timedelta(seconds=120),
-        )
-    if not torch.cuda.is_available():
-        import mok_megatron.training.cpu
-
-        mok_megatron.training.cpu.enable()
-    from megatron.core import parallel_state as ps
-    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
-
-    if not ps.model_parallel_is_initialized():
-        ps.initialize_model_parallel()
-    model_parallel_cuda_manual_seed(1234)
-
-
-def _config(shape: dict, dtype):
-    import torch
-    import torch.nn.functional as F
-    from megatron.core.transformer.transformer_config import TransformerConfig
-
-    return TransformerConfig(
-        num_layers=1,
-        hidden_size=shape["hidden"],
-        num_attention_heads=8,
-        num_moe_experts=shape["experts"],
-        moe_ffn_hidden_size=shape["ffn"],
-        moe_router_topk=shape["topk"],
-        moe_token_dispatcher_type="alltoall",
-        moe_router_load_balancing_type="aux_loss",
-        moe_aux_loss_coeff=1e-2,
-        moe_router_dtype="fp32",
-        gated_linear_unit=True,
-        activation_func=F.silu,
-        add_bias_linear=False,
-        params_dtype=dtype,
-        bf16=dtype == torch.bfloat16,
-        use_cpu_initialization=not torch.cuda.is_available(),
-        init_method_std=0.02,
-        # optional: a shared expert of this FFN width, run beside the routed experts (DeepSeek-V3: 2048)
-        moe_shared_expert_intermediate_size=shape.get("shared"),
-        moe_shared_expert_overlap=bool(shape.get("shared")),
-    )
-
-
-def build(impl: str, cfg, options=None):
-    """One MoE layer: 'mok', 'megatron' (SequentialMLP, no TE) or 'megatron-te' (TEGroupedMLP)."""
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_submodules
-
-    if impl == "mok":
-        from mok_megatron.spec import get_gpt_layer_with_mok_spec
-
-        mlp = get_gpt_layer_with_mok_spec(use_te=False).submodules.mlp
-    elif impl == "megatron":
-        mlp = get_gpt_layer_local_submodules(num_experts=cfg.num_moe_experts).mlp
-    elif impl == "megatron-te":
-        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_submodules
-
-        mlp = get_gpt_layer_with_transformer_engine_submodules(
-            num_experts=cfg.num_moe_experts, moe_grouped_gemm=True
-        ).mlp
-    else:
-        raise ValueError(f"unknown implementation {impl!r}: choose mok, megatron, megatron-te")
-    layer = mlp(config=cfg, options=options) if impl == "mok" else mlp(config=cfg)
-    layer.set_layer_number(1)
-    return layer
-
-
-def bench_layer(
-    shape_name: str,
-    impls: list[str],
-    dtype_name: str = "bf16",
-    iters: int = 10,
-    warmup: int = 3,
-    tokens: int | None = None,
-) -> dict:
-    import torch
-
-    from mok_megatron.experts.checkpoint import convert_state_dict
-
-    _init_single_process()
-    dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[dtype_name]
-    shape = dict(SHAPES[shape_name])
-    if tokens:
-        shape["tokens"] = tokens
-    cfg = _config(shape, dtype)
-    device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
-    g = torch.Generator().manual_seed(0)
-    x = (torch.randn(shape["tokens"], 1, shape["hidden"], generator=g)).to(device, dtype)
-    dout = (torch.randn(shape["tokens"], 1, shape["hidden"], generator=g) * 1e-2).to(device, dtype)
-    flops = 3 * 2 * shape["tokens"] * shape["topk"] * 3 * shape["hidden"] * shape["ffn"]
-    rows, ref_out, ref_sd = [], None, None
-    for impl in impls:
-        torch.manual_seed(0)
-        layer = build(impl, cfg).to(device)
-        if ref_sd is None:
-            ref_sd = layer.state_dict()
-        else:
-            target = "mok" if impl == "mok" else ("te_grouped" if impl == "megatron-te" else "sequential")
-            layer.load_state_dict(convert_state_dict(ref_sd, target), strict=True)
-
-        def step(layer=layer):
-            xi = x.detach().requires_grad_(True)
-            out, _ = layer(xi)
-            out.backward(dout)
-            return out, xi.grad
-
-        out, dx = step()
-        if ref_out is None:
-            ref_out = (out.detach().float(), dx.float())
-            err = (0.0, 0.0)
-        else:
-            scale_o = ref_out[0].abs().max().item() or 1.0
-            scale_d = ref_out[1].abs().max().item() or 1.0
-            err = (
-                (out.float() - ref_out[0]).abs().max().item() / scale_o,
-                (dx.float() - ref_out[1]).abs().max().item() / scale_d,
-            )
-            tol = 5e-2 if dtype == torch.bfloat16 else 1e-4
-            if max(err) > tol:
-                raise RuntimeError(
-                    f"{impl} disagrees with {impls[0]}: relative error out {err[0]:.3e}, dx {err[1]:.3e}"
-                )
-
-        def timed_step(step=step, layer=layer):
-            layer.zero_grad(set_to_none=True)
-            step()
-
-        times = time_steps(timed_step, iters, warmup)
-        med = statistics.median(times)
-        rows.append(
-            {
-                "impl": impl,
-                "ms": 1e3 * med,
-                "min_ms": 1e3 * min(times),
-                "expert_tflops": flops / med / 1e12,
-                "rel_err_out": err[0],
-                "rel_err_dx": err[1],
-            }
-        )
-        del layer
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
-    return {
-        "shape": shape_name,
-        **shape,
-        "dtype": dtype_name,
-        "iters": iters,
-        "device": torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu",
-        "rows": rows,
-    }
-
-
-def format_result(r: dict) -> str:
-    lines = [
-        f"{r['shape']}: H {r['hidden']}, F {r['ffn']}, {r['experts']} experts, top-{r['topk']}, "
-        f"{r['tokens']} tokens, {r['dtype']}, {r['device']}, fwd+bwd, median of {r['iters']}"
-    ]
-    lines.append(
-        f"  {'impl':<14}{'ms':>10}{'min ms':>10}{'expert TFLOP/s':>16}{'rel err out':>13}{'rel err dx':>12}"
-    )
-    for row in r["rows"]:
-        lines.append(
-            f"  {row['impl']:<14}{row['ms']:>10.2f}{row['min_ms']:>10.2f}{row['expert_tflops']:>16.1f}"
-            f"{row['rel_err_out']:>13.2e}{row['rel_err_dx']:>12.2e}"
-        )
-    return "\n".join(lines)
-
-
 def main(argv: list[str] | None = None) -> int:
     from mok_megatron.bench.routing import ROUTINGS
     from mok_megatron.bench.suite import FP8_IMPLS, IMPLS, MEGATRON_FP8_IMPLS
@@ -250,7 +41,6 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         prog="mok bench layer", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    p.add_argument("what", choices=["layer"])
     p.add_argument("--shape", default="qwen3-30b-a3b", help=f"comma list of {', '.join(SHAPES)}, or all")
     p.add_argument("--tokens", type=int, default=None, help="override every shape's token count")
     p.add_argument("--routing", default="uniform", help=f"comma list of {', '.join(ROUTINGS)}, or all")

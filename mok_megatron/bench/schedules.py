@@ -8,7 +8,7 @@ and a communication stream, and one micro-batch's forward runs beside another's 
 layer, so each all-to-all hides behind the other micro-batch's computation. What the overlap gains is
 therefore a property of whole transformer layers and of micro-batch pairs. It is measured here on the
 smallest model the schedule works on: a GPT with one transformer layer (attention + MoE), the shape's
-MoE (``overlap.EP_SHAPES``: hidden, expert FFN, local experts x EP, top-k; tokens per rank = one
+MoE (``shapes.EP_SHAPES``: hidden, expert FFN, local experts x EP, top-k; tokens per rank = one
 micro-batch's sequence, micro-batch size 1), its attention (``heads``, ``groups``, ``kv_channels``),
 RoPE, RMSNorm, a ``VOCAB``-token vocabulary.
 
@@ -56,8 +56,8 @@ LAYER_RTOL = {"fp32": 1e-5, "bf16": 1e-2}
 
 EP1_ERROR = (
     "mok bench ep --schedules {names}: Megatron's --overlap-moe-expert-parallel-comm needs expert "
-    "parallelism (EP > 1); launch N >= 2 ranks: torchrun --nproc-per-node N -m mok_megatron.bench.overlap "
-    "ep --schedules {names}"
+    "parallelism (EP > 1); launch N >= 2 ranks: torchrun --nproc-per-node N -m mok_megatron.bench.ep "
+    "--schedules {names}"
 )
 
 
@@ -207,8 +207,8 @@ def bench_schedules(
     import torch.distributed as dist
     from megatron.core.transformer.moe.moe_logging import destroy_moe_metrics_tracker
 
-    from mok_megatron.bench.layer import time_steps
-    from mok_megatron.bench.overlap import EP_SHAPES
+    from mok_megatron.bench.timing import time_steps
+    from mok_megatron.bench.shapes import EP_SHAPES
     from mok_megatron.experts.checkpoint import convert_state_dict
     from mok_megatron.options import MoKOptions
     from mok_megatron.training.cpu_training import megatron_schedule

@@ -86,10 +86,10 @@ def _te_reason() -> str | None:
 
 
 def _bench_config(shape: dict, dtype, impl: str, router_fusion: bool = False):
-    from mok_megatron.bench.layer import _config
+    from mok_megatron.bench.build import layer_config
 
     cfg = dataclasses.replace(
-        _config(shape, dtype),
+        layer_config(shape, dtype),
         moe_router_load_balancing_type="none",
         moe_aux_loss_coeff=0.0,
         moe_router_fusion=router_fusion,
@@ -112,7 +112,7 @@ def _weights(sd: dict):
 
 def _build(impl: str, shape: dict, dtype, device, ref_sd: dict | None, router_fusion: bool = False):
     """(layer, note) or PeerUnavailable."""
-    from mok_megatron.bench.layer import build
+    from mok_megatron.bench.build import build
     from mok_megatron.experts.checkpoint import convert_state_dict
 
     if impl.startswith("megatron-te") and (reason := _te_reason()):
@@ -173,7 +173,7 @@ def _build_fp8(impl: str, shape: dict, dtype, device, ref_sd: dict, router_fusio
 
 def _build_megatron_fp8(impl: str, shape: dict, dtype, device, ref_sd: dict, router_fusion: bool = False):
     from mok_megatron.bench.fp8_layers import InQuantContext, fp8_config, unavailable
-    from mok_megatron.bench.layer import build
+    from mok_megatron.bench.build import build
     from mok_megatron.experts.checkpoint import convert_state_dict
 
     recipe = MEGATRON_FP8_IMPLS[impl]
@@ -362,13 +362,13 @@ def bench_suite(
     router_fusion: bool = False,
 ) -> list[dict]:
     """One case per (shape, routing), all in this process."""
-    from mok_megatron.bench.layer import _init_single_process
+    from mok_megatron.bench.build import init_single_process
 
     check_impls(impls)
     bad = [r for r in routings if r not in ROUTINGS]
     if bad:
         raise ValueError(f"unknown routing(s) {bad}: choose from {', '.join(ROUTINGS)}")
-    _init_single_process()
+    init_single_process()
     grid = [(name, s, r) for name, s in shapes.items() for r in routings]
     return [
         bench_case(

@@ -1,4 +1,5 @@
-"""Phase timing and peak memory for ``mok bench layer``.
+"""Phase timing and peak memory for ``mok bench layer``; ``time_steps``: one step's times for ``mok bench ep``
+and the sweeps.
 
 Forward, backward and forward+backward are timed separately: CUDA events around the phase on a GPU, the
 wall clock (``time.perf_counter``) on CPU. For the backward the forward runs first, untimed, then the
@@ -24,6 +25,28 @@ import time
 from collections.abc import Callable
 
 PHASES = ("fwd", "bwd", "fwd_bwd", "steady")
+
+
+def time_steps(step, iters: int, warmup: int) -> list[float]:
+    """Seconds per call of ``step`` after ``warmup`` calls: CUDA events on a GPU, the wall clock on CPU."""
+    import torch
+
+    for _ in range(warmup):
+        step()
+    times = []
+    for _ in range(iters):
+        if torch.cuda.is_available():
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            step()
+            b.record()
+            b.synchronize()
+            times.append(a.elapsed_time(b) / 1e3)
+        else:
+            t0 = time.perf_counter()
+            step()
+            times.append(time.perf_counter() - t0)
+    return times
 
 
 def _timed(setup: Callable, timed: Callable, iters: int, warmup: int) -> list[float]:

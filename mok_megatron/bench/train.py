@@ -35,7 +35,6 @@ failed), 2 (bad input: one line, before anything starts), 3 (losses disagree bey
 from __future__ import annotations
 
 import argparse
-import datetime
 import math
 import os
 import shlex
@@ -47,12 +46,10 @@ import tempfile
 import time
 from dataclasses import dataclass
 
-from mok_megatron.bench.train_presets import PRESETS
+from mok_megatron.bench.train_presets import MOK_RUNS, PRESETS, RUN_NAMES
 from mok_megatron.training.cpu_training import CPU_FLAGS
 
 PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-MOK_RUNS = ("mok", "mok-overlap")
-RUN_NAMES = MOK_RUNS + ("alltoall", "alltoall-unfused", "flex", "alltoall-overlap")
 # Flags the bench sets on every run itself.
 OWNED = {
     "--train-iters": "set the number of steps with --iters",
@@ -645,10 +642,6 @@ def execute(plan: Plan, torchrun: str, workdir: str, ns) -> dict:
         if not ns.keep_checkpoint:
             shutil.rmtree(plan.init_dir, ignore_errors=True)
     return results
-
-
-def utc_now() -> str:
-    return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 if __name__ == "__main__":

@@ -31,6 +31,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 DEEPSEEK_V3_EXPERTS = 24
+# The names ``--runs`` takes: MoK's layer (also under Megatron's 1F1B EP overlap), Megatron's dispatchers
+MOK_RUNS = ("mok", "mok-overlap")
+RUN_NAMES = MOK_RUNS + ("alltoall", "alltoall-unfused", "flex", "alltoall-overlap")
 
 
 # The optimizer and schedule of every GPU preset (the measured Qwen3-30B-A3B command's), and the data.

@@ -10,6 +10,7 @@ and "<other Megatron run>/<reference>": train_log.loss_agreement; <reference> is
 
 from __future__ import annotations
 
+import datetime
 import json
 import os
 import sys
@@ -76,7 +77,7 @@ def collect(plan, results: dict, machine, warmup: int) -> dict:
         else:
             entry["error"] = last_error(res["tail"])
         runs[run.name] = entry
-    from mok_megatron.bench.train import MOK_RUNS
+    from mok_megatron.bench.train_presets import MOK_RUNS
 
     ok_runs = {n: r for n, r in runs.items() if r["rc"] == 0}
     speedup, agreement = {}, {}
@@ -138,14 +139,12 @@ def write_png(path: str, runs: dict, title: str) -> str:
 
 def report(plan, results: dict, machine, ns, workdir: str) -> int:
     """Print the table and verdicts, write JSON / PNG; the exit status (see ``mok_megatron.bench.train``)."""
-    from mok_megatron.bench.train import utc_now
-
     for name, res in results.items():
         res["log_path"] = os.path.join(workdir, f"{name}.log")
     init = results.get("init")
     out = {
         "schema": SCHEMA,
-        "date": utc_now(),
+        "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
         "command": "mok bench train " + " ".join(ns.original_argv),
         "machine": _versions(machine),
         "preset": plan.preset,

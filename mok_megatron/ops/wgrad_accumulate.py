@@ -6,7 +6,7 @@ features, G groups (local experts); ``offs_G`` int32 inclusive row offsets (as i
 Why: Megatron's ``gradient_accumulation_fusion`` (its default) has every linear add its weight gradient
 straight into the fp32 ``param.main_grad`` (beta = 1) instead of returning a gradient tensor, which
 saves the fresh bf16 ``[G, N, K]`` gradient and DDP's hook adding it into ``main_grad``.
-``experts.torch_mlp`` calls this op when the fusion is on. Measured on an H200 (``mok bench wgrad``): one
+``experts.torch_mlp`` calls this op when the fusion is on. Measured on an H200 (``benchmarks/wgrad.py``): one
 QuACK call into fp32 costs 3.86 ms against torch's bf16 GEMM's 3.80 on a DeepSeek-V3 EP slice, 2.57
 against 1.86 on Qwen3-30B-A3B (its fp32 output moves twice the bytes); the add it saves was not timed.
 Several calls into one accumulator each read and write all of it (4 calls: 5.30 and 8.05 ms), so a layer

@@ -44,7 +44,7 @@ from mok_megatron.tools.planner.measurements import EPPoint, Layer1, Measurement
 from mok_megatron.tools.planner.shapes import MoEShape
 
 DATA = read_data("calibration.json")
-# the loopback sweep's shapes (per-rank slice, emulated EP size), as ``mok bench overlap`` defines them
+# the loopback sweep's shapes (per-rank slice, emulated EP size), as ``mok_megatron.bench.shapes`` defines them
 LOOPBACK_SHAPES = read_data()["loopback_shapes"]
 H200 = GPUS["H200"]
 H200_BF16_PEAK, H200_FP8_PEAK, H200_NVLINK, H200_HBM = (

@@ -12,9 +12,9 @@ date, its *source* (the folder's name) and the *commit* that holds the folder (`
 folder, and git keeps the past. A new measurement is added by data only: commit its folder, refresh, and
 declare its code state in data/calibration.json (docs/planner.md, 'Adding a measurement').
 
-``mok plan`` never reads docs/: it reads only the package data (``measurements.load``). Shapes come from the
-benchmark definitions (``mok_megatron.bench.overlap``), so a result file and the planner never disagree on
-what was timed.
+``mok plan`` never reads docs/: it reads only the package data this writes (``measurements.load``).
+Shapes come from the benchmark definitions (``mok_megatron.bench.shapes``), so a result file and the
+planner never disagree on what was timed.
 """
 
 from __future__ import annotations
@@ -94,7 +94,7 @@ def _bf16_experts(row: dict) -> bool:
 
 
 def ep_results(folder: Path, source: str = "", date: str = "") -> tuple[list[dict], list[dict]]:
-    from mok_megatron.bench.overlap import EP_SHAPES
+    from mok_megatron.bench.shapes import EP_SHAPES
 
     ones, twos = [], []
     f = _one(folder, "ep.json")
@@ -140,7 +140,7 @@ def _unmodelled_mode(mode: str) -> bool:
 
 
 def overlap_results(folder: Path, source: str = "", date: str = "") -> tuple[list[dict], list[dict]]:
-    from mok_megatron.bench.overlap import OVERLAP_SHAPES
+    from mok_megatron.bench.shapes import OVERLAP_SHAPES
 
     f = _one(folder, "overlap.json")
     if f is None:
@@ -260,7 +260,7 @@ def ep_profiles(folder: Path, source: str = "", date: str = "") -> list[dict]:
 
 def loopback_shapes() -> dict:
     """The loopback sweep's shapes the model fits (no shared expert, not the tiny test shape)."""
-    from mok_megatron.bench.overlap import OVERLAP_SHAPES
+    from mok_megatron.bench.shapes import OVERLAP_SHAPES
 
     return {
         n: {k: s[k] for k in ("hidden", "ffn", "experts", "topk", "tokens", "ep")}

@@ -1,5 +1,9 @@
-"""``mok bench gather``: the experts' fc1 grouped GEMM on rows gathered from token order (QuACK's gather-A GEMM,
+"""The experts' fc1 grouped GEMM on rows gathered from token order (QuACK's gather-A GEMM,
 ``ops.gather_gemm``) against the permuted copy followed by torch's grouped GEMM.
+
+    python -m benchmarks.gather --shape deepseek-v3-ep32,qwen3-30b-a3b --json gather.json
+
+(from the repository root; needs a CUDA GPU, ``--allow-cpu`` runs it on a CPU: ``--shape tiny``).
 
 Legend: T tokens, k top-k, M = T*k rows (expert-major), E local experts, H hidden, F FFN width (fc1 is
 2F wide: gate and up).
@@ -28,8 +32,11 @@ import sys
 
 import torch
 
+from benchmarks.cpu_cost import cpu_refusal
+
+PROG = "python -m benchmarks.gather"
 SHAPES = {
-    # one EP=32 rank's slice of DeepSeek-V3 (as ``mok bench wgrad``): 4096 tokens x top-8 over 8 local experts
+    # one EP=32 rank's slice of DeepSeek-V3 (as benchmarks.wgrad): 4096 tokens x top-8 over 8 local experts
     "deepseek-v3-ep32": dict(hidden=7168, ffn=2048, experts=8, tokens=4096, topk=8),
     "qwen3-30b-a3b": dict(hidden=2048, ffn=768, experts=128, tokens=16384, topk=8),
     "tiny": dict(hidden=64, ffn=32, experts=4, tokens=32, topk=2),
@@ -177,21 +184,24 @@ def markdown(result: dict) -> str:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(
-        prog="mok bench gather", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    p.add_argument("what", choices=["gather"])
     p.add_argument(
         "--shape", default="deepseek-v3-ep32,qwen3-30b-a3b", help=f"comma list of {', '.join(SHAPES)}"
     )
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--json", default=None)
+    p.add_argument("--allow-cpu", action="store_true", help="run without a CUDA GPU")
     ns = p.parse_args(argv)
     names = ns.shape.split(",")
     if bad := [n for n in names if n not in SHAPES]:
         p.error(f"--shape {bad}: choose from {', '.join(SHAPES)}")
     if ns.iters < 1 or ns.warmup < 0:
         p.error(f"--iters {ns.iters} / --warmup {ns.warmup}: need iters >= 1 and warmup >= 0")
+    if not torch.cuda.is_available() and not ns.allow_cpu:
+        print(cpu_refusal(PROG, tiny="--shape tiny"), file=sys.stderr)
+        return 2
     results = []
     for n in names:
         results.append(bench_gather(n, ns.iters, ns.warmup))

@@ -1,8 +1,8 @@
 """Dispatch/combine bandwidth of the NVLink transport vs NCCL ``all_to_all_single`` (and the copy-engine
-transport) at the same bytes. Run on one NVLink domain:
+transport) at the same bytes. Run on one NVLink domain, from the repository root:
 
     NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 \\
-        torchrun --nproc-per-node 2 -m mok_megatron.bench.nvlink --json out.json
+        torchrun --nproc-per-node 2 -m benchmarks.nvlink --json out.json
 
 Routing is uniform top-k; a token goes once to each rank holding one of its experts (the pipeline's
 layout), so each rank sends ``rows[s][d]`` token rows of H bf16 to rank d. Bandwidth follows DeepEP's
@@ -25,6 +25,8 @@ import os
 import sys
 from types import SimpleNamespace
 
+PROG = "python -m benchmarks.nvlink"
+LAUNCH = "torchrun --nproc-per-node 2 -m benchmarks.nvlink --json out.json"
 SHAPES = {  # per-rank slices (tokens per rank) of the two models
     "dsv3": dict(tokens=4096, hidden=7168, topk=8, experts=16),
     "qwen3": dict(tokens=16384, hidden=2048, topk=8, experts=128),
@@ -178,7 +180,9 @@ def _bench_shape(name, ns, rank, P, device, slowest, smallest) -> list[dict]:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m mok_megatron.bench.nvlink", description=__doc__)
+    p = argparse.ArgumentParser(
+        prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--shapes", default="dsv3,qwen3")
     p.add_argument("--programs", default="16,32,64,128", help="CTAs that communicate, comma list")
     p.add_argument("--syncs", default="barrier,flags", help="nvlink signalling: barrier, flags (comma list)")
@@ -186,12 +190,16 @@ def main(argv=None) -> int:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--json", default=None)
     ns = p.parse_args(argv)
+    import torch
+
+    if not torch.cuda.is_available() or "RANK" not in os.environ:
+        print(f"{PROG}: needs CUDA GPUs on one NVLink domain, one process each: {LAUNCH}", file=sys.stderr)
+        return 2
     for k, v in dict(
         NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NVSHMEM_DISABLE_NVLS="1"
     ).items():
         os.environ.setdefault(k, v)
 
-    import torch
     import torch.distributed as dist
 
     from mok_megatron.transport.nvlink.workspace import close_all

@@ -1,6 +1,6 @@
 """GPU micro-benchmark: each Triton kernel against its torch reference, on real MoE layer shapes.
 
-    python -m mok_megatron.bench.kernels [--shapes qwen3-30b-a3b deepseek-v3-slice] [--alignment 1] [--json OUT]
+    python -m benchmarks.kernels [--shapes qwen3-30b-a3b deepseek-v3-slice] [--alignment 1] [--json OUT]
 
 Legend: T tokens, H hidden, F expert FFN width, E experts, K top-k, N = T*K routes, R permuted rows.
 
@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -183,8 +184,11 @@ def markdown(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description="Triton kernels vs torch references (needs a CUDA GPU)")
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.kernels",
+        description="Triton kernels vs torch references (needs a CUDA GPU)",
+    )
     parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     parser.add_argument("--alignment", type=int, default=1, help="expert row alignment (1, 16, 32, 128)")
     parser.add_argument("--warmup", type=int, default=5)
@@ -192,7 +196,8 @@ def main(argv=None) -> None:
     parser.add_argument("--json", help="also write the rows to this JSON file")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
-        raise SystemExit("mok_megatron.bench.kernels needs a CUDA GPU (torch.cuda.is_available() is False)")
+        print("python -m benchmarks.kernels: needs a CUDA GPU (none is visible here)", file=sys.stderr)
+        return 2
     rows = run(args.shapes, args.alignment, args.warmup, args.iters)
     print(
         f"{torch.cuda.get_device_name()}, torch {torch.__version__}, alignment {args.alignment}, "
@@ -202,7 +207,8 @@ def main(argv=None) -> None:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -18,7 +18,7 @@ started with different flags stop at once with the differing settings named. Any
 (a dead peer, a collective timeout, a bad checkpoint) prints one line naming the rank and the step
 and exits non-zero (``faults``). Rank 0 writes the results of all jobs to ``--out``/results.json.
 
-    torchrun --nnodes 2 --nproc-per-node 2 ... -m mok_megatron.testing.train_tiny \\
+    torchrun --nnodes 2 --nproc-per-node 2 ... -m tests.harness.train_tiny \\
         --out /tmp/run --compare-ep 4 2 --ckpt-ep 4 --save-at 10 --ckpt-dir /tmp/run/ckpt
 """
 
@@ -34,7 +34,7 @@ from datetime import timedelta
 
 from mok_megatron.config import MoKConfigError
 from mok_megatron.training.consistency import MoEConfigMismatchError
-from mok_megatron.testing import faults
+from tests.harness import faults
 from mok_megatron.training.checkpoint_files import CheckpointError
 
 
@@ -119,7 +119,7 @@ def demo_args(a, job: Job):
 
 
 def config_overrides(job: Job) -> dict:
-    from mok_megatron.testing.skew import FORCE_BIAS_STD
+    from tests.harness.skew import FORCE_BIAS_STD
 
     # top-1 routing (every token to one expert) needs Megatron's softmax before top-k
     return {"moe_router_force_biased": FORCE_BIAS_STD, "moe_router_pre_softmax": True} if job.skew else {}
@@ -192,8 +192,8 @@ def run_job(a, job: Job, rank: int, device, clock) -> dict:
     from megatron.core import parallel_state as ps
 
     from mok_megatron.tools.demo import batch_at, dataset, train_step
-    from mok_megatron.testing.skew import MemoryProbe, TokenCounter
-    from mok_megatron.testing.train_state import load_train_state, save_train_state
+    from tests.harness.skew import MemoryProbe, TokenCounter
+    from tests.harness.train_state import load_train_state, save_train_state
 
     clock.job, clock.step = job.name, 0
     model, opt = build(a, job, device)

@@ -10,7 +10,7 @@ Timeouts (all bounded; see ``faults`` for what the workers do):
     --timeout-s    workers: a collective waits at most this long for a peer (train_tiny, 120 s)
     timeout_s      here: the whole launch; agents still running then are killed (process groups)
 
-    python -m mok_megatron.testing.launch [--nnodes 2] [--nproc-per-node P] -- <train_tiny args>
+    python -m tests.harness.launch [--nnodes 2] [--nproc-per-node P] -- <train_tiny args>
 """
 
 from __future__ import annotations
@@ -26,8 +26,8 @@ import tempfile
 import time
 from dataclasses import dataclass
 
-PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-WORKER = "mok_megatron.testing.train_tiny"
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+WORKER = "tests.harness.train_tiny"
 JOIN_TIMEOUT_S = 60
 
 
@@ -67,7 +67,7 @@ def agent_command(node: int, nnodes: int, nproc: int, port: int, worker_args: li
 
 def agent_env(node: int, nproc: int, gpus: int) -> dict:
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (PACKAGE_ROOT, env.get("PYTHONPATH")) if p)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (REPO_ROOT, env.get("PYTHONPATH")) if p)
     env.update(TORCHDYNAMO_DISABLE="1", PYTHONUNBUFFERED="1")
     if gpus:
         env["CUDA_VISIBLE_DEVICES"] = ",".join(str(node * nproc + i) for i in range(nproc))
@@ -160,7 +160,7 @@ def _gpu_count() -> int:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     split = argv.index("--") if "--" in argv else len(argv)
-    p = argparse.ArgumentParser(prog="python -m mok_megatron.testing.launch", description=__doc__)
+    p = argparse.ArgumentParser(prog="python -m tests.harness.launch", description=__doc__)
     p.add_argument("--nnodes", type=int, default=2)
     p.add_argument("--nproc-per-node", type=int, default=None, help="default: GPUs / nnodes, else 2")
     p.add_argument("--timeout-s", type=float, default=600.0, help="kill the launch after this long")

@@ -1,5 +1,9 @@
-"""``mok bench wgrad``: the experts' weight gradients of one layer call split into N calls, with and without
-accumulation into one fp32 buffer, against one call over all rows.
+"""The experts' weight gradients of one layer call split into N calls, with and without accumulation into
+one fp32 buffer, against one call over all rows.
+
+    python -m benchmarks.wgrad --shape deepseek-v3-ep32,qwen3-30b-a3b --calls 4 --json wgrad.json
+
+(from the repository root; needs a CUDA GPU, ``--allow-cpu`` runs it on a CPU: ``--shape tiny``).
 
 Legend: R rows of the layer call (tokens x top-k, expert-major), N calls (minibatches), E local experts,
 H hidden, F FFN width (fc1 is 2F wide: gate and up).
@@ -34,6 +38,9 @@ import sys
 
 import torch
 
+from benchmarks.cpu_cost import cpu_refusal
+
+PROG = "python -m benchmarks.wgrad"
 SHAPES = {
     # one EP=32 rank's slice of DeepSeek-V3 (as ``mok bench layer``): 4096 tokens x top-8 over 8 experts
     "deepseek-v3-ep32": dict(hidden=7168, ffn=2048, experts=8, rows=4096 * 8),
@@ -239,20 +246,23 @@ def markdown(result: dict) -> str:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(
-        prog="mok bench wgrad", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    p.add_argument("what", choices=["wgrad"])
     p.add_argument("--shape", default="deepseek-v3-ep32", help=f"comma list of {', '.join(SHAPES)}")
     p.add_argument("--calls", type=int, default=4, help="calls (minibatches) the layer call is split into")
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--json", default=None)
+    p.add_argument("--allow-cpu", action="store_true", help="run without a CUDA GPU")
     ns = p.parse_args(argv)
     names = ns.shape.split(",")
     if bad := [n for n in names if n not in SHAPES]:
         p.error(f"--shape {bad}: choose from {', '.join(SHAPES)}")
     if ns.calls < 1:
         p.error(f"--calls {ns.calls}: must be >= 1")
+    if not torch.cuda.is_available() and not ns.allow_cpu:
+        print(cpu_refusal(PROG, tiny="--shape tiny"), file=sys.stderr)
+        return 2
     results = []
     for n in names:
         try:

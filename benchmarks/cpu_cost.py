@@ -1,4 +1,6 @@
-"""What a CPU run of ``mok bench overlap`` will cost, estimated before it starts (``cpu_warning``).
+"""The research sweeps time GPU kernels and streams: without a CUDA GPU each refuses in one line
+(``cpu_refusal``) unless ``--allow-cpu`` is given; the loopback sweep's line carries its estimated cost
+on this CPU (``cpu_estimate``).
 
 A layer step (forward + backward) is dominated by its expert GEMMs: ``3 x 2 x T x K x 3 x H x F`` FLOPs
 (fc1 is 2F wide, fc2 F; backward twice the forward), plus a shared expert's ``3 x 2 x T x 3 x H x S``.
@@ -51,19 +53,26 @@ def overlap_steps(points: int, iters: int, warmup: int) -> float:
     return (1 / 3 + warmup + iters) + points * (1 / 3 + 2 + warmup + iters)
 
 
-def cpu_warning(shapes: dict[str, dict], points: int, iters: int, warmup: int, gflops: float) -> str:
-    """One line: the estimated cost of the run on CPU, and ``--shapes tiny`` for anything larger."""
+def cpu_estimate(shapes: dict[str, dict], points: int, iters: int, warmup: int, gflops: float) -> str:
+    """The estimated cost of a loopback sweep on this CPU, one clause."""
     per_shape = {n: step_seconds(s, gflops) * overlap_steps(points, iters, warmup) for n, s in shapes.items()}
     total = sum(per_shape.values())
     each = ", ".join(f"{n} {_duration(t / (points + 1))}" for n, t in per_shape.items())
-    msg = (
-        f"mok bench overlap: no CUDA GPU, running on CPU: {len(shapes)} shape(s) x {points + 1} points "
-        f"(baseline included), {iters} iterations + {warmup} warm-up each; estimated {_duration(total)} "
-        f"in all (a point: {each}; from this CPU's {gflops:.0f} GFLOP/s fp32 matmul)."
+    return (
+        f"{len(shapes)} shape(s) x {points + 1} points (baseline included), {iters} iterations + {warmup} "
+        f"warm-up each; estimated {_duration(total)} in all (a point: {each}; from this CPU's {gflops:.0f} "
+        "GFLOP/s fp32 matmul)"
     )
-    if any(n != "tiny" and not n.startswith("tiny-") for n in shapes):
-        msg += " For a quick check of the command use --shapes tiny."
-    return msg
+
+
+def cpu_refusal(prog: str, cost: str | None = None, tiny: str = "--shapes tiny") -> str:
+    """One line: ``prog`` needs a CUDA GPU, what a CPU run would cost, and how to run it anyway."""
+    cost = f" ({cost})" if cost else ""
+    return (
+        f"{prog}: no CUDA GPU: this sweep times GPU kernels and streams, so on a CPU it runs long and its "
+        f"times say nothing{cost}. Run it on a GPU, or add --allow-cpu to run it here anyway ({tiny} "
+        "checks the command in seconds)."
+    )
 
 
 def _duration(seconds: float) -> str:
