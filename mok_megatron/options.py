@@ -169,8 +169,8 @@ class MoKOptions:
         1.0,
         help="sync-free receive buffer per source rank, a fraction of its tokens in (0, 1]; overflow is "
         "redone, never dropped",
-        detail="1.0 can never overflow; smaller saves memory; an overflow is detected and the call's exchange "
-        "redone with exact sizes",
+        detail="1.0 can never overflow; smaller saves memory; an overflow is detected and the call's "
+        "exchange redone with exact sizes",
         metavar="F",
     )
     sync_free: bool = option(

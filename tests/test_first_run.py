@@ -118,7 +118,11 @@ USER_ERRORS = {
     ),
     "overlap_ep1": (
         BASE + ["--overlap-moe-expert-parallel-comm"],
-        ("--overlap-moe-expert-parallel-comm", "--expert-model-parallel-size 2 or more (got 1)", "Drop the flag"),
+        (
+            "--overlap-moe-expert-parallel-comm",
+            "--expert-model-parallel-size 2 or more (got 1)",
+            "Drop the flag",
+        ),
     ),
     "megatron_value": (BASE + ["--num-layers", "two"], ("--num-layers", "invalid int value: 'two'")),
 }
@@ -225,7 +229,7 @@ def test_missing_transformer_engine_names_both_fixes(startup):
 
 
 def _tiny_command(iters: int, dispatcher: str = "mok", nproc: int = 2) -> list[str]:
-    """The tiny recipe's launch command: ``nproc`` gloo ranks, EP=nproc (its rendezvous on a free port here)."""
+    """The tiny recipe's launch command: ``nproc`` gloo ranks, EP=nproc (rendezvous on a free port here)."""
     r = _run(
         ["bash", "examples/tiny_moe.sh"],
         DRY_RUN="1",
@@ -355,7 +359,8 @@ def test_resume_with_nothing_left_to_train_fails(resumed):
     r = resumed["at_end"]
     errors = _error_lines(r)
     assert r.returncode != 0 and _iterations(r) == [], r.stderr[-3000:]
-    assert len(errors) == 1 and "nothing was trained. Raise --train-iters above 4" in errors[0], r.stderr[-3000:]
+    assert len(errors) == 1, r.stderr[-3000:]
+    assert "nothing was trained. Raise --train-iters above 4" in errors[0], errors[0]
 
 
 def test_resume_with_another_schedule_names_the_flag_that_resumes_it(resumed):

@@ -139,8 +139,8 @@ def test_provider_is_idempotent_and_install_reaches_megatron_reparses(monkeypatc
 
 def test_megatron_runtime_patches_are_all_listed():
     """``training.megatron_hooks.RUNTIME_PATCHES`` names every Megatron attribute the hooks replace: each
-    target exists in the installed Megatron-Core, and installing the hooks (the command line, CPU mode where no
-    GPU is present, the checkpoint loader) changes no module attribute of Megatron that the list lacks."""
+    target exists in the installed Megatron-Core, and installing the hooks (the command line, CPU mode where
+    no GPU is present, the checkpoint loader) changes no module attribute of Megatron that the list lacks."""
     import importlib
     import json
 
@@ -174,16 +174,18 @@ def test_megatron_runtime_patches_are_all_listed():
         "    after = snap()\n"
         "print(json.dumps(sorted(k for k in before if k in after and after[k] is not before[k])))\n"
     )
-    r = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}
-    )
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, env=env)
     assert r.returncode == 0, r.stderr[-3000:]
     changed = set(json.loads(r.stdout.strip().splitlines()[-1]))
     listed = {p.target for p in RUNTIME_PATCHES}
-    assert changed <= listed, f"runtime patches missing from megatron_hooks.RUNTIME_PATCHES: {changed - listed}"
+    assert changed <= listed, f"megatron_hooks.RUNTIME_PATCHES lacks the runtime patches {changed - listed}"
     import torch
 
-    installed = {"mok_megatron.training.arguments.install", "mok_megatron.training.checkpoint_files.naming_load_errors"}
+    installed = {
+        "mok_megatron.training.arguments.install",
+        "mok_megatron.training.checkpoint_files.naming_load_errors",
+    }
     if not torch.cuda.is_available():
         installed |= {"mok_megatron.training.cpu.enable", "mok_megatron.training.cpu_training.enable"}
     stale = {p.target for p in RUNTIME_PATCHES if p.by in installed} - changed

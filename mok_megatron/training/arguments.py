@@ -79,7 +79,7 @@ def _widen_dispatcher_choices(parser: argparse.ArgumentParser) -> None:
 
 
 def _plain(value):
-    """A default as argparse stores it: an enum member becomes its string (``args`` must hold plain values)."""
+    """A default as argparse stores it: an enum member becomes its string (``args`` holds plain values)."""
     return value.value if isinstance(value, StrEnum) else value
 
 
@@ -350,10 +350,11 @@ def _check_expert_backend(args, options) -> None:
         getattr(args, "delay_wgrad_compute", False)
         or getattr(args, "overlap_dispatch_backward_with_experts_wgrad", False)
     )
+    cuda = torch.cuda.is_available()
     check_expert_backend(
         options.expert_backend,
         args,
-        torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu"),
+        torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu"),
         have_te=have_te(),
         sync_free=options.sync_free,
         recompute_activation=recompute,
@@ -378,7 +379,8 @@ def check_environment(args) -> None:
         )
     if getattr(args, "mok", False):
         options = options_from_args(args)
-        check_options(options, ep_size=args.expert_model_parallel_size, blockers=[], cuda=torch.cuda.is_available())
+        cuda = torch.cuda.is_available()
+        check_options(options, ep_size=args.expert_model_parallel_size, blockers=[], cuda=cuda)
         _check_expert_backend(args, options)
     if not getattr(args, "fp8", None):
         return
@@ -401,7 +403,9 @@ def check_environment(args) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m mok_megatron.training.arguments --markdown``: print the README's flags table."""
-    parser = argparse.ArgumentParser(prog="python -m mok_megatron.training.arguments", description=main.__doc__)
+    parser = argparse.ArgumentParser(
+        prog="python -m mok_megatron.training.arguments", description=main.__doc__
+    )
     parser.add_argument("--markdown", action="store_true", help="the README's '## Flags' table (Markdown)")
     args = parser.parse_args(argv)
     if not args.markdown:

@@ -115,14 +115,14 @@ def _schedule_mismatch(load: str | None, e: AssertionError) -> CheckpointError |
 
 @dataclass
 class LoadRecord:
-    """What ``naming_load_errors`` saw Megatron load: the iteration of the checkpoint (None: nothing loaded)."""
+    """What ``naming_load_errors`` saw Megatron load: the checkpoint's iteration (None: nothing loaded)."""
 
     load: str | None
     iteration: int | None = None
 
     def nothing_trained(self, train_iters: int | None) -> CheckpointError | None:
         """The error for a resumed run that had no iteration left to train, else None."""
-        if self.iteration is None or not self.iteration or train_iters is None or self.iteration < train_iters:
+        if not self.iteration or train_iters is None or self.iteration < train_iters:
             return None
         return CheckpointError(
             f"the checkpoint under --load {self.load} is at iteration {self.iteration} and --train-iters is "

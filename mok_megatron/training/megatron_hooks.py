@@ -7,10 +7,11 @@ Megatron is hooked two ways:
 - the runtime patches below: ``mok-pretrain-gpt`` (``python -m mok_megatron.pretrain_gpt``) runs the
   megatron-core wheel's ``megatron.training`` unmodified on disk and replaces these attributes in the running
   process. Each is installed by the function named in ``by`` and, where that is a context manager or has a
-  ``disable()``, restored on exit. Besides these, ``training.arguments.extra_args_provider`` changes the one
-  parser instance Megatron's ``parse_args`` builds (no module attribute): ``--moe-token-dispatcher-type`` takes
-  ``mok`` (stored as ``alltoall`` plus ``args.mok``), the ``--mok-*`` flags are added, and its
-  ``parse_args`` / ``parse_known_args`` / ``error`` check MoK's rules right after parsing and exit in one line.
+  ``disable()``, restored on exit. Besides these, ``training.arguments.extra_args_provider`` changes the
+  one parser instance Megatron's ``parse_args`` builds (no module attribute): ``--moe-token-dispatcher-type``
+  takes ``mok`` (stored as ``alltoall`` plus ``args.mok``), the ``--mok-*`` flags are added, and its
+  ``parse_args`` / ``parse_known_args`` / ``error`` check MoK's rules right after parsing and exit in one
+  line.
 
 ``RUNTIME_PATCHES`` is the list; ``tests/test_training.py`` checks that every target exists in the installed
 Megatron-Core and that installing the hooks changes no Megatron attribute it does not name.
@@ -36,8 +37,9 @@ RUNTIME_PATCHES: tuple[RuntimePatch, ...] = (
         "megatron.training.arguments.add_megatron_arguments",
         "mok_megatron.training.arguments.install",
         "mok-pretrain-gpt, for the process",
-        "Megatron re-parses sys.argv inside pretrain() (ft_integration.setup, in-process restart) without the "
-        "entry point's extra_args_provider; the value `mok` of --moe-token-dispatcher-type must parse there.",
+        "Megatron re-parses sys.argv inside pretrain() (ft_integration.setup, in-process restart) without "
+        "the entry point's extra_args_provider; the value `mok` of --moe-token-dispatcher-type must parse "
+        "there.",
     ),
     RuntimePatch(
         "megatron.training.training.load_checkpoint",
@@ -58,7 +60,7 @@ RUNTIME_PATCHES: tuple[RuntimePatch, ...] = (
         "megatron.training.training.initialize_megatron",
         "mok_megatron.training.cpu_training.enable",
         _CPU,
-        "pretrain() asserts CUDA unless allow_no_cuda; everything that assertion guards is handled by CPU mode.",
+        "pretrain() asserts CUDA unless allow_no_cuda; CPU mode handles everything that assertion guards.",
     ),
     RuntimePatch(
         "megatron.training.initialize._initialize_distributed",
@@ -108,7 +110,8 @@ RUNTIME_PATCHES: tuple[RuntimePatch, ...] = (
 )
 
 # Not Megatron's code, changed for it in CPU mode (restored by disable()): torch.cuda's streams, events,
-# device, RNG and memory queries (Megatron calls them unconditionally), torch.distributed's all_to_all_single /
-# all_gather / reduce_scatter (gloo takes neither tensor split sizes nor unequal pieces), Tensor.record_stream
-# inside megatron_schedule, and a logging filter on megatron.core.tensor_parallel.random (its CPU-RNG warning
-# would fire on every fork). ``mok_megatron.training.cpu`` and ``cpu_training`` list each with its reason.
+# device, RNG and memory queries (Megatron calls them unconditionally), torch.distributed's
+# all_to_all_single / all_gather / reduce_scatter (gloo takes neither tensor split sizes nor unequal
+# pieces), Tensor.record_stream inside megatron_schedule, and a logging filter on
+# megatron.core.tensor_parallel.random (its CPU-RNG warning would fire on every fork).
+# ``mok_megatron.training.cpu`` and ``cpu_training`` list each with its reason.
