@@ -327,11 +327,17 @@ def torch_checkpoint(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def resumed(torch_checkpoint):
+def resumed(torch_checkpoint, tmp_path_factory):
     """Runs that load it: from iteration 2; from iteration 4 with nothing left; with a longer ITERS (another
-    learning-rate schedule), without and with Megatron's --override-opt_param-scheduler."""
+    learning-rate schedule), without and with Megatron's --override-opt_param-scheduler; a copy whose
+    iteration-4 file is cut in half (Megatron's torch-format loader then calls ``sys.exit()``)."""
     load = ["--load", str(torch_checkpoint), "--ckpt-format", "torch"]
+    damaged = tmp_path_factory.mktemp("damaged") / "ckpt"
+    shutil.copytree(torch_checkpoint, damaged)
+    for f in (damaged / "iter_0000004").rglob("*.pt"):
+        f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
     runs = {
+        "damaged": _tiny_command(6, nproc=1) + ["--load", str(damaged), "--ckpt-format", "torch"],
         "from_2": _tiny_command(4, nproc=1) + load + ["--ckpt-step", "2"],
         "at_end": _tiny_command(4, nproc=1) + load,
         "longer": _tiny_command(6, nproc=1) + load,
@@ -353,6 +359,13 @@ def test_torch_format_checkpoint_resumes_from_its_iteration(resumed, torch_check
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     assert f"> resumed from --load {torch_checkpoint} at iteration 2" in r.stdout, r.stdout[-3000:]
     assert _iterations(r) == [3, 4], r.stdout[-3000:]
+
+
+def test_unreadable_torch_format_checkpoint_fails_in_one_line(resumed):
+    r = resumed["damaged"]
+    errors = _error_lines(r)
+    assert r.returncode != 0 and _iterations(r) == [], r.stderr[-3000:]
+    assert len(errors) == 1 and "could not be read" in errors[0], r.stdout[-2000:] + r.stderr[-3000:]
 
 
 def test_resume_with_nothing_left_to_train_fails(resumed):
