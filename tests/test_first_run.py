@@ -164,6 +164,8 @@ def startup():
         commands["no_te"] = (PRETRAIN + BASE, {})
     for name, (argv, _) in USER_ERRORS.items():
         commands[name] = (PRETRAIN + argv, {})
+    torchrun = [shutil.which("torchrun") or "torchrun", "--standalone", "--nproc-per-node", "1"]
+    commands["torchrun_typo"] = (torchrun + ["-m", "mok_megatron.pretrain_gpt", *USER_ERRORS["typo"][0]], {})
     return _run_many(commands)
 
 
@@ -205,6 +207,16 @@ def test_bad_mok_flags_fail_in_one_line_right_after_parsing(startup, i):
 @pytest.mark.parametrize("name", list(USER_ERRORS))
 def test_bad_input_fails_in_one_line_naming_the_fix(startup, name):
     _one_error_line(startup[name], *USER_ERRORS[name][1])
+
+
+def test_bad_input_under_torchrun_is_named_in_its_failure_summary(startup):
+    """torchrun prints its own failure summary after the rank's line: it names the same line (the rank's
+    error file), not "error_file: <N/A>"."""
+    r = startup["torchrun_typo"]
+    line = "mok-pretrain-gpt: error: unrecognized argument --num-expert (did you mean --num-experts?)"
+    assert r.returncode != 0 and "usage:" not in r.stderr, r.stderr[-3000:]
+    assert f"traceback : {line}" in r.stderr, r.stderr[-3000:]
+    assert sum(ln.startswith(line) for ln in r.stderr.splitlines()) == 1, r.stderr[-3000:]
 
 
 def test_bad_flags_print_once_per_job(startup):

@@ -29,6 +29,7 @@ without Megatron's ~700-line usage in front of it.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import difflib
 import os
@@ -158,11 +159,27 @@ def escape_help(parser: argparse.ArgumentParser) -> None:
             action.help = _PERCENT.sub(lambda m: "%%" if m.group() == "%" else m.group(), action.help)
 
 
+def tell_launcher(line: str) -> None:
+    """Under torchrun: write ``line`` to this rank's error file (``TORCHELASTIC_ERROR_FILE``), so the failure
+    summary torchrun prints last names it (instead of "error_file: <N/A>")."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return
+    import json
+    import time
+
+    with contextlib.suppress(OSError):
+        with open(path, "w") as f:
+            json.dump({"message": line, "timestamp": int(time.time())}, f)
+
+
 def _exit_once(parser: argparse.ArgumentParser, message: str) -> None:
     """Exit with status 2; the message once per job (rank 0, or a process outside torchrun), without
     Megatron's ~700-line usage in front of it."""
     rank0 = int(os.environ.get("RANK", "0")) == 0
-    parser.exit(2, f"{parser.prog}: error: {message}\n" if rank0 else None)
+    line = f"{parser.prog}: error: {message}"
+    tell_launcher(line)
+    parser.exit(2, f"{line}\n" if rank0 else None)
 
 
 def unrecognized(parser: argparse.ArgumentParser, rest: list[str]) -> str:

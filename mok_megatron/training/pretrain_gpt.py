@@ -334,13 +334,14 @@ def main(argv: list[str] | None = None) -> int:
 
     from mok_megatron.config import MoKConfigError
     from mok_megatron.options import MoKOptionsError
-    from mok_megatron.training.arguments import MoKArgumentError, check_environment
+    from mok_megatron.training.arguments import MoKArgumentError, check_environment, tell_launcher
     from mok_megatron.training.checkpoint_files import CheckpointError, check_load, naming_load_errors
 
     main_entry = time.time()
     use_prebuilt_dataset_helpers()
 
-    def fail(e: BaseException) -> int:
+    def fail(e: BaseException | str) -> int:
+        tell_launcher(f"{PROG}: error: {e}")
         if _is_rank0():
             print(f"{PROG}: error: {e}", file=sys.stderr)
         return 2
