@@ -9,47 +9,10 @@ Typed (enums) and frozen; strings are accepted once, here, and become the enum (
 
 ``MoKMoELayer`` hands its options to its dispatcher and its experts; nothing reads a process-wide default.
 
-    engine               auto | pipeline (the overlap engine) | plain (one dispatch, experts and combine per
-                         layer call, Megatron's row layout). auto: ``engine.select.select_engine``
-    minibatch_size       tokens per pipelined minibatch (None: ``engine.pipeline_plan.auto_minibatch_size``)
-    minibatch_split      pipeline: how a layer call is cut into minibatches. tokens: each minibatch a run of
-                         tokens through every local expert (a weight-gradient sum per extra minibatch, GEMMs
-                         shrink); experts: each minibatch every token through one group of local experts (as
-                         many groups as token minibatches would be, at most one per local expert; no
-                         weight-gradient sums, GEMMs keep their height; a token travels once per group it
-                         uses; without minibatch_size, ``engine.pipeline_plan.AUTO_EXPERT_GROUPS`` groups).
-                         MoK's torch and torch-fp8 experts (torch-fp8: the permute / combine are not fused into
-                         the FP8 operands). Sync-free
-                         buffers are sized per group: C groups hold C times the token split's rows
-    capacity_multiplier  sync-free mode: receive buffer per source rank, as a fraction of that rank's tokens
-                         (1.0 can never overflow; smaller saves memory; an overflow is detected and the call's
-                         exchange redone with exact sizes, never dropped)
-    sync_free            exchange token counts on the device into fixed buffers: the layer never reads the
-                         device from the host (CUDA-graph capturable)
-    transport            auto | collective (NCCL / gloo all-to-all) | copy_engine (symmetric-memory peer
-                         pulls on the copy engine, one NVLink domain) | nvlink (Triton kernels read / write
-                         peers' symmetric memory; NVLink inside a domain, the collective across domains) |
-                         loopback (one GPU emulating an EP rank's traffic; benchmarks, see ``loopback``)
-    loopback             the emulated link of the loopback transport (``LoopbackLink``)
-    expert_backend       torch (bf16 ``torch._grouped_mm``) | torch-fp8 (native rowwise FP8, Hopper+, no TE) |
-                         te (Transformer Engine GroupedLinear under Megatron's --fp8-format/--fp8-recipe)
-    nvlink_programs      nvlink transport: CTAs (SMs) that communicate in the forward
-    nvlink_programs_backward  the same in the backward (None: as the forward); each CTA that communicates
-                         is one the GEMMs beside it lose, and the backward runs twice the forward's GEMMs
-    nvlink_sync          nvlink transport: barrier (one device barrier per exchange) | flags (per-peer ready
-                         flags: a destination reads each source as soon as that source has staged)
-    local_rows           pipeline: rows whose expert is on this rank. overlap: computed in two halves while
-                         the dispatch and the combine fly; fused: in the received rows' expert call (one
-                         grouped GEMM per weight); auto: fused inside one NVLink domain, overlap across nodes
-    fp8_dispatch         pipeline: dispatched rows travel as e4m3 + one fp32 scale per row (about half the
-                         bytes); combine and gradients stay bf16
-    fp8_combine          pipeline: the expert output rows travel back as e4m3 too (the combine's bytes
-                         halved; up to 2^-4 relative error per route, which is why DeepEP and TE keep the
-                         combine in bf16); gradients stay bf16
-    late_wgrad           pipeline, MoK's bf16 experts: a layer call's weight gradients wait until the last
-                         dispatch-backward exchange is launched and run while it flies, one grouped GEMM per
-                         weight over every expert call's rows where that moves fewer bytes than the sums
-                         (the per-call sums up to the order of additions; more activation memory held)
+Each field that has a command-line flag describes itself once, in its ``Flag`` (the field's metadata): the
+flag is ``--mok-`` + the field name, its help a sentence (``help``, the README's flags table) and more detail
+(``detail``, added by ``--help``). ``mok_megatron.training.arguments`` builds the argparse flags from them and
+prints the README's table (``python -m mok_megatron.training.arguments --markdown``).
 
 Every reduction is deterministic (fixed-order gather-sums in fp32): the layer is bitwise repeatable run
 to run.
@@ -58,7 +21,7 @@ to run.
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import StrEnum
 
 
@@ -107,15 +70,46 @@ class LoopbackBytes(StrEnum):
     LINK = "link"  # the link time only; on GPUs the received rows are the sent rows (an ideal transport)
 
 
-_FLAG = {  # field -> the flag that sets it (for messages)
-    "engine": "--mok-engine",
-    "transport": "--mok-transport",
-    "local_rows": "--mok-local-rows",
-    "minibatch_split": "--mok-minibatch-split",
-    "nvlink_sync": "--mok-nvlink-sync",
-    "expert_backend": "--mok-expert-backend",
-    "bytes": "loopback bytes",
-}
+@dataclass(frozen=True)
+class Flag:
+    """A ``MoKOptions`` field's command-line flag: ``--mok-<field name>``, its description and how its
+    default reads. The one description of the option; argparse's help and the README's table come from it."""
+
+    help: str  # one sentence: argparse's help and the README's flags table
+    detail: str = ""  # more, for --help only
+    default_text: str | None = None  # the default as the help and table write it (None: from the value)
+    metavar: str | None = None  # N, F, ... for numbers (choices list themselves)
+    negatable: bool = False  # a boolean that also has --no-mok-<name>
+
+
+def flag_name(name: str) -> str:
+    """The command-line flag of the ``MoKOptions`` field ``name``."""
+    return "--mok-" + name.replace("_", "-")
+
+
+def option(default, *, label: str | None = None, **flag):
+    """A dataclass field with its ``Flag`` (keywords of ``Flag``) or, without a flag, the ``label`` its
+    messages use."""
+    meta = {"flag": Flag(**flag)} if flag else {}
+    if label is not None:
+        meta["label"] = label
+    return field(default=default, metadata=meta)
+
+
+def flag_fields(cls=None) -> list[tuple[dataclasses.Field, Flag]]:
+    """The fields of ``cls`` (``MoKOptions``) that have a command-line flag, in declaration order."""
+    cls = cls or MoKOptions
+    return [(f, f.metadata["flag"]) for f in dataclasses.fields(cls) if "flag" in f.metadata]
+
+
+def _label(cls, name: str) -> str:
+    """How a message names the field ``name`` of ``cls``: its flag, its label, or the name."""
+    for f in dataclasses.fields(cls):
+        if f.name == name:
+            if "flag" in f.metadata:
+                return flag_name(name)
+            return f.metadata.get("label", name)
+    return name
 
 
 def _coerce(obj, name: str, enum: type[StrEnum]) -> None:
@@ -126,7 +120,7 @@ def _coerce(obj, name: str, enum: type[StrEnum]) -> None:
         object.__setattr__(obj, name, enum(value))
     except ValueError:
         choices = ", ".join(e.value for e in enum)
-        raise MoKOptionsError(f"{_FLAG.get(name, name)}={value!r}: choose one of {choices}.") from None
+        raise MoKOptionsError(f"{_label(type(obj), name)}={value!r}: choose one of {choices}.") from None
 
 
 @dataclass(frozen=True)
@@ -135,7 +129,7 @@ class LoopbackLink:
 
     ep: int = 2  # the EP size whose traffic is emulated
     gbps: float = 0.0  # per-direction link bandwidth; 0 = infinite
-    bytes: LoopbackBytes = LoopbackBytes.COPY
+    bytes: LoopbackBytes = option(LoopbackBytes.COPY, label="loopback bytes")
 
     def __post_init__(self):
         _coerce(self, "bytes", LoopbackBytes)
@@ -147,21 +141,104 @@ class LoopbackLink:
 
 @dataclass(frozen=True)
 class MoKOptions:
-    engine: Engine = Engine.AUTO
-    minibatch_size: int | None = None
-    minibatch_split: MinibatchSplit = MinibatchSplit.TOKENS
-    capacity_multiplier: float = 1.0
-    sync_free: bool = False
-    transport: TransportKind = TransportKind.AUTO
+    engine: Engine = option(
+        Engine.AUTO,
+        help="pipeline: the minibatched overlap engine; plain: one dispatch / experts / combine per call; "
+        "auto: pipeline when EP > 1 and routing allows",
+        detail="plain keeps Megatron's row layout; auto follows engine.select.select_engine",
+    )
+    minibatch_size: int | None = option(
+        None,
+        help="tokens per pipelined minibatch",
+        detail="the automatic size is engine.pipeline_plan.auto_minibatch_size; a value >= the tokens per "
+        "rank turns pipelining off",
+        default_text="automatic",
+        metavar="N",
+    )
+    minibatch_split: MinibatchSplit = option(
+        MinibatchSplit.TOKENS,
+        help="minibatches as runs of tokens or as groups of local experts (no weight-gradient sums)",
+        detail="tokens: each minibatch a run of tokens through every local expert (a weight-gradient sum per "
+        "extra minibatch, GEMMs shrink); experts: each minibatch every token through one group of local "
+        "experts (as many groups as --mok-minibatch-size gives minibatches, else "
+        "engine.pipeline_plan.AUTO_EXPERT_GROUPS, at most one per local expert; GEMMs keep their height, a "
+        "token travels once per group it uses; sync-free buffers are sized per group); MoK's torch and "
+        "torch-fp8 experts",
+    )
+    capacity_multiplier: float = option(
+        1.0,
+        help="sync-free receive buffer per source rank, a fraction of its tokens in (0, 1]; overflow is "
+        "redone, never dropped",
+        detail="1.0 can never overflow; smaller saves memory; an overflow is detected and the call's "
+        "exchange redone with exact sizes",
+        metavar="F",
+    )
+    sync_free: bool = option(
+        False,
+        help="exchange token counts on the device: no host sync in the layer (CUDA-graph capturable)",
+        detail="the layer never reads the device from the host; receive buffers have fixed sizes",
+    )
+    transport: TransportKind = option(
+        TransportKind.AUTO,
+        help="EP exchange: NCCL/gloo all-to-all, copy-engine pulls, Triton NVLink kernels, one-GPU emulation",
+        detail="collective: NCCL / gloo all-to-all; copy_engine: symmetric-memory peer pulls on the copy "
+        "engine, one NVLink domain; nvlink: Triton kernels read / write peers' symmetric memory (NVLink "
+        "inside a domain, the collective across domains); loopback: one GPU emulating an EP rank's traffic "
+        "(benchmarks)",
+    )
     loopback: LoopbackLink | None = None
-    expert_backend: ExpertBackend = ExpertBackend.TORCH
-    nvlink_programs: int = 64
-    nvlink_programs_backward: int | None = None
-    nvlink_sync: NVLinkSync = NVLinkSync.BARRIER
-    local_rows: LocalRows = LocalRows.AUTO
-    fp8_dispatch: bool = False
-    fp8_combine: bool = False
-    late_wgrad: bool = False
+    expert_backend: ExpertBackend = option(
+        ExpertBackend.TORCH,
+        help="expert GEMMs: bf16 grouped GEMM, native rowwise FP8 (sm_90+, no TE), or TE GroupedLinear "
+        "under --fp8-format / --fp8-recipe",
+        detail="torch: bf16 torch._grouped_mm; torch-fp8: native rowwise FP8 on Hopper or newer GPUs, "
+        "without TE; te: Transformer Engine GroupedLinear under Megatron's --fp8-format / --fp8-recipe",
+    )
+    nvlink_programs: int = option(
+        64,
+        help="nvlink: CTAs that communicate",
+        detail="each CTA that communicates is one the GEMMs beside it lose",
+        metavar="N",
+    )
+    nvlink_programs_backward: int | None = option(
+        None,
+        help="the same in the backward",
+        detail="the backward runs twice the forward's GEMMs beside the exchange",
+        default_text="as --mok-nvlink-programs",
+        metavar="N",
+    )
+    nvlink_sync: NVLinkSync = option(
+        NVLinkSync.BARRIER,
+        help="nvlink transport: one device barrier per exchange, or per-peer ready flags",
+        detail="flags: a destination reads each source as soon as that source has staged",
+    )
+    local_rows: LocalRows = option(
+        LocalRows.AUTO,
+        help="local rows: hidden behind dispatch and combine, or in the received rows' expert call",
+        detail="pipeline: rows whose expert is on this rank. overlap: computed in two halves while the "
+        "dispatch and the combine fly; fused: in the received rows' expert call (one grouped GEMM per "
+        "weight); auto: fused inside one NVLink domain, overlap across nodes",
+    )
+    fp8_dispatch: bool = option(
+        False,
+        help="dispatched rows travel as e4m3 + one fp32 scale (about half the bytes)",
+        detail="pipeline only; the combine and the gradients stay bf16",
+    )
+    fp8_combine: bool = option(
+        False,
+        help="opt-in: expert output rows back in e4m3 too (up to 2^-4 relative error per route)",
+        detail="pipeline only; the combine's bytes halved, which is why DeepEP and TE keep the combine in "
+        "bf16; gradients stay bf16",
+    )
+    late_wgrad: bool = option(
+        False,
+        help="opt-in: expert weight gradients wait for the last dispatch-backward exchange",
+        detail="pipeline, MoK's bf16 experts: a layer call's weight gradients run while the last "
+        "dispatch-backward exchange flies, one grouped GEMM per weight over every expert call's rows where "
+        "that moves fewer bytes than the sums (the per-call sums up to the order of additions; more "
+        "activation memory held; on one GPU it gained 0.2-0.5 ms only at 4 minibatches)",
+        negatable=True,
+    )
 
     def __post_init__(self):
         for name, enum in (

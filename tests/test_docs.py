@@ -70,7 +70,31 @@ def test_readme_fits_its_budget():
     )
 
 
+def test_readme_flags_table_is_the_generated_one():
+    """The table is what ``python -m mok_megatron.training.arguments --markdown`` prints from the
+    ``MoKOptions`` fields; regenerate it there when a field's flag changes."""
+    import subprocess
+    import sys
+
+    printed = subprocess.run(
+        [sys.executable, "-m", "mok_megatron.training.arguments", "--markdown"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        check=True,
+    ).stdout
+    section = re.search(r"^## Flags\s*$(.*?)(?=^## )", README.read_text(), re.MULTILINE | re.DOTALL).group(1)
+    table = "\n".join(line for line in section.splitlines() if line.startswith("|")) + "\n"
+    assert table == printed, (
+        "README.md's flags table differs from the generated one; replace it with the output of "
+        "`python -m mok_megatron.training.arguments --markdown`"
+    )
+
+
 def test_readme_flags_table_matches_argparse():
+    from mok_megatron.options import flag_fields, flag_name
+
+    written = {flag_name(f.name): flag.default_text for f, flag in flag_fields()}
     actions = _mok_actions()
     named: dict[str, list[str]] = {}
     for cells in _flags_table():
@@ -78,14 +102,16 @@ def test_readme_flags_table_matches_argparse():
             named[flag] = cells
     missing = sorted(set(actions) - set(named))
     unknown = sorted(set(named) - set(actions))
-    assert not missing, f"README.md flags table lacks {missing}, defined in training/arguments.add_mok_flags"
+    assert not missing, f"README.md flags table lacks {missing}, defined by training/arguments.add_mok_flags"
     assert not unknown, f"README.md flags table names {unknown}, which add_mok_flags does not define"
     for flag, cells in named.items():
         action = actions[flag]
         want = _default_text(action.default)
+        if action.default is None and written.get(flag):
+            want = written[flag]  # a default computed at run time, as its Flag words it
         assert cells[-1] == want, (
             f"README.md flags table: {flag} default is {cells[-1]!r}, argparse says {want!r}; "
-            "fix the table (argparse in training/arguments.py is the source)"
+            "fix the field's Flag in options.py (the source of argparse and the table)"
         )
         listed = re.search(r"\{([^}]*)\}", cells[0])
         if action.choices is not None:

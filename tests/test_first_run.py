@@ -108,6 +108,36 @@ BAD_FLAGS = [
 ]
 
 
+LOCAL = ["--transformer-impl", "local"]
+# Bad input a user types, each with what its one line must name: a misspelt flag (the recipe's
+# `--num-expert 128`), Megatron's own rules and values, the experts' backend against this machine.
+USER_ERRORS = {
+    "typo": (
+        [("--num-expert" if a == "--num-experts" else a) for a in BASE],
+        ("unrecognized argument --num-expert", "did you mean --num-experts?"),
+    ),
+    "overlap_ep1": (
+        BASE + ["--overlap-moe-expert-parallel-comm"],
+        (
+            "--overlap-moe-expert-parallel-comm",
+            "--expert-model-parallel-size 2 or more (got 1)",
+            "Drop the flag",
+        ),
+    ),
+    "megatron_value": (BASE + ["--num-layers", "two"], ("--num-layers", "invalid int value: 'two'")),
+}
+if not torch.cuda.is_available():
+    USER_ERRORS["torch_fp8_on_cpu"] = (
+        BASE + LOCAL + ["--mok-expert-backend", "torch-fp8"],
+        ("--mok-expert-backend torch-fp8 needs an FP8-capable GPU", "default bf16 expert backend"),
+    )
+if not have_te():
+    USER_ERRORS["te_backend_without_te"] = (
+        BASE + LOCAL + ["--mok-expert-backend", "te"],
+        ("--mok-expert-backend te needs Transformer Engine", "mok-megatron[te]"),
+    )
+
+
 def _run_many(commands: dict, timeout: float = 180) -> dict:
     """{key: (cmd, env)} -> {key: CompletedProcess}, two at a time."""
     from concurrent.futures import ThreadPoolExecutor
@@ -132,6 +162,10 @@ def startup():
         )
     if not have_te():
         commands["no_te"] = (PRETRAIN + BASE, {})
+    for name, (argv, _) in USER_ERRORS.items():
+        commands[name] = (PRETRAIN + argv, {})
+    torchrun = [shutil.which("torchrun") or "torchrun", "--standalone", "--nproc-per-node", "1"]
+    commands["torchrun_typo"] = (torchrun + ["-m", "mok_megatron.pretrain_gpt", *USER_ERRORS["typo"][0]], {})
     return _run_many(commands)
 
 
@@ -159,6 +193,8 @@ def _one_error_line(r, *needles):
     assert r.returncode == 2, r.stderr[-3000:]
     assert len(errors) == 1, r.stderr[-3000:]
     assert "usage:" not in r.stderr, "the ~700-line usage buries the message"
+    assert "Traceback" not in r.stderr, r.stderr[-3000:]
+    assert errors[0].startswith("mok-pretrain-gpt: error: "), errors[0]  # one prefix, however it is started
     for needle in needles:
         assert needle in errors[0], errors[0]
 
@@ -166,6 +202,21 @@ def _one_error_line(r, *needles):
 @pytest.mark.parametrize("i", range(len(BAD_FLAGS)), ids=[" ".join(e) for e, _ in BAD_FLAGS])
 def test_bad_mok_flags_fail_in_one_line_right_after_parsing(startup, i):
     _one_error_line(startup[f"bad{i}"], *BAD_FLAGS[i][1])
+
+
+@pytest.mark.parametrize("name", list(USER_ERRORS))
+def test_bad_input_fails_in_one_line_naming_the_fix(startup, name):
+    _one_error_line(startup[name], *USER_ERRORS[name][1])
+
+
+def test_bad_input_under_torchrun_is_named_in_its_failure_summary(startup):
+    """torchrun prints its own failure summary after the rank's line: it names the same line (the rank's
+    error file), not "error_file: <N/A>"."""
+    r = startup["torchrun_typo"]
+    line = "mok-pretrain-gpt: error: unrecognized argument --num-expert (did you mean --num-experts?)"
+    assert r.returncode != 0 and "usage:" not in r.stderr, r.stderr[-3000:]
+    assert f"traceback : {line}" in r.stderr, r.stderr[-3000:]
+    assert sum(ln.startswith(line) for ln in r.stderr.splitlines()) == 1, r.stderr[-3000:]
 
 
 def test_bad_flags_print_once_per_job(startup):
@@ -189,13 +240,13 @@ def test_missing_transformer_engine_names_both_fixes(startup):
 # ---- training on a CPU as a user runs it, and a damaged checkpoint ------------------------------------
 
 
-def _tiny_command(iters: int, dispatcher: str = "mok") -> list[str]:
-    """The tiny recipe's launch command: 2 gloo ranks, EP=2 (its rendezvous on a free port here)."""
+def _tiny_command(iters: int, dispatcher: str = "mok", nproc: int = 2) -> list[str]:
+    """The tiny recipe's launch command: ``nproc`` gloo ranks, EP=nproc (rendezvous on a free port here)."""
     r = _run(
         ["bash", "examples/tiny_moe.sh"],
         DRY_RUN="1",
         ITERS=str(iters),
-        NPROC="2",
+        NPROC=str(nproc),
         DISPATCHER=dispatcher,
         MASTER_PORT=str(_free_port()),
         timeout=60,
@@ -274,6 +325,78 @@ def test_truncated_checkpoint_is_named_at_start_up(saved_checkpoint, tmp_path):
     assert f"checkpoint {bad / 'iter_0000004'} is truncated: {data.name} has {size // 2} bytes" in r.stderr, (
         r.stderr[-3000:]
     )
+
+
+# Megatron's `torch` checkpoint format pickles ``args`` and loads it with ``weights_only``; one process.
+@pytest.fixture(scope="module")
+def torch_checkpoint(tmp_path_factory):
+    """The tiny recipe on one CPU process for 4 iterations, saving at 2 and 4 in the ``torch`` format."""
+    ckpt = tmp_path_factory.mktemp("torch_ckpt")
+    cmd = _tiny_command(4, nproc=1) + ["--save", str(ckpt), "--save-interval", "2", "--ckpt-format", "torch"]
+    r = _run(cmd, timeout=600)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    return ckpt
+
+
+@pytest.fixture(scope="module")
+def resumed(torch_checkpoint, tmp_path_factory):
+    """Runs that load it: from iteration 2; from iteration 4 with nothing left; with a longer ITERS (another
+    learning-rate schedule), without and with Megatron's --override-opt_param-scheduler; a copy whose
+    iteration-4 file is cut in half (Megatron's torch-format loader then calls ``sys.exit()``)."""
+    load = ["--load", str(torch_checkpoint), "--ckpt-format", "torch"]
+    damaged = tmp_path_factory.mktemp("damaged") / "ckpt"
+    shutil.copytree(torch_checkpoint, damaged)
+    for f in (damaged / "iter_0000004").rglob("*.pt"):
+        f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
+    runs = {
+        "damaged": _tiny_command(6, nproc=1) + ["--load", str(damaged), "--ckpt-format", "torch"],
+        "from_2": _tiny_command(4, nproc=1) + load + ["--ckpt-step", "2"],
+        "at_end": _tiny_command(4, nproc=1) + load,
+        "longer": _tiny_command(6, nproc=1) + load,
+        "longer_override": _tiny_command(6, nproc=1) + load + ["--override-opt_param-scheduler"],
+    }
+    return _run_many({name: (cmd, {}) for name, cmd in runs.items()}, timeout=600)
+
+
+def _iterations(r) -> list[int]:
+    return [int(m.group(1)) for m in _LOSS.finditer(r.stdout + r.stderr)]
+
+
+def _error_lines(r) -> list[str]:
+    return [line for line in r.stderr.splitlines() if line.startswith("mok-pretrain-gpt: error: ")]
+
+
+def test_torch_format_checkpoint_resumes_from_its_iteration(resumed, torch_checkpoint):
+    r = resumed["from_2"]
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    assert f"> resumed from --load {torch_checkpoint} at iteration 2" in r.stdout, r.stdout[-3000:]
+    assert _iterations(r) == [3, 4], r.stdout[-3000:]
+
+
+def test_unreadable_torch_format_checkpoint_fails_in_one_line(resumed):
+    r = resumed["damaged"]
+    errors = _error_lines(r)
+    assert r.returncode != 0 and _iterations(r) == [], r.stderr[-3000:]
+    assert len(errors) == 1 and "could not be read" in errors[0], r.stdout[-2000:] + r.stderr[-3000:]
+
+
+def test_resume_with_nothing_left_to_train_fails(resumed):
+    r = resumed["at_end"]
+    errors = _error_lines(r)
+    assert r.returncode != 0 and _iterations(r) == [], r.stderr[-3000:]
+    assert len(errors) == 1, r.stderr[-3000:]
+    assert "nothing was trained. Raise --train-iters above 4" in errors[0], errors[0]
+
+
+def test_resume_with_another_schedule_names_the_flag_that_resumes_it(resumed):
+    r = resumed["longer"]
+    errors = _error_lines(r)
+    assert r.returncode != 0 and len(errors) == 1, r.stderr[-3000:]
+    assert "is intact" in errors[0] and "--override-opt_param-scheduler" in errors[0], errors[0]
+    assert "Resume from an earlier checkpoint" not in r.stderr
+    ok = resumed["longer_override"]
+    assert ok.returncode == 0, ok.stdout[-2000:] + ok.stderr[-3000:]
+    assert _iterations(ok) == [5, 6], ok.stdout[-3000:]
 
 
 # ---- the Megatron-LM patch -------------------------------------------------------------------------------

@@ -94,6 +94,30 @@ def test_bad_command_lines_exit_with_the_reason(parser, capsys, argv, message):
     assert re.search(message, err), err[-600:]
 
 
+def test_parsed_mok_flags_are_plain_values(parser):
+    """Megatron saves ``args`` inside checkpoints and loads them with ``weights_only``: no enum objects."""
+    a = parser.parse_args(BASE + ["--moe-token-dispatcher-type", "mok", "--mok-engine", "plain"])
+    d = parser.parse_args(BASE + ["--moe-token-dispatcher-type", "mok"])
+    for ns in (a, d):
+        values = {k: v for k, v in vars(ns).items() if k.startswith("mok")}
+        assert values and all(type(v) in (str, int, float, bool, type(None)) for v in values.values()), values
+
+
+def test_every_mok_option_field_with_a_flag_is_a_flag(parser):
+    """The flags are the MoKOptions fields: name, choices and default come from the field."""
+    import dataclasses
+
+    from mok_megatron.options import flag_fields, flag_name
+
+    actions = {s: a for a in parser._actions for s in a.option_strings}
+    for f, flag in flag_fields():
+        action = actions[flag_name(f.name)]
+        default = f.default.value if hasattr(f.default, "value") else f.default
+        assert action.default == default and action.help.startswith(flag.help), f.name
+        assert getattr(MoKOptions(), f.name) == f.default
+    assert {f.name for f, _ in flag_fields()} <= {f.name for f in dataclasses.fields(MoKOptions)}
+
+
 def test_mok_flags_with_another_dispatcher_warn(parser):
     with pytest.warns(UserWarning, match=r"--mok-sync-free given with .* alltoall: ignored"):
         parser.parse_args(BASE + ["--moe-token-dispatcher-type", "alltoall", "--mok-sync-free"])
@@ -111,6 +135,61 @@ def test_provider_is_idempotent_and_install_reaches_megatron_reparses(monkeypatc
     monkeypatch.setattr(sys, "argv", ["x", *BASE, "--moe-token-dispatcher-type", "mok", "--mok-sync-free"])
     a = margs.parse_args(ignore_unknown_args=True)
     assert a.mok and a.mok_sync_free
+
+
+def test_megatron_runtime_patches_are_all_listed():
+    """``training.megatron_hooks.RUNTIME_PATCHES`` names every Megatron attribute the hooks replace: each
+    target exists in the installed Megatron-Core, and installing the hooks (the command line, CPU mode where
+    no GPU is present, the checkpoint loader) changes no module attribute of Megatron that the list lacks."""
+    import importlib
+    import json
+
+    from mok_megatron.training.megatron_hooks import RUNTIME_PATCHES
+
+    for patch in RUNTIME_PATCHES:
+        parts = patch.target.split(".")
+        for i in range(len(parts) - 1, 0, -1):
+            try:
+                obj = importlib.import_module(".".join(parts[:i]))
+            except ImportError:
+                continue
+            for name in parts[i:]:
+                obj = getattr(obj, name)
+            break
+        module, _, fn = patch.by.rpartition(".")
+        assert callable(getattr(importlib.import_module(module), fn)), patch.by
+    code = (
+        "import json, sys, types, torch\n"
+        "import megatron.training.training, megatron.training.initialize, megatron.training.arguments\n"
+        "import megatron.core.fusions.fused_softmax, megatron.core.transformer.utils\n"
+        "def snap():\n"
+        "    return {f'{n}.{k}': v for n, m in list(sys.modules.items()) if n.startswith('megatron')\n"
+        "            and isinstance(m, types.ModuleType) for k, v in list(vars(m).items())}\n"
+        "before = snap()\n"
+        "from mok_megatron.training import arguments, checkpoint_files, cpu_training\n"
+        "arguments.install()\n"
+        "if not torch.cuda.is_available():\n"
+        "    cpu_training.enable()\n"
+        "with checkpoint_files.naming_load_errors(None):\n"
+        "    after = snap()\n"
+        "print(json.dumps(sorted(k for k in before if k in after and after[k] is not before[k])))\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, env=env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    changed = set(json.loads(r.stdout.strip().splitlines()[-1]))
+    listed = {p.target for p in RUNTIME_PATCHES}
+    assert changed <= listed, f"megatron_hooks.RUNTIME_PATCHES lacks the runtime patches {changed - listed}"
+    import torch
+
+    installed = {
+        "mok_megatron.training.arguments.install",
+        "mok_megatron.training.checkpoint_files.naming_load_errors",
+    }
+    if not torch.cuda.is_available():
+        installed |= {"mok_megatron.training.cpu.enable", "mok_megatron.training.cpu_training.enable"}
+    stale = {p.target for p in RUNTIME_PATCHES if p.by in installed} - changed
+    assert not stale, f"megatron_hooks.RUNTIME_PATCHES lists patches nothing installs: {stale}"
 
 
 def test_fp8_without_transformer_engine_is_refused(parser):

@@ -33,7 +33,7 @@ import torch
 from mok_megatron.kernels import Impl, jit, next_pow2, tl, triton, use_triton
 
 
-# Launch defaults: few elements per program, few warps (benchmarks/topk_probe.py on an H200,
+# Launch defaults: few elements per program, few warps (one H200,
 # docs/results/2026-12-01-kernels/topk-gemm-layout: at [16384, 128] 2 rows x 2 warps took 36 us per call incl.
 # launch vs 47 us for 64 rows x 4 warps; at [65536, 256] 1 row x 1 warp 97 us, torch.topk 844 us).
 _BLOCK_T, _BLOCK_ELEMS = 64, 256
@@ -84,7 +84,7 @@ def topk_indices(
 ) -> torch.Tensor:
     """``[T, K]`` int64 indices of each row's K largest scores (largest first; equal scores in ascending
     index, so all-equal rows give 0..K-1; NaN lowest).
-    ``block_t`` (rows per program) and ``num_warps`` are tuning knobs (``benchmarks/topk_probe.py``)."""
+    ``block_t`` (rows per program) and ``num_warps`` are tuning knobs (the defaults above, as measured)."""
     if scores_TE.dim() != 2:
         raise ValueError(f"topk_indices: scores must be [T, E], got shape {tuple(scores_TE.shape)}")
     t, e = scores_TE.shape

@@ -6,4 +6,5 @@ cpu.py, cpu_training.py  Megatron-Core's model and training loop on a CPU (gloo)
 patches.py          ``mok patches``: the Megatron-LM patch set (the repository's ``patches/``)
 checkpoint_files.py checkpoints checked before they are loaded
 consistency.py      every rank builds the same MoE model
+megatron_hooks.py   every runtime patch of Megatron's code, with its reason
 """

@@ -4,7 +4,7 @@ Use with any ``megatron.training`` entry point::
 
     from mok_megatron.training.arguments import extra_args_provider, options_from_args
     args = parse_and_validate_args(extra_args_provider=extra_args_provider)
-    set_default_options(options_from_args(args))
+    options = options_from_args(args)            # MoKOptions; give them to the layer spec (mokify)
 
 ``--moe-token-dispatcher-type mok`` selects the MoK MoE layer. Megatron-Core builds dispatchers from a
 hard-coded list and keys many checks off the string ``alltoall`` (config validation, shared-expert
@@ -14,52 +14,35 @@ the flag is an alias: after parsing, ``args.moe_token_dispatcher_type == "alltoa
 layer spec from ``args.mok``. With any other dispatcher type the ``--mok-*`` flags are ignored
 (with a warning), so one command line A/B-compares the two layers by changing only the type.
 
+The flags are the ``MoKOptions`` fields that carry a ``Flag`` (``mok_megatron.options``): name, help,
+choices and default come from there; ``add_mok_flags`` builds them and ``flag_table`` writes the README's
+table (``python -m mok_megatron.training.arguments --markdown``). Parsed values are plain strings, numbers
+and booleans (``args`` is saved inside checkpoints, which load with ``weights_only``).
+
 Validation runs right after parsing, before Megatron's ``validate_args`` and before any process
 group exists. argparse has no post-parse hook, so ``extra_args_provider`` wraps the parser's
-``parse_known_args`` (which ``parse_args`` calls); a bad combination exits like an argparse error
-(status 2, ``prog: error: <message naming the value and the fix>``).
-
-    flag                        MoKOptions field      default
-    --mok-engine E              engine                auto (pipeline when EP > 1 and supported)
-    --mok-minibatch-size N      minibatch_size        automatic
-    --mok-minibatch-split S     minibatch_split       tokens (experts: each minibatch a group of local experts)
-    --mok-capacity-multiplier   capacity_multiplier   1.0 (never overflows)
-    --mok-sync-free             sync_free             off
-    --mok-transport T           transport             auto
-    --mok-expert-backend B      expert_backend        torch (bf16; torch-fp8 | te for FP8)
-    --mok-nvlink-programs N     nvlink_programs       64
-    --mok-nvlink-programs-backward N   nvlink_programs_backward   as --mok-nvlink-programs
-    --mok-nvlink-sync S         nvlink_sync           barrier (flags: per-peer ready flags)
-    --mok-local-rows R          local_rows            auto (fused in one NVLink domain, else overlap)
-    --mok-fp8-dispatch          fp8_dispatch          off (e4m3 dispatch rows, rowwise scales)
-    --mok-fp8-combine           fp8_combine           off (opt-in: e4m3 expert output rows back too)
-    --mok-late-wgrad            late_wgrad            off (opt-in: weight gradients after the last exchange)
+``parse_known_args`` and ``parse_args``; any bad command line (a bad combination, an unknown flag, a bad
+value of any flag) exits with status 2 and one line, ``prog: error: <message naming the value and the fix>``,
+without Megatron's ~700-line usage in front of it.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dataclasses
+import difflib
 import os
 import re
+import sys
+import typing
 import warnings
+from enum import StrEnum
 
 from mok_megatron.config import MoKConfigError
 from mok_megatron.engine.select import check_options, pipeline_blockers
 
-from mok_megatron.options import (
-    Engine,
-    ExpertBackend,
-    LocalRows,
-    MinibatchSplit,
-    MoKOptions,
-    MoKOptionsError,
-    NVLinkSync,
-    TransportKind,
-)
-
-
-def _choices(enum) -> list[str]:
-    return [e.value for e in enum]
+from mok_megatron.options import MoKOptions, MoKOptionsError, flag_fields, flag_name
 
 
 DISPATCHER_FLAG = "--moe-token-dispatcher-type"
@@ -96,106 +79,72 @@ def _widen_dispatcher_choices(parser: argparse.ArgumentParser) -> None:
     parser.set_defaults(mok=False)
 
 
+def _plain(value):
+    """A default as argparse stores it: an enum member becomes its string (``args`` holds plain values)."""
+    return value.value if isinstance(value, StrEnum) else value
+
+
+def _default_text(f: dataclasses.Field, flag) -> str:
+    """How the help and the README's table write the default of the field ``f``."""
+    if flag.default_text is not None:
+        return flag.default_text
+    value = _plain(f.default)
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    if value is None:
+        return "automatic"
+    return str(value)
+
+
+def _argparse_kwargs(f: dataclasses.Field, flag, kind) -> dict:
+    """``add_argument`` keywords for the field ``f`` of type ``kind``."""
+    default = _plain(f.default)
+    if kind is bool:
+        if flag.negatable:
+            return {"action": argparse.BooleanOptionalAction, "default": default}
+        return {"action": "store_true", "default": default}
+    if isinstance(kind, type) and issubclass(kind, StrEnum):
+        return {"choices": [e.value for e in kind], "default": default}
+    return {"type": kind, "default": default, "metavar": flag.metavar}
+
+
+def _field_types() -> dict[str, type]:
+    """Each flagged field's value type (``int | None`` -> ``int``)."""
+    hints = typing.get_type_hints(MoKOptions)
+    out = {}
+    for f, _ in flag_fields():
+        kind = hints[f.name]
+        args = [a for a in typing.get_args(kind) if a is not type(None)]
+        out[f.name] = args[0] if args else kind
+    return out
+
+
 def add_mok_flags(parser) -> None:
-    """The ``--mok-*`` flags alone (no dispatcher widening), e.g. for a plain argparse parser."""
-    d = MoKOptions()
+    """The ``--mok-*`` flags alone (no dispatcher widening), e.g. for a plain argparse parser: one per
+    ``MoKOptions`` field with a ``Flag``; values are stored as plain strings / numbers / booleans."""
     g = parser.add_argument_group(title="mok", description="MoK MoE layer (--moe-token-dispatcher-type mok)")
-    g.add_argument(
-        "--mok-engine",
-        choices=_choices(Engine),
-        default=d.engine,
-        help="pipeline: the minibatched overlap engine; plain: one dispatch/experts/combine per layer "
-        "call (Megatron's row layout); auto (default): pipeline when EP > 1 and routing allows",
-    )
-    g.add_argument(
-        "--mok-minibatch-size",
-        type=int,
-        default=d.minibatch_size,
-        help="tokens per pipelined dispatch/expert/combine minibatch (default: automatic)",
-    )
-    g.add_argument(
-        "--mok-minibatch-split",
-        choices=_choices(MinibatchSplit),
-        default=d.minibatch_split,
-        help="pipeline: tokens (default): each minibatch a run of tokens through every local expert; "
-        "experts: each minibatch all tokens through one group of local experts (as many groups as "
-        "--mok-minibatch-size gives minibatches, else 4, at most one per local expert; no weight-gradient "
-        "sums; MoK's torch / torch-fp8 experts)",
-    )
-    g.add_argument(
-        "--mok-capacity-multiplier",
-        type=float,
-        default=d.capacity_multiplier,
-        help="sync-free receive buffer per source rank as a fraction of its tokens, in (0, 1]; "
-        "overflow is detected and redone exactly, never dropped (default: %(default)s)",
-    )
-    g.add_argument(
-        "--mok-sync-free",
-        action="store_true",
-        help="exchange token counts on device: no host sync in the layer (CUDA-graph capturable)",
-    )
-    g.add_argument(
-        "--mok-transport",
-        choices=_choices(TransportKind),
-        default=d.transport,
-        help="EP exchange: collective (NCCL/gloo all-to-all), copy_engine (symmetric-memory peer "
-        "pulls inside one NVLink domain), loopback (benchmarks only), auto (default)"
-        ", nvlink (Triton kernels read/write peer memory, one NVLink domain)",
-    )
-    g.add_argument(
-        "--mok-local-rows",
-        choices=_choices(LocalRows),
-        default=d.local_rows,
-        help="pipeline: rows whose expert is local. overlap: two halves hidden behind dispatch and "
-        "combine; fused: one expert call with the received rows; auto (default): fused inside one "
-        "NVLink domain, overlap across nodes",
-    )
-    g.add_argument(
-        "--mok-fp8-dispatch",
-        action="store_true",
-        help="pipeline: dispatch token rows in FP8 (e4m3, one fp32 scale per row; about half the "
-        "bytes); combine and gradients stay bf16",
-    )
-    g.add_argument(
-        "--mok-fp8-combine",
-        action="store_true",
-        help="pipeline, opt-in: the expert output rows travel back in FP8 too (e4m3, one fp32 scale per "
-        "row; the combine's bytes halved, up to 2^-4 relative error per route); gradients stay bf16",
-    )
-    g.add_argument(
-        "--mok-late-wgrad",
-        action=argparse.BooleanOptionalAction,
-        default=d.late_wgrad,
-        help="pipeline, opt-in: the experts' weight gradients wait until the last dispatch-backward "
-        "exchange flies and hide it, one GEMM per weight over all expert calls' rows where that moves fewer "
-        "bytes than the sums (default: off; on one GPU it gained 0.2-0.5 ms only at 4 minibatches)",
-    )
-    g.add_argument(
-        "--mok-nvlink-programs",
-        type=int,
-        default=d.nvlink_programs,
-        help="--mok-transport nvlink: CTAs (SMs) that communicate (default: %(default)s)",
-    )
-    g.add_argument(
-        "--mok-nvlink-programs-backward",
-        type=int,
-        default=d.nvlink_programs_backward,
-        help="--mok-transport nvlink: CTAs that communicate in the backward (default: as --mok-nvlink-programs)",
-    )
-    g.add_argument(
-        "--mok-nvlink-sync",
-        choices=_choices(NVLinkSync),
-        default=d.nvlink_sync,
-        help="--mok-transport nvlink: signal each exchange with symmetric memory's barrier, or with "
-        "per-peer ready flags (a destination reads each source as soon as it has staged; default: %(default)s)",
-    )
-    g.add_argument(
-        "--mok-expert-backend",
-        choices=_choices(ExpertBackend),
-        default=d.expert_backend,
-        help="experts' GEMMs: torch (bf16 grouped GEMM, default), torch-fp8 (native rowwise FP8, "
-        "Hopper+, no TE), te (Transformer Engine GroupedLinear under --fp8-format/--fp8-recipe)",
-    )
+    types = _field_types()
+    for f, flag in flag_fields():
+        text = flag.help + (f"; {flag.detail}" if flag.detail else "")
+        g.add_argument(
+            flag_name(f.name),
+            help=f"{text} (default: {_default_text(f, flag)})",
+            **_argparse_kwargs(f, flag, types[f.name]),
+        )
+
+
+def flag_table() -> str:
+    """The README's flags table (Markdown), from the same fields and actions as ``add_mok_flags``."""
+    parser = argparse.ArgumentParser(prog="mok-pretrain-gpt", add_help=False)
+    add_mok_flags(parser)
+    formatter = parser._get_formatter()
+    by_dest = {a.dest: a for a in parser._actions}
+    rows = ["| flag | meaning | default |", "|---|---|---|"]
+    for f, flag in flag_fields():
+        spelled = formatter._format_action_invocation(by_dest["mok_" + f.name])
+        invocation = ", ".join(f"`{s}`" for s in spelled.split(", "))
+        rows.append(f"| {invocation} | {flag.help} | {_default_text(f, flag)} |")
+    return "\n".join(rows) + "\n"
 
 
 # A '%' in help text that is not a format spec: argparse's ``--help`` formats every help string with
@@ -210,19 +159,50 @@ def escape_help(parser: argparse.ArgumentParser) -> None:
             action.help = _PERCENT.sub(lambda m: "%%" if m.group() == "%" else m.group(), action.help)
 
 
+def tell_launcher(line: str) -> None:
+    """Under torchrun: write ``line`` to this rank's error file (``TORCHELASTIC_ERROR_FILE``), so the failure
+    summary torchrun prints last names it (instead of "error_file: <N/A>")."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return
+    import json
+    import time
+
+    with contextlib.suppress(OSError):
+        with open(path, "w") as f:
+            json.dump({"message": line, "timestamp": int(time.time())}, f)
+
+
 def _exit_once(parser: argparse.ArgumentParser, message: str) -> None:
     """Exit with status 2; the message once per job (rank 0, or a process outside torchrun), without
     Megatron's ~700-line usage in front of it."""
     rank0 = int(os.environ.get("RANK", "0")) == 0
-    parser.exit(2, f"{parser.prog}: error: {message}\n" if rank0 else None)
+    line = f"{parser.prog}: error: {message}"
+    tell_launcher(line)
+    parser.exit(2, f"{line}\n" if rank0 else None)
+
+
+def unrecognized(parser: argparse.ArgumentParser, rest: list[str]) -> str:
+    """The message for command-line words no flag of ``parser`` takes, with the nearest flag per typo."""
+    known = list(parser._option_string_actions)
+    flags = [w for w in rest if w.startswith("-")] or rest
+    named = []
+    for word in flags:
+        name = word.split("=", 1)[0]
+        near = difflib.get_close_matches(name, known, n=1, cutoff=0.75) if name.startswith("--") else []
+        named.append(f"{word} (did you mean {near[0]}?)" if near else word)
+    noun = "argument" if len(named) == 1 else "arguments"
+    return f"unrecognized {noun} {', '.join(named)}; --help lists every flag."
 
 
 def extra_args_provider(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Megatron ``extra_args_provider``: adds the MoK flags and validation. Idempotent.
 
     Every ``--mok-*`` value and combination is checked right after parsing; a bad one exits with one
-    line that names the value and the fix (argparse's own choice and type errors on ``--mok-*`` flags
-    too), printed once per job."""
+    line that names the value and the fix, printed once per job. argparse's own errors (an unknown flag, with
+    the nearest known one; a bad choice or number for any flag) exit the same way. ``parse_args`` reports
+    unknown flags before the checks run, so a misspelt flag is named as such, not as the value it failed to
+    set."""
     if getattr(parser, _MARK, False):
         return parser
     _widen_dispatcher_choices(parser)
@@ -232,23 +212,30 @@ def extra_args_provider(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     argparse_error = parser.error
 
     def error(message: str):
-        if "--mok-" in message:
-            _exit_once(parser, message)
-        argparse_error(message)
+        _exit_once(parser, message)
 
-    def parse_known_args(args=None, namespace=None):
+    def parse(args, namespace, strict: bool):
         parser.error = error
         try:
             ns, rest = parse_known(args, namespace)
         finally:
             parser.error = argparse_error
+        if strict and rest:
+            _exit_once(parser, unrecognized(parser, rest))
         try:
             validate(ns)
         except (MoKArgumentError, MoKOptionsError, MoKConfigError) as e:
             _exit_once(parser, str(e))
         return ns, rest
 
+    def parse_known_args(args=None, namespace=None):
+        return parse(args, namespace, strict=False)
+
+    def parse_args(args=None, namespace=None):
+        return parse(args, namespace, strict=True)[0]
+
     parser.parse_known_args = parse_known_args
+    parser.parse_args = parse_args
     setattr(parser, _MARK, True)
     return parser
 
@@ -289,54 +276,26 @@ def combine(*providers):
 
 
 def options_from_args(args) -> MoKOptions:
-    """``MoKOptions`` from parsed flags (raises ``MoKOptionsError`` on bad values)."""
-    return MoKOptions(
-        engine=args.mok_engine,
-        minibatch_size=args.mok_minibatch_size,
-        minibatch_split=getattr(args, "mok_minibatch_split", MoKOptions().minibatch_split),
-        capacity_multiplier=args.mok_capacity_multiplier,
-        sync_free=args.mok_sync_free,
-        transport=args.mok_transport,
-        expert_backend=getattr(args, "mok_expert_backend", "torch"),
-        nvlink_programs=getattr(args, "mok_nvlink_programs", MoKOptions().nvlink_programs),
-        nvlink_programs_backward=getattr(args, "mok_nvlink_programs_backward", None),
-        nvlink_sync=getattr(args, "mok_nvlink_sync", MoKOptions().nvlink_sync),
-        local_rows=getattr(args, "mok_local_rows", MoKOptions().local_rows),
-        fp8_dispatch=getattr(args, "mok_fp8_dispatch", False),
-        fp8_combine=getattr(args, "mok_fp8_combine", False),
-        late_wgrad=getattr(args, "mok_late_wgrad", MoKOptions().late_wgrad),
-    )
+    """``MoKOptions`` from parsed flags (raises ``MoKOptionsError`` on bad values). A flag the parser does
+    not have (a parser built by an earlier patch set) keeps the field's default."""
+    return MoKOptions(**{f.name: getattr(args, "mok_" + f.name, f.default) for f, _ in flag_fields()})
 
 
 def _given_mok_flags(args) -> list[str]:
-    d = MoKOptions()
     given = options_from_args(args)
-    return [
-        "--mok-" + f.replace("_", "-")
-        for f in (
-            "engine",
-            "minibatch_size",
-            "minibatch_split",
-            "capacity_multiplier",
-            "sync_free",
-            "transport",
-            "expert_backend",
-            "nvlink_programs",
-            "nvlink_programs_backward",
-            "nvlink_sync",
-            "local_rows",
-            "fp8_dispatch",
-            "fp8_combine",
-            "late_wgrad",
-        )
-        if getattr(given, f) != getattr(d, f)
-    ]
+    return [flag_name(f.name) for f, _ in flag_fields() if getattr(given, f.name) != f.default]
 
 
 def validate(args) -> None:
     """Checks that need only the command line (no process groups). Raises ``MoKArgumentError`` /
     ``MoKOptionsError``; ``extra_args_provider`` turns them into ``parser.error``."""
     options_from_args(args)  # value checks live in MoKOptions
+    if getattr(args, "overlap_moe_expert_parallel_comm", False) and args.expert_model_parallel_size < 2:
+        raise MoKArgumentError(
+            "--overlap-moe-expert-parallel-comm overlaps the expert-parallel all-to-all of one micro-batch "
+            f"with another's compute and needs --expert-model-parallel-size 2 or more (got "
+            f"{args.expert_model_parallel_size}). Drop the flag, or raise --expert-model-parallel-size."
+        )
     if not getattr(args, "mok", False):
         given = _given_mok_flags(args)
         if given:
@@ -392,11 +351,39 @@ def validate(args) -> None:
 FP8_MIN_CAPABILITY = {"delayed": (8, 9), "tensorwise": (8, 9), "blockwise": (9, 0), "mxfp8": (10, 0)}
 
 
+def _check_expert_backend(args, options) -> None:
+    """The experts' backend against this machine, with the rules the layer applies when it is built
+    (``experts.backend.check_expert_backend``): torch-fp8 needs an FP8-capable GPU, te needs Transformer
+    Engine and a GPU."""
+    import torch
+
+    from mok_megatron.compat import have_te
+    from mok_megatron.experts.backend import check_expert_backend
+
+    recompute = getattr(args, "recompute_granularity", None) == "selective" and "moe_act" in (
+        getattr(args, "recompute_modules", None) or []
+    )
+    delay_wgrad = bool(
+        getattr(args, "delay_wgrad_compute", False)
+        or getattr(args, "overlap_dispatch_backward_with_experts_wgrad", False)
+    )
+    cuda = torch.cuda.is_available()
+    check_expert_backend(
+        options.expert_backend,
+        args,
+        torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu"),
+        have_te=have_te(),
+        sync_free=options.sync_free,
+        recompute_activation=recompute,
+        delay_wgrad=delay_wgrad,
+    )
+
+
 def check_environment(args) -> None:
     """Checks against this machine (run by the entry point right after parsing, not by the parser, so a
     command line can be parsed and checked anywhere, e.g. by ``mok recipe check``): Megatron's default
-    Transformer Engine modules need TE; a GPU transport needs GPUs; FP8 needs TE and a GPU that has the
-    recipe."""
+    Transformer Engine modules need TE; a GPU transport needs GPUs; the experts' backend needs what it runs
+    on (TE, an FP8-capable GPU); FP8 needs TE and a GPU that has the recipe."""
     import torch
 
     from mok_megatron.compat import cuda_capability, have_te
@@ -408,12 +395,10 @@ def check_environment(args) -> None:
             "local (Megatron-Core's own modules)."
         )
     if getattr(args, "mok", False):
-        check_options(
-            options_from_args(args),
-            ep_size=args.expert_model_parallel_size,
-            blockers=[],
-            cuda=torch.cuda.is_available(),
-        )
+        options = options_from_args(args)
+        cuda = torch.cuda.is_available()
+        check_options(options, ep_size=args.expert_model_parallel_size, blockers=[], cuda=cuda)
+        _check_expert_backend(args, options)
     if not getattr(args, "fp8", None):
         return
 
@@ -431,3 +416,21 @@ def check_environment(args) -> None:
             f"--fp8-recipe {recipe} needs compute capability {need[0]}.{need[1]}+, this GPU is "
             f"{cap[0]}.{cap[1]}. Use one of {supported} here (Hopper: blockwise), or run on a newer GPU."
         )
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m mok_megatron.training.arguments --markdown``: print the README's flags table."""
+    parser = argparse.ArgumentParser(
+        prog="python -m mok_megatron.training.arguments", description=main.__doc__
+    )
+    parser.add_argument("--markdown", action="store_true", help="the README's '## Flags' table (Markdown)")
+    args = parser.parse_args(argv)
+    if not args.markdown:
+        parser.print_help()
+        return 0
+    sys.stdout.write(flag_table())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -35,6 +35,9 @@ import sys  # noqa: E402
 from functools import partial  # noqa: E402
 
 
+PROG = "mok-pretrain-gpt"  # the name every error line of this entry point begins with
+
+
 def _is_rank0() -> bool:
     return int(os.environ.get("RANK", "0")) == 0
 
@@ -305,8 +308,9 @@ def parse(argv: list[str] | None = None):
 
     install()  # Megatron parses sys.argv again inside pretrain()
     saved = sys.argv
-    if argv is not None:
-        sys.argv = [saved[0] if saved else "mok-pretrain-gpt", *argv]
+    # argparse names the program after sys.argv[0] (pretrain_gpt.py under `python -m` or torchrun): every
+    # error of this entry point begins `mok-pretrain-gpt: error:`, however it was started.
+    sys.argv = [PROG, *(saved[1:] if argv is None else argv)]
     try:
         return parse_and_validate_args(
             extra_args_provider=extra_args_provider, args_defaults={"tokenizer_type": "GPT2BPETokenizer"}
@@ -330,12 +334,22 @@ def main(argv: list[str] | None = None) -> int:
 
     from mok_megatron.config import MoKConfigError
     from mok_megatron.options import MoKOptionsError
-    from mok_megatron.training.arguments import MoKArgumentError, check_environment
+    from mok_megatron.training.arguments import MoKArgumentError, check_environment, tell_launcher
     from mok_megatron.training.checkpoint_files import CheckpointError, check_load, naming_load_errors
 
     main_entry = time.time()
     use_prebuilt_dataset_helpers()
-    args = parse(argv)
+
+    def fail(e: BaseException | str) -> int:
+        tell_launcher(f"{PROG}: error: {e}")
+        if _is_rank0():
+            print(f"{PROG}: error: {e}", file=sys.stderr)
+        return 2
+
+    try:
+        args = parse(argv)
+    except AssertionError as e:  # Megatron's validate_args
+        return fail(_megatron_refuses(e))
     # Everything that can be checked before Megatron starts its process groups: this machine, the MoK
     # layer's constraints on the model config, the checkpoint to load. One line each, once per job.
     try:
@@ -343,15 +357,15 @@ def main(argv: list[str] | None = None) -> int:
         model_cfg = model_config_from_args(args)
         check_load(args)
     except (MoKArgumentError, MoKOptionsError, MoKConfigError, CheckpointError) as e:
-        if _is_rank0():
-            print(f"mok-pretrain-gpt: error: {e}", file=sys.stderr)
-        return 2
+        return fail(e)
+    except AssertionError as e:  # Megatron's TransformerConfig checks
+        return fail(_megatron_refuses(e))
     if _is_rank0():
         layer = "MoK (mok_megatron.MoKMoELayer)" if args.mok else "Megatron-Core MoELayer"
         print(f"> MoE layer: {layer}, dispatcher {args.moe_token_dispatcher_type}", flush=True)
     set_startup_timestamps(program_start=_PROGRAM_START, main_entry=main_entry)
     try:
-        with naming_load_errors(args.load):
+        with naming_load_errors(args.load) as loaded:
             pretrain(
                 pretrain_cfg_container_from_args(args, model_cfg),
                 datasets_provider,
@@ -359,11 +373,26 @@ def main(argv: list[str] | None = None) -> int:
                 forward_step,
             )
     except CheckpointError as e:
-        if _is_rank0():
-            print(f"mok-pretrain-gpt: error: {e}", file=sys.stderr)
-        return 2
+        return fail(e)
+    if not args.skip_train:
+        from megatron.training import get_args
+
+        nothing = loaded.nothing_trained(get_args().train_iters)
+        if nothing is not None:
+            return fail(nothing)
     return 0
 
+
+def _megatron_refuses(e: AssertionError) -> str:
+    """One line for an assertion of Megatron's argument or config checks (the last frame names the check
+    where Megatron gave no message)."""
+    import traceback
+
+    text = " ".join(str(e).split())
+    if not text:
+        frame = traceback.extract_tb(e.__traceback__)[-1]
+        text = f"{frame.line} ({os.path.basename(frame.filename)}:{frame.lineno})"
+    return f"Megatron refuses this command line: {text}. Change the flags it names."
 
 if __name__ == "__main__":
     sys.exit(main())
