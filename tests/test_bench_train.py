@@ -382,8 +382,11 @@ FLOOR = "alltoall-unfused/alltoall"
 
 def _runs_problems(d: dict, iters: int) -> list[str]:
     problems = [f"run {n} exited {r['rc']}" for n, r in d["runs"].items() if r["rc"] != 0]
-    problems += [f"run {n} loaded iteration {r['loaded_iteration']}, not 0" for n, r in d["runs"].items()
-                 if r["rc"] == 0 and r["loaded_iteration"] != 0]
+    problems += [
+        f"run {n} loaded iteration {r['loaded_iteration']}, not 0"
+        for n, r in d["runs"].items()
+        if r["rc"] == 0 and r["loaded_iteration"] != 0
+    ]
     for key in ("mok/alltoall", FLOOR):
         steps = d["loss_agreement"].get(key, {}).get("steps")
         if steps != iters:
@@ -398,10 +401,13 @@ def drift_problems(d: dict, iters: int = GPU_ITERS) -> list[str]:
         return problems
     mok, floor = d["loss_agreement"]["mok/alltoall"], d["loss_agreement"][FLOOR]
     if mok["step1_rel"] > LOSS_LIMITS["step1"]:
-        problems.append(f"mok/alltoall step 1 differs by {mok['step1_rel']:.2e} (limit {LOSS_LIMITS['step1']:g})")
+        limit = LOSS_LIMITS["step1"]
+        problems.append(f"mok/alltoall step 1 differs by {mok['step1_rel']:.2e} (limit {limit:g})")
     for key in ("max_rel", "mean_rel"):
         if mok[key] > floor[key]:
-            problems.append(f"mok/alltoall {key} {mok[key]:.2e} > Megatron against itself ({FLOOR}) {floor[key]:.2e}")
+            problems.append(
+                f"mok/alltoall {key} {mok[key]:.2e} > Megatron against itself ({FLOOR}) {floor[key]:.2e}"
+            )
     return problems
 
 
@@ -432,8 +438,12 @@ def stable_problems(d: dict) -> list[str]:
 def _result(losses: dict, rc: dict | None = None) -> dict:
     """A bench JSON's runs and loss agreement from {run: losses} (alltoall the reference)."""
     runs = {
-        n: {"rc": (rc or {}).get(n, 0), "loaded_iteration": 0, "iterations": list(range(1, len(v) + 1)),
-            "loss": list(v)}
+        n: {
+            "rc": (rc or {}).get(n, 0),
+            "loaded_iteration": 0,
+            "iterations": list(range(1, len(v) + 1)),
+            "loss": list(v),
+        }
         for n, v in losses.items()
     }
     agreement = {f"{n}/alltoall": loss_agreement(runs[n], runs["alltoall"]) for n in runs if n != "alltoall"}
@@ -452,7 +462,9 @@ def test_gpu_comparison_plans_three_runs_and_the_stable_regime():
     drop = {"--lr", "--min-lr", "--lr-warmup-iters"}
     for a, b in zip(chaotic.runs, stable.runs, strict=True):
         fa, fb = _flag_values(a.argv), _flag_values(b.argv)
-        assert {k: v for k, v in fa.items() if k not in drop} == {k: v for k, v in fb.items() if k not in drop}
+        assert {k: v for k, v in fa.items() if k not in drop} == {
+            k: v for k, v in fb.items() if k not in drop
+        }
 
 
 def test_drift_limits_are_megatrons_own_drift():
@@ -483,16 +495,20 @@ def test_stable_regime_premises_and_limits():
     assert stable_premise_problems(d) == [] and stable_problems(d) == []
     flat = [10.0 - 0.001 * i for i in range(GPU_ITERS)]
     d = _result({"mok": flat, "alltoall": flat, "alltoall-unfused": flat})
-    assert stable_premise_problems(d) == ["alltoall's step-100 loss 9.9010 is 1.0 % below step 1's 10.0000 (need 15 %)"]
+    assert stable_premise_problems(d) == [
+        "alltoall's step-100 loss 9.9010 is 1.0 % below step 1's 10.0000 (need 15 %)"
+    ]
     spiky = [v * (1.03 if i == 70 else 1.0) for i, v in enumerate(learns)]
     d = _result({"mok": near, "alltoall": learns, "alltoall-unfused": spiky})
-    assert stable_premise_problems(d) == [f"{FLOOR} outside the limits: step 71 differs by 3.00e-02 relative (limit 0.02)"]
+    spike = "step 71 differs by 3.00e-02 relative (limit 0.02)"
+    assert stable_premise_problems(d) == [f"{FLOOR} outside the limits: {spike}"]
     d = _result({"mok": spiky, "alltoall": learns, "alltoall-unfused": near})
     assert stable_premise_problems(d) == []
-    assert stable_problems(d) == ["mok/alltoall outside the limits: step 71 differs by 3.00e-02 relative (limit 0.02)"]
+    assert stable_problems(d) == [f"mok/alltoall outside the limits: {spike}"]
     drift = [v * 1.008 for v in learns]  # every step within 2 %, the mean 0.8 %
     d = _result({"mok": [learns[0]] + drift[1:], "alltoall": learns, "alltoall-unfused": near})
-    assert stable_problems(d)[0].startswith("mok/alltoall outside the limits: the mean difference is 7.92e-03")
+    want = "mok/alltoall outside the limits: the mean difference is 7.92e-03"
+    assert stable_problems(d)[0].startswith(want)
 
 
 def _qwen3_bench(tmp_path, name: str, flags=()) -> dict:
