@@ -297,6 +297,23 @@ def test_megatron_against_itself_is_reported_not_checked(tmp_path, capsys):
     assert rc == 3 and "loss agreement mok/alltoall: OUTSIDE the limits: step 3 differs" in out
 
 
+@pytest.mark.parametrize(
+    "total, shown", [(12, list(range(1, 13))), (3, [1, 2, 3]), (100, [1, *range(10, 101, 10)])]
+)
+def test_progress_lines_skip_no_step_of_a_short_run(total, shown):
+    """Not a terminal: a line per iteration up to 20 iterations (the default --iters 12 included), a line
+    per tenth of a longer run."""
+    import io
+    import types
+
+    stream = io.StringIO()
+    progress = train.Progress("mok", total, stream)
+    for i in range(1, total + 1):
+        progress.step(types.SimpleNamespace(iteration=i, ms=10.0, loss=1.0))
+    lines = stream.getvalue().splitlines()
+    assert [int(ln.split("| ")[1].split("/")[0]) for ln in lines] == shown, lines
+
+
 def test_last_error_names_the_failure_not_torchrun():
     tail = [
         '[rank0]:   File "x.py", line 3, in f\n',
