@@ -8,6 +8,10 @@ cd "$(dirname "${BASH_SOURCE[0]}")"
 source ./lib/common.sh
 
 NPROC=${NPROC:-1} ITERS=${ITERS:-20}
+case "$ITERS" in
+  ''|*[!0-9]*|0*) echo "tiny_moe.sh: ITERS=$ITERS: must be a whole number >= 1 (e.g. ITERS=20)." >&2; exit 2 ;;
+esac
+WARMUP=$(( ITERS > 2 ? 2 : ITERS - 1 ))   # Megatron's scheduler needs fewer warm-up than decay (= ITERS) steps
 NNODES=1 GPUS_PER_NODE=$NPROC NVLINK_DOMAIN_GPUS=$NPROC GPU=${GPU:-H100}   # any GPU (or CPU) holds it
 PY=${PYTHON:-$(command -v python3 || command -v python)}
 if [ -z "${DEVICE:-}" ]; then
@@ -34,7 +38,7 @@ else
 fi
 MEMORY_ARGS=()
 TRAIN_ARGS=(--micro-batch-size 4 --global-batch-size $((4 * NPROC)) --train-iters "$ITERS"
-  --lr 3e-3 --min-lr 3e-4 --lr-decay-style cosine --lr-warmup-iters 2 --clip-grad 1.0 --seed 1234)
+  --lr 3e-3 --min-lr 3e-4 --lr-decay-style cosine --lr-warmup-iters "$WARMUP" --clip-grad 1.0 --seed 1234)
 DATA_ARGS=("${DATA_SOURCE[@]}" --tokenizer-type NullTokenizer --vocab-size 128 --split 1,0,0)
 LOG_ARGS=(--log-interval 1 --eval-iters 0 --eval-interval "$ITERS")
 
