@@ -450,6 +450,38 @@ def test_timeline_says_what_it_wrote(tmp_path, capsys, monkeypatch):
     assert (tmp_path / "x.svg").is_file() and not (tmp_path / "x.png").exists()
 
 
+def test_timeline_path_is_checked_before_the_plan(tmp_path, capsys):
+    """A --timeline path that cannot be written stops with one line and prints no plan."""
+    missing = tmp_path / "no" / "such"
+    for path, why in (
+        (missing / "x.png", f"folder {missing} does not exist; create it (mkdir -p {missing})"),
+        (tmp_path, "is a folder; give a file name such as timeline.png inside it."),
+    ):
+        assert main(["--model", "qwen3-30b-a3b", "--timeline", str(path)]) == 2
+        out, err = capsys.readouterr()
+        assert out == "" and err.splitlines() == [err.strip()], err
+        assert err.startswith(f"mok plan: --timeline {path}: ") and why in err, err
+    assert not missing.exists()
+
+
+def test_a_missing_recipe_says_where_the_recipes_are(capsys, monkeypatch):
+    from mok_megatron.tools.planner import recipe as recipe_module
+
+    assert main(["--recipe", "examples/nope.sh"]) == 2
+    err = capsys.readouterr().err.strip()
+    names = ", ".join(sorted(p.name for p in EXAMPLES.glob("*.sh")))
+    assert err == f"mok plan: recipe examples/nope.sh: no such file; the recipes are in {EXAMPLES}: {names}"
+    # installed from a wheel: no examples/ beside the package
+    fake = "/opt/env/lib/python3.13/site-packages/mok_megatron/tools/planner/recipe.py"
+    monkeypatch.setattr(recipe_module, "__file__", fake)
+    assert main(["--recipe", "tiny_moe.sh"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        "mok plan: recipe tiny_moe.sh: no such file; the recipes are the examples/*.sh scripts of the "
+        "mok-megatron source repository (the installed package has none): give the path of one there, or "
+        "plan a model with --model M"
+    )
+
+
 def test_cli(capsys):
     assert (
         main(

@@ -81,6 +81,16 @@ def test_plan(installed):
     assert "tokens/s/GPU" in r.stdout
 
 
+def test_plan_recipe_says_where_the_recipes_are(installed):
+    r = _run(installed, str(installed[1]), "plan", "--recipe", "examples/tiny_moe.sh")
+    assert r.returncode == 2 and r.stdout == "", r.stdout[-2000:] + r.stderr[-2000:]
+    assert r.stderr.strip().splitlines() == [
+        "mok plan: recipe examples/tiny_moe.sh: no such file; the recipes are the examples/*.sh scripts of "
+        "the mok-megatron source repository (the installed package has none): give the path of one there, or "
+        "plan a model with --model M"
+    ]
+
+
 def test_patches_check(installed, tmp_path):
     import megatron.training.arguments as margs
 
