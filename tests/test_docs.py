@@ -95,6 +95,27 @@ def test_readme_flags_table_matches_argparse():
             )
 
 
+# A mok command to type: a shell line of a code block, or a row of a table of commands.
+MOK_COMMAND = re.compile(r"^(?:mok|\| `mok) (?:env|demo|bench|convert|patches|recipe|plan)\b", re.MULTILINE)
+
+
+GUIDES = [d for d in (README, *sorted((ROOT / "docs").glob("*.md"))) if MOK_COMMAND.search(d.read_text())]
+
+
+@pytest.mark.parametrize("doc", GUIDES, ids=_rel)
+def test_mok_commands_say_how_a_run_checkout_reaches_them(doc):
+    """``./run`` installs ``mok`` into ``.venv`` without activating it, so a bare ``mok ...`` there is
+    ``command not found``: before its first ``mok`` command to type, a guide says ``./run mok`` and how to
+    activate."""
+    text = doc.read_text()
+    first = MOK_COMMAND.search(text)
+    before = text[: first.start()]
+    assert "./run mok" in before and "source .venv/bin/activate" in before, (
+        f"{_rel(doc)}: the first bare command {first.group(0)!r} comes before any `./run mok` / "
+        "`source .venv/bin/activate`"
+    )
+
+
 def test_readme_names_every_spec():
     """Every module-level spec ``--spec mok_megatron.spec <name>`` loads is named in the README."""
     import ast
