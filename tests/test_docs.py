@@ -69,6 +69,18 @@ def test_readme_fits_its_budget():
     )
 
 
+def test_license_is_the_apache_2_0_text_pyproject_declares():
+    import tomllib
+
+    assert tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["license"] == "Apache-2.0"
+    text = (ROOT / "LICENSE").read_text()
+    head = [ln.strip() for ln in text.splitlines() if ln.strip()][:3]
+    assert head == ["Apache License", "Version 2.0, January 2004", "http://www.apache.org/licenses/"], head
+    for clause in ("1. Definitions.", "2. Grant of Copyright License.", "3. Grant of Patent License.",
+                   "9. Accepting Warranty or Additional Liability.", "END OF TERMS AND CONDITIONS"):
+        assert clause in text, clause
+
+
 def test_readme_flags_table_matches_argparse():
     actions = _mok_actions()
     named: dict[str, list[str]] = {}

@@ -70,6 +70,18 @@ def test_the_installed_package_is_the_wheel(installed):
     assert str(tmp / "env") in r.stdout and str(ROOT) not in r.stdout, r.stdout
 
 
+def test_the_wheel_carries_the_license(installed):
+    import zipfile
+
+    (wheel,) = (installed[2] / "dist").glob("mok_megatron-*.whl")
+    with zipfile.ZipFile(wheel) as z:
+        names = [n for n in z.namelist() if n.endswith("/LICENSE") and ".dist-info/" in n]
+        assert names, z.namelist()
+        assert z.read(names[0]).decode() == (ROOT / "LICENSE").read_text()
+        metadata = z.read(next(n for n in z.namelist() if n.endswith(".dist-info/METADATA"))).decode()
+        assert "License-Expression: Apache-2.0" in metadata
+
+
 def test_env(installed):
     r = _run(installed, str(installed[1]), "env")
     assert r.returncode == 0 and "megatron_core" in r.stdout, r.stderr[-2000:]
