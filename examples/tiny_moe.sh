@@ -12,11 +12,12 @@ case "$ITERS" in
   ''|*[!0-9]*|0*) echo "tiny_moe.sh: ITERS=$ITERS: must be a whole number >= 1 (e.g. ITERS=20)." >&2; exit 2 ;;
 esac
 WARMUP=$(( ITERS > 2 ? 2 : ITERS - 1 ))   # Megatron's scheduler needs fewer warm-up than decay (= ITERS) steps
-NNODES=1 GPUS_PER_NODE=$NPROC NVLINK_DOMAIN_GPUS=$NPROC GPU=${GPU:-H100}   # any GPU (or CPU) holds it
 PY=${PYTHON:-$(command -v python3 || command -v python)}
 if [ -z "${DEVICE:-}" ]; then
   DEVICE=$("$PY" -c 'import torch; print("gpu" if torch.cuda.is_available() else "cpu")' 2>/dev/null || echo cpu)
 fi
+# any GPU holds it; on a CPU the layout line says gpu=cpu (NPROC gloo processes)
+NNODES=1 GPUS_PER_NODE=$NPROC NVLINK_DOMAIN_GPUS=$NPROC GPU=${GPU:-$([ "$DEVICE" = cpu ] && echo cpu || echo H100)}
 
 MODEL_ARGS=(--num-layers 2 --hidden-size 64 --ffn-hidden-size 256 --num-attention-heads 4
   --normalization RMSNorm --swiglu --disable-bias-linear --position-embedding-type rope
