@@ -204,11 +204,13 @@ def test_layer_freq_and_recipe():
 
 @pytest.mark.parametrize("script", sorted(p.name for p in EXAMPLES.glob("*.sh")))
 def test_recipe_check_and_plan_read_the_same_gpu(script):
-    """Both read the recipe's GPU= line: `mok recipe check` for its HBM, `mok plan --recipe` for the cluster."""
+    """Both read the recipe's GPU= line: `mok recipe check` for its HBM, `mok plan --recipe` for the cluster
+    (which plans GPUs: it runs the recipe as on a GPU machine, DEVICE=gpu, where tiny_moe.sh says gpu=cpu
+    on a CPU)."""
     from mok_megatron.tools.recipe.check import dry_run
     from mok_megatron.tools.recipe.memory import HBM_BYTES
 
-    gpu = dry_run(EXAMPLES / script).cluster.gpu
+    gpu = dry_run(EXAMPLES / script, env={"DEVICE": "gpu"}).cluster.gpu
     assert recipe.load(str(EXAMPLES / script))[2].gpu.name == gpu
     assert HBM_BYTES[gpu] == hardware.GPUS[gpu].hbm_gb * 1e9
     if script == "qwen3_30b_a3b_h200_fp8.sh":

@@ -157,7 +157,7 @@ def load(path: str) -> tuple[Model, Layout, Cluster]:
         raise LayoutError(f"recipe {path}: no such file; {where_recipes_are()}")
     r = subprocess.run(
         ["bash", str(p)],
-        env={"DRY_RUN": "1", "PATH": "/usr/bin:/bin"},
+        env={"DRY_RUN": "1", "PATH": "/usr/bin:/bin", "DEVICE": "gpu"},  # planned on GPUs, whatever runs this
         capture_output=True,
         text=True,
         timeout=60,
