@@ -55,7 +55,18 @@ def main(argv: list[str] | None = None) -> int:
         "recipe": lambda rest: __import__("mok_megatron.tools.recipe.check", fromlist=["main"]).main(rest),
         "plan": lambda rest: __import__("mok_megatron.tools.planner.main", fromlist=["main"]).main(rest),
     }
-    if not argv or argv[0] in ("-h", "--help") or argv[0] not in commands:
+    if argv and argv[0] not in commands and argv[0] not in ("-h", "--help"):
+        import difflib
+
+        close = difflib.get_close_matches(argv[0], list(commands), n=1)
+        hint = f" (did you mean '{close[0]}'?)" if close else ""
+        print(
+            f"mok: unknown command '{argv[0]}'{hint}; choose from {', '.join(commands)} (mok --help says what "
+            "each does).",
+            file=sys.stderr,
+        )
+        return 2
+    if not argv or argv[0] in ("-h", "--help"):
         print(
             "usage: mok {env,demo,bench,convert,patches,recipe,plan} [options]\n\n"
             "  env      versions, GPUs, FP8 recipes available here, and what is missing\n"

@@ -67,6 +67,20 @@ def test_convert_command(tmp_path):
     assert got["model"]["decoder.layers.1.mlp.experts.fc1_weight"].shape == (4, 16, 8)
 
 
+def test_unknown_command_is_one_line_with_the_list(capsys):
+    from mok_megatron.cli import main as mok
+
+    assert mok(["pln"]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and len(err.splitlines()) == 1, err
+    listed = err.split("; choose from ", 1)[1].split(" (mok --help")[0].split(", ")
+    assert err.startswith("mok: unknown command 'pln' (did you mean 'plan'?); choose from ")
+    assert set(listed) == {"env", "demo", "bench", "convert", "patches", "recipe", "plan"}, listed
+    assert mok(["frobnicate"]) == 2
+    assert capsys.readouterr().err.startswith("mok: unknown command 'frobnicate'; choose from env, ")
+    assert mok(["--help"]) == 0 and "plan" in capsys.readouterr().out
+
+
 class _RunsCode:
     def __reduce__(self):
         return (os.system, ("true",))
