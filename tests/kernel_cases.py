@@ -310,6 +310,21 @@ def check_topk(device, T, E, K, dtype, ties=False):
     assert torch.equal(got.cpu(), want.cpu()), (got[:4], want[:4])
 
 
+def check_topk_signs(device, T, E, K, dtype):
+    """Scores of every sign and class: negatives, -0.0 and +0.0 (equal: ascending index), +-inf and NaN of
+    both signs (a NaN from inf - inf has the sign bit set on x86 and CUDA), against the reference."""
+    from mok_megatron.kernels.topk import topk_indices, topk_indices_reference
+
+    g = torch.Generator().manual_seed(T * K + E)
+    nan = float("nan")
+    values = torch.tensor([-2.5, -1.0, -0.0, 0.0, 1.0, 2.5, float("-inf"), float("inf"), nan, -nan])
+    s = values[torch.randint(0, len(values), (T, E), generator=g)]
+    assert (s.isnan() & s.signbit()).any() and (s.isnan() & ~s.signbit()).any()
+    s = s.to(device, dtype)
+    got = topk_indices(s, K, impl=Impl.TRITON)
+    assert torch.equal(got.cpu(), topk_indices_reference(s, K).cpu()), (s[:2], got[:2])
+
+
 def check_topk_tie_rule(device, T, E, K, dtype):
     """The documented rule against ``torch.topk``, both implementations: all-equal rows select experts
     0..K-1; rows of distinct scores select exactly ``torch.topk``'s experts, in its order."""
@@ -599,6 +614,8 @@ CPU_CASES = {
     "topk/T40-E128-K8-bf16": partial(check_topk, T=40, E=128, K=8, dtype=bf16),
     "topk/T30-E9-K9-ties-nan-inf": partial(check_topk, T=30, E=9, K=9, dtype=f32, ties=True),
     "topk/T41-E24-K4-bf16-ties-nan-inf": partial(check_topk, T=41, E=24, K=4, dtype=bf16, ties=True),
+    "topk/T37-E10-K3-signs-zeros-nans": partial(check_topk_signs, T=37, E=10, K=3, dtype=f32),
+    "topk/T20-E33-K8-bf16-signs-zeros-nans": partial(check_topk_signs, T=20, E=33, K=8, dtype=bf16),
     "topk/T1-E1-K1": partial(check_topk, T=1, E=1, K=1, dtype=f32),
     "topk/tie-rule-T16-E64-K8": partial(check_topk_tie_rule, T=16, E=64, K=8, dtype=f32),
     "topk/tie-rule-T9-E128-K8-bf16": partial(check_topk_tie_rule, T=9, E=128, K=8, dtype=bf16),

@@ -66,18 +66,18 @@ def _topk_kernel(
     s = tl.load(s_ptr + rows[:, None].to(tl.int64) * stride_t + cols[None, :], mask=mask, other=0.0).to(
         tl.float32
     )
-    nan = s != s
-    # Columns past E (and already taken ones) can never win: they are not live.
+    # torch.topk's order as int32 keys: the float's bits with the magnitude bits of negatives flipped order
+    # like the floats (-0.0 made +0.0, equal as floats), and every NaN (either sign) the largest key, above
+    # +inf. Columns past E (and already taken ones) hold the smallest key, below -inf's: they never win.
+    s = tl.where(s == 0.0, 0.0, s)
+    bits = s.to(tl.int32, bitcast=True)
+    key = tl.where(s != s, 0x7FFFFFFF, bits ^ ((bits >> 31) & 0x7FFFFFFF))
     live = mask
     for j in tl.static_range(K):
-        # NaN ranks first (torch.topk's order): the lowest live NaN column, BLOCK_E where none is left
-        nan_pick = tl.min(tl.where(live & nan, cols[None, :], BLOCK_E), axis=1)
-        num = live & ~nan
-        cand = tl.where(num, s, float("-inf"))
+        cand = tl.where(live, key, -0x80000000)
         best = tl.max(cand, axis=1)
-        hit = num & (cand == best[:, None])
-        num_pick = tl.min(tl.where(hit, cols[None, :], BLOCK_E), axis=1)
-        pick = tl.where(nan_pick < BLOCK_E, nan_pick, num_pick)
+        hit = live & (cand == best[:, None])
+        pick = tl.min(tl.where(hit, cols[None, :], BLOCK_E), axis=1)
         tl.store(idx_ptr + rows.to(tl.int64) * K + j, pick.to(tl.int64), mask=row_ok)
         live = live & (cols[None, :] != pick[:, None])
 
