@@ -8,11 +8,16 @@ cd "$(dirname "${BASH_SOURCE[0]}")"
 source ./lib/common.sh
 
 NPROC=${NPROC:-1} ITERS=${ITERS:-20}
-NNODES=1 GPUS_PER_NODE=$NPROC NVLINK_DOMAIN_GPUS=$NPROC GPU=${GPU:-H100}   # any GPU (or CPU) holds it
+case "$ITERS" in
+  ''|*[!0-9]*|0*) echo "tiny_moe.sh: ITERS=$ITERS: must be a whole number >= 1 (e.g. ITERS=20)." >&2; exit 2 ;;
+esac
+WARMUP=$(( ITERS > 2 ? 2 : ITERS - 1 ))   # Megatron's scheduler needs fewer warm-up than decay (= ITERS) steps
 PY=${PYTHON:-$(command -v python3 || command -v python)}
 if [ -z "${DEVICE:-}" ]; then
   DEVICE=$("$PY" -c 'import torch; print("gpu" if torch.cuda.is_available() else "cpu")' 2>/dev/null || echo cpu)
 fi
+# any GPU holds it; on a CPU the layout line says gpu=cpu (NPROC gloo processes)
+NNODES=1 GPUS_PER_NODE=$NPROC NVLINK_DOMAIN_GPUS=$NPROC GPU=${GPU:-$([ "$DEVICE" = cpu ] && echo cpu || echo H100)}
 
 MODEL_ARGS=(--num-layers 2 --hidden-size 64 --ffn-hidden-size 256 --num-attention-heads 4
   --normalization RMSNorm --swiglu --disable-bias-linear --position-embedding-type rope
@@ -34,7 +39,7 @@ else
 fi
 MEMORY_ARGS=()
 TRAIN_ARGS=(--micro-batch-size 4 --global-batch-size $((4 * NPROC)) --train-iters "$ITERS"
-  --lr 3e-3 --min-lr 3e-4 --lr-decay-style cosine --lr-warmup-iters 2 --clip-grad 1.0 --seed 1234)
+  --lr 3e-3 --min-lr 3e-4 --lr-decay-style cosine --lr-warmup-iters "$WARMUP" --clip-grad 1.0 --seed 1234)
 DATA_ARGS=("${DATA_SOURCE[@]}" --tokenizer-type NullTokenizer --vocab-size 128 --split 1,0,0)
 LOG_ARGS=(--log-interval 1 --eval-iters 0 --eval-interval "$ITERS")
 

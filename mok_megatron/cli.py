@@ -22,74 +22,9 @@ def _env(argv) -> int:
 
 
 def _convert(argv) -> int:
-    p = argparse.ArgumentParser(
-        prog="mok convert",
-        description="Rewrite the MoE expert weights of a torch.save'd state dict into another layout "
-        "(mok, sequential = Megatron SequentialMLP, te_grouped = Megatron TEGroupedMLP). "
-        "dist_checkpointing checkpoints need no conversion.",
-    )
-    p.add_argument("src")
-    p.add_argument("dst")
-    p.add_argument("--to", required=True, choices=("mok", "sequential", "te_grouped"))
-    p.add_argument("--key", default=None, help="the state dict lives under this key of the file (e.g. model)")
-    p.add_argument(
-        "--unsafe-load",
-        action="store_true",
-        help="load SRC with full pickle (weights_only=False): a file from elsewhere can then run arbitrary "
-        "code on this machine. Only for files you made yourself that hold objects beyond tensors and "
-        "Megatron's checkpoint metadata.",
-    )
-    ns = p.parse_args(argv)
-    import pickle
+    from mok_megatron.tools.convert import main as convert
 
-    import torch
-
-    from mok_megatron.experts.checkpoint import convert_state_dict, expert_prefixes
-
-    try:
-        obj = _load_checkpoint_file(ns.src, unsafe=ns.unsafe_load)
-    except (pickle.UnpicklingError, RuntimeError) as e:
-        print(
-            f"mok convert: {ns.src} holds objects a weights-only load refuses ({str(e).splitlines()[0]}). "
-            "If you made this file yourself and trust it, add --unsafe-load (full pickle: it can run code).",
-            file=sys.stderr,
-        )
-        return 1
-    sd = obj[ns.key] if ns.key else obj
-    n = len(expert_prefixes(sd))
-    if n == 0:
-        print(f"mok convert: no MoE expert weights found in {ns.src}", file=sys.stderr)
-        return 1
-    converted = convert_state_dict(sd, ns.to)
-    if ns.key:
-        obj = dict(obj)
-        obj[ns.key] = converted
-    else:
-        obj = converted
-    torch.save(obj, ns.dst)
-    print(f"mok convert: {n} MoE layer(s) -> {ns.to}, written to {ns.dst}")
-    return 0
-
-
-def _load_checkpoint_file(path: str, unsafe: bool):
-    """``torch.load`` with ``weights_only=True`` (tensors, containers and the few classes Megatron's
-    ``torch.save`` checkpoints hold: its argparse ``Namespace`` and enums); ``unsafe``: full pickle."""
-    import argparse as _argparse
-
-    import torch
-
-    if unsafe:
-        return torch.load(path, map_location="cpu", weights_only=False)
-    safe = [_argparse.Namespace]
-    try:
-        from megatron.core.enums import ModelType
-        from megatron.core.transformer.enums import AttnBackend, AttnMaskType
-
-        safe += [ModelType, AttnBackend, AttnMaskType]
-    except ImportError:
-        pass
-    with torch.serialization.safe_globals(safe):
-        return torch.load(path, map_location="cpu", weights_only=True)
+    return convert(argv)
 
 
 BENCH_COMMANDS = {
@@ -152,7 +87,18 @@ def main(argv: list[str] | None = None) -> int:
         "recipe": lambda rest: __import__("mok_megatron.tools.recipe.check", fromlist=["main"]).main(rest),
         "plan": lambda rest: __import__("mok_megatron.tools.planner.main", fromlist=["main"]).main(rest),
     }
-    if not argv or argv[0] in ("-h", "--help") or argv[0] not in commands:
+    if argv and argv[0] not in commands and argv[0] not in ("-h", "--help"):
+        import difflib
+
+        close = difflib.get_close_matches(argv[0], list(commands), n=1)
+        hint = f" (did you mean '{close[0]}'?)" if close else ""
+        print(
+            f"mok: unknown command '{argv[0]}'{hint}; choose from {', '.join(commands)} (mok --help says what "
+            "each does).",
+            file=sys.stderr,
+        )
+        return 2
+    if not argv or argv[0] in ("-h", "--help"):
         print(
             "usage: mok {env,demo,bench,convert,patches,recipe,plan} [options]\n\n"
             "  env      versions, GPUs, FP8 recipes available here, and what is missing\n"

@@ -294,7 +294,7 @@ def check_wired_swiglu(device, M, F, dtype, recompute=False):
 
 
 def check_topk(device, T, E, K, dtype, ties=False):
-    """The Triton top-k selection against the stable-sort reference (ties to the lower index, NaN lowest)."""
+    """The Triton top-k selection against the stable-sort reference (ties to the lower index, NaN highest)."""
     from mok_megatron.kernels.topk import topk_indices, topk_indices_reference
 
     g = torch.Generator().manual_seed(T + E + K)
@@ -308,6 +308,21 @@ def check_topk(device, T, E, K, dtype, ties=False):
     want = topk_indices_reference(s, K)
     assert got.dtype == torch.int64 and got.shape == (T, K)
     assert torch.equal(got.cpu(), want.cpu()), (got[:4], want[:4])
+
+
+def check_topk_signs(device, T, E, K, dtype):
+    """Scores of every sign and class: negatives, -0.0 and +0.0 (equal: ascending index), +-inf and NaN of
+    both signs (a NaN from inf - inf has the sign bit set on x86 and CUDA), against the reference."""
+    from mok_megatron.kernels.topk import topk_indices, topk_indices_reference
+
+    g = torch.Generator().manual_seed(T * K + E)
+    nan = float("nan")
+    values = torch.tensor([-2.5, -1.0, -0.0, 0.0, 1.0, 2.5, float("-inf"), float("inf"), nan, -nan])
+    s = values[torch.randint(0, len(values), (T, E), generator=g)]
+    assert (s.isnan() & s.signbit()).any() and (s.isnan() & ~s.signbit()).any()
+    s = s.to(device, dtype)
+    got = topk_indices(s, K, impl=Impl.TRITON)
+    assert torch.equal(got.cpu(), topk_indices_reference(s, K).cpu()), (s[:2], got[:2])
 
 
 def check_topk_tie_rule(device, T, E, K, dtype):
@@ -423,10 +438,10 @@ def check_router(
 
 def ties_at_k(scores_TE: torch.Tensor, k: int) -> torch.Tensor:
     """[T] bool: the row's K-th and (K+1)-th largest scores are equal (its top-K set depends on tie order).
-    NaN counts as -inf, as in the selection."""
-    s = scores_TE.float().nan_to_num(nan=float("-inf"), posinf=float("inf"), neginf=float("-inf"))
-    s = s.sort(dim=1, descending=True).values
-    return s[:, k - 1] == s[:, k]
+    NaN ranks above every number and NaNs count as equal, as in the selection."""
+    s = scores_TE.float().sort(dim=1, descending=True).values
+    a, b = s[:, k - 1], s[:, k]
+    return (a == b) | (a.isnan() & b.isnan())
 
 
 def _router_pair(device, router_dtype, E=64, K=8, H=1024, T=512):
@@ -464,6 +479,49 @@ def _router_pair(device, router_dtype, E=64, K=8, H=1024, T=512):
         routers.append(r)
     assert routers[1]._fast_routing(torch.zeros(1, E, device=device)), "the case must take the Triton top-k"
     return routers[0], routers[1], x
+
+
+def check_layer_nan_router_score(device, how):
+    """A NaN router score reaches the layer output on exactly the tokens where it reaches Megatron's.
+
+    Megatron's alltoall ``MoELayer`` and MoK's layer (Triton top-k) with the same weights; one expert's
+    router weights are broken, as a diverging run breaks them:
+
+    * ``nan-weight``: a NaN in the expert's row makes its score NaN for every token; ``torch.topk`` ranks
+      NaN first, so every token's probabilities, output and the loss are NaN;
+    * ``inf-weight``: an inf in the expert's row times an input that is exactly 0 there gives NaN for those
+      tokens only (sigmoid scores; +-inf elsewhere, finite after the sigmoid), so the output is NaN on
+      those tokens and finite on the others.
+
+    The per-token NaN pattern of the outputs must agree; a router that never selects the NaN score
+    (NaN ranked as -inf) gives finite outputs on those tokens and fails."""
+    from tests.cases import build_layers, make_config
+
+    _single_rank(device)
+    E, K, H, S, B, bad = 8, 2, 32, 6, 2, 5
+    score = "softmax" if how == "nan-weight" else "sigmoid"
+    cfg = make_config(topk=K, num_experts=E, hidden=H, ffn=16, score=score)
+    torch.manual_seed(3)
+    ref, mok = (m.to(device) for m in build_layers(cfg))
+    assert mok.router._fast_routing(torch.zeros(1, E, device=device)), "the case must take the Triton top-k"
+    x = torch.randn(S, B, H, generator=torch.Generator().manual_seed(4)).to(device)
+    zero_tokens = torch.zeros(S, B, dtype=torch.bool, device=device)
+    with torch.no_grad():
+        for layer in (ref, mok):
+            layer.router.weight[bad, 7] = float("nan") if how == "nan-weight" else float("inf")
+        if how == "inf-weight":
+            zero_tokens[::2, 1] = True
+            zero_tokens[1, 0] = True
+            x[..., 7][zero_tokens] = 0.0
+    outs = []
+    for layer in (ref, mok):
+        out, _ = layer(x.clone())
+        outs.append(out.detach())
+    nan_ref, nan_mok = (o.isnan().any(-1) for o in outs)
+    want = torch.ones_like(zero_tokens) if how == "nan-weight" else zero_tokens
+    assert torch.equal(nan_ref, want), f"Megatron's NaN tokens are not the case's premise: {nan_ref.tolist()}"
+    assert torch.equal(nan_mok, nan_ref), f"NaN tokens: MoK {nan_mok.tolist()}, Megatron {nan_ref.tolist()}"
+    assert bool(outs[1].sum().isnan()), "MoK's loss on this output must be NaN, as Megatron's is"
 
 
 def check_router_tie_rule_all_equal(device, E=64, K=8):
@@ -555,6 +613,9 @@ CPU_CASES = {
     "topk/T13-E5-K2": partial(check_topk, T=13, E=5, K=2, dtype=f32),
     "topk/T40-E128-K8-bf16": partial(check_topk, T=40, E=128, K=8, dtype=bf16),
     "topk/T30-E9-K9-ties-nan-inf": partial(check_topk, T=30, E=9, K=9, dtype=f32, ties=True),
+    "topk/T41-E24-K4-bf16-ties-nan-inf": partial(check_topk, T=41, E=24, K=4, dtype=bf16, ties=True),
+    "topk/T37-E10-K3-signs-zeros-nans": partial(check_topk_signs, T=37, E=10, K=3, dtype=f32),
+    "topk/T20-E33-K8-bf16-signs-zeros-nans": partial(check_topk_signs, T=20, E=33, K=8, dtype=bf16),
     "topk/T1-E1-K1": partial(check_topk, T=1, E=1, K=1, dtype=f32),
     "topk/tie-rule-T16-E64-K8": partial(check_topk_tie_rule, T=16, E=64, K=8, dtype=f32),
     "topk/tie-rule-T9-E128-K8-bf16": partial(check_topk_tie_rule, T=9, E=128, K=8, dtype=bf16),
@@ -569,6 +630,8 @@ CPU_CASES = {
     "router/tie-rule-all-equal-E64-K8": check_router_tie_rule_all_equal,
     "router/fp32-E64-K8-equals-megatron": check_router_fp32_equals_megatron,
     "router/bf16-E64-K8-differs-only-at-ties": check_router_bf16_differs_only_at_ties,
+    "layer/nan-router-weight": partial(check_layer_nan_router_score, how="nan-weight"),
+    "layer/inf-router-weight-nan-on-some-tokens": partial(check_layer_nan_router_score, how="inf-weight"),
     "bench/tiny-A16": partial(check_bench_cases, alignment=16),
     "wired/permute-combine-T13-K2-E5-H40": partial(
         check_wired_permute_combine, T=13, K=2, E=5, H=40, dtype=f32

@@ -1,6 +1,7 @@
 """``mok bench train``: the command lines it builds, the Megatron log it reads, its bad-input lines, and the
 whole comparison on the tiny preset through Megatron's real training loop on a CPU (identical initial weights
--> equal losses), plus the Qwen3-30B-A3B 100-step loss agreement on a GPU."""
+-> equal losses), plus the Qwen3-30B-A3B 100-step loss agreement on a GPU against Megatron's own drift
+(its limits as pure functions, tested on a CPU)."""
 
 from __future__ import annotations
 
@@ -296,6 +297,23 @@ def test_megatron_against_itself_is_reported_not_checked(tmp_path, capsys):
     assert rc == 3 and "loss agreement mok/alltoall: OUTSIDE the limits: step 3 differs" in out
 
 
+@pytest.mark.parametrize(
+    "total, shown", [(12, list(range(1, 13))), (3, [1, 2, 3]), (100, [1, *range(10, 101, 10)])]
+)
+def test_progress_lines_skip_no_step_of_a_short_run(total, shown):
+    """Not a terminal: a line per iteration up to 20 iterations (the default --iters 12 included), a line
+    per tenth of a longer run."""
+    import io
+    import types
+
+    stream = io.StringIO()
+    progress = train.Progress("mok", total, stream)
+    for i in range(1, total + 1):
+        progress.step(types.SimpleNamespace(iteration=i, ms=10.0, loss=1.0))
+    lines = stream.getvalue().splitlines()
+    assert [int(ln.split("| ")[1].split("/")[0]) for ln in lines] == shown, lines
+
+
 def test_last_error_names_the_failure_not_torchrun():
     tail = [
         '[rank0]:   File "x.py", line 3, in f\n',
@@ -319,7 +337,7 @@ def test_tiny_comparison_on_cpu_from_identical_weights(tmp_path, capsys):
     import torch
 
     if torch.cuda.is_available():
-        pytest.skip("the CPU path (a GPU machine runs test_qwen3_loss_agreement_over_100_steps)")
+        pytest.skip("the CPU path (a GPU machine runs the Qwen3 100-step tests)")
     out = tmp_path / "bench.json"
     argv = "--preset tiny --iters 4 --warmup 1".split() + ["--workdir", str(tmp_path / "w")]
     rc = train.main(argv + ["--json", str(out), "--png", str(tmp_path / "bench.png")])
@@ -358,25 +376,181 @@ def test_tiny_comparison_on_cpu_from_identical_weights(tmp_path, capsys):
 
 
 # ---- the H200 check -------------------------------------------------------------------------------
+#
+# Qwen3-30B-A3B preset, 100 steps, one GPU, from one initial checkpoint, three runs in one comparison: MoK,
+# Megatron's alltoall (TE grouped GEMM + fused permute) and Megatron's alltoall-unfused (the same math with
+# torch's permute). Measured on an H200 at the preset's --lr 3e-4 (2 warm-up steps), bf16 rounding makes
+# the two Megatron runs themselves drift apart (23.6 % at the worst step), so fixed limits there would
+# fail Megatron against itself. Two regimes, each with limits the reference meets in the same invocation:
+#
+# * the preset's regime: MoK's drift from alltoall (largest and mean relative loss difference) no larger
+#   than alltoall-unfused's drift from alltoall, and step 1 within the bench's 1e-3;
+# * a stable regime, STABLE_FLAGS (lower learning rate, longer warm-up): premises checked, not assumed --
+#   the step-100 loss at least 15 % below step 1's and alltoall-unfused within the bench's limits of
+#   alltoall -- then MoK within the same limits: step 1 within 1e-3, every step within 2 %, the mean
+#   within 0.5 %.
+
+GPU_ITERS = 100
+THREE_RUNS = "mok,alltoall,alltoall-unfused"
+STABLE_FLAGS = ("--lr", "1e-4", "--min-lr", "1e-5", "--lr-warmup-iters", "10")
+MIN_LOSS_DROP = 0.15
+FLOOR = "alltoall-unfused/alltoall"
 
 
-@pytest.mark.gpu
-def test_qwen3_loss_agreement_over_100_steps(tmp_path):
-    """Qwen3-30B-A3B preset, 100 steps, one GPU, MoK vs Megatron(+TE) from one initial checkpoint:
-    step 1 within 1e-3 relative, every step within 2 %, the mean within 0.5 %."""
+def _runs_problems(d: dict, iters: int) -> list[str]:
+    problems = [f"run {n} exited {r['rc']}" for n, r in d["runs"].items() if r["rc"] != 0]
+    problems += [
+        f"run {n} loaded iteration {r['loaded_iteration']}, not 0"
+        for n, r in d["runs"].items()
+        if r["rc"] == 0 and r["loaded_iteration"] != 0
+    ]
+    for key in ("mok/alltoall", FLOOR):
+        steps = d["loss_agreement"].get(key, {}).get("steps")
+        if steps != iters:
+            problems.append(f"{key}: {steps} common steps, not {iters}")
+    return problems
+
+
+def drift_problems(d: dict, iters: int = GPU_ITERS) -> list[str]:
+    """The preset's regime: MoK drifts from Megatron no more than Megatron drifts from itself."""
+    problems = _runs_problems(d, iters)
+    if problems:
+        return problems
+    mok, floor = d["loss_agreement"]["mok/alltoall"], d["loss_agreement"][FLOOR]
+    if mok["step1_rel"] > LOSS_LIMITS["step1"]:
+        limit = LOSS_LIMITS["step1"]
+        problems.append(f"mok/alltoall step 1 differs by {mok['step1_rel']:.2e} (limit {limit:g})")
+    for key in ("max_rel", "mean_rel"):
+        if mok[key] > floor[key]:
+            problems.append(
+                f"mok/alltoall {key} {mok[key]:.2e} > Megatron against itself ({FLOOR}) {floor[key]:.2e}"
+            )
+    return problems
+
+
+def stable_premise_problems(d: dict, iters: int = GPU_ITERS) -> list[str]:
+    """Whether the stable regime is one: it learns, and Megatron meets the limits against itself."""
+    problems = _runs_problems(d, iters)
+    if problems:
+        return problems
+    loss = d["runs"]["alltoall"]["loss"]
+    drop = 1 - loss[-1] / loss[0]
+    if drop < MIN_LOSS_DROP:
+        problems.append(
+            f"alltoall's step-{iters} loss {loss[-1]:.4f} is {100 * drop:.1f} % below step 1's {loss[0]:.4f} "
+            f"(need {100 * MIN_LOSS_DROP:.0f} %)"
+        )
+    floor = d["loss_agreement"][FLOOR]
+    if not floor["ok"]:
+        problems.append(f"{FLOOR} outside the limits: {'; '.join(floor['problems'])}")
+    return problems
+
+
+def stable_problems(d: dict) -> list[str]:
+    """In the stable regime MoK meets the bench's limits against alltoall."""
+    a = d["loss_agreement"]["mok/alltoall"]
+    return [] if a["ok"] else [f"mok/alltoall outside the limits: {'; '.join(a['problems'])}"]
+
+
+def _result(losses: dict, rc: dict | None = None) -> dict:
+    """A bench JSON's runs and loss agreement from {run: losses} (alltoall the reference)."""
+    runs = {
+        n: {
+            "rc": (rc or {}).get(n, 0),
+            "loaded_iteration": 0,
+            "iterations": list(range(1, len(v) + 1)),
+            "loss": list(v),
+        }
+        for n, v in losses.items()
+    }
+    agreement = {f"{n}/alltoall": loss_agreement(runs[n], runs["alltoall"]) for n in runs if n != "alltoall"}
+    return {"runs": runs, "loss_agreement": agreement}
+
+
+def test_gpu_comparison_plans_three_runs_and_the_stable_regime():
+    chaotic = _plan(runs=THREE_RUNS, iters=GPU_ITERS)
+    stable = _plan(runs=THREE_RUNS, iters=GPU_ITERS, forwarded=STABLE_FLAGS)
+    assert [r.name for r in chaotic.runs] == [r.name for r in stable.runs] == THREE_RUNS.split(",")
+    for plan, lr, warm in ((chaotic, "3e-4", "2"), (stable, "1e-4", "10")):
+        for run in (plan.init, *plan.runs):
+            f = _flag_values(run.argv)
+            assert (f["--lr"], f["--lr-warmup-iters"], f["--train-iters"]) == (lr, warm, "100"), run.name
+    # the stable regime changes only the schedule: every other flag is the preset's
+    drop = {"--lr", "--min-lr", "--lr-warmup-iters"}
+    for a, b in zip(chaotic.runs, stable.runs, strict=True):
+        fa, fb = _flag_values(a.argv), _flag_values(b.argv)
+        assert {k: v for k, v in fa.items() if k not in drop} == {
+            k: v for k, v in fb.items() if k not in drop
+        }
+
+
+def test_drift_limits_are_megatrons_own_drift():
+    ref = [10.0 - 0.05 * i for i in range(GPU_ITERS)]
+    off = [v * (1.2 if i > 50 else 1.0) for i, v in enumerate(ref)]  # 20 % apart after step 51
+    less = [v * (1.1 if i > 50 else 1.0) for i, v in enumerate(ref)]
+    # Megatron drifts 20 % from itself and MoK 10 %: within; the other way round: outside
+    assert drift_problems(_result({"mok": less, "alltoall": ref, "alltoall-unfused": off})) == []
+    bad = drift_problems(_result({"mok": off, "alltoall": ref, "alltoall-unfused": less}))
+    assert [p.split(" ")[1] for p in bad] == ["max_rel", "mean_rel"]
+    assert "> Megatron against itself (alltoall-unfused/alltoall)" in bad[0]
+    # step 1 keeps the bench's limit whatever Megatron's drift
+    first = [ref[0] * 1.01] + less[1:]
+    bad = drift_problems(_result({"mok": first, "alltoall": ref, "alltoall-unfused": off}))
+    assert bad == ["mok/alltoall step 1 differs by 1.00e-02 (limit 0.001)"]
+    # a failed run or a short log is named, not compared
+    d = _result({"mok": less, "alltoall": ref, "alltoall-unfused": off}, rc={"alltoall-unfused": 1})
+    assert "run alltoall-unfused exited 1" in drift_problems(d)
+    assert drift_problems(_result({"mok": less[:40], "alltoall": ref, "alltoall-unfused": off})) == [
+        "mok/alltoall: 40 common steps, not 100"
+    ]
+
+
+def test_stable_regime_premises_and_limits():
+    learns = [10.0 * (1 - 0.3 * i / (GPU_ITERS - 1)) for i in range(GPU_ITERS)]  # 30 % below step 1
+    near = [v * 1.001 for v in learns]
+    d = _result({"mok": near, "alltoall": learns, "alltoall-unfused": near})
+    assert stable_premise_problems(d) == [] and stable_problems(d) == []
+    flat = [10.0 - 0.001 * i for i in range(GPU_ITERS)]
+    d = _result({"mok": flat, "alltoall": flat, "alltoall-unfused": flat})
+    assert stable_premise_problems(d) == [
+        "alltoall's step-100 loss 9.9010 is 1.0 % below step 1's 10.0000 (need 15 %)"
+    ]
+    spiky = [v * (1.03 if i == 70 else 1.0) for i, v in enumerate(learns)]
+    d = _result({"mok": near, "alltoall": learns, "alltoall-unfused": spiky})
+    spike = "step 71 differs by 3.00e-02 relative (limit 0.02)"
+    assert stable_premise_problems(d) == [f"{FLOOR} outside the limits: {spike}"]
+    d = _result({"mok": spiky, "alltoall": learns, "alltoall-unfused": near})
+    assert stable_premise_problems(d) == []
+    assert stable_problems(d) == [f"mok/alltoall outside the limits: {spike}"]
+    drift = [v * 1.008 for v in learns]  # every step within 2 %, the mean 0.8 %
+    d = _result({"mok": [learns[0]] + drift[1:], "alltoall": learns, "alltoall-unfused": near})
+    want = "mok/alltoall outside the limits: the mean difference is 7.92e-03"
+    assert stable_problems(d)[0].startswith(want)
+
+
+def _qwen3_bench(tmp_path, name: str, flags=()) -> dict:
     import torch
 
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
-    out = tmp_path / "qwen3.json"
-    rc = train.main(
-        ["--preset", "qwen3-30b-a3b", "--iters", "100", "--workdir", str(tmp_path), "--json", str(out)]
-    )
-    d = json.loads(out.read_text())
-    a = d["loss_agreement"]["mok/alltoall"]
-    assert rc == 0, (d["runs"], a)
-    assert a["steps"] == 100 and a["step1_rel"] <= 1e-3 and a["max_rel"] <= 2e-2 and a["mean_rel"] <= 5e-3
-    assert all(r["loaded_iteration"] == 0 for r in d["runs"].values())
+    out = tmp_path / f"{name}.json"
+    argv = ["--preset", "qwen3-30b-a3b", "--iters", str(GPU_ITERS), "--runs", THREE_RUNS]
+    rc = train.main(argv + ["--workdir", str(tmp_path / name), "--json", str(out), "--", *flags])
+    assert rc in (0, 3), f"mok bench train exited {rc}"  # 3: MoK outside the bench's fixed limits
+    return json.loads(out.read_text())
+
+
+@pytest.mark.gpu
+def test_qwen3_loss_drift_within_megatrons_own_over_100_steps(tmp_path):
+    d = _qwen3_bench(tmp_path, "preset")
+    assert drift_problems(d) == [], (d["loss_agreement"]["mok/alltoall"], d["loss_agreement"][FLOOR])
+
+
+@pytest.mark.gpu
+def test_qwen3_loss_agreement_over_100_steps_in_a_stable_regime(tmp_path):
+    d = _qwen3_bench(tmp_path, "stable", STABLE_FLAGS)
+    assert stable_premise_problems(d) == [], "the stable regime is not one here; lower --lr in STABLE_FLAGS"
+    assert stable_problems(d) == []
 
 
 def test_gradient_accumulation_fusion_restores_megatrons_default_for_every_run():

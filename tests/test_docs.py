@@ -91,6 +91,18 @@ def test_readme_flags_table_is_the_generated_one():
     )
 
 
+def test_license_is_the_apache_2_0_text_pyproject_declares():
+    import tomllib
+
+    assert tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["license"] == "Apache-2.0"
+    text = (ROOT / "LICENSE").read_text()
+    head = [ln.strip() for ln in text.splitlines() if ln.strip()][:3]
+    assert head == ["Apache License", "Version 2.0, January 2004", "http://www.apache.org/licenses/"], head
+    for clause in ("1. Definitions.", "2. Grant of Copyright License.", "3. Grant of Patent License.",
+                   "9. Accepting Warranty or Additional Liability.", "END OF TERMS AND CONDITIONS"):
+        assert clause in text, clause
+
+
 def test_readme_flags_table_matches_argparse():
     from mok_megatron.options import flag_fields, flag_name
 
@@ -120,6 +132,27 @@ def test_readme_flags_table_matches_argparse():
                 f"README.md flags table: {flag} lists {listed.group(0) if listed else 'no choices'}, "
                 f"argparse's are {{{','.join(choices)}}}"
             )
+
+
+# A mok command to type: a shell line of a code block, or a row of a table of commands.
+MOK_COMMAND = re.compile(r"^(?:mok|\| `mok) (?:env|demo|bench|convert|patches|recipe|plan)\b", re.MULTILINE)
+
+
+GUIDES = [d for d in (README, *sorted((ROOT / "docs").glob("*.md"))) if MOK_COMMAND.search(d.read_text())]
+
+
+@pytest.mark.parametrize("doc", GUIDES, ids=_rel)
+def test_mok_commands_say_how_a_run_checkout_reaches_them(doc):
+    """``./run`` installs ``mok`` into ``.venv`` without activating it, so a bare ``mok ...`` there is
+    ``command not found``: before its first ``mok`` command to type, a guide says ``./run mok`` and how to
+    activate."""
+    text = doc.read_text()
+    first = MOK_COMMAND.search(text)
+    before = text[: first.start()]
+    assert "./run mok" in before and "source .venv/bin/activate" in before, (
+        f"{_rel(doc)}: the first bare command {first.group(0)!r} comes before any `./run mok` / "
+        "`source .venv/bin/activate`"
+    )
 
 
 def test_readme_names_every_spec():

@@ -310,6 +310,25 @@ def test_tiny_recipe_mok_matches_alltoall(tiny_runs):
         assert abs(x - y) <= 1e-4 * abs(y), (i, mok, want)  # same math as Megatron's alltoall layer
 
 
+def test_tiny_recipe_trains_any_number_of_iterations():
+    """``ITERS=2 bash examples/tiny_moe.sh`` trains 2 steps (Megatron's scheduler needs fewer warm-up steps
+    than ITERS: the recipe warms up for at most ITERS - 1); an ITERS that is not a whole number >= 1 is one
+    line."""
+    for iters in (1, 3):
+        flags = _tiny_command(iters)
+        warmup = int(flags[flags.index("--lr-warmup-iters") + 1])
+        assert flags[flags.index("--train-iters") + 1] == str(iters) and 0 <= warmup < iters, (iters, warmup)
+    for bad in ("0", "abc", "-3"):
+        r = _run(["bash", "examples/tiny_moe.sh"], DRY_RUN="1", ITERS=bad, timeout=60)
+        assert r.returncode == 2 and r.stdout == "", r.stdout
+        want = f"tiny_moe.sh: ITERS={bad}: must be a whole number >= 1 (e.g. ITERS=20)."
+        assert r.stderr.splitlines() == [want]
+    r = _run(["bash", "examples/tiny_moe.sh"], ITERS="2", MASTER_PORT=str(_free_port()), timeout=300)
+    log = r.stdout + r.stderr
+    assert r.returncode == 0, log[-4000:]
+    assert [int(m.group(1)) for m in _LOSS.finditer(log)] == [1, 2], log[-2000:]
+
+
 def test_truncated_checkpoint_is_named_at_start_up(saved_checkpoint, tmp_path):
     r, ckpt = saved_checkpoint
     assert r.returncode == 0, r.stderr[-3000:]

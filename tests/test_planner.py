@@ -204,11 +204,13 @@ def test_layer_freq_and_recipe():
 
 @pytest.mark.parametrize("script", sorted(p.name for p in EXAMPLES.glob("*.sh")))
 def test_recipe_check_and_plan_read_the_same_gpu(script):
-    """Both read the recipe's GPU= line: `mok recipe check` for its HBM, `mok plan --recipe` for the cluster."""
+    """Both read the recipe's GPU= line: `mok recipe check` for its HBM, `mok plan --recipe` for the cluster
+    (which plans GPUs: it runs the recipe as on a GPU machine, DEVICE=gpu, where tiny_moe.sh says gpu=cpu
+    on a CPU)."""
     from mok_megatron.tools.recipe.check import dry_run
     from mok_megatron.tools.recipe.memory import HBM_BYTES
 
-    gpu = dry_run(EXAMPLES / script).cluster.gpu
+    gpu = dry_run(EXAMPLES / script, env={"DEVICE": "gpu"}).cluster.gpu
     assert recipe.load(str(EXAMPLES / script))[2].gpu.name == gpu
     assert HBM_BYTES[gpu] == hardware.GPUS[gpu].hbm_gb * 1e9
     if script == "qwen3_30b_a3b_h200_fp8.sh":
@@ -470,6 +472,38 @@ def test_timeline_says_what_it_wrote(tmp_path, capsys, monkeypatch):
         and str(tmp_path / "x.png") in line
     )
     assert (tmp_path / "x.svg").is_file() and not (tmp_path / "x.png").exists()
+
+
+def test_timeline_path_is_checked_before_the_plan(tmp_path, capsys):
+    """A --timeline path that cannot be written stops with one line and prints no plan."""
+    missing = tmp_path / "no" / "such"
+    for path, why in (
+        (missing / "x.png", f"folder {missing} does not exist; create it (mkdir -p {missing})"),
+        (tmp_path, "is a folder; give a file name such as timeline.png inside it."),
+    ):
+        assert main(["--model", "qwen3-30b-a3b", "--timeline", str(path)]) == 2
+        out, err = capsys.readouterr()
+        assert out == "" and err.splitlines() == [err.strip()], err
+        assert err.startswith(f"mok plan: --timeline {path}: ") and why in err, err
+    assert not missing.exists()
+
+
+def test_a_missing_recipe_says_where_the_recipes_are(capsys, monkeypatch):
+    from mok_megatron.tools.planner import recipe as recipe_module
+
+    assert main(["--recipe", "examples/nope.sh"]) == 2
+    err = capsys.readouterr().err.strip()
+    names = ", ".join(sorted(p.name for p in EXAMPLES.glob("*.sh")))
+    assert err == f"mok plan: recipe examples/nope.sh: no such file; the recipes are in {EXAMPLES}: {names}"
+    # installed from a wheel: no examples/ beside the package
+    fake = "/opt/env/lib/python3.13/site-packages/mok_megatron/tools/planner/recipe.py"
+    monkeypatch.setattr(recipe_module, "__file__", fake)
+    assert main(["--recipe", "tiny_moe.sh"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        "mok plan: recipe tiny_moe.sh: no such file; the recipes are the examples/*.sh scripts of the "
+        "mok-megatron source repository (the installed package has none): give the path of one there, or "
+        "plan a model with --model M"
+    )
 
 
 def test_cli(capsys):

@@ -49,6 +49,30 @@ def test_every_recipe_passes_the_check(recipe, capsys):
     )
 
 
+def test_cli_on_the_cpu_recipe_prints_the_report_only():
+    """``mok recipe check examples/tiny_moe.sh`` on a machine without a GPU: no Megatron import notes before
+    the report, and the report says what the recipe runs on there (gloo processes), not a GPU."""
+    r = subprocess.run(
+        [sys.executable, "-m", "mok_megatron.cli", "recipe", "check", str(EX / "tiny_moe.sh")],
+        capture_output=True,
+        text=True,
+        env=dict(os.environ, PYTHONPATH=str(ROOT), DEVICE="cpu", NPROC="2"),
+    )
+    assert r.returncode == 0 and r.stderr == "", r.stderr[-3000:]
+    lines = r.stdout.splitlines()
+    assert lines[0] == "tiny_moe.sh: 1 node x 2 CPU process(es) (gloo), no GPU", lines
+    assert "EP 2" in lines[1] and "NVLink" not in lines[1] and lines[-1] == "  OK", lines
+
+
+def test_gpu_line_names_the_gpu_checked_against(capsys, monkeypatch):
+    monkeypatch.setenv("DEVICE", "gpu")
+    recipe = recipes.dry_run(EX / "tiny_moe.sh")
+    assert recipe.cluster.gpu == "H100"
+    assert recipes.format_report(recipes.check(recipe)).splitlines()[0] == "tiny_moe.sh: 1 node x 1 H100 GPUs"
+    first = recipes.format_report(recipes.check(recipe, "GB300")).splitlines()
+    assert first[0] == "tiny_moe.sh: 1 node x 1 GB300 GPUs" and "vs 268 GiB HBM" in first[2], first
+
+
 def test_cli_exits_1_and_names_the_problem_and_the_fix():
     r = subprocess.run(
         [

@@ -28,11 +28,40 @@ def test_hand_worked_ties():
         [
             [3.0, 1.0, 2.0, 2.0, 2.0, 0.0],  # tie at the 3rd place: experts 2, 3 of {2, 3, 4}
             [2.0, 2.0, 1.0, 0.0, 5.0, 1.0],  # tie inside the top 3, none at the 3rd place
-            [float("nan"), 0.0, float("-inf"), 0.0, -1.0, 0.0],  # NaN counts as -inf
+            [float("nan"), 0.0, float("-inf"), 1.0, -1.0, float("nan")],  # NaN above every number
+            [float("nan"), 2.0, float("nan"), float("nan"), float("nan"), float("inf")],  # NaNs tie
         ]
     )
-    assert topk_indices(s, 3).tolist() == [[0, 2, 3], [4, 0, 1], [1, 3, 5]]
-    assert ties_at_k(s, 3).tolist() == [True, False, False]
+    assert topk_indices(s, 3).tolist() == [[0, 2, 3], [4, 0, 1], [0, 5, 3], [0, 2, 3]]
+    assert ties_at_k(s, 3).tolist() == [True, False, False, True]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_nan_scores_are_selected_first_as_torch_topk_selects_them(dtype):
+    """``torch.topk`` (Megatron's selection) ranks NaN above +inf: a row with at most K NaN scores selects
+    all of them, then the largest numbers, so the NaN reaches the probabilities as in Megatron."""
+    g = torch.Generator().manual_seed(1)
+    E, K = 64, 8
+    # distinct numbers, exact in bf16 too: a permutation of -32..31 per row
+    s = torch.stack([torch.randperm(E, generator=g) for _ in range(512)]).float() - E // 2
+    nans = torch.rand(512, E, generator=g) < 0.05
+    nans[::16, 10:22] = True  # more NaNs than K
+    s[::7, 3] = float("inf")
+    s[nans] = float("nan")
+    s = s.to(dtype)
+    few = nans.sum(1) <= K
+    assert few.sum() > 400 and (~few).any() and (nans.sum(1) > 0).sum() > 400, "the draw must hold both kinds"
+    assert not ties_at_k(s[few], K).any()
+    got = topk_indices(s, K)
+    assert torch.equal(_set(got[few], E), _set(torch.topk(s[few], K, dim=1).indices, E))
+    # every selected score of a row with more NaNs than K is NaN: its lowest-index NaNs
+    assert bool(s.gather(1, got)[~few].isnan().all())
+    lowest = nans & (nans.cumsum(1) <= K)
+    assert torch.equal(_set(got[~few], E), lowest[~few])
+    # order: the NaNs first (ascending index), then the numbers as torch.topk orders them
+    n = nans.sum(1).clamp(max=K)
+    first = torch.arange(K).expand(512, K) < n[:, None]
+    assert torch.equal(s.gather(1, got).isnan(), first)
 
 
 @pytest.mark.parametrize("E,K", [(16, 4), (64, 8), (128, 8)])

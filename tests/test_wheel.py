@@ -79,6 +79,18 @@ def test_the_installed_package_is_the_wheel(installed):
     assert str(tmp / "env") in r.stdout and str(ROOT) not in r.stdout, r.stdout
 
 
+def test_the_wheel_carries_the_license(installed):
+    import zipfile
+
+    (wheel,) = (installed[2] / "dist").glob("mok_megatron-*.whl")
+    with zipfile.ZipFile(wheel) as z:
+        names = [n for n in z.namelist() if n.endswith("/LICENSE") and ".dist-info/" in n]
+        assert names, z.namelist()
+        assert z.read(names[0]).decode() == (ROOT / "LICENSE").read_text()
+        metadata = z.read(next(n for n in z.namelist() if n.endswith(".dist-info/METADATA"))).decode()
+        assert "License-Expression: Apache-2.0" in metadata
+
+
 def test_env(installed):
     r = _run(installed, str(installed[1]), "env")
     assert r.returncode == 0 and "megatron_core" in r.stdout, r.stderr[-2000:]
@@ -105,6 +117,16 @@ def test_bench_ships_its_commands_and_no_research_sweeps(installed):
     for name in ("layer", "train", "ep"):
         r = _run(installed, str(installed[1]), "bench", name, "--help")
         assert r.returncode == 0 and f"mok bench {name}" in r.stdout, r.stdout[-2000:] + r.stderr[-2000:]
+
+
+def test_plan_recipe_says_where_the_recipes_are(installed):
+    r = _run(installed, str(installed[1]), "plan", "--recipe", "examples/tiny_moe.sh")
+    assert r.returncode == 2 and r.stdout == "", r.stdout[-2000:] + r.stderr[-2000:]
+    assert r.stderr.strip().splitlines() == [
+        "mok plan: recipe examples/tiny_moe.sh: no such file; the recipes are the examples/*.sh scripts of "
+        "the mok-megatron source repository (the installed package has none): give the path of one there, or "
+        "plan a model with --model M"
+    ]
 
 
 def test_patches_check(installed, tmp_path):

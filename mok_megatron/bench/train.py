@@ -397,9 +397,11 @@ def _parse_flags() -> int:
 
 
 class Progress:
-    """One bar per run on a terminal (redrawn per iteration), else a line per tenth of the run."""
+    """One bar per run on a terminal (redrawn per iteration), else a line per iteration for runs of up to
+    ``EVERY_STEP`` iterations and a line per tenth of longer runs (first and last iteration included)."""
 
     WIDTH = 24
+    EVERY_STEP = 20
 
     def __init__(self, name: str, total: int, stream=None):
         self.name, self.total = name, total
@@ -418,7 +420,7 @@ class Progress:
         text = f"[{self.name}] |{'#' * fill}{'.' * (self.WIDTH - fill)}| {done}/{self.total}  {step.ms:.1f} ms{loss}"
         if self.tty:
             print("\r" + text, end="", file=self.stream, flush=True)
-        elif done * 10 // self.total > self.shown or done in (1, self.total):
+        elif self.total <= self.EVERY_STEP or done * 10 // self.total > self.shown or done == self.total:
             self.shown = done * 10 // self.total
             print(text, file=self.stream, flush=True)
 

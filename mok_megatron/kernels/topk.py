@@ -5,13 +5,18 @@ Only the selection: the probabilities are computed by Megatron's own ``topk_rout
 at these indices (``precomputed_indices``), so the values and gradients are Megatron's.
 
 Tie rule: equal scores are taken in ascending expert index, as a stable descending sort orders them
-(all-equal scores pick experts 0..K-1); NaN counts as -inf. ``torch.topk`` leaves the order of equal
-values unspecified, and it differs between devices (all-equal rows, K = 2: experts [42, 43] of 64 on
-CPU with torch 2.14, [5, 6] on an H200). So:
+(all-equal scores pick experts 0..K-1). NaN ranks above every number, +inf included, as in ``torch.topk``
+and ``torch.sort``: a NaN score is selected first, so it reaches the probabilities, the layer output and
+the loss exactly as in Megatron's router (whose NaN check then stops the run) instead of being routed
+around. NaNs count as equal to each other (ascending index among them). ``torch.topk`` leaves the order
+of equal values unspecified, and it differs between devices (all-equal rows, K = 2: experts [42, 43] of
+64 on CPU with torch 2.14, [5, 6] on an H200; NaNs at experts 0, 2, 5 of 8 with K = 1: expert 2 on CPU).
+So:
 
 * distinct scores: the selection (set and order) is exactly ``torch.topk``'s;
-* a tie at the K-th place (the K-th and (K+1)-th largest scores equal): the set may differ from
-  ``torch.topk``'s on any device; MoK's holds the lower indices. Ties inside the top K change no set.
+* a tie at the K-th place (the K-th and (K+1)-th largest scores equal, or both NaN): the set may differ
+  from ``torch.topk``'s on any device; MoK's holds the lower indices. Ties inside the top K change no
+  set: a row with at most K NaNs selects all of them, as ``torch.topk`` does.
 
 Such ties come from rounding. Router inputs x [512, 1024] ~ N(0, 1) and weights [64, 1024] ~ N(0, 0.02^2),
 both bf16, top-8, five seeds: fp32 logits (``moe_router_dtype='fp32'``) had no tie at the 8th place
@@ -44,9 +49,8 @@ def _num_warps(block_e: int) -> int:
 
 
 def topk_indices_reference(scores_TE: torch.Tensor, k: int) -> torch.Tensor:
-    s = scores_TE.float()
-    s = torch.where(s.isnan(), float("-inf"), s)
-    return torch.sort(s, dim=1, descending=True, stable=True).indices[:, :k].contiguous()
+    # torch.sort orders NaN above +inf (descending: first), equal values and NaNs in ascending index
+    return torch.sort(scores_TE.float(), dim=1, descending=True, stable=True).indices[:, :k].contiguous()
 
 
 @jit
@@ -62,11 +66,15 @@ def _topk_kernel(
     s = tl.load(s_ptr + rows[:, None].to(tl.int64) * stride_t + cols[None, :], mask=mask, other=0.0).to(
         tl.float32
     )
-    s = tl.where(s != s, float("-inf"), s)  # NaN -> -inf
-    # Columns past E (and already taken ones) can never win: they compare below every real entry.
+    # torch.topk's order as int32 keys: the float's bits with the magnitude bits of negatives flipped order
+    # like the floats (-0.0 made +0.0, equal as floats), and every NaN (either sign) the largest key, above
+    # +inf. Columns past E (and already taken ones) hold the smallest key, below -inf's: they never win.
+    s = tl.where(s == 0.0, 0.0, s)
+    bits = s.to(tl.int32, bitcast=True)
+    key = tl.where(s != s, 0x7FFFFFFF, bits ^ ((bits >> 31) & 0x7FFFFFFF))
     live = mask
     for j in tl.static_range(K):
-        cand = tl.where(live, s, float("-inf"))
+        cand = tl.where(live, key, -0x80000000)
         best = tl.max(cand, axis=1)
         hit = live & (cand == best[:, None])
         pick = tl.min(tl.where(hit, cols[None, :], BLOCK_E), axis=1)
@@ -83,7 +91,7 @@ def topk_indices(
     num_warps: int | None = None,
 ) -> torch.Tensor:
     """``[T, K]`` int64 indices of each row's K largest scores (largest first; equal scores in ascending
-    index, so all-equal rows give 0..K-1; NaN lowest).
+    index, so all-equal rows give 0..K-1; NaN highest, as in ``torch.topk``).
     ``block_t`` (rows per program) and ``num_warps`` are tuning knobs (the defaults above, as measured)."""
     if scores_TE.dim() != 2:
         raise ValueError(f"topk_indices: scores must be [T, E], got shape {tuple(scores_TE.shape)}")

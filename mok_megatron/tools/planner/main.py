@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import sys
 from pathlib import Path
 
@@ -199,11 +200,28 @@ def _validate() -> None:
         )
 
 
+def _unwritable(path: str) -> str | None:
+    """Why the picture cannot be written to ``path`` (checked before planning), or None."""
+    target = Path(path)
+    if target.is_dir():
+        return "is a folder; give a file name such as timeline.png inside it."
+    folder = target.absolute().parent
+    if not folder.is_dir():
+        return f"folder {folder} does not exist; create it (mkdir -p {folder}) or choose another path."
+    if not os.access(folder, os.W_OK):
+        return f"folder {folder} is not writable; choose another path."
+    return None
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="mok plan", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    p.add_argument("--recipe", help="examples/*.sh: model, layout and cluster from the recipe (DRY_RUN=1)")
+    p.add_argument(
+        "--recipe",
+        help="a recipe script (the repository's examples/*.sh; a wheel has none): model, layout and cluster "
+        "from its DRY_RUN=1 command",
+    )
     p.add_argument(
         "--model", choices=sorted(shapes.MODELS), help="a model with its own layout (shapes.LAYOUTS)"
     )
@@ -248,6 +266,11 @@ def main(argv: list[str] | None = None) -> int:
     if ns.recipe and ns.model:
         print("mok plan: --recipe and --model both name a model; give one", file=sys.stderr)
         return 2
+    if ns.timeline:
+        problem = _unwritable(ns.timeline)
+        if problem:
+            print(f"mok plan: --timeline {ns.timeline}: {problem}", file=sys.stderr)
+            return 2
     try:
         if ns.validate:
             _validate()

@@ -138,13 +138,26 @@ def recipe_cluster(meta: dict) -> Cluster:
     )
 
 
+def where_recipes_are() -> str:
+    """Where the recipe scripts are: examples/ of the source checkout this package runs from, else the
+    repository's (a wheel ships the package only)."""
+    here = Path(__file__).resolve().parents[3] / "examples"
+    names = sorted(s.name for s in here.glob("*.sh")) if here.is_dir() else []
+    if names:
+        return f"the recipes are in {here}: {', '.join(names)}"
+    return (
+        "the recipes are the examples/*.sh scripts of the mok-megatron source repository (the installed "
+        "package has none): give the path of one there, or plan a model with --model M"
+    )
+
+
 def load(path: str) -> tuple[Model, Layout, Cluster]:
     p = Path(path)
     if not p.is_file():
-        raise LayoutError(f"recipe {path}: no such file; see examples/*.sh")
+        raise LayoutError(f"recipe {path}: no such file; {where_recipes_are()}")
     r = subprocess.run(
         ["bash", str(p)],
-        env={"DRY_RUN": "1", "PATH": "/usr/bin:/bin"},
+        env={"DRY_RUN": "1", "PATH": "/usr/bin:/bin", "DEVICE": "gpu"},  # planned on GPUs, whatever runs this
         capture_output=True,
         text=True,
         timeout=60,

@@ -8,11 +8,14 @@ the message names the problem and the fix."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
+import logging
 import os
 import shlex
 import subprocess
 import sys
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,6 +23,22 @@ from mok_megatron.tools.recipe.layout import Cluster, LayoutError, Parallel, par
 from mok_megatron.tools.recipe.memory import GIB, HBM_BYTES, Estimate, estimate
 
 ENTRY = "mok_megatron.pretrain_gpt"
+CPU = "cpu"  # a recipe's GPU= on a machine without one (examples/tiny_moe.sh): gloo processes, no HBM limit
+
+
+@contextlib.contextmanager
+def quiet():
+    """Megatron's import-time notes (missing TE / Apex / absl, torch's CUDA_HOME line): the check reads the
+    command line only, so they say nothing about the recipe. Refusals still print (argparse, our lines)."""
+    log = logging.getLogger("torch.utils.cpp_extension")
+    level = log.level
+    log.setLevel(logging.ERROR)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        log.setLevel(level)
 
 
 class RecipeError(ValueError):
@@ -40,6 +59,7 @@ class Report:
     estimates: list[Estimate]
     hbm: float | None
     problems: list[str]
+    gpu: str = ""  # the GPU checked against: --gpu, else the recipe's GPU=
 
     @property
     def ok(self) -> bool:
@@ -155,18 +175,19 @@ def mok_layer_problems(args) -> list[str]:
 
 
 def check(recipe: Recipe, gpu: str | None = None) -> Report:
-    args = parse(recipe)
+    with quiet():
+        args = parse(recipe)
+        problems = mok_layer_problems(args)
     gpu = gpu or recipe.cluster.gpu
     hbm = HBM_BYTES.get(gpu)
-    problems = mok_layer_problems(args)
-    if hbm is None:
+    if hbm is None and gpu != CPU:
         problems.append(
             f"GPU '{gpu}' is unknown: set GPU= in the recipe or pass --gpu one of {sorted(HBM_BYTES)}."
         )
     try:
         p = parallel(args, recipe.cluster)
     except LayoutError as e:
-        return Report(recipe, None, [], hbm, [*problems, f"layout: {e}"])
+        return Report(recipe, None, [], hbm, [*problems, f"layout: {e}"], gpu)
     ests = estimate(args, p)
     peak = max(ests, key=lambda e: e.total)
     if hbm is not None and peak.total > hbm:
@@ -176,16 +197,23 @@ def check(recipe: Recipe, gpu: str | None = None) -> Report:
             "--recompute-granularity full), raise EP/PP/TP, use --use-distributed-optimizer, or lower "
             "--micro-batch-size."
         )
-    return Report(recipe, p, ests, hbm, problems)
+    return Report(recipe, p, ests, hbm, problems, gpu)
 
 
 def format_report(r: Report) -> str:
     c, p = r.recipe.cluster, r.parallel
-    lines = [f"{r.recipe.path.name}: {c.nodes} nodes x {c.gpus_per_node} {c.gpu or '?'} GPUs"]
+    gpu = r.gpu or c.gpu
+    cpu = gpu == CPU
+    nodes = f"{c.nodes} node{'s' if c.nodes != 1 else ''}"
+    if cpu:
+        lines = [f"{r.recipe.path.name}: {nodes} x {c.gpus_per_node} CPU process(es) (gloo), no GPU"]
+    else:
+        lines = [f"{r.recipe.path.name}: {nodes} x {c.gpus_per_node} {gpu or '?'} GPUs"]
     if p is not None:
+        domain = "" if cpu else f"  NVLink domain {c.nvlink_domain_gpus} GPUs"
         lines.append(
             f"  TP {p.tp}  PP {p.pp}  VPP {p.vpp}  CP {p.cp}  DP {p.dp}  EP {p.ep}  ETP {p.etp}  EDP {p.edp}  "
-            f"micro-batches/step {p.microbatches}  NVLink domain {c.nvlink_domain_gpus} GPUs"
+            f"micro-batches/step {p.microbatches}{domain}"
         )
         hdr = f"  {'pp rank':>7} {'params B':>9} {'weights':>8} {'grads':>8} {'optim':>8} {'activ':>8} {'other':>8} {'total':>8}"
         lines += [hdr + f"   GiB, vs {r.hbm / GIB:.0f} GiB HBM" if r.hbm else hdr + "   GiB"]
