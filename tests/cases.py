@@ -526,11 +526,25 @@ def pipeline_case(rank, world, *, ep=2, repeat=False, **kw):
 
 
 def with_engine(layer, **changes) -> None:
-    """Rebuild ``layer``'s engine choice with ``changes`` (tests forcing another row layout or path than the
-    one the layer chose); ``row_alignment`` also goes to the experts, as the layer's builder does."""
+    """Rebuild ``layer``'s engine choice with ``changes`` (``rows``, ``row_alignment``, ``transport``: tests
+    forcing another row layout or transport than the one the layer chose); a pipelined layer's config gets
+    them too (its minibatch policy from the new transport), and ``row_alignment`` also goes to the experts,
+    as the layer's builder does."""
     import dataclasses
 
+    from mok_megatron.engine.pipeline_plan import MinibatchPolicy
+
     d = layer.token_dispatcher
-    d.engine = dataclasses.replace(d.engine, **changes)
+    engine, pipeline = d.engine, d.engine.pipeline
+    if pipeline is not None:
+        to_pipeline = {k: v for k, v in changes.items() if k in ("transport", "rows", "row_alignment")}
+        if "transport" in changes:
+            policy = MinibatchPolicy.of(d.options, changes["transport"], d.mok_config.ep_size)
+            to_pipeline["minibatches"] = policy
+        pipeline = dataclasses.replace(pipeline, **to_pipeline)
+    elif "transport" in changes:
+        raise ValueError("with_engine: transport= needs a pipelined layer")
+    rest = {k: v for k, v in changes.items() if k != "transport"}
+    d.engine = dataclasses.replace(engine, pipeline=pipeline, **rest)
     if "row_alignment" in changes and hasattr(layer.experts, "aligned_input"):
         layer.experts.aligned_input = changes["row_alignment"]

@@ -122,8 +122,9 @@ def host_data_case(
     token's experts computed here, and the groups' experts each expert call got."""
     import torch.distributed as dist
 
-    from mok_megatron.engine.pipeline import run_pipeline
+    from mok_megatron.engine.pipeline import PipelineConfig, run_pipeline
     from mok_megatron.engine.pipeline_plan import build_pipeline_plan
+    from mok_megatron.engine.plan import RowLayout
     from mok_megatron.transport.collective import CollectiveTransport
     from tests.pipeline_cases import _HostData
 
@@ -156,9 +157,9 @@ def host_data_case(
     host = _HostData()
     with host:
         plan = build_pipeline_plan(x_TH.shape, routing_TE, L, topk, group, size, **kw)
-        out = run_pipeline(
-            x_TH, probs_TE, routing_TE, plan, expert_fn, CollectiveTransport(group), topk, row_alignment=align
-        )
+        rows = RowLayout.ALIGNED if align > 1 else RowLayout.SORTED
+        config = PipelineConfig(CollectiveTransport(group), topk, rows=rows, row_alignment=align)
+        out = run_pipeline(x_TH, probs_TE, routing_TE, plan, config, expert_fn)
         out.backward(torch.ones_like(out))
     with torch.no_grad():
         ws = [torch.empty_like(w_LHH) for _ in range(ep)]

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import pytest
 
+from mok_megatron.transport.base import COMBINE, DISPATCH
 from tests import pipeline_cases as pc
 
-DISPATCH, COMBINE = 0, 1
 # Measured (EP=4, 64 tokens, one minibatch, steady state, test experts included): plan 49 + forward
 # 128 and backward 85 work ops; ~20 % headroom. Raise only with a reason: each op is a GPU launch.
 MAX_FWD_OPS, MAX_BWD_OPS = 210, 105

@@ -18,7 +18,6 @@ runs beside the dispatches and fc2 beside the last combines (the pipeline's ``af
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -29,16 +28,10 @@ from mok_megatron.config import MoKConfig
 from mok_megatron.engine import plain as F
 from mok_megatron.transport.comm import all_to_all_v
 from mok_megatron.engine.pipeline import run_pipeline as _run_pipeline
-from mok_megatron.engine.pipeline_plan import (
-    AUTO_EXPERT_GROUPS,
-    PipelinePlan,
-    auto_minibatch_size,
-    build_pipeline_plan,
-    fuse_local_rows,
-)
-from mok_megatron.engine.plan import DispatchPlan, EPGroups, build_aligned_plan, build_plan
+from mok_megatron.engine.pipeline_plan import PipelinePlan
+from mok_megatron.engine.plan import DispatchPlan, EPGroups, RowLayout, build_aligned_plan, build_plan
 from mok_megatron.engine.select import EngineChoice
-from mok_megatron.options import MinibatchSplit, MoKOptions
+from mok_megatron.options import MoKOptions
 
 
 @dataclass(frozen=True)
@@ -47,19 +40,6 @@ class PipelineCall:
 
     plan: PipelinePlan
     routing_map_TE: torch.Tensor
-
-
-def _group_in_one_node(group) -> bool:
-    """Whether every rank of ``group`` runs on this host (torchrun's LOCAL_WORLD_SIZE blocks of ranks)."""
-    import os
-
-    import torch.distributed as dist
-
-    if group is None or dist.get_world_size(group) == 1:
-        return True
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
-    nodes = {r // max(local, 1) for r in dist.get_process_group_ranks(group)}
-    return len(nodes) == 1
 
 
 class PipelineStats:
@@ -88,7 +68,6 @@ class MoKTokenDispatcher(MoETokenDispatcher):
         self.options = options
         self.engine = engine
         self._plan: DispatchPlan | PipelineCall | None = None
-        self._ep_in_one_node = _group_in_one_node(self.groups.ep)
 
     @property
     def transport(self):
@@ -131,7 +110,7 @@ class MoKTokenDispatcher(MoETokenDispatcher):
             hidden_shape = hidden_states.shape
             if self.pipelined:
                 self._plan = PipelineCall(self._pipeline_plan(hidden_shape, routing_map), routing_map)
-            elif self.engine.aligned_plan:
+            elif self.engine.rows.routing_kernels:
                 self._plan = build_aligned_plan(
                     hidden_shape,
                     routing_map,
@@ -139,7 +118,7 @@ class MoKTokenDispatcher(MoETokenDispatcher):
                     self.mok_config,
                     self.groups,
                     self.engine.row_alignment,
-                    exact_rows=self.engine.exact_aligned_rows,
+                    exact_rows=self.engine.rows is RowLayout.ALIGNED_EXACT,
                 )
             else:
                 self._plan = build_plan(hidden_shape, routing_map, probs, self.mok_config, self.groups)
@@ -150,33 +129,10 @@ class MoKTokenDispatcher(MoETokenDispatcher):
             return F.dispatch_preprocess(hidden_states.reshape(-1, hidden_shape[-1]), probs, self._plan)
 
     def _pipeline_plan(self, hidden_shape, routing_map, sync_free=None):
-        o, cfg, tr = self.options, self.mok_config, self.transport
-        T = routing_map.shape[0]
-        # A transport that emulates EP (the loopback) says how many ranks and how slow a link it stands for.
-        emulated_ep = getattr(tr, "emulated_ep", 1) if cfg.ep_size == 1 else 1
-        slow_link = getattr(tr, "slow_link", not self._ep_in_one_node)
-        split_experts = o.minibatch_split is MinibatchSplit.EXPERTS
-        if o.minibatch_size:
-            mbs = o.minibatch_size
-        elif split_experts:  # asked for groups of experts: the automatic count is AUTO_EXPERT_GROUPS
-            mbs = math.ceil(max(T, 1) / AUTO_EXPERT_GROUPS)
-        else:
-            mbs = auto_minibatch_size(
-                T, cfg.topk, cfg.num_local_experts, max(cfg.ep_size, emulated_ep), slow_link=slow_link
-            )
-        return build_pipeline_plan(
-            hidden_shape,
-            routing_map,
-            cfg.num_local_experts,
-            cfg.topk,
-            self.groups.ep,
-            mbs,
-            sync_free=o.sync_free if sync_free is None else sync_free,
-            capacity_multiplier=o.capacity_multiplier,
-            emulated_ep=emulated_ep,
-            fuse_local=fuse_local_rows(o.local_rows, slow_link),
-            split_experts=split_experts,
-        )
+        cfg = self.mok_config
+        policy = self.engine.pipeline.minibatches
+        L, ep_group = cfg.num_local_experts, self.groups.ep
+        return policy.plan(hidden_shape, routing_map, L, cfg.topk, ep_group, sync_free)
 
     def run_pipeline(
         self,
@@ -187,31 +143,26 @@ class MoKTokenDispatcher(MoETokenDispatcher):
         before_experts=None,
     ) -> torch.Tensor:
         """Pipelined dispatch -> experts -> combine of the call in flight: ``[T, H]``. ``token_rows_fn``:
-        experts that fuse the per-call permute / combine into their operands (``row_alignment`` > 1).
+        experts that fuse the per-call permute / combine into their operands (``RowLayout.FUSED``).
         ``before_experts``: see ``engine.pipeline.run_pipeline`` (``LateWgrad.open``)."""
         call = self.plan
-        o, engine = self.options, self.engine
-        args = (
-            engine.transport,
-            self.mok_config.topk,
-            o.fp8_dispatch,
-            engine.row_alignment,
-            o.fp8_combine,
-            token_rows_fn if engine.row_alignment > 1 else None,
-            engine.routing_kernel_calls,
-            before_experts,
-            self._shared_fc2_once(),
+        config = self.engine.pipeline
+        hooks = dict(
+            token_rows_fn=token_rows_fn,
+            before_experts=before_experts,
+            after_combines=self._shared_fc2_once(),
         )
         with profiling.phase("pipeline", hidden_states.device):
-            out = _run_pipeline(hidden_states, probs, call.routing_map_TE, call.plan, expert_fn, *args)
+            rm = call.routing_map_TE
+            out = _run_pipeline(hidden_states, probs, rm, call.plan, config, expert_fn, **hooks)
             PipelineStats.calls += 1
             plan = call.plan
-            if plan.sync_free and self.options.capacity_multiplier < 1.0 and bool(plan.overflow):
+            if plan.sync_free and config.minibatches.capacity_multiplier < 1.0 and bool(plan.overflow):
                 # A destination got more tokens than its fixed buffers hold: nothing is dropped, the
                 # whole exchange is redone with exact sizes (one host read, counted).
                 PipelineStats.overflow_redos += 1
                 exact = self._pipeline_plan(plan.hidden_shape, call.routing_map_TE, sync_free=False)
-                out = _run_pipeline(hidden_states, probs, call.routing_map_TE, exact, expert_fn, *args)
+                out = _run_pipeline(hidden_states, probs, rm, exact, config, expert_fn, **hooks)
         return out
 
     def _shared_fc2_once(self):
@@ -296,7 +247,7 @@ class MoKTokenDispatcher(MoETokenDispatcher):
             plan = self.plan
             if self.pipelined:
                 out = hidden_states.view(plan.plan.hidden_shape)
-            elif self.engine.fused_experts:
+            elif self.engine.rows is RowLayout.FUSED:
                 out = hidden_states.view(plan.hidden_shape)
             else:
                 out = F.combine_postprocess(hidden_states, plan)

@@ -28,6 +28,7 @@ from megatron.core.utils import get_pg_size
 from mok_megatron.adapter.cuda_graphs import check_cuda_graphs
 from mok_megatron.adapter.dispatcher import MoKTokenDispatcher
 from mok_megatron.config import MoKConfig, MoKConfigError
+from mok_megatron.engine.plan import RowLayout
 from mok_megatron.engine.select import MEGATRON_EXPERTS, ExpertsContract, select_engine
 from mok_megatron.experts.grouped_mlp import MoKGroupedMLP, experts_class
 from mok_megatron.options import MoKOptions
@@ -124,7 +125,7 @@ class MoKMoELayer(MoELayer):
 
     def routed_experts_compute(self, hidden_states, probs):
         engine = self.token_dispatcher.engine
-        if engine.fused_experts:
+        if not engine.pipelined and engine.rows is RowLayout.FUSED:
             return self.token_dispatcher.run_fused(
                 hidden_states, probs, self.experts.token_rows_forward
             ), None

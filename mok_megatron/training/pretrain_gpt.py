@@ -55,7 +55,7 @@ def _nvlink_domains(options) -> None:
 
     if _domains_ready or options.transport is not TransportKind.NVLINK or not dist.is_initialized():
         return
-    from mok_megatron.transport.nvlink.hierarchical import init_nvlink_domains
+    from mok_megatron.transport.nvlink.domains import init_nvlink_domains
 
     init_nvlink_domains()
     _domains_ready.append(True)

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from mok_megatron.engine.pipeline_plan import SendPlan
 from mok_megatron.options import LoopbackBytes, LoopbackLink
+from mok_megatron.transport.base import Direction, Link, SendPlan
 
 # Below this emulated bandwidth the link counts as slow (an inter-node link): the automatic minibatch
 # size and local-row placement then follow the across-nodes rules (``engine.pipeline_plan``).
@@ -51,17 +51,19 @@ class LoopbackTransport:
     name = "loopback"
 
     def __init__(self, link: LoopbackLink, num_local_experts: int, topk: int):
-        self.link = link
+        self.emulated = link
         self.num_local_experts, self.topk = num_local_experts, topk
         self.factor = expected_remote_ranks(link.ep, num_local_experts, topk)
         self.copies = link.bytes is LoopbackBytes.COPY
         self.gbps = link.gbps
-        self.emulated_ep = link.ep
-        self.slow_link = bool(0 < link.gbps < SLOW_LINK_GBPS)
+        self.peers = link.ep
+        self.link = Link.SLOW if 0 < link.gbps < SLOW_LINK_GBPS else Link.FAST
         self._delay_stream = None
         self.bytes_moved = 0  # emulated link bytes so far (benchmarks read it)
 
-    def move(self, x: torch.Tensor, mb: SendPlan, direction: int, backward: bool = False) -> torch.Tensor:
+    def move(
+        self, x: torch.Tensor, mb: SendPlan, direction: Direction, backward: bool = False
+    ) -> torch.Tensor:
         # The emulated peers' share (region R) is charged as the minibatch's whole exchange; rows moved
         # outside a pipeline plan (``mb`` None) are charged as they are.
         r = mb.local.regions[0] if mb is not None else 0
@@ -69,7 +71,7 @@ class LoopbackTransport:
         factor = self.factor
         if mb is not None and mb.group is not None:  # split by experts: this group's visits
             lo, hi = mb.group.experts
-            factor = expected_remote_ranks(self.link.ep, self.num_local_experts, self.topk, hi - lo)
+            factor = expected_remote_ranks(self.emulated.ep, self.num_local_experts, self.topk, hi - lo)
         nbytes = x.numel() * x.element_size() * factor * scale
         self.bytes_moved += nbytes
         if x.device.type != "cuda":
