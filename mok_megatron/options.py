@@ -28,9 +28,9 @@ Typed (enums) and frozen; strings are accepted once, here, and become the enum (
                          device from the host (CUDA-graph capturable)
     transport            auto | collective (NCCL / gloo all-to-all) | copy_engine (symmetric-memory peer
                          pulls on the copy engine, one NVLink domain) | nvlink (Triton kernels read / write
-                         peers' symmetric memory; NVLink inside a domain, the collective across domains) |
-                         loopback (one GPU emulating an EP rank's traffic; benchmarks, see ``loopback``)
-    loopback             the emulated link of the loopback transport (``LoopbackLink``)
+                         peers' symmetric memory; NVLink inside a domain, the collective across domains).
+                         A transport object given to the layer (``MoKMoELayer(..., transport=...)``, e.g. the
+                         one-GPU ``transport.loopback.LoopbackTransport`` of benchmarks and tests) replaces it
     expert_backend       torch (bf16 ``torch._grouped_mm``) | torch-fp8 (native rowwise FP8, Hopper+, no TE) |
                          te (Transformer Engine GroupedLinear under Megatron's --fp8-format/--fp8-recipe)
     nvlink_programs      nvlink transport: CTAs (SMs) that communicate in the forward
@@ -77,7 +77,6 @@ class TransportKind(StrEnum):
     COLLECTIVE = "collective"
     COPY_ENGINE = "copy_engine"
     NVLINK = "nvlink"
-    LOOPBACK = "loopback"
 
 
 class LocalRows(StrEnum):
@@ -102,11 +101,6 @@ class ExpertBackend(StrEnum):
     TE = "te"
 
 
-class LoopbackBytes(StrEnum):
-    COPY = "copy"  # the emulated rank's bytes as device-to-device copies beside the link time
-    LINK = "link"  # the link time only; on GPUs the received rows are the sent rows (an ideal transport)
-
-
 _FLAG = {  # field -> the flag that sets it (for messages)
     "engine": "--mok-engine",
     "transport": "--mok-transport",
@@ -114,7 +108,6 @@ _FLAG = {  # field -> the flag that sets it (for messages)
     "minibatch_split": "--mok-minibatch-split",
     "nvlink_sync": "--mok-nvlink-sync",
     "expert_backend": "--mok-expert-backend",
-    "bytes": "loopback bytes",
 }
 
 
@@ -130,22 +123,6 @@ def _coerce(obj, name: str, enum: type[StrEnum]) -> None:
 
 
 @dataclass(frozen=True)
-class LoopbackLink:
-    """The link the loopback transport emulates: one GPU plays one rank of an EP group of ``ep`` ranks."""
-
-    ep: int = 2  # the EP size whose traffic is emulated
-    gbps: float = 0.0  # per-direction link bandwidth; 0 = infinite
-    bytes: LoopbackBytes = LoopbackBytes.COPY
-
-    def __post_init__(self):
-        _coerce(self, "bytes", LoopbackBytes)
-        if self.ep < 1:
-            raise MoKOptionsError(f"loopback ep={self.ep}: must be >= 1 (the EP size to emulate).")
-        if self.gbps < 0:
-            raise MoKOptionsError(f"loopback gbps={self.gbps}: must be >= 0 (0 = an infinitely fast link).")
-
-
-@dataclass(frozen=True)
 class MoKOptions:
     engine: Engine = Engine.AUTO
     minibatch_size: int | None = None
@@ -153,7 +130,6 @@ class MoKOptions:
     capacity_multiplier: float = 1.0
     sync_free: bool = False
     transport: TransportKind = TransportKind.AUTO
-    loopback: LoopbackLink | None = None
     expert_backend: ExpertBackend = ExpertBackend.TORCH
     nvlink_programs: int = 64
     nvlink_programs_backward: int | None = None
@@ -214,15 +190,6 @@ class MoKOptions:
                     f"{flag} with --mok-transport nvlink: the NVLink kernels move bf16 rows only; use "
                     "--mok-transport collective or copy_engine with FP8 rows."
                 )
-        if isinstance(self.loopback, dict):
-            object.__setattr__(self, "loopback", LoopbackLink(**self.loopback))
-        if self.transport is TransportKind.LOOPBACK and self.loopback is None:
-            object.__setattr__(self, "loopback", LoopbackLink())
-        if self.loopback is not None and self.transport is not TransportKind.LOOPBACK:
-            raise MoKOptionsError(
-                f"loopback={self.loopback} with transport {self.transport.value!r}: the emulated link "
-                "belongs to the loopback transport; set transport='loopback' or drop loopback."
-            )
         if self.nvlink_programs < 1:
             raise MoKOptionsError(
                 f"--mok-nvlink-programs={self.nvlink_programs}: must be >= 1 (CTAs that communicate)."

@@ -48,7 +48,7 @@ def split_case(rank, world, *, ep=2, chunks=2, opts=None, fusion=False, **cfg_kw
     if chunks is not None:  # None: the automatic count
         base["minibatch_size"] = -(-tokens // chunks)
     if ep == 1:
-        base.update(transport="loopback", loopback=dict(ep=4))
+        base.update(loopback=dict(ep=4))
     g = torch.Generator().manual_seed(rank)
     x0 = torch.randn(16, 2, cfg.hidden_size, generator=g)
     dout = torch.randn(16, 2, cfg.hidden_size, generator=g)
@@ -151,7 +151,7 @@ def host_data_case(
         )
         return torch.bmm(x_MH.unsqueeze(1), w_LHH[lo:hi][l_M]).squeeze(1) * probs_M.unsqueeze(-1)
 
-    kw = dict(sync_free=sync_free, fuse_local=fuse, split_experts=True)
+    kw = dict(sync_free=sync_free, fuse_local=fuse, split_experts=True, labels={})
     size = -(-T // groups)
     build_pipeline_plan(x_TH.shape, routing_TE, L, topk, group, size, **kw)  # fill the per-shape caches
     host = _HostData()

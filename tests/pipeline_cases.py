@@ -17,8 +17,7 @@ from mok_megatron.engine.pipeline_plan import build_pipeline_plan
 from mok_megatron.engine.plan import RowLayout
 from mok_megatron.transport.base import DISPATCH
 from mok_megatron.transport.collective import CollectiveTransport
-from mok_megatron.options import LoopbackLink
-from mok_megatron.transport.loopback import LoopbackTransport
+from mok_megatron.transport.loopback import LoopbackLink, LoopbackTransport
 
 H, L, TOPK = 16, 4, 4
 
@@ -208,6 +207,7 @@ def _schedule_case(
     size = -(-tokens // chunks)
     # Steady state: a first call fills the per-shape caches (as every training step after the first).
     kw = dict(emulated_ep=emulated_ep, sync_free=sync_free, capacity_multiplier=capacity, fuse_local=fuse)
+    kw["labels"] = {}  # the region-label cache a layer's PipelineRuntime keeps
     build_pipeline_plan(x.shape, routing, L, TOPK, group, size, **kw)
     rows = RowLayout.ALIGNED if align > 1 else RowLayout.SORTED
     config = PipelineConfig(transport, TOPK, rows=rows, row_alignment=align, fp8_dispatch=fp8)
@@ -372,7 +372,7 @@ def late_wgrad_case(rank, world, *, ep=2, opts=None, steps=2, **cfg_kw):
     cfg = make_config(ep=ep, **cfg_kw)
     base = dict(engine="pipeline", **(opts or {}))
     if ep == 1:
-        base.update(transport="loopback", loopback=dict(ep=4))
+        base.update(loopback=dict(ep=4))
     layers = []
     for late in (True, False):
         torch.manual_seed(0)

@@ -215,8 +215,7 @@ def test_pack_round_trip(block):
 
 
 def test_fp8_dispatch_autograd_in_process():
-    from mok_megatron.options import LoopbackLink
-    from mok_megatron.transport.loopback import LoopbackTransport
+    from mok_megatron.transport.loopback import LoopbackLink, LoopbackTransport
 
     transport = LoopbackTransport(LoopbackLink(ep=1), num_local_experts=1, topk=1)
     x = _wide(10, 128, 4).to(torch.bfloat16).requires_grad_(True)

@@ -424,21 +424,17 @@ def test_torch_fp8_pipeline_expert_calls_take_padded_rows(sync_free):
     quantization), the gradients the bf16 layer within the FP8 bound."""
     from mok_megatron.bench.layer import build
     from mok_megatron.experts.checkpoint import convert_state_dict
-    from mok_megatron.options import LoopbackLink, MoKOptions
+    from mok_megatron.options import MoKOptions
+    from mok_megatron.transport.loopback import LoopbackLink, LoopbackTransport
 
     _native_or_skip()
     cfg = _config(None)
     ref = _build("torch", cfg)
     ep1 = _build("torch-fp8", cfg)
     link = LoopbackLink(ep=8, gbps=450.0 if sync_free else 0.0)
-    opts = MoKOptions(
-        expert_backend="torch-fp8",
-        transport="loopback",
-        loopback=link,
-        minibatch_size=384,
-        sync_free=sync_free,
-    )
-    pipe = build("mok", cfg, options=opts).cuda()
+    opts = MoKOptions(expert_backend="torch-fp8", minibatch_size=384, sync_free=sync_free)
+    transport = LoopbackTransport(link, cfg.num_moe_experts, cfg.moe_router_topk)
+    pipe = build("mok", cfg, options=opts, transport=transport).cuda()
     state = ref.state_dict()
     for layer in (ep1, pipe):
         layer.load_state_dict(convert_state_dict(state, "mok"), strict=True)

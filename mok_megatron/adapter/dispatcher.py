@@ -27,6 +27,7 @@ from mok_megatron.adapter import profiling
 from mok_megatron.config import MoKConfig
 from mok_megatron.engine import plain as F
 from mok_megatron.transport.comm import all_to_all_v
+from mok_megatron.engine.pipeline import PipelineRuntime, PipelineStats
 from mok_megatron.engine.pipeline import run_pipeline as _run_pipeline
 from mok_megatron.engine.pipeline_plan import PipelinePlan
 from mok_megatron.engine.plan import DispatchPlan, EPGroups, RowLayout, build_aligned_plan, build_plan
@@ -40,13 +41,6 @@ class PipelineCall:
 
     plan: PipelinePlan
     routing_map_TE: torch.Tensor
-
-
-class PipelineStats:
-    """Process-wide counters of the overlap engine (sync-free overflows redone in exact mode)."""
-
-    overflow_redos = 0
-    calls = 0
 
 
 class MoKTokenDispatcher(MoETokenDispatcher):
@@ -68,6 +62,12 @@ class MoKTokenDispatcher(MoETokenDispatcher):
         self.options = options
         self.engine = engine
         self._plan: DispatchPlan | PipelineCall | None = None
+        self.runtime = PipelineRuntime()  # the pipeline's stream, caches and counters (this layer's)
+
+    @property
+    def stats(self) -> PipelineStats:
+        """This layer's pipeline counters (calls, sync-free overflows redone)."""
+        return self.runtime.stats
 
     @property
     def transport(self):
@@ -132,7 +132,7 @@ class MoKTokenDispatcher(MoETokenDispatcher):
         cfg = self.mok_config
         policy = self.engine.pipeline.minibatches
         L, ep_group = cfg.num_local_experts, self.groups.ep
-        return policy.plan(hidden_shape, routing_map, L, cfg.topk, ep_group, sync_free)
+        return policy.plan(hidden_shape, routing_map, L, cfg.topk, ep_group, sync_free, self.runtime.labels)
 
     def run_pipeline(
         self,
@@ -151,16 +151,17 @@ class MoKTokenDispatcher(MoETokenDispatcher):
             token_rows_fn=token_rows_fn,
             before_experts=before_experts,
             after_combines=self._shared_fc2_once(),
+            runtime=self.runtime,
         )
         with profiling.phase("pipeline", hidden_states.device):
             rm = call.routing_map_TE
             out = _run_pipeline(hidden_states, probs, rm, call.plan, config, expert_fn, **hooks)
-            PipelineStats.calls += 1
+            self.stats.calls += 1
             plan = call.plan
             if plan.sync_free and config.minibatches.capacity_multiplier < 1.0 and bool(plan.overflow):
                 # A destination got more tokens than its fixed buffers hold: nothing is dropped, the
                 # whole exchange is redone with exact sizes (one host read, counted).
-                PipelineStats.overflow_redos += 1
+                self.stats.overflow_redos += 1
                 exact = self._pipeline_plan(plan.hidden_shape, call.routing_map_TE, sync_free=False)
                 out = _run_pipeline(hidden_states, probs, rm, exact, config, expert_fn, **hooks)
         return out

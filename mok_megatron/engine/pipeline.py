@@ -100,19 +100,39 @@ class PipelineConfig:
             )
 
 
+@dataclass
+class PipelineStats:
+    """Counters of one layer's overlap pipeline (``layer.token_dispatcher.stats``)."""
+
+    calls: int = 0
+    overflow_redos: int = 0  # sync-free calls whose buffers overflowed, redone with exact sizes
+
+
+class PipelineRuntime:
+    """What one layer's overlap pipeline keeps between calls, as DeepEP's ``Buffer`` does: its
+    communication stream (CUDA, created on first use per device), the region labels of the call shapes
+    it has seen (``engine.pipeline_plan``: read-only device tensors reused by every call, so a CUDA graph
+    captured after the first call reads them and later calls launch nothing), and its counters."""
+
+    def __init__(self):
+        self._comm: dict = {}  # device index -> torch.cuda.Stream
+        self.labels: dict = {}  # (T, size, emulated_ep, ..., device) -> [T] region labels
+        self.stats = PipelineStats()
+
+    def comm_stream(self, device: torch.device):
+        if device.index not in self._comm:
+            self._comm[device.index] = torch.cuda.Stream(device=device)
+        return self._comm[device.index]
+
+
 class _Streams:
-    """The communication side stream on CUDA; a no-op pair on CPU."""
+    """The communication side stream on CUDA (the runtime's); a no-op pair on CPU."""
 
-    _comm: dict = {}
-
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, runtime: PipelineRuntime):
         self.cuda = device.type == "cuda"
         if self.cuda:
             self.main = torch.cuda.current_stream(device)
-            key = device.index
-            if key not in _Streams._comm:
-                _Streams._comm[key] = torch.cuda.Stream(device=device)
-            self.comm = _Streams._comm[key]
+            self.comm = runtime.comm_stream(device)
 
     def event(self, stream_name: str):
         if not self.cuda:
@@ -279,10 +299,12 @@ def run_pipeline(
     token_rows_fn: TokenRowsFn | None = None,
     before_experts: Callable[[], None] | None = None,
     after_combines: Callable[[], None] | None = None,
+    runtime: PipelineRuntime | None = None,
 ) -> torch.Tensor:
     """The routed experts' output ``[T, H]`` (probability-weighted sum over each token's experts).
 
     ``config``: the layer's ``PipelineConfig`` (transport, top-k, row layout, FP8 on the wire).
+    ``runtime``: the layer's ``PipelineRuntime`` (its communication stream; None: a new one).
     ``token_rows_fn``: experts that permute / combine inside their own operands (``RowLayout.FUSED``;
     ignored for the other layouts). ``before_experts``: called once, after
     every minibatch is packed and before any expert call or dispatch-exchange autograd node is created
@@ -301,7 +323,7 @@ def run_pipeline(
         if after_combines is not None:
             after_combines()
         return x_TH.new_zeros((0, H)) + 0 * x_TH.sum()
-    st = _Streams(x_TH.device)
+    st = _Streams(x_TH.device, runtime if runtime is not None else PipelineRuntime())
     me = 0 if ep == 1 else torch.distributed.get_rank(plan.ep_group)
     C = len(plan.minibatches)
     probs_TPL = probs_TE.view(T, ep, L)

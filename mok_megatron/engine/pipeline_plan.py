@@ -141,9 +141,10 @@ class MinibatchPolicy:
         topk: int,
         ep_group,
         sync_free: bool | None = None,
+        labels: dict | None = None,
     ) -> PipelinePlan:
         """One call's plan (``build_pipeline_plan``); ``sync_free`` overrides the policy's (an overflow's
-        exact redo)."""
+        exact redo); ``labels``: the layer's region-label cache."""
         T = routing_map_TE.shape[0]
         return build_pipeline_plan(
             hidden_shape,
@@ -157,6 +158,7 @@ class MinibatchPolicy:
             emulated_ep=self.emulated_ep,
             fuse_local=self.fuse_local,
             split_experts=self.split is MinibatchSplit.EXPERTS,
+            labels=labels,
         )
 
 
@@ -214,19 +216,24 @@ def regions(num_tokens: int, emulated_ep: int, split_local: bool = True) -> tupl
     return r, a, rest - a
 
 
-_LABELS: dict = {}  # (T, size, emulated_ep, device) -> labels: read-only, reused by every call
+MAX_CACHED_LABELS = 64  # call shapes a labels cache keeps; more (shapes that keep changing) start it over
 
 
-def _region_labels(T: int, size: int, emulated_ep: int, device, split_local: bool = True) -> torch.Tensor:
+def _region_labels(
+    T: int, size: int, emulated_ep: int, device, split_local: bool = True, cache: dict | None = None
+) -> torch.Tensor:
     """``[T]`` region id ``3c + {0: R, 1: A, 2: B}`` of every token, by device arithmetic (the same
-    rule as ``regions``; no host tensors, so a CUDA graph can capture it). Cached per shape: later
-    calls launch nothing (a graph captured after the first call reads the cached tensor)."""
+    rule as ``regions``; no host tensors, so a CUDA graph can capture it). ``cache`` (the layer's
+    ``engine.pipeline.PipelineRuntime.labels``) keeps them per shape: later calls launch nothing (a graph
+    captured after the first call reads the cached tensor)."""
+    if cache is None:
+        return _labels(T, size, emulated_ep, device, split_local)
     key = (T, size, emulated_ep, MIN_LOCAL_HALF, split_local, str(device))
-    if key not in _LABELS:
-        if len(_LABELS) > 64:
-            _LABELS.clear()
-        _LABELS[key] = _labels(T, size, emulated_ep, device, split_local)
-    return _LABELS[key]
+    if key not in cache:
+        if len(cache) > MAX_CACHED_LABELS:
+            cache.clear()
+        cache[key] = _labels(T, size, emulated_ep, device, split_local)
+    return cache[key]
 
 
 def _labels(T: int, size: int, emulated_ep: int, device, split_local: bool = True) -> torch.Tensor:
@@ -243,12 +250,12 @@ def _labels(T: int, size: int, emulated_ep: int, device, split_local: bool = Tru
     return 3 * c + (o >= r).to(torch.int64) + (o >= r + a).to(torch.int64)
 
 
-def _counts(routing_map_TE, bounds, ep, L, emulated_ep, split_local=True):
+def _counts(routing_map_TE, bounds, ep, L, emulated_ep, split_local=True, cache=None):
     """``[3C, EP, L+1]``: rows per (region, destination local expert) and token rows per destination."""
     T = routing_map_TE.shape[0]
     C = len(bounds) - 1
     size = bounds[1] - bounds[0] if C else 1  # equal minibatches but the last
-    label_T = _region_labels(T, max(size, 1), emulated_ep, routing_map_TE.device, split_local)
+    label_T = _region_labels(T, max(size, 1), emulated_ep, routing_map_TE.device, split_local, cache)
     rm = routing_map_TE.view(T, ep, L)
     per = torch.cat([rm, rm.any(-1, keepdim=True)], -1).to(torch.int64).view(T, -1)  # [T, EP*(L+1)]
     out = torch.zeros((3 * C, ep * (L + 1)), dtype=torch.int64, device=routing_map_TE.device)
@@ -266,14 +273,14 @@ def _group_of_expert(L: int, bounds: tuple[int, ...], device) -> torch.Tensor:
     return g_L
 
 
-def _counts_by_experts(routing_map_TE, bounds, ep, L, emulated_ep, split_local=True):
+def _counts_by_experts(routing_map_TE, bounds, ep, L, emulated_ep, split_local=True, cache=None):
     """``_counts`` for a call split by experts: minibatch c is every token with only group c's experts,
     so rows per (region, destination local expert) land in the expert's group, and a token row to a
     destination counts in every group it uses there."""
     T = routing_map_TE.shape[0]
     C = len(bounds) - 1
     dev = routing_map_TE.device
-    label_T = _region_labels(T, max(T, 1), emulated_ep, dev, split_local)  # one minibatch of T: 0..2
+    label_T = _region_labels(T, max(T, 1), emulated_ep, dev, split_local, cache)  # one minibatch of T: 0..2
     rm_TPL = routing_map_TE.view(T, ep, L)
     group_L = _group_of_expert(L, bounds, dev)
     onehot_LC = (group_L.unsqueeze(1) == torch.arange(C, device=dev)).to(torch.int64)  # [L, C]
@@ -302,6 +309,7 @@ def build_pipeline_plan(
     emulated_ep: int = 1,
     fuse_local: bool = False,
     split_experts: bool = False,
+    labels: dict | None = None,
 ) -> PipelinePlan:
     """Route this rank's tokens into minibatches: one all-gather of counts, at most one host read.
 
@@ -311,7 +319,8 @@ def build_pipeline_plan(
     ``emulated_ep`` > 1 (loopback benchmarks, EP=1 only): region R of each minibatch, the share of
     rows an EP rank would receive from its peers, goes through the transport as if remote.
     ``fuse_local``: no region B; the local rows run in the received rows' expert call (see the
-    module docstring)."""
+    module docstring). ``labels``: the layer's cache of region labels per call shape (``_region_labels``;
+    None: computed every call)."""
     T, E = routing_map_TE.shape
     ep = group_size(ep_group)
     L = num_local_experts
@@ -330,10 +339,10 @@ def build_pipeline_plan(
         groups = expert_bounds(L, C)
         C = len(groups) - 1
         bounds = (0, T)  # every minibatch spans every token
-        counts_GPW = _counts_by_experts(routing_map_TE, groups, ep, L, emulated_ep, not fuse_local)
+        counts_GPW = _counts_by_experts(routing_map_TE, groups, ep, L, emulated_ep, not fuse_local, labels)
     else:
         counts_GPW = _counts(
-            routing_map_TE, bounds, ep, L, emulated_ep, not fuse_local
+            routing_map_TE, bounds, ep, L, emulated_ep, not fuse_local, labels
         )  # [3C, EP(dest), L+1]
     # Every rank learns every count: [EP(src), EP(dest), 3C, L+1] (padded to 3*MAX_MINIBATCHES so
     # the collective has the same size on every rank; T rides along to check that the ranks agree).

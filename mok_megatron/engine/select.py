@@ -1,7 +1,8 @@
 """Which engine a MoK layer runs, decided once when the layer is built: ``EngineChoice``.
 
-The overlap pipeline (``engine.pipeline``) runs when expert parallelism is on (or the loopback transport
-emulates it) and routing is dropless without expert-TP. Capacity dropping, drop-and-pad, router padding
+The overlap pipeline (``engine.pipeline``) runs when expert parallelism is on (or a transport given to the
+layer emulates it: the one-GPU loopback of benchmarks and tests) and routing is dropless without
+expert-TP. Capacity dropping, drop-and-pad, router padding
 and expert-TP keep the plain six-phase engine (``engine.plain``), and asking for a pipeline-only option
 with them is an error naming the settings.
 
@@ -108,8 +109,8 @@ def check_options(
     cuda: bool | None = None,
 ) -> None:
     """Raise ``MoKConfigError`` for options this layer cannot honour: pipeline-only options where the
-    plain engine must run, the loopback with real EP, a GPU transport without GPUs (``cuda`` None: not
-    checked). The command line runs this right after parsing; the layer again when it is built."""
+    plain engine must run, a GPU transport without GPUs (``cuda`` None: not checked). The command line
+    runs this right after parsing; the layer again when it is built."""
     explicit = options.pipeline_only()
     if options.engine is Engine.PLAIN:
         return
@@ -128,11 +129,6 @@ def check_options(
             "option(s) (the layer then runs unpipelined) or change those settings."
         )
     kind = options.transport
-    if kind is TransportKind.LOOPBACK and ep_size != 1:
-        raise MoKConfigError(
-            f"--mok-transport loopback emulates expert parallelism on one rank and needs "
-            f"--expert-model-parallel-size 1 (got {ep_size}); use collective or copy_engine with real EP ranks."
-        )
     if cuda is False and kind in (TransportKind.NVLINK, TransportKind.COPY_ENGINE):
         raise MoKConfigError(
             f"--mok-transport {kind.value} needs CUDA GPUs in one NVLink domain; use --mok-transport "
@@ -140,8 +136,28 @@ def check_options(
         )
 
 
-def select_transport(cfg: MoKConfig, options: MoKOptions, ep_group):
-    """The transport of the overlap engine, or None for the plain engine."""
+def _check_given_transport(transport, cfg: MoKConfig, options: MoKOptions, blockers: list[str]) -> None:
+    """A transport given to the layer needs the overlap pipeline, and one that spans other peers than the
+    EP group only stands in for a larger group on one rank (the loopback)."""
+    why = list(blockers) + list(cfg.megatron_overlap_flags)
+    if options.engine is Engine.PLAIN:
+        why.append("--mok-engine plain")
+    if why:
+        raise MoKConfigError(
+            f"the {transport.name} transport given to this layer runs in the MoK overlap pipeline, which "
+            f"this layer cannot run ({', '.join(why)}); drop the transport or change those settings."
+        )
+    if transport.peers != cfg.ep_size and cfg.ep_size != 1:
+        raise MoKConfigError(
+            f"the {transport.name} transport spans {transport.peers} EP ranks but this layer's EP group has "
+            f"{cfg.ep_size} (--expert-model-parallel-size); a transport that emulates a larger group (the "
+            "loopback) runs on one rank: use --expert-model-parallel-size 1, or a transport of this group."
+        )
+
+
+def select_transport(cfg: MoKConfig, options: MoKOptions, ep_group, transport=None):
+    """The transport of the overlap engine, or None for the plain engine. ``transport``: one given to the
+    layer (benchmarks, tests: e.g. ``transport.loopback.LoopbackTransport``), checked and used as it is."""
     blockers = pipeline_blockers(cfg.capacity_factor, bool(cfg.router_pad_multiple), cfg.etp_size)
     check_options(
         options,
@@ -150,13 +166,12 @@ def select_transport(cfg: MoKConfig, options: MoKOptions, ep_group):
         megatron_overlap_flags=cfg.megatron_overlap_flags,
         cuda=torch.cuda.is_available(),
     )
+    if transport is not None:
+        _check_given_transport(transport, cfg, options, blockers)
+        return transport
     if options.engine is Engine.PLAIN or cfg.megatron_overlap_flags or blockers:
         return None
     kind = options.transport
-    if kind is TransportKind.LOOPBACK:
-        from mok_megatron.transport.loopback import LoopbackTransport
-
-        return LoopbackTransport(options.loopback, cfg.num_local_experts, cfg.topk)
     if cfg.ep_size == 1:
         return None  # nothing to move, nothing to overlap
     if kind is TransportKind.NVLINK:
@@ -175,9 +190,12 @@ def select_transport(cfg: MoKConfig, options: MoKOptions, ep_group):
     return CollectiveTransport(ep_group)
 
 
-def select_engine(cfg: MoKConfig, options: MoKOptions, ep_group, experts: ExpertsContract) -> EngineChoice:
-    """The engine of one layer: transport (or the plain engine) and the experts' row layout."""
-    transport = select_transport(cfg, options, ep_group)
+def select_engine(
+    cfg: MoKConfig, options: MoKOptions, ep_group, experts: ExpertsContract, transport=None
+) -> EngineChoice:
+    """The engine of one layer: transport (or the plain engine) and the experts' row layout. ``transport``:
+    one given to the layer (``select_transport``)."""
+    transport = select_transport(cfg, options, ep_group, transport)
     if options.sync_free and transport is not None and not experts.mok:
         raise MoKConfigError(
             "--mok-sync-free needs MoK's experts (MoKGroupedMLP); these experts read token counts on the "

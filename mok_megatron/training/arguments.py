@@ -139,7 +139,7 @@ def add_mok_flags(parser) -> None:
         choices=_choices(TransportKind),
         default=d.transport,
         help="EP exchange: collective (NCCL/gloo all-to-all), copy_engine (symmetric-memory peer "
-        "pulls inside one NVLink domain), loopback (benchmarks only), auto (default)"
+        "pulls inside one NVLink domain), auto (default)"
         ", nvlink (Triton kernels read/write peer memory, one NVLink domain)",
     )
     g.add_argument(

@@ -35,18 +35,30 @@ def domains_of(group) -> list[str]:
 _domain_groups: dict = {}  # EP group's global ranks -> my domain's process group (None: alone in it)
 
 
-def init_nvlink_domains(ep_group=None) -> None:
-    """Create the NVLink-domain groups that ``--mok-transport nvlink`` needs when an EP group spans domains.
-
-    A collective over every rank of the job (like Megatron's own group creation): call it once on every
-    rank after ``initialize_model_parallel`` and before the model is built (``mok-pretrain-gpt`` does,
-    from its layer spec). Every rank gathers every rank's EP group and domain name, then creates, in the
-    same order on every rank, one process group per (EP group, domain) of two or more ranks. ``ep_group``:
-    this rank's EP group (default: Megatron's expert-model-parallel group)."""
+def _ep_group(ep_group):
     if ep_group is None:
         from megatron.core import parallel_state as ps
 
         ep_group = ps.get_expert_model_parallel_group()
+    return ep_group
+
+
+def domains_ready(ep_group=None) -> bool:
+    """Whether ``init_nvlink_domains`` created the domain groups of this rank's EP group (the same answer on
+    every rank: one call creates every EP group's)."""
+    return tuple(dist.get_process_group_ranks(_ep_group(ep_group))) in _domain_groups
+
+
+def init_nvlink_domains(ep_group=None) -> None:
+    """Create the NVLink-domain groups that ``--mok-transport nvlink`` needs when an EP group spans domains.
+
+    A collective over every rank of the job (like Megatron's own group creation): call it on every rank
+    after ``initialize_model_parallel`` and before the model is built (``mok-pretrain-gpt`` does, from its
+    layer spec). Every rank gathers every rank's EP group and domain name, then creates, in the same order
+    on every rank, one process group per (EP group, domain) of two or more ranks (``domains_ready`` tells
+    whether a call already did). ``ep_group``: this rank's EP group (default: Megatron's
+    expert-model-parallel group)."""
+    ep_group = _ep_group(ep_group)
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, (tuple(dist.get_process_group_ranks(ep_group)), node_name()))
     me = dist.get_rank()
