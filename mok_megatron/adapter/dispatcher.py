@@ -63,6 +63,7 @@ class MoKTokenDispatcher(MoETokenDispatcher):
         self.engine = engine
         self._plan: DispatchPlan | PipelineCall | None = None
         self.runtime = PipelineRuntime()  # the pipeline's stream, caches and counters (this layer's)
+        self.profile: profiling.PhaseProfile | None = None  # set inside profiling.record(model)
 
     @property
     def stats(self) -> PipelineStats:
@@ -105,8 +106,9 @@ class MoKTokenDispatcher(MoETokenDispatcher):
         # Pipelined: dispatch, experts and combine are one overlapped phase, timed as "pipeline"
         # (fused experts: one phase "experts").
         closes = self.folded_phase or "dispatch"
-        hidden_states = profiling.backward_mark(hidden_states, id(self), closes=closes, opens=None)
-        with profiling.phase("dispatch", dev):
+        prof = self.profile
+        hidden_states = profiling.backward_mark(prof, hidden_states, id(self), closes=closes, opens=None)
+        with profiling.phase(self.profile, "dispatch", dev):
             hidden_shape = hidden_states.shape
             if self.pipelined:
                 self._plan = PipelineCall(self._pipeline_plan(hidden_shape, routing_map), routing_map)
@@ -153,7 +155,7 @@ class MoKTokenDispatcher(MoETokenDispatcher):
             after_combines=self._shared_fc2_once(),
             runtime=self.runtime,
         )
-        with profiling.phase("pipeline", hidden_states.device):
+        with profiling.phase(self.profile, "pipeline", hidden_states.device):
             rm = call.routing_map_TE
             out = _run_pipeline(hidden_states, probs, rm, call.plan, config, expert_fn, **hooks)
             self.stats.calls += 1
@@ -188,12 +190,12 @@ class MoKTokenDispatcher(MoETokenDispatcher):
     def run_fused(self, hidden_states: torch.Tensor, probs: torch.Tensor, experts_fn) -> torch.Tensor:
         """The fused experts on the call in flight: ``experts_fn(x_TH, probs_TK, meta, counts_L) -> [T, H]``."""
         plan = self.plan
-        with profiling.phase("experts", hidden_states.device):
+        with profiling.phase(self.profile, "experts", hidden_states.device):
             probs_TK = probs.gather(1, plan.ids_TK)
             return experts_fn(hidden_states, probs_TK, plan.meta, plan.tokens_per_expert_L)
 
     def token_dispatch(self, hidden_states: torch.Tensor, probs: torch.Tensor):
-        with profiling.phase("dispatch", hidden_states.device):
+        with profiling.phase(self.profile, "dispatch", hidden_states.device):
             if self.shared_experts is not None:
                 self.shared_experts.wait_current_stream()
             plan = self.plan
@@ -209,10 +211,10 @@ class MoKTokenDispatcher(MoETokenDispatcher):
 
     def dispatch_postprocess(self, hidden_states: torch.Tensor, probs: torch.Tensor):
         dev = hidden_states.device
-        with profiling.phase("dispatch", dev):
+        with profiling.phase(self.profile, "dispatch", dev):
             x, tokens_per_expert, p = F.dispatch_postprocess(hidden_states, probs, self.plan)
-        x = profiling.backward_mark(x, id(self), closes="experts", opens="dispatch")
-        profiling.open_span(id(self), "experts", dev)
+        x = profiling.backward_mark(self.profile, x, id(self), closes="experts", opens="dispatch")
+        profiling.open_span(self.profile, id(self), "experts", dev)
         return x, tokens_per_expert, p
 
     # ---- combine -----------------------------------------------------------------------------
@@ -224,13 +226,16 @@ class MoKTokenDispatcher(MoETokenDispatcher):
                 "(run_pipeline / run_fused)"
             )
         dev = hidden_states.device
-        profiling.close_span(id(self), "experts", dev)
-        hidden_states = profiling.backward_mark(hidden_states, id(self), closes="combine", opens="experts")
-        with profiling.phase("combine", dev):
+        profiling.close_span(self.profile, id(self), "experts", dev)
+        prof = self.profile
+        hidden_states = profiling.backward_mark(
+            prof, hidden_states, id(self), closes="combine", opens="experts"
+        )
+        with profiling.phase(self.profile, "combine", dev):
             return F.combine_preprocess(hidden_states, self.plan)
 
     def token_combine(self, hidden_states: torch.Tensor):
-        with profiling.phase("combine", hidden_states.device):
+        with profiling.phase(self.profile, "combine", hidden_states.device):
             shared = None if self.pipelined else self.shared_experts  # pipelined: fc2 ran beside the combines
             if shared is not None:
                 shared.wait_current_stream()
@@ -244,7 +249,7 @@ class MoKTokenDispatcher(MoETokenDispatcher):
             return y
 
     def combine_postprocess(self, hidden_states: torch.Tensor):
-        with profiling.phase("combine", hidden_states.device):
+        with profiling.phase(self.profile, "combine", hidden_states.device):
             plan = self.plan
             if self.pipelined:
                 out = hidden_states.view(plan.plan.hidden_shape)
@@ -254,7 +259,7 @@ class MoKTokenDispatcher(MoETokenDispatcher):
                 out = F.combine_postprocess(hidden_states, plan)
             self._plan = None
         opens = self.folded_phase or "combine"
-        out = profiling.backward_mark(out, id(self), closes=None, opens=opens)
+        out = profiling.backward_mark(self.profile, out, id(self), closes=None, opens=opens)
         if self.shared_experts is not None:
             out = out + self.shared_experts.get_output()
         return out
