@@ -125,14 +125,16 @@ def _bench_shape(name, ns, rank, P, device, slowest, smallest) -> list[dict]:
             slowest(_time(a2a_both, ns.iters, ns.warmup)),
         )
     }
+    from mok_megatron.transport.base import COMBINE, DISPATCH
+
     ce = CopyEngineTransport(dist.group.WORLD)
     mb = SimpleNamespace(capacity=None, split_matrix=tuple(map(tuple, m)))
-    ok = torch.equal(ce.move(x_NH, mb, 0), ref_R) and torch.equal(ce.move(ref_R, mb, 1), ref_N)
+    ok = torch.equal(ce.move(x_NH, mb, DISPATCH), ref_R) and torch.equal(ce.move(ref_R, mb, COMBINE), ref_N)
     results["copy_engine"] = (
-        slowest(_time(lambda: ce.move(x_NH, mb, 0), ns.iters, ns.warmup)),
-        slowest(_time(lambda: ce.move(ref_R, mb, 1), ns.iters, ns.warmup)),
+        slowest(_time(lambda: ce.move(x_NH, mb, DISPATCH), ns.iters, ns.warmup)),
+        slowest(_time(lambda: ce.move(ref_R, mb, COMBINE), ns.iters, ns.warmup)),
         ok,
-        slowest(_time(lambda: (ce.move(x_NH, mb, 0), ce.move(ref_R, mb, 1)), ns.iters, ns.warmup)),
+        slowest(_time(lambda: (ce.move(x_NH, mb, DISPATCH), ce.move(ref_R, mb, COMBINE)), ns.iters, ns.warmup)),
     )
     ws = workspace(dist.group.WORLD, device)
     for sync in ns.syncs.split(","):

@@ -31,18 +31,18 @@ DEFAULT_SHAPES = "dsv3-4k,dsv3-16k,qwen3-ep8"
 PROG = "python -m benchmarks.overlap"
 
 
-def loopback_options(shape: dict, chunks: int, gbps: float, loopback_bytes: str = "copy", **overrides):
-    """``MoKOptions`` for one loopback point of an ``OVERLAP_SHAPES`` entry: ``chunks`` minibatches over its
-    tokens, the loopback standing in for its EP size at ``gbps`` per direction (0 = infinite), moving its
-    bytes as ``loopback_bytes`` (``LoopbackBytes``); other ``MoKOptions`` fields as ``overrides``."""
-    from mok_megatron.options import LoopbackLink, MoKOptions
+def loopback_layer_args(shape: dict, chunks: int, gbps: float, loopback_bytes: str = "copy", **overrides):
+    """The MoK layer's ``options`` and ``transport`` (``bench.build.build`` keywords) for one loopback point
+    of an ``OVERLAP_SHAPES`` entry: ``chunks`` minibatches over its tokens, the loopback transport standing
+    in for its EP size at ``gbps`` per direction (0 = infinite), moving its bytes as ``loopback_bytes``
+    (``LoopbackBytes``); other ``MoKOptions`` fields as ``overrides``."""
+    from mok_megatron.options import MoKOptions
+    from mok_megatron.transport.loopback import LoopbackLink, LoopbackTransport
 
-    return MoKOptions(
-        minibatch_size=math.ceil(shape["tokens"] / chunks),
-        transport="loopback",
-        loopback=LoopbackLink(ep=shape["ep"], gbps=gbps, bytes=loopback_bytes),
-        **overrides,
-    )
+    link = LoopbackLink(ep=shape["ep"], gbps=gbps, bytes=loopback_bytes)
+    options = MoKOptions(minibatch_size=math.ceil(shape["tokens"] / chunks), **overrides)
+    transport = LoopbackTransport(link, shape["experts"], shape["topk"])  # the layer holds the slice
+    return dict(options=options, transport=transport)
 
 
 def bench_overlap(
@@ -93,11 +93,12 @@ def _bench_overlap(
                     extra, graph = MODES[mode]
                     if graph and device.type != "cuda":
                         continue
-                    opts = loopback_options(
+                    args = loopback_layer_args(
                         s, chunks, gbps, local_rows=lr, expert_backend=expert_backend, **extra
                     )
+                    opts = args["options"]
                     mode = mode if lr == "auto" else f"{mode} {lr}"
-                    layer = build("mok", cfg, options=opts).to(device)
+                    layer = build("mok", cfg, **args).to(device)
                     layer.load_state_dict(sd)
                     out = layer(x)[0].detach().float()
                     err = ((out - ref).abs().max() / ref.abs().max().clamp_min(1e-12)).item()
@@ -165,8 +166,8 @@ def _bench_overlap(
         )
         if best:
             cfg = layer_config(s, dtype)
-            opts = loopback_options(s, best["chunks"], best["gbps"], expert_backend=expert_backend)
-            layer = build("mok", cfg, options=opts).to(device)
+            args = loopback_layer_args(s, best["chunks"], best["gbps"], expert_backend=expert_backend)
+            layer = build("mok", cfg, **args).to(device)
             x, dout = inputs(s["tokens"], s["hidden"], dtype, device)
             step = stepper(layer, x, dout)
             step()

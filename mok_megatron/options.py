@@ -40,7 +40,6 @@ class TransportKind(StrEnum):
     COLLECTIVE = "collective"
     COPY_ENGINE = "copy_engine"
     NVLINK = "nvlink"
-    LOOPBACK = "loopback"
 
 
 class LocalRows(StrEnum):
@@ -63,11 +62,6 @@ class ExpertBackend(StrEnum):
     TORCH = "torch"
     TORCH_FP8 = "torch-fp8"
     TE = "te"
-
-
-class LoopbackBytes(StrEnum):
-    COPY = "copy"  # the emulated rank's bytes as device-to-device copies beside the link time
-    LINK = "link"  # the link time only; on GPUs the received rows are the sent rows (an ideal transport)
 
 
 @dataclass(frozen=True)
@@ -124,22 +118,6 @@ def _coerce(obj, name: str, enum: type[StrEnum]) -> None:
 
 
 @dataclass(frozen=True)
-class LoopbackLink:
-    """The link the loopback transport emulates: one GPU plays one rank of an EP group of ``ep`` ranks."""
-
-    ep: int = 2  # the EP size whose traffic is emulated
-    gbps: float = 0.0  # per-direction link bandwidth; 0 = infinite
-    bytes: LoopbackBytes = option(LoopbackBytes.COPY, label="loopback bytes")
-
-    def __post_init__(self):
-        _coerce(self, "bytes", LoopbackBytes)
-        if self.ep < 1:
-            raise MoKOptionsError(f"loopback ep={self.ep}: must be >= 1 (the EP size to emulate).")
-        if self.gbps < 0:
-            raise MoKOptionsError(f"loopback gbps={self.gbps}: must be >= 0 (0 = an infinitely fast link).")
-
-
-@dataclass(frozen=True)
 class MoKOptions:
     engine: Engine = option(
         Engine.AUTO,
@@ -180,13 +158,13 @@ class MoKOptions:
     )
     transport: TransportKind = option(
         TransportKind.AUTO,
-        help="EP exchange: NCCL/gloo all-to-all, copy-engine pulls, Triton NVLink kernels, one-GPU emulation",
+        help="EP exchange: NCCL/gloo all-to-all, copy-engine pulls, or Triton NVLink kernels",
         detail="collective: NCCL / gloo all-to-all; copy_engine: symmetric-memory peer pulls on the copy "
         "engine, one NVLink domain; nvlink: Triton kernels read / write peers' symmetric memory (NVLink "
-        "inside a domain, the collective across domains); loopback: one GPU emulating an EP rank's traffic "
-        "(benchmarks)",
+        "inside a domain, the collective across domains). A transport object given to the layer "
+        "(MoKMoELayer(..., transport=...), e.g. the one-GPU transport.loopback.LoopbackTransport of "
+        "benchmarks and tests) replaces it",
     )
-    loopback: LoopbackLink | None = None
     expert_backend: ExpertBackend = option(
         ExpertBackend.TORCH,
         help="expert GEMMs: bf16 grouped GEMM, native rowwise FP8 (sm_90+, no TE), or TE GroupedLinear "
@@ -291,15 +269,6 @@ class MoKOptions:
                     f"{flag} with --mok-transport nvlink: the NVLink kernels move bf16 rows only; use "
                     "--mok-transport collective or copy_engine with FP8 rows."
                 )
-        if isinstance(self.loopback, dict):
-            object.__setattr__(self, "loopback", LoopbackLink(**self.loopback))
-        if self.transport is TransportKind.LOOPBACK and self.loopback is None:
-            object.__setattr__(self, "loopback", LoopbackLink())
-        if self.loopback is not None and self.transport is not TransportKind.LOOPBACK:
-            raise MoKOptionsError(
-                f"loopback={self.loopback} with transport {self.transport.value!r}: the emulated link "
-                "belongs to the loopback transport; set transport='loopback' or drop loopback."
-            )
         if self.nvlink_programs < 1:
             raise MoKOptionsError(
                 f"--mok-nvlink-programs={self.nvlink_programs}: must be >= 1 (CTAs that communicate)."

@@ -150,17 +150,31 @@ def make_config(
     return cfg
 
 
+def layer_kwargs(cfg, opts: dict | None = None) -> dict:
+    """The MoK layer's ``options`` (``opts``: MoKOptions fields) and ``transport``: ``opts["loopback"]``
+    (``LoopbackLink`` fields) gives the layer a loopback transport emulating that link (one rank)."""
+    from mok_megatron.options import MoKOptions
+    from mok_megatron.transport.loopback import LoopbackLink, LoopbackTransport
+
+    opts = dict(opts or {})
+    link = opts.pop("loopback", None)
+    transport = None
+    if link is not None:
+        link = link if isinstance(link, LoopbackLink) else LoopbackLink(**link)
+        local = cfg.num_moe_experts // max(cfg.expert_model_parallel_size, 1)
+        transport = LoopbackTransport(link, local, cfg.moe_router_topk)
+    return dict(options=MoKOptions(**opts), transport=transport)
+
+
 def build_layers(cfg, layer_number: int = 1, opts: dict | None = None):
-    """(reference Megatron MoELayer, MoK layer) with identical weights; ``opts``: MoKOptions fields."""
+    """(reference Megatron MoELayer, MoK layer) with identical weights; ``opts``: MoKOptions fields (and
+    ``loopback``: ``layer_kwargs``)."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_submodules
 
-    from mok_megatron.options import MoKOptions
     from mok_megatron.spec import get_gpt_layer_with_mok_spec
 
     ref = get_gpt_layer_local_submodules(num_experts=cfg.num_moe_experts).mlp(config=cfg)
-    mok = get_gpt_layer_with_mok_spec(use_te=False).submodules.mlp(
-        config=cfg, options=MoKOptions(**(opts or {}))
-    )
+    mok = get_gpt_layer_with_mok_spec(use_te=False).submodules.mlp(config=cfg, **layer_kwargs(cfg, opts))
     for m in (ref, mok):
         m.set_layer_number(layer_number)
         m.train()
@@ -288,12 +302,9 @@ def build_error_case(rank, world, *, ep=4, cfg_ep=1, opts=None, **cfg_kw):
 
 
 def build_mok_only(cfg, opts: dict | None = None):
-    from mok_megatron.options import MoKOptions
     from mok_megatron.spec import get_gpt_layer_with_mok_spec
 
-    return get_gpt_layer_with_mok_spec(use_te=False).submodules.mlp(
-        config=cfg, options=MoKOptions(**(opts or {}))
-    )
+    return get_gpt_layer_with_mok_spec(use_te=False).submodules.mlp(config=cfg, **layer_kwargs(cfg, opts))
 
 
 def forward_error_case(rank, world, *, ep=2, **cfg_kw):
@@ -501,13 +512,22 @@ def gpt_parity_case(rank, world, *, tp=1, ep=1, etp=1, steps=2, mtp=False):
 def pipeline_case(rank, world, *, ep=2, repeat=False, **kw):
     """``parity_case`` through the overlap pipeline; also reports sync-free overflow redos and, with
     ``repeat``, whether a second identical run is bitwise equal to the first."""
-    from mok_megatron.adapter.dispatcher import PipelineStats
+    global build_layers
+    real_build, built = build_layers, []
 
-    before = PipelineStats.overflow_redos
-    calls = PipelineStats.calls
-    res = parity_case(rank, world, ep=ep, **kw)
-    res["overflow_redos"] = PipelineStats.overflow_redos - before
-    res["pipeline_calls"] = PipelineStats.calls - calls
+    def build(*a, **k):
+        ref, mok = real_build(*a, **k)
+        built.append(mok)
+        return ref, mok
+
+    build_layers = build
+    try:
+        res = parity_case(rank, world, ep=ep, **kw)
+    finally:
+        build_layers = real_build
+    stats = [mok.token_dispatcher.stats for mok in built]
+    res["overflow_redos"] = sum(s.overflow_redos for s in stats)
+    res["pipeline_calls"] = sum(s.calls for s in stats)
     if repeat:
         setup_parallel(ep=ep)
         cfg = make_config(ep=ep, **{k: v for k, v in kw.items() if k not in ("opts", "seed")})
@@ -526,11 +546,25 @@ def pipeline_case(rank, world, *, ep=2, repeat=False, **kw):
 
 
 def with_engine(layer, **changes) -> None:
-    """Rebuild ``layer``'s engine choice with ``changes`` (tests forcing another row layout or path than the
-    one the layer chose); ``row_alignment`` also goes to the experts, as the layer's builder does."""
+    """Rebuild ``layer``'s engine choice with ``changes`` (``rows``, ``row_alignment``, ``transport``: tests
+    forcing another row layout or transport than the one the layer chose); a pipelined layer's config gets
+    them too (its minibatch policy from the new transport), and ``row_alignment`` also goes to the experts,
+    as the layer's builder does."""
     import dataclasses
 
+    from mok_megatron.engine.pipeline_plan import MinibatchPolicy
+
     d = layer.token_dispatcher
-    d.engine = dataclasses.replace(d.engine, **changes)
+    engine, pipeline = d.engine, d.engine.pipeline
+    if pipeline is not None:
+        to_pipeline = {k: v for k, v in changes.items() if k in ("transport", "rows", "row_alignment")}
+        if "transport" in changes:
+            policy = MinibatchPolicy.of(d.options, changes["transport"], d.mok_config.ep_size)
+            to_pipeline["minibatches"] = policy
+        pipeline = dataclasses.replace(pipeline, **to_pipeline)
+    elif "transport" in changes:
+        raise ValueError("with_engine: transport= needs a pipelined layer")
+    rest = {k: v for k, v in changes.items() if k != "transport"}
+    d.engine = dataclasses.replace(engine, pipeline=pipeline, **rest)
     if "row_alignment" in changes and hasattr(layer.experts, "aligned_input"):
         layer.experts.aligned_input = changes["row_alignment"]

@@ -48,7 +48,7 @@ def split_case(rank, world, *, ep=2, chunks=2, opts=None, fusion=False, **cfg_kw
     if chunks is not None:  # None: the automatic count
         base["minibatch_size"] = -(-tokens // chunks)
     if ep == 1:
-        base.update(transport="loopback", loopback=dict(ep=4))
+        base.update(loopback=dict(ep=4))
     g = torch.Generator().manual_seed(rank)
     x0 = torch.randn(16, 2, cfg.hidden_size, generator=g)
     dout = torch.randn(16, 2, cfg.hidden_size, generator=g)
@@ -122,8 +122,9 @@ def host_data_case(
     token's experts computed here, and the groups' experts each expert call got."""
     import torch.distributed as dist
 
-    from mok_megatron.engine.pipeline import run_pipeline
+    from mok_megatron.engine.pipeline import PipelineConfig, run_pipeline
     from mok_megatron.engine.pipeline_plan import build_pipeline_plan
+    from mok_megatron.engine.plan import RowLayout
     from mok_megatron.transport.collective import CollectiveTransport
     from tests.pipeline_cases import _HostData
 
@@ -150,15 +151,15 @@ def host_data_case(
         )
         return torch.bmm(x_MH.unsqueeze(1), w_LHH[lo:hi][l_M]).squeeze(1) * probs_M.unsqueeze(-1)
 
-    kw = dict(sync_free=sync_free, fuse_local=fuse, split_experts=True)
+    kw = dict(sync_free=sync_free, fuse_local=fuse, split_experts=True, labels={})
     size = -(-T // groups)
     build_pipeline_plan(x_TH.shape, routing_TE, L, topk, group, size, **kw)  # fill the per-shape caches
     host = _HostData()
     with host:
         plan = build_pipeline_plan(x_TH.shape, routing_TE, L, topk, group, size, **kw)
-        out = run_pipeline(
-            x_TH, probs_TE, routing_TE, plan, expert_fn, CollectiveTransport(group), topk, row_alignment=align
-        )
+        rows = RowLayout.ALIGNED if align > 1 else RowLayout.SORTED
+        config = PipelineConfig(CollectiveTransport(group), topk, rows=rows, row_alignment=align)
+        out = run_pipeline(x_TH, probs_TE, routing_TE, plan, config, expert_fn)
         out.backward(torch.ones_like(out))
     with torch.no_grad():
         ws = [torch.empty_like(w_LHH) for _ in range(ep)]

@@ -40,7 +40,7 @@ class _Recording:
 
 def fp8_exchange_case(rank, world, *, block=0):
     from mok_megatron.transport.fp8_rows import PackLayout, dequantize, fp8_dispatch, pack, unpack
-    from mok_megatron.engine.pipeline_plan import SendPlan
+    from mok_megatron.transport.base import SendPlan
     from mok_megatron.ops.routing import SlotMap
 
     group = dist.new_group([0, 1])  # every rank must call new_group

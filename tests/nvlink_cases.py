@@ -112,7 +112,7 @@ class SharedFileWorkspace:
         self._sig = None
 
     def buffers(self, word, W, rows, role=None):
-        from mok_megatron.transport.nvlink.kernels import PeerBuffers
+        from mok_megatron.transport.nvlink.peers import PeerBuffers
 
         key = (word, W, role)
         have = self._bufs.get(key)
@@ -139,7 +139,7 @@ class SharedFileWorkspace:
 
     def signals(self, me):
         """Every rank's flag words in shared files (peers publish into them), zeroed before any publish."""
-        from mok_megatron.transport.nvlink.kernels import PeerBuffers
+        from mok_megatron.transport.nvlink.peers import PeerBuffers
         from mok_megatron.transport.nvlink.signals import Signals
 
         if self._sig is None:
@@ -211,17 +211,18 @@ def hierarchical_layer_case(rank, world, *, names, ep=4, topk=4, opts=None, sync
     """The MoK layer through the overlap pipeline with HierarchicalTransport (``names``: each EP rank's
     NVLink domain; inside a domain the rows move on a shared-memory workspace across the gloo ranks,
     between domains through the collective) against the same layer with the collective transport."""
+    from mok_megatron.transport.nvlink import domains as D
     from mok_megatron.transport.nvlink import hierarchical as HT
     from mok_megatron.transport.nvlink import transport as NT
     from tests.cases import run_layer, with_engine
 
     cfg, coll, hier, group = _two_collective_layers(ep, topk, opts)
-    os.environ[HT.DOMAIN_ENV] = names[rank]  # this rank's NVLink domain
+    os.environ[D.DOMAIN_ENV] = names[rank]  # this rank's NVLink domain
     try:
-        HT.init_nvlink_domains(group)  # every rank, before building the transport
+        D.init_nvlink_domains(group)  # every rank, before building the transport
         tr = HT.HierarchicalTransport(group, programs=3, sync=sync)
     finally:
-        del os.environ[HT.DOMAIN_ENV]
+        del os.environ[D.DOMAIN_ENV]
     with_engine(hier, transport=tr)
     spaces = {}
     original = NT.workspace

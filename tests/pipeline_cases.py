@@ -12,11 +12,12 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import mok_megatron.engine.pipeline_plan as plan_module
-from mok_megatron.engine.pipeline import run_pipeline
+from mok_megatron.engine.pipeline import PipelineConfig, run_pipeline
 from mok_megatron.engine.pipeline_plan import build_pipeline_plan
+from mok_megatron.engine.plan import RowLayout
+from mok_megatron.transport.base import DISPATCH
 from mok_megatron.transport.collective import CollectiveTransport
-from mok_megatron.options import LoopbackLink
-from mok_megatron.transport.loopback import LoopbackTransport
+from mok_megatron.transport.loopback import LoopbackLink, LoopbackTransport
 
 H, L, TOPK = 16, 4, 4
 
@@ -27,7 +28,7 @@ class Recording:
     def __init__(self, inner, log: list):
         self.inner, self.log, self.name = inner, log, inner.name
 
-    def __getattr__(self, name):  # the inner transport's own attributes (emulated_ep, slow_link, ...)
+    def __getattr__(self, name):  # the inner transport's own attributes (peers, link, ...)
         return getattr(self.inner, name)
 
     def move(self, x, mb, direction, backward=False):
@@ -206,7 +207,10 @@ def _schedule_case(
     size = -(-tokens // chunks)
     # Steady state: a first call fills the per-shape caches (as every training step after the first).
     kw = dict(emulated_ep=emulated_ep, sync_free=sync_free, capacity_multiplier=capacity, fuse_local=fuse)
+    kw["labels"] = {}  # the region-label cache a layer's PipelineRuntime keeps
     build_pipeline_plan(x.shape, routing, L, TOPK, group, size, **kw)
+    rows = RowLayout.ALIGNED if align > 1 else RowLayout.SORTED
+    config = PipelineConfig(transport, TOPK, rows=rows, row_alignment=align, fp8_dispatch=fp8)
     fwd, bwd, plan_ops, host = _Count(), _Count(), _Count(), _HostData()
     with host:
         with plan_ops:
@@ -217,11 +221,8 @@ def _schedule_case(
                 probs,
                 routing,
                 plan,
+                config,
                 experts,
-                transport,
-                TOPK,
-                fp8_dispatch=fp8,
-                row_alignment=align,
                 after_combines=lambda: log.append(("after_combines",)),
             )
         log.append(("forward_done",))
@@ -371,7 +372,7 @@ def late_wgrad_case(rank, world, *, ep=2, opts=None, steps=2, **cfg_kw):
     cfg = make_config(ep=ep, **cfg_kw)
     base = dict(engine="pipeline", **(opts or {}))
     if ep == 1:
-        base.update(transport="loopback", loopback=dict(ep=4))
+        base.update(loopback=dict(ep=4))
     layers = []
     for late in (True, False):
         torch.manual_seed(0)
@@ -430,7 +431,7 @@ def late_wgrad_case(rank, world, *, ep=2, opts=None, steps=2, **cfg_kw):
             outs.append((out.detach(), x.grad.clone(), grads, dict(hooks), list(log)))
         (o1, dx1, g1, h1, log1), (o2, dx2, g2, h2, log2) = outs
         bwd = log1[log1.index(("forward_done",)) + 1 :]
-        moves = [i for i, e in enumerate(bwd) if e[0] == "move" and e[1] == 0]  # dispatch-backward
+        moves = [i for i, e in enumerate(bwd) if e[0] == "move" and e[1] is DISPATCH]  # dispatch-backward
         wg = [i for i, e in enumerate(bwd) if e[0] == "wgrad"]
         res["steps"].append(
             dict(

@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from mok_megatron.engine.plan import RowLayout
 from mok_megatron.options import ExpertBackend
 from tests.cases import build_layers, compare, make_config, run_layer, with_engine
 
@@ -99,7 +100,7 @@ def test_exact_rows_size_the_buffer_to_the_padded_total():
 def test_layer_with_exact_rows_equals_megatron(exact):
     cfg = make_config(topk=2, num_experts=8)
     ref, mok = build_layers(cfg)
-    with_engine(mok, row_alignment=16, exact_aligned_rows=exact)
+    with_engine(mok, rows=RowLayout.ALIGNED_EXACT if exact else RowLayout.ALIGNED, row_alignment=16)
     x, dout = _inputs(cfg, seed=5)
     d = compare(run_layer(ref, x, dout), run_layer(mok, x, dout))
     assert d["out"] <= 1e-5 * max(d["out_scale"], 1.0) and d["dx"] <= 1e-5 * max(d["dx_scale"], 1.0)
@@ -156,13 +157,13 @@ def test_fp8_layer_fuses_permute_into_the_experts(wgrad, topk, experts, monkeypa
     cfg = make_config(topk=topk, num_experts=experts, ffn=16)
     ref, mok = build_layers(cfg, opts=dict(expert_backend="torch-fp8"))
     engine = mok.token_dispatcher.engine
-    assert engine.fused_experts and engine.row_alignment == native.ALIGNMENT
+    assert engine.rows is RowLayout.FUSED and engine.row_alignment == native.ALIGNMENT
     assert mok.experts.expert_backend is ExpertBackend.TORCH_FP8, "the layer's options reach its experts"
     x, dout = _inputs(cfg)
     fused = run_layer(mok, x, dout)
     assert calls == [1], "the fused experts must have run"
     mok.zero_grad(set_to_none=True)
-    with_engine(mok, fused_experts=False)
+    with_engine(mok, rows=RowLayout.ALIGNED)
     unfused = run_layer(mok, x, dout)
     assert calls == [1]
     d = compare(unfused, fused)

@@ -117,10 +117,6 @@ def test_mok_config_validation(kwargs, pattern):
         (dict(capacity_multiplier=0.0), "--mok-capacity-multiplier=0.0"),
         (dict(capacity_multiplier=1.5), "--mok-capacity-multiplier=1.5"),
         (dict(transport="nvshmem"), "--mok-transport='nvshmem'"),
-        (dict(transport="loopback", loopback=dict(ep=0)), "loopback ep=0"),
-        (dict(transport="loopback", loopback=dict(gbps=-1.0)), "loopback gbps=-1.0"),
-        (dict(transport="loopback", loopback=dict(bytes="none")), "loopback bytes='none'"),
-        (dict(loopback=dict(ep=4)), "belongs to the loopback transport"),
         (dict(local_rows="split"), "--mok-local-rows='split'"),
         (dict(engine="plain", fp8_dispatch=True), "--mok-fp8-dispatch"),
         (dict(fp8_dispatch=True, transport="nvlink"), "--mok-fp8-dispatch with --mok-transport nvlink"),
@@ -131,8 +127,24 @@ def test_mok_config_validation(kwargs, pattern):
 def test_bad_options_name_the_flag(opts, needle):
     from mok_megatron.options import MoKOptions, MoKOptionsError
 
-    with pytest.raises(MoKOptionsError, match="must|choose|only waste|runs no pipeline|bf16 rows only|belongs") as e:
+    with pytest.raises(MoKOptionsError, match="must|choose|only waste|runs no pipeline|bf16 rows only") as e:
         MoKOptions(**opts)
+    assert needle in str(e.value)
+
+
+@pytest.mark.parametrize(
+    "link,needle",
+    [
+        (dict(ep=0), "loopback ep=0: must be >= 1"),
+        (dict(gbps=-1.0), "loopback gbps=-1.0: must be >= 0"),
+        (dict(bytes="none"), "loopback bytes='none': choose one of copy, link"),
+    ],
+)
+def test_bad_loopback_link_names_the_value(link, needle):
+    from mok_megatron.transport.loopback import LoopbackLink
+
+    with pytest.raises(ValueError) as e:
+        LoopbackLink(**link)
     assert needle in str(e.value)
 
 
@@ -140,7 +152,9 @@ def test_bad_options_name_the_flag(opts, needle):
     "cfg_kw,opts,needle",
     [
         (dict(mode="drop_probs"), dict(sync_free=True), "moe_expert_capacity_factor=0.75 (token dropping)"),
-        (dict(mode="dropless"), dict(transport="loopback"), "emulates expert parallelism on one rank"),
+        # a transport given to the layer (tests.cases.layer_kwargs: the loopback emulating EP=4)
+        (dict(mode="dropless"), dict(loopback=dict(ep=4)), "spans 4 EP ranks but this layer's EP group has"),
+        (dict(mode="drop_probs"), dict(loopback=dict(ep=4)), "capacity_factor=0.75 (token dropping)"),
         (dict(mode="dropless"), dict(transport="copy_engine"), "needs CUDA GPUs"),
     ],
 )

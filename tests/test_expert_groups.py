@@ -46,7 +46,7 @@ def test_expert_split_matches_megatron(pool, ep, groups, topk, local_rows, sync_
 
 def test_expert_split_loopback_matches_megatron(pool):
     # One rank emulating EP=8, 4 local experts in 2 groups: the layer's result is the EP=1 result.
-    opts = dict(minibatch_size=16, minibatch_split="experts", transport="loopback", loopback=dict(ep=8))
+    opts = dict(minibatch_size=16, minibatch_split="experts", loopback=dict(ep=8))
     for r in pool.run("tests.pipeline_cases:megatron_case", ep=1, topk=2, num_experts=4, opts=opts):
         check(r, "experts loopback")
         assert r["pipeline_calls"] == 1
@@ -97,6 +97,7 @@ def test_expert_split_refuses_experts_without_device_counts():
     from mok_megatron.config import MoKConfigError
     from mok_megatron.engine.select import MEGATRON_EXPERTS, ExpertsContract, select_engine
     from mok_megatron.options import MoKOptions
+    from mok_megatron.transport.loopback import LoopbackLink, LoopbackTransport
 
     cfg = SimpleNamespace(
         capacity_factor=None,
@@ -108,16 +109,17 @@ def test_expert_split_refuses_experts_without_device_counts():
         topk=2,
         delay_wgrad=False,
     )
-    opts = MoKOptions(minibatch_split="experts", transport="loopback")
+    opts = MoKOptions(minibatch_split="experts")
+    loopback = LoopbackTransport(LoopbackLink(), num_local_experts=4, topk=2)
     te = ExpertsContract(mok=True, host_counts=True)
     for contract, needle in ((MEGATRON_EXPERTS, "Megatron experts"), (te, "TE GroupedLinear")):
         with pytest.raises(MoKConfigError, match="--mok-minibatch-split experts needs MoK's torch") as e:
-            select_engine(cfg, opts, None, contract)
+            select_engine(cfg, opts, None, contract, loopback)
         assert needle in str(e.value) and "--mok-expert-backend torch" in str(e.value)
-    assert select_engine(cfg, opts, None, ExpertsContract(mok=True)).pipelined
+    assert select_engine(cfg, opts, None, ExpertsContract(mok=True), loopback).pipelined
     cfg.delay_wgrad = True  # Megatron's delay_wgrad_compute: refused when the layer is built
     with pytest.raises(MoKConfigError, match="delay_wgrad_compute.*Drop --delay-wgrad-compute or"):
-        select_engine(cfg, opts, None, ExpertsContract(mok=True))
+        select_engine(cfg, opts, None, ExpertsContract(mok=True), loopback)
 
 
 def test_minibatch_split_flag_reaches_the_options():

@@ -10,6 +10,7 @@ import torch
 
 from mok_megatron.ops import align, fp8_grouped_gemm as native, fp8_quantize as quantize
 from mok_megatron.transport import fp8_rows as dispatch_pack
+from mok_megatron.transport.base import COMBINE, DISPATCH
 from mok_megatron.experts import recipes
 from mok_megatron.kernels.routing import routing_metadata_reference
 
@@ -214,8 +215,7 @@ def test_pack_round_trip(block):
 
 
 def test_fp8_dispatch_autograd_in_process():
-    from mok_megatron.options import LoopbackLink
-    from mok_megatron.transport.loopback import LoopbackTransport
+    from mok_megatron.transport.loopback import LoopbackLink, LoopbackTransport
 
     transport = LoopbackTransport(LoopbackLink(ep=1), num_local_experts=1, topk=1)
     x = _wide(10, 128, 4).to(torch.bfloat16).requires_grad_(True)
@@ -246,7 +246,7 @@ def test_fp8_dispatch_over_gloo(pool, block):
         # bf16 output adds its own rounding (2^-9 relative) on top of the FP8 bound
         assert bool(((y - x).abs() <= _bound(x, amax) + 2.0**-8 * x.abs()).all())
         (fdt, fbytes, fdir), (bdt, bbytes, bdir) = r["calls"]
-        assert (fdt, fdir, bdt, bdir) == ("torch.uint8", 0, "torch.bfloat16", 1)
+        assert (fdt, fdir, bdt, bdir) == ("torch.uint8", DISPATCH, "torch.bfloat16", COMBINE)
         assert fbytes == r["rows_sent"] * layout.row_bytes  # forward: FP8 + scales
         assert bbytes == r["rows_recv"] * 2 * HIDDEN  # backward: the gradient in bf16
         # half of bf16 plus the scales, plus < 16 bytes of row alignment

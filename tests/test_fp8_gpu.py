@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from mok_megatron.compat import have_te
+from mok_megatron.engine.plan import RowLayout
 from tests.cases import with_engine
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -119,7 +120,7 @@ def test_te_backend_takes_the_aligned_plan_at_ep1(recipe):
     align = layer.experts.expert_alignment
     engine = layer.token_dispatcher.engine
     assert align > 1 and engine.row_alignment == align == layer.experts.aligned_input
-    assert engine.exact_aligned_rows
+    assert engine.rows is RowLayout.ALIGNED_EXACT
 
 
 @pytest.mark.usefixtures("single_rank")
@@ -348,7 +349,7 @@ def test_torch_fp8_layer_runs_on_the_aligned_plan_and_matches_the_pad_path():
     padding = _build("torch-fp8", cfg)
     padding.load_state_dict(convert_state_dict(aligned.state_dict(), "mok"), strict=True)
     # the sort-based plan; the experts pad
-    with_engine(padding, row_alignment=1, aligned_plan=False, fused_experts=False)
+    with_engine(padding, rows=RowLayout.SORTED, row_alignment=1)
     g = torch.Generator().manual_seed(3)
     x = torch.randn(SHAPE["tokens"], 1, SHAPE["hidden"], generator=g).to("cuda", torch.bfloat16)
     dout = torch.randn(SHAPE["tokens"], 1, SHAPE["hidden"], generator=g).to("cuda", torch.bfloat16)
@@ -368,10 +369,10 @@ def test_torch_fp8_layer_fused_permute_equals_unfused_bitwise():
     _native_or_skip()
     cfg = layer_config(None)
     fused = _build("torch-fp8", cfg)
-    assert fused.token_dispatcher.engine.fused_experts
+    assert fused.token_dispatcher.engine.rows is RowLayout.FUSED
     unfused = _build("torch-fp8", cfg)
     unfused.load_state_dict(convert_state_dict(fused.state_dict(), "mok"), strict=True)
-    with_engine(unfused, fused_experts=False)
+    with_engine(unfused, rows=RowLayout.ALIGNED)
     g = torch.Generator().manual_seed(5)
     x = torch.randn(SHAPE["tokens"], 1, SHAPE["hidden"], generator=g).to("cuda", torch.bfloat16)
     dout = torch.randn(SHAPE["tokens"], 1, SHAPE["hidden"], generator=g).to("cuda", torch.bfloat16)
@@ -423,21 +424,17 @@ def test_torch_fp8_pipeline_expert_calls_take_padded_rows(sync_free):
     quantization), the gradients the bf16 layer within the FP8 bound."""
     from mok_megatron.bench.build import build
     from mok_megatron.experts.checkpoint import convert_state_dict
-    from mok_megatron.options import LoopbackLink, MoKOptions
+    from mok_megatron.options import MoKOptions
+    from mok_megatron.transport.loopback import LoopbackLink, LoopbackTransport
 
     _native_or_skip()
     cfg = layer_config(None)
     ref = _build("torch", cfg)
     ep1 = _build("torch-fp8", cfg)
     link = LoopbackLink(ep=8, gbps=450.0 if sync_free else 0.0)
-    opts = MoKOptions(
-        expert_backend="torch-fp8",
-        transport="loopback",
-        loopback=link,
-        minibatch_size=384,
-        sync_free=sync_free,
-    )
-    pipe = build("mok", cfg, options=opts).cuda()
+    opts = MoKOptions(expert_backend="torch-fp8", minibatch_size=384, sync_free=sync_free)
+    transport = LoopbackTransport(link, cfg.num_moe_experts, cfg.moe_router_topk)
+    pipe = build("mok", cfg, options=opts, transport=transport).cuda()
     state = ref.state_dict()
     for layer in (ep1, pipe):
         layer.load_state_dict(convert_state_dict(state, "mok"), strict=True)

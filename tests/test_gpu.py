@@ -148,7 +148,6 @@ def _two_gpu_worker(rank, port, out_path, dtype_name):
     dtype = getattr(torch, dtype_name)
     cfg = layer_config(dict(hidden=512, ffn=256, experts=16, topk=4, tokens=2048), dtype)
     cfg.expert_model_parallel_size = 2
-    from mok_megatron.adapter.dispatcher import PipelineStats
     from mok_megatron.options import MoKOptions
 
     ref = build("megatron", cfg).cuda()
@@ -161,11 +160,12 @@ def _two_gpu_worker(rank, port, out_path, dtype_name):
         repeat = opts.pop("repeat", False)
         mok = build("mok", cfg, options=MoKOptions(**opts)).cuda()
         mok.load_state_dict(convert_state_dict(ref.state_dict(), "mok"), strict=False)
-        redos = PipelineStats.overflow_redos
+        redos = mok.token_dispatcher.stats.overflow_redos
         ref.zero_grad(set_to_none=True)
         (o1, d1, g1), (o2, d2, g2) = _run_both(ref, mok, x, dout)
         errs = {"out": _rel(o1, o2), "dx": _rel(d1, d2), **{k: _rel(g1[k], g2[k]) for k in g1}}
-        entry = {"worst": max(errs.values()), "errs": errs, "redos": PipelineStats.overflow_redos - redos}
+        redos = mok.token_dispatcher.stats.overflow_redos - redos
+        entry = {"worst": max(errs.values()), "errs": errs, "redos": redos}
         if repeat:
             mok.zero_grad(set_to_none=True)
             (_, _, _), (o3, d3, g3) = _run_both(ref, mok, x, dout)
@@ -261,6 +261,7 @@ def _loopback_layer(dtype, opts, tokens=2048, hidden=512, experts=16, topk=4, ro
     link's ``gbps`` and ``bytes``), same weights."""
     from mok_megatron.bench.build import layer_config, build
     from mok_megatron.options import MoKOptions
+    from mok_megatron.transport.loopback import LoopbackLink, LoopbackTransport
 
     shape = dict(hidden=hidden, ffn=256, experts=experts, topk=topk, tokens=tokens, shared=shared)
     cfg = layer_config(shape, dtype)
@@ -268,8 +269,9 @@ def _loopback_layer(dtype, opts, tokens=2048, hidden=512, experts=16, topk=4, ro
     torch.manual_seed(0)
     ref = build("megatron", cfg).cuda()
     opts = dict(opts)
-    link = dict(ep=8, gbps=opts.pop("gbps", 0.0), bytes=opts.pop("bytes", "copy"))
-    mok = build("mok", cfg, options=MoKOptions(transport="loopback", loopback=link, **opts)).cuda()
+    link = LoopbackLink(ep=8, gbps=opts.pop("gbps", 0.0), bytes=opts.pop("bytes", "copy"))
+    transport = LoopbackTransport(link, experts, topk)
+    mok = build("mok", cfg, options=MoKOptions(**opts), transport=transport).cuda()
     from mok_megatron.experts.checkpoint import convert_state_dict
 
     mok.load_state_dict(convert_state_dict(ref.state_dict(), "mok"), strict=False)
@@ -478,7 +480,7 @@ def test_link_delay_spins_wall_time_at_any_sm_clock():
     # The loopback's emulated link time: a wall-clock spin, the same alone (clock idle or boosted) and beside
     # GEMMs that power-cap the SM clock.
     from mok_megatron.kernels.link_delay import spin_ns
-    from mok_megatron.options import LoopbackLink
+    from mok_megatron.transport.loopback import LoopbackLink
     from mok_megatron.transport.loopback import LoopbackTransport
 
     dev = torch.device("cuda")

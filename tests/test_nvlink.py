@@ -609,14 +609,15 @@ def test_hierarchical_transport_bitwise_equals_collective(pool, names, opts):
 def test_nvlink_transport_choice_follows_the_domains(monkeypatch):
     """--mok-transport nvlink: one domain -> NVLinkTransport; several -> HierarchicalTransport; the domain
     name is the host name unless MOK_NVLINK_DOMAIN is set."""
+    from mok_megatron.transport.nvlink import domains as D
     from mok_megatron.transport.nvlink import hierarchical as HT
 
-    monkeypatch.setenv(HT.DOMAIN_ENV, "rack7")
-    assert HT.node_name() == "rack7"
-    monkeypatch.delenv(HT.DOMAIN_ENV)
+    monkeypatch.setenv(D.DOMAIN_ENV, "rack7")
+    assert D.node_name() == "rack7"
+    monkeypatch.delenv(D.DOMAIN_ENV)
     import socket
 
-    assert HT.node_name() == socket.gethostname()
+    assert D.node_name() == socket.gethostname()
     made = []
     monkeypatch.setattr(HT.NT, "NVLinkTransport", lambda g, p, s, pb: made.append(("flat", p)) or "flat")
     monkeypatch.setattr(HT, "HierarchicalTransport", lambda g, p, n, s, pb: made.append(("hier", n)) or "hier")
@@ -631,10 +632,10 @@ def test_hierarchical_transport_without_domain_groups_says_how(monkeypatch):
     """An EP group across domains whose domain groups were not created on every rank: a clear error naming
     the call that creates them (torch requires every rank to take part in every group creation)."""
     from mok_megatron.config import MoKConfigError
-    from mok_megatron.transport.nvlink import hierarchical as HT
+    from mok_megatron.transport.nvlink import domains as D
 
-    monkeypatch.setattr(HT.dist, "get_process_group_ranks", lambda g: [5, 6, 7, 8])
+    monkeypatch.setattr(D.dist, "get_process_group_ranks", lambda g: [5, 6, 7, 8])
     with pytest.raises(
         MoKConfigError, match=r"EP group \[5, 6, 7, 8\] spans NVLink domains.*init_nvlink_domains"
     ):
-        HT.domain_group(object())
+        D.domain_group(object())

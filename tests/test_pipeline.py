@@ -91,7 +91,7 @@ def test_bitwise_repeatable(pool):
 
 def test_loopback_transport_matches_megatron(pool):
     # One rank emulating EP=8: the layer's result is the EP=1 result; only timing changes.
-    opts = dict(minibatch_size=_mbs(3), transport="loopback", loopback=dict(ep=8))
+    opts = dict(minibatch_size=_mbs(3), loopback=dict(ep=8))
     for r in pool.run("tests.pipeline_cases:megatron_case", ep=1, topk=2, opts=opts):
         check(r, "loopback")
         assert r["pipeline_calls"] == 1

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import pytest
 
+from mok_megatron.transport.base import COMBINE, DISPATCH
 from tests import pipeline_cases as pc
 
-DISPATCH, COMBINE = 0, 1
 # Measured (EP=4, 64 tokens, one minibatch, steady state, test experts included): plan 49 + forward
 # 128 and backward 85 work ops; ~20 % headroom. Raise only with a reason: each op is a GPU launch.
 MAX_FWD_OPS, MAX_BWD_OPS = 210, 105
@@ -185,15 +185,9 @@ def test_loopback_bytes_option_keeps_the_link_bytes(loopback_bytes):
     # bytes the link time is charged for: both settings count the same bytes and return the same rows.
     import torch
 
-    from mok_megatron.config import MoKConfig
-    from mok_megatron.engine.select import select_transport
-    from mok_megatron.ops.activation import Activation, ActivationSpec
-    from mok_megatron.options import MoKOptions
+    from mok_megatron.transport.loopback import LoopbackLink, LoopbackTransport
 
-    swiglu = ActivationSpec(kind=Activation.SILU, gated=True)
-    cfg = MoKConfig(hidden_size=16, ffn_hidden_size=8, activation=swiglu, num_experts=8, topk=2)
-    opts = MoKOptions(transport="loopback", loopback=dict(ep=8, gbps=900.0, bytes=loopback_bytes))
-    tr = select_transport(cfg, opts, None)
+    tr = LoopbackTransport(LoopbackLink(ep=8, gbps=900.0, bytes=loopback_bytes), num_local_experts=8, topk=2)
     assert tr.copies is (loopback_bytes == "copy")
     x = torch.randn(12, 16)
     out = tr.move(x, None, DISPATCH)

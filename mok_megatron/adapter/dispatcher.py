@@ -1,4 +1,4 @@
-"""``MoKTokenDispatcher``: Megatron's ``MoETokenDispatcher`` phases on top of ``mok_megatron.functional``.
+"""``MoKTokenDispatcher``: Megatron's ``MoETokenDispatcher`` phases on top of the engine (``mok_megatron.engine.plain``).
 
 Megatron calls the six phases with tensors only, so the adapter keeps exactly one piece of state:
 the frozen ``DispatchPlan`` of the call in flight, set by ``dispatch_preprocess`` and dropped by
@@ -18,7 +18,6 @@ runs beside the dispatches and fc2 beside the last combines (the pipeline's ``af
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -28,17 +27,12 @@ from mok_megatron.adapter import profiling
 from mok_megatron.config import MoKConfig
 from mok_megatron.engine import plain as F
 from mok_megatron.transport.comm import all_to_all_v
+from mok_megatron.engine.pipeline import PipelineRuntime, PipelineStats
 from mok_megatron.engine.pipeline import run_pipeline as _run_pipeline
-from mok_megatron.engine.pipeline_plan import (
-    AUTO_EXPERT_GROUPS,
-    PipelinePlan,
-    auto_minibatch_size,
-    build_pipeline_plan,
-    fuse_local_rows,
-)
-from mok_megatron.engine.plan import DispatchPlan, EPGroups, build_aligned_plan, build_plan
+from mok_megatron.engine.pipeline_plan import PipelinePlan
+from mok_megatron.engine.plan import DispatchPlan, EPGroups, RowLayout, build_aligned_plan, build_plan
 from mok_megatron.engine.select import EngineChoice
-from mok_megatron.options import MinibatchSplit, MoKOptions
+from mok_megatron.options import MoKOptions
 
 
 @dataclass(frozen=True)
@@ -47,26 +41,6 @@ class PipelineCall:
 
     plan: PipelinePlan
     routing_map_TE: torch.Tensor
-
-
-def _group_in_one_node(group) -> bool:
-    """Whether every rank of ``group`` runs on this host (torchrun's LOCAL_WORLD_SIZE blocks of ranks)."""
-    import os
-
-    import torch.distributed as dist
-
-    if group is None or dist.get_world_size(group) == 1:
-        return True
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
-    nodes = {r // max(local, 1) for r in dist.get_process_group_ranks(group)}
-    return len(nodes) == 1
-
-
-class PipelineStats:
-    """Process-wide counters of the overlap engine (sync-free overflows redone in exact mode)."""
-
-    overflow_redos = 0
-    calls = 0
 
 
 class MoKTokenDispatcher(MoETokenDispatcher):
@@ -88,7 +62,13 @@ class MoKTokenDispatcher(MoETokenDispatcher):
         self.options = options
         self.engine = engine
         self._plan: DispatchPlan | PipelineCall | None = None
-        self._ep_in_one_node = _group_in_one_node(self.groups.ep)
+        self.runtime = PipelineRuntime()  # the pipeline's stream, caches and counters (this layer's)
+        self.profile: profiling.PhaseProfile | None = None  # set inside profiling.record(model)
+
+    @property
+    def stats(self) -> PipelineStats:
+        """This layer's pipeline counters (calls, sync-free overflows redone)."""
+        return self.runtime.stats
 
     @property
     def transport(self):
@@ -126,12 +106,13 @@ class MoKTokenDispatcher(MoETokenDispatcher):
         # Pipelined: dispatch, experts and combine are one overlapped phase, timed as "pipeline"
         # (fused experts: one phase "experts").
         closes = self.folded_phase or "dispatch"
-        hidden_states = profiling.backward_mark(hidden_states, id(self), closes=closes, opens=None)
-        with profiling.phase("dispatch", dev):
+        prof = self.profile
+        hidden_states = profiling.backward_mark(prof, hidden_states, id(self), closes=closes, opens=None)
+        with profiling.phase(self.profile, "dispatch", dev):
             hidden_shape = hidden_states.shape
             if self.pipelined:
                 self._plan = PipelineCall(self._pipeline_plan(hidden_shape, routing_map), routing_map)
-            elif self.engine.aligned_plan:
+            elif self.engine.rows.routing_kernels:
                 self._plan = build_aligned_plan(
                     hidden_shape,
                     routing_map,
@@ -139,7 +120,7 @@ class MoKTokenDispatcher(MoETokenDispatcher):
                     self.mok_config,
                     self.groups,
                     self.engine.row_alignment,
-                    exact_rows=self.engine.exact_aligned_rows,
+                    exact_rows=self.engine.rows is RowLayout.ALIGNED_EXACT,
                 )
             else:
                 self._plan = build_plan(hidden_shape, routing_map, probs, self.mok_config, self.groups)
@@ -150,33 +131,10 @@ class MoKTokenDispatcher(MoETokenDispatcher):
             return F.dispatch_preprocess(hidden_states.reshape(-1, hidden_shape[-1]), probs, self._plan)
 
     def _pipeline_plan(self, hidden_shape, routing_map, sync_free=None):
-        o, cfg, tr = self.options, self.mok_config, self.transport
-        T = routing_map.shape[0]
-        # A transport that emulates EP (the loopback) says how many ranks and how slow a link it stands for.
-        emulated_ep = getattr(tr, "emulated_ep", 1) if cfg.ep_size == 1 else 1
-        slow_link = getattr(tr, "slow_link", not self._ep_in_one_node)
-        split_experts = o.minibatch_split is MinibatchSplit.EXPERTS
-        if o.minibatch_size:
-            mbs = o.minibatch_size
-        elif split_experts:  # asked for groups of experts: the automatic count is AUTO_EXPERT_GROUPS
-            mbs = math.ceil(max(T, 1) / AUTO_EXPERT_GROUPS)
-        else:
-            mbs = auto_minibatch_size(
-                T, cfg.topk, cfg.num_local_experts, max(cfg.ep_size, emulated_ep), slow_link=slow_link
-            )
-        return build_pipeline_plan(
-            hidden_shape,
-            routing_map,
-            cfg.num_local_experts,
-            cfg.topk,
-            self.groups.ep,
-            mbs,
-            sync_free=o.sync_free if sync_free is None else sync_free,
-            capacity_multiplier=o.capacity_multiplier,
-            emulated_ep=emulated_ep,
-            fuse_local=fuse_local_rows(o.local_rows, slow_link),
-            split_experts=split_experts,
-        )
+        cfg = self.mok_config
+        policy = self.engine.pipeline.minibatches
+        L, ep_group = cfg.num_local_experts, self.groups.ep
+        return policy.plan(hidden_shape, routing_map, L, cfg.topk, ep_group, sync_free, self.runtime.labels)
 
     def run_pipeline(
         self,
@@ -187,31 +145,27 @@ class MoKTokenDispatcher(MoETokenDispatcher):
         before_experts=None,
     ) -> torch.Tensor:
         """Pipelined dispatch -> experts -> combine of the call in flight: ``[T, H]``. ``token_rows_fn``:
-        experts that fuse the per-call permute / combine into their operands (``row_alignment`` > 1).
+        experts that fuse the per-call permute / combine into their operands (``RowLayout.FUSED``).
         ``before_experts``: see ``engine.pipeline.run_pipeline`` (``LateWgrad.open``)."""
         call = self.plan
-        o, engine = self.options, self.engine
-        args = (
-            engine.transport,
-            self.mok_config.topk,
-            o.fp8_dispatch,
-            engine.row_alignment,
-            o.fp8_combine,
-            token_rows_fn if engine.row_alignment > 1 else None,
-            engine.routing_kernel_calls,
-            before_experts,
-            self._shared_fc2_once(),
+        config = self.engine.pipeline
+        hooks = dict(
+            token_rows_fn=token_rows_fn,
+            before_experts=before_experts,
+            after_combines=self._shared_fc2_once(),
+            runtime=self.runtime,
         )
-        with profiling.phase("pipeline", hidden_states.device):
-            out = _run_pipeline(hidden_states, probs, call.routing_map_TE, call.plan, expert_fn, *args)
-            PipelineStats.calls += 1
+        with profiling.phase(self.profile, "pipeline", hidden_states.device):
+            rm = call.routing_map_TE
+            out = _run_pipeline(hidden_states, probs, rm, call.plan, config, expert_fn, **hooks)
+            self.stats.calls += 1
             plan = call.plan
-            if plan.sync_free and self.options.capacity_multiplier < 1.0 and bool(plan.overflow):
+            if plan.sync_free and config.minibatches.capacity_multiplier < 1.0 and bool(plan.overflow):
                 # A destination got more tokens than its fixed buffers hold: nothing is dropped, the
                 # whole exchange is redone with exact sizes (one host read, counted).
-                PipelineStats.overflow_redos += 1
+                self.stats.overflow_redos += 1
                 exact = self._pipeline_plan(plan.hidden_shape, call.routing_map_TE, sync_free=False)
-                out = _run_pipeline(hidden_states, probs, call.routing_map_TE, exact, expert_fn, *args)
+                out = _run_pipeline(hidden_states, probs, rm, exact, config, expert_fn, **hooks)
         return out
 
     def _shared_fc2_once(self):
@@ -236,12 +190,12 @@ class MoKTokenDispatcher(MoETokenDispatcher):
     def run_fused(self, hidden_states: torch.Tensor, probs: torch.Tensor, experts_fn) -> torch.Tensor:
         """The fused experts on the call in flight: ``experts_fn(x_TH, probs_TK, meta, counts_L) -> [T, H]``."""
         plan = self.plan
-        with profiling.phase("experts", hidden_states.device):
+        with profiling.phase(self.profile, "experts", hidden_states.device):
             probs_TK = probs.gather(1, plan.ids_TK)
             return experts_fn(hidden_states, probs_TK, plan.meta, plan.tokens_per_expert_L)
 
     def token_dispatch(self, hidden_states: torch.Tensor, probs: torch.Tensor):
-        with profiling.phase("dispatch", hidden_states.device):
+        with profiling.phase(self.profile, "dispatch", hidden_states.device):
             if self.shared_experts is not None:
                 self.shared_experts.wait_current_stream()
             plan = self.plan
@@ -257,10 +211,10 @@ class MoKTokenDispatcher(MoETokenDispatcher):
 
     def dispatch_postprocess(self, hidden_states: torch.Tensor, probs: torch.Tensor):
         dev = hidden_states.device
-        with profiling.phase("dispatch", dev):
+        with profiling.phase(self.profile, "dispatch", dev):
             x, tokens_per_expert, p = F.dispatch_postprocess(hidden_states, probs, self.plan)
-        x = profiling.backward_mark(x, id(self), closes="experts", opens="dispatch")
-        profiling.open_span(id(self), "experts", dev)
+        x = profiling.backward_mark(self.profile, x, id(self), closes="experts", opens="dispatch")
+        profiling.open_span(self.profile, id(self), "experts", dev)
         return x, tokens_per_expert, p
 
     # ---- combine -----------------------------------------------------------------------------
@@ -272,13 +226,16 @@ class MoKTokenDispatcher(MoETokenDispatcher):
                 "(run_pipeline / run_fused)"
             )
         dev = hidden_states.device
-        profiling.close_span(id(self), "experts", dev)
-        hidden_states = profiling.backward_mark(hidden_states, id(self), closes="combine", opens="experts")
-        with profiling.phase("combine", dev):
+        profiling.close_span(self.profile, id(self), "experts", dev)
+        prof = self.profile
+        hidden_states = profiling.backward_mark(
+            prof, hidden_states, id(self), closes="combine", opens="experts"
+        )
+        with profiling.phase(self.profile, "combine", dev):
             return F.combine_preprocess(hidden_states, self.plan)
 
     def token_combine(self, hidden_states: torch.Tensor):
-        with profiling.phase("combine", hidden_states.device):
+        with profiling.phase(self.profile, "combine", hidden_states.device):
             shared = None if self.pipelined else self.shared_experts  # pipelined: fc2 ran beside the combines
             if shared is not None:
                 shared.wait_current_stream()
@@ -292,17 +249,17 @@ class MoKTokenDispatcher(MoETokenDispatcher):
             return y
 
     def combine_postprocess(self, hidden_states: torch.Tensor):
-        with profiling.phase("combine", hidden_states.device):
+        with profiling.phase(self.profile, "combine", hidden_states.device):
             plan = self.plan
             if self.pipelined:
                 out = hidden_states.view(plan.plan.hidden_shape)
-            elif self.engine.fused_experts:
+            elif self.engine.rows is RowLayout.FUSED:
                 out = hidden_states.view(plan.hidden_shape)
             else:
                 out = F.combine_postprocess(hidden_states, plan)
             self._plan = None
         opens = self.folded_phase or "combine"
-        out = profiling.backward_mark(out, id(self), closes=None, opens=opens)
+        out = profiling.backward_mark(self.profile, out, id(self), closes=None, opens=opens)
         if self.shared_experts is not None:
             out = out + self.shared_experts.get_output()
         return out

@@ -7,7 +7,9 @@ from the spec (``MoKGroupedMLP`` in MoK's specs; Megatron's experts work too).
 
 Construction decides everything once, before Megatron builds a submodule: the ``MoKConfig`` (Megatron's
 config checked against what MoK runs), the experts' class for the options' backend, and the engine
-(``engine.select.select_engine``: plain or pipeline, the transport, the experts' row layout). The
+(``engine.select.select_engine``: plain or pipeline, the transport, the experts' row layout). A
+transport object given at construction (``transport=``, ``transport.base.Transport``: benchmarks and tests
+give the one-GPU loopback) replaces the one the options would pick. The
 experts get the layer's options and row layout through their builder; the dispatcher gets the engine
 at construction. Megatron-Core 0.19 builds its dispatcher with a hard-coded if/elif, so the layer is
 built as an ``alltoall`` layer and the dispatcher is then replaced (MoK matches alltoall semantics
@@ -28,6 +30,7 @@ from megatron.core.utils import get_pg_size
 from mok_megatron.adapter.cuda_graphs import check_cuda_graphs
 from mok_megatron.adapter.dispatcher import MoKTokenDispatcher
 from mok_megatron.config import MoKConfig, MoKConfigError
+from mok_megatron.engine.plan import RowLayout
 from mok_megatron.engine.select import MEGATRON_EXPERTS, ExpertsContract, select_engine
 from mok_megatron.experts.grouped_mlp import MoKGroupedMLP, experts_class
 from mok_megatron.options import MoKOptions
@@ -49,6 +52,7 @@ class MoKMoELayer(MoELayer):
         is_mtp_layer: bool = False,
         name: str | None = None,
         options: MoKOptions | None = None,
+        transport=None,
     ):
         pg = pg_collection if pg_collection is not None else get_default_pg_collection()
         # Validate everything before Megatron builds anything (and before any collective).
@@ -82,7 +86,7 @@ class MoKMoELayer(MoELayer):
             contract = cls.contract(config, mok_config, options)
         else:
             contract = MEGATRON_EXPERTS
-        engine = select_engine(mok_config, options, pg.ep, contract)
+        engine = select_engine(mok_config, options, pg.ep, contract, transport)
         check_cuda_graphs(config, mok_config, options, pipelined=engine.pipelined, mok_experts=contract.mok)
         if cls is not None:
             builder = submodules.experts
@@ -124,7 +128,7 @@ class MoKMoELayer(MoELayer):
 
     def routed_experts_compute(self, hidden_states, probs):
         engine = self.token_dispatcher.engine
-        if engine.fused_experts:
+        if not engine.pipelined and engine.rows is RowLayout.FUSED:
             return self.token_dispatcher.run_fused(
                 hidden_states, probs, self.experts.token_rows_forward
             ), None

@@ -1,13 +1,15 @@
 """Where a MoK layer spends its time: dispatch, experts, combine, forward and backward.
 
-    with profiling.record() as prof:
+    with profiling.record(model) as prof:
         ... run training steps ...
     print(prof.summary())        # seconds per phase, forward and backward
 
-Outside ``record()`` every hook here is a no-op. On CUDA the phases are timed with events on the
-current stream and read once, in ``summary()``; on CPU with the wall clock (ops are synchronous).
-Backward phases are timed with identity autograd nodes placed at the phase boundaries: the gradient
-passes the combine output, then the expert output, then the expert input, then the dispatch input.
+``record(model)`` gives every MoK layer of ``model`` the profile (its dispatcher's ``profile``); a layer
+without one (outside ``record``) passes ``None`` to every hook here, which is then a no-op. On CUDA the
+phases are timed with events on the current stream and read once, in ``summary()``; on CPU with the wall
+clock (ops are synchronous). Backward phases are timed with identity autograd nodes placed at the phase
+boundaries: the gradient passes the combine output, then the expert output, then the expert input, then
+the dispatch input.
 """
 
 from __future__ import annotations
@@ -73,28 +75,34 @@ class PhaseProfile:
         return {d: {p: secs.get((d, p), 0.0) for p in PHASES} for d in ("forward", "backward")}
 
 
-_current: PhaseProfile | None = None
+def _dispatchers(model) -> list:
+    """The MoK dispatchers of ``model`` (modules whose ``token_dispatcher`` has a ``profile``)."""
+    found = []
+    for m in model.modules():
+        d = getattr(m, "token_dispatcher", None)
+        if d is not None and hasattr(d, "profile"):
+            found.append(d)
+    return found
 
 
 @contextlib.contextmanager
-def record():
-    """Collect phase times of every MoK layer run inside the block."""
-    global _current
-    prev, _current = _current, PhaseProfile()
+def record(model):
+    """Collect phase times of every MoK layer of ``model`` run inside the block."""
+    prof = PhaseProfile()
+    dispatchers = _dispatchers(model)
+    before = [d.profile for d in dispatchers]
+    for d in dispatchers:
+        d.profile = prof
     try:
-        yield _current
+        yield prof
     finally:
-        _current = prev
-
-
-def active() -> PhaseProfile | None:
-    return _current
+        for d, p in zip(dispatchers, before, strict=True):
+            d.profile = p
 
 
 @contextlib.contextmanager
-def phase(name: str, device: torch.device):
-    """Time a forward phase (no-op unless ``record()`` is active)."""
-    prof = _current
+def phase(prof: PhaseProfile | None, name: str, device: torch.device):
+    """Time a forward phase into ``prof`` (no-op when None)."""
     if prof is None:
         yield
         return
@@ -105,15 +113,15 @@ def phase(name: str, device: torch.device):
         prof.add("forward", name, start, prof.stamp(device))
 
 
-def open_span(key: int, name: str, device: torch.device) -> None:
+def open_span(prof: PhaseProfile | None, key: int, name: str, device: torch.device) -> None:
     """Start a forward span that another call closes (e.g. experts: after dispatch, before combine)."""
-    if _current is not None:
-        _current.open(key, name, device)
+    if prof is not None:
+        prof.open(key, name, device)
 
 
-def close_span(key: int, name: str, device: torch.device) -> None:
-    if _current is not None:
-        _current.close(key, name, device)
+def close_span(prof: PhaseProfile | None, key: int, name: str, device: torch.device) -> None:
+    if prof is not None:
+        prof.close(key, name, device)
 
 
 class _BackwardMark(torch.autograd.Function):
@@ -136,12 +144,13 @@ class _BackwardMark(torch.autograd.Function):
         return g, None, None, None, None
 
 
-def backward_mark(x: torch.Tensor, key: int, closes: str | None, opens: str | None) -> torch.Tensor:
-    """Insert a backward timing boundary on ``x`` (no-op unless recording and x needs grad).
+def backward_mark(
+    prof: PhaseProfile | None, x: torch.Tensor, key: int, closes: str | None, opens: str | None
+) -> torch.Tensor:
+    """Insert a backward timing boundary on ``x`` into ``prof`` (no-op when None or x needs no grad).
 
     ``key`` tells apart layers (use ``id(layer)``), so spans of different layers never mix.
     """
-    prof = _current
     if prof is None or not x.requires_grad:
         return x
     return _BackwardMark.apply(x, prof, key, closes, opens)

@@ -69,8 +69,9 @@ def layer_config(shape: dict, dtype):
     )
 
 
-def build(impl: str, cfg, options=None):
-    """One MoE layer: 'mok', 'megatron' (SequentialMLP, no TE) or 'megatron-te' (TEGroupedMLP)."""
+def build(impl: str, cfg, options=None, transport=None):
+    """One MoE layer: 'mok', 'megatron' (SequentialMLP, no TE) or 'megatron-te' (TEGroupedMLP).
+    ``transport``: given to the MoK layer (e.g. ``transport.loopback.LoopbackTransport``)."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_submodules
 
     if impl == "mok":
@@ -87,6 +88,6 @@ def build(impl: str, cfg, options=None):
         ).mlp
     else:
         raise ValueError(f"unknown implementation {impl!r}: choose mok, megatron, megatron-te")
-    layer = mlp(config=cfg, options=options) if impl == "mok" else mlp(config=cfg)
+    layer = mlp(config=cfg, options=options, transport=transport) if impl == "mok" else mlp(config=cfg)
     layer.set_layer_number(1)
     return layer

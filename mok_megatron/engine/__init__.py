@@ -1,10 +1,12 @@
 """How one layer call moves its tokens: the engines.
 
-select.py         ``select_engine``: plain or overlap pipeline, the transport, the experts' row layout
-                  (``EngineChoice``, frozen, one per layer); ``check_options`` (also run by the flags)
-plan.py           ``DispatchPlan``: everything combine needs to undo dispatch (frozen, one per call)
+select.py         ``select_engine``: plain or overlap pipeline (``PipelineConfig``), the experts' row
+                  layout (``EngineChoice``, frozen, one per layer); ``check_options`` (also run by the flags)
+plan.py           ``DispatchPlan``: everything combine needs to undo dispatch (frozen, one per call);
+                  ``RowLayout``: how expert calls get their rows
 plain.py          the plain engine: dispatch, experts, combine as Megatron's six phases
-pipeline_plan.py  ``PipelinePlan``: minibatches, local regions, send splits (exact or sync-free)
+pipeline_plan.py  ``MinibatchPolicy`` (one per layer) and ``PipelinePlan`` (one per call): minibatches, local
+                  regions, send splits (exact or sync-free)
 pipeline.py       the overlap engine: deduplicated dispatch -> experts -> combine over minibatches,
-                  forward and backward, on a communication stream
+                  forward and backward, on the communication stream of the layer's ``PipelineRuntime``
 """

@@ -48,14 +48,16 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 
-from mok_megatron.transport.fp8_rows import PackLayout, dequantize, pack, unpack
-from mok_megatron.engine.pipeline_plan import ExpertPart, PipelinePlan, SendPlan
-from mok_megatron.transport.base import COMBINE, DISPATCH
+from mok_megatron.engine.pipeline_plan import MinibatchPolicy, PipelinePlan
+from mok_megatron.engine.plan import RowLayout
 from mok_megatron.ops.permute import combine_tokens, permute_tokens, permute_tokens_with_ranges
 from mok_megatron.ops.routing import SlotMap, slot_map
+from mok_megatron.transport.base import COMBINE, DISPATCH, ExpertPart, SendPlan, Transport
+from mok_megatron.transport.fp8_rows import PackLayout, dequantize, pack, unpack
 
 ExpertFn = Callable[[torch.Tensor, torch.Tensor, tuple | None, torch.Tensor], torch.Tensor]
 # token_rows_fn(x_RH, probs_RK, meta, counts_L) -> y_RH: each row's experts' sum, permute / combine fused in
@@ -64,19 +66,73 @@ TokenRowsFn = Callable[[torch.Tensor, torch.Tensor, object, torch.Tensor], torch
 returns the probability-scaled expert output ``y_MH``."""
 
 
+@dataclass(frozen=True)
+class PipelineConfig:
+    """What one layer's overlap pipeline runs with; built once, when the layer is built
+    (``engine.select.select_engine``).
+
+    ``rows``: how each expert call gets its rows (``RowLayout``): SORTED sorts them (``_experts``);
+    ALIGNED plans them with the routing kernels and moves them with the Triton permute / combine, padded
+    to ``row_alignment`` (1 included; experts that take device counts); FUSED gives the experts token rows
+    and metadata (``token_rows_fn``: they fuse the permute / combine into their operands).
+    ``fp8_dispatch``: the dispatched token rows travel as e4m3 with one fp32 scale per row, packed in
+    one uint8 row (``transport.fp8_rows``: about half the bytes); the receiver dequantizes them. The
+    combine and every backward exchange stay in the rows' own precision (straight-through gradient).
+    ``fp8_combine`` (opt-in): the expert output rows travel back packed the same way and are dequantized on
+    arrival; their gradient stays in the rows' precision (straight-through), so every gradient equals the
+    bf16 combine's."""
+
+    transport: Transport
+    topk: int
+    minibatches: MinibatchPolicy = field(default_factory=MinibatchPolicy)
+    rows: RowLayout = RowLayout.SORTED
+    row_alignment: int = 1
+    fp8_dispatch: bool = False
+    fp8_combine: bool = False
+
+    def __post_init__(self):
+        if self.rows is RowLayout.ALIGNED_EXACT:
+            raise ValueError("PipelineConfig: rows=ALIGNED_EXACT is the plain engine's; use ALIGNED.")
+        if self.row_alignment > 1 and not self.rows.routing_kernels:
+            raise ValueError(
+                f"PipelineConfig: row_alignment={self.row_alignment} needs rows planned by the routing "
+                "kernels (RowLayout.ALIGNED or FUSED); the sorted layout has no padding."
+            )
+
+
+@dataclass
+class PipelineStats:
+    """Counters of one layer's overlap pipeline (``layer.token_dispatcher.stats``)."""
+
+    calls: int = 0
+    overflow_redos: int = 0  # sync-free calls whose buffers overflowed, redone with exact sizes
+
+
+class PipelineRuntime:
+    """What one layer's overlap pipeline keeps between calls, as DeepEP's ``Buffer`` does: its
+    communication stream (CUDA, created on first use per device), the region labels of the call shapes
+    it has seen (``engine.pipeline_plan``: read-only device tensors reused by every call, so a CUDA graph
+    captured after the first call reads them and later calls launch nothing), and its counters."""
+
+    def __init__(self):
+        self._comm: dict = {}  # device index -> torch.cuda.Stream
+        self.labels: dict = {}  # (T, size, emulated_ep, ..., device) -> [T] region labels
+        self.stats = PipelineStats()
+
+    def comm_stream(self, device: torch.device):
+        if device.index not in self._comm:
+            self._comm[device.index] = torch.cuda.Stream(device=device)
+        return self._comm[device.index]
+
+
 class _Streams:
-    """The communication side stream on CUDA; a no-op pair on CPU."""
+    """The communication side stream on CUDA (the runtime's); a no-op pair on CPU."""
 
-    _comm: dict = {}
-
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, runtime: PipelineRuntime):
         self.cuda = device.type == "cuda"
         if self.cuda:
             self.main = torch.cuda.current_stream(device)
-            key = device.index
-            if key not in _Streams._comm:
-                _Streams._comm[key] = torch.cuda.Stream(device=device)
-            self.comm = _Streams._comm[key]
+            self.comm = runtime.comm_stream(device)
 
     def event(self, stream_name: str):
         if not self.cuda:
@@ -229,8 +285,7 @@ class _Arrived(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):
-        back = COMBINE if ctx.direction == DISPATCH else DISPATCH
-        return ctx.transport.move(g.contiguous(), ctx.mb, back, backward=True), None, None, None, None
+        return ctx.transport.move(g.contiguous(), ctx.mb, ctx.direction.reverse, backward=True), None, None, None, None
 
 
 def run_pipeline(
@@ -238,43 +293,37 @@ def run_pipeline(
     probs_TE: torch.Tensor,
     routing_map_TE: torch.Tensor,
     plan: PipelinePlan,
+    config: PipelineConfig,
     expert_fn: ExpertFn,
-    transport,
-    topk: int,
-    fp8_dispatch: bool = False,
-    row_alignment: int = 1,
-    fp8_combine: bool = False,
+    *,
     token_rows_fn: TokenRowsFn | None = None,
-    routing_kernels: bool = False,
     before_experts: Callable[[], None] | None = None,
     after_combines: Callable[[], None] | None = None,
+    runtime: PipelineRuntime | None = None,
 ) -> torch.Tensor:
     """The routed experts' output ``[T, H]`` (probability-weighted sum over each token's experts).
 
-    ``fp8_dispatch``: the dispatched token rows travel as e4m3 with one fp32 scale per row, packed in
-    one uint8 row (``transport.fp8_rows``: about half the bytes); the receiver dequantizes them. The
-    combine and every backward exchange stay in the rows' own precision (straight-through gradient).
-    ``row_alignment`` > 1: every expert call gets its rows padded to it by the permute
-    (``_experts_aligned``; the native FP8 experts). ``fp8_combine`` (opt-in): the expert output rows
-    travel back packed the same way and are dequantized on arrival; their gradient stays in the rows'
-    precision (straight-through), so every gradient equals the bf16 combine's. ``token_rows_fn`` (with
-    ``row_alignment`` > 1): experts that permute / combine inside their own operands (``_experts_aligned``).
-    ``routing_kernels``: every expert call plans its rows with the routing kernels and moves them with the
-    Triton permute / combine (``_experts_aligned`` at ``row_alignment``, 1 included) instead of a sort and
-    row gathers; for experts that take device counts (MoK's). ``before_experts``: called once, after
+    ``config``: the layer's ``PipelineConfig`` (transport, top-k, row layout, FP8 on the wire).
+    ``runtime``: the layer's ``PipelineRuntime`` (its communication stream; None: a new one).
+    ``token_rows_fn``: experts that permute / combine inside their own operands (``RowLayout.FUSED``;
+    ignored for the other layouts). ``before_experts``: called once, after
     every minibatch is packed and before any expert call or dispatch-exchange autograd node is created
     (``experts.late_wgrad.LateWgrad.open``: its node then runs in backward after every dispatch-backward
     exchange is launched and before the packs' backward waits for them). ``after_combines``: called once,
     after every minibatch's expert calls are enqueued and its combine exchange launched, before the
     compute stream waits for any combine (work on a side stream that waits for the compute stream
     there, e.g. the shared expert's second GEMM, then runs while the combines fly)."""
+    transport, topk = config.transport, config.topk
+    row_alignment = config.row_alignment
+    routing_kernels = config.rows.routing_kernels
+    token_rows_fn = token_rows_fn if config.rows is RowLayout.FUSED else None
     T, H = x_TH.shape
     ep, L = plan.ep_size, plan.num_local_experts
     if T == 0:
         if after_combines is not None:
             after_combines()
         return x_TH.new_zeros((0, H)) + 0 * x_TH.sum()
-    st = _Streams(x_TH.device)
+    st = _Streams(x_TH.device, runtime if runtime is not None else PipelineRuntime())
     me = 0 if ep == 1 else torch.distributed.get_rank(plan.ep_group)
     C = len(plan.minibatches)
     probs_TPL = probs_TE.view(T, ep, L)
@@ -297,8 +346,8 @@ def run_pipeline(
             runs.append((hi - lo, topk, fn, row_alignment, None, routing_kernels))
 
     # 1. Pack every minibatch's remote rows and launch its dispatch on the communication stream.
-    layout = PackLayout(H) if fp8_dispatch else None
-    layout_c = PackLayout(H) if fp8_combine else None
+    layout = PackLayout(H) if config.fp8_dispatch else None
+    layout_c = PackLayout(H) if config.fp8_combine else None
     flights = []
     for c, mb in enumerate(plan.minibatches):
         tr = transport

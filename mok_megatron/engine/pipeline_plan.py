@@ -47,9 +47,10 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from mok_megatron.transport.comm import group_size
 from mok_megatron.ops.routing import SlotMap, slot_map
-from mok_megatron.options import LocalRows
+from mok_megatron.options import LocalRows, MinibatchSplit
+from mok_megatron.transport.base import ExpertGroup, ExpertPart, Link, LocalPlan, SendPlan
+from mok_megatron.transport.comm import group_size
 
 MAX_MINIBATCHES = 16  # bounds the counts exchange; larger splits only shrink the GEMMs further
 _MIN_ROWS_PER_EXPERT = 512  # auto rule: keep each local expert's GEMM at least this tall on average
@@ -92,6 +93,75 @@ def fuse_local_rows(local_rows: LocalRows, slow_link: bool) -> bool:
     return local_rows is LocalRows.FUSED
 
 
+@dataclass(frozen=True)
+class MinibatchPolicy:
+    """How the overlap pipeline cuts one layer's calls into minibatches and where their local rows run;
+    fixed when the layer is built (``engine.select``), from the options and the transport's peers and
+    link. ``plan`` builds each call's ``PipelinePlan``."""
+
+    size: int | None = None  # tokens per minibatch (None: ``auto_minibatch_size`` / AUTO_EXPERT_GROUPS)
+    split: MinibatchSplit = MinibatchSplit.TOKENS
+    link: Link = Link.FAST  # the transport's link: the automatic size follows it
+    peers: int = 1  # the EP ranks the exchanges span (the transport's peers)
+    emulated_ep: int = 1  # > 1: one rank stands for that many (region R travels, ``build_pipeline_plan``)
+    fuse_local: bool = False  # region A's rows join the received rows' expert call (``fuse_local_rows``)
+    sync_free: bool = False
+    capacity_multiplier: float = 1.0
+
+    @classmethod
+    def of(cls, options, transport, ep_size: int) -> MinibatchPolicy:
+        """The policy of a layer with ``options`` (``MoKOptions``) whose exchanges go through
+        ``transport`` over an EP group of ``ep_size`` ranks."""
+        return cls(
+            size=options.minibatch_size,
+            split=options.minibatch_split,
+            link=transport.link,
+            peers=transport.peers,
+            emulated_ep=transport.peers if ep_size == 1 else 1,
+            fuse_local=fuse_local_rows(options.local_rows, transport.link is Link.SLOW),
+            sync_free=options.sync_free,
+            capacity_multiplier=options.capacity_multiplier,
+        )
+
+    def minibatch_size(self, num_tokens: int, topk: int, num_local_experts: int) -> int:
+        """Tokens per minibatch of a call of ``num_tokens``."""
+        if self.size:
+            return self.size
+        if self.split is MinibatchSplit.EXPERTS:  # groups of experts: AUTO_EXPERT_GROUPS of them
+            return math.ceil(max(num_tokens, 1) / AUTO_EXPERT_GROUPS)
+        return auto_minibatch_size(
+            num_tokens, topk, num_local_experts, self.peers, slow_link=self.link is Link.SLOW
+        )
+
+    def plan(
+        self,
+        hidden_shape: torch.Size,
+        routing_map_TE: torch.Tensor,
+        num_local_experts: int,
+        topk: int,
+        ep_group,
+        sync_free: bool | None = None,
+        labels: dict | None = None,
+    ) -> PipelinePlan:
+        """One call's plan (``build_pipeline_plan``); ``sync_free`` overrides the policy's (an overflow's
+        exact redo); ``labels``: the layer's region-label cache."""
+        T = routing_map_TE.shape[0]
+        return build_pipeline_plan(
+            hidden_shape,
+            routing_map_TE,
+            num_local_experts,
+            topk,
+            ep_group,
+            self.minibatch_size(T, topk, num_local_experts),
+            sync_free=self.sync_free if sync_free is None else sync_free,
+            capacity_multiplier=self.capacity_multiplier,
+            emulated_ep=self.emulated_ep,
+            fuse_local=self.fuse_local,
+            split_experts=self.split is MinibatchSplit.EXPERTS,
+            labels=labels,
+        )
+
+
 def minibatch_bounds(num_tokens: int, minibatch_size: int) -> tuple[int, ...]:
     """Token boundaries ``(0, b1, ..., T)``; the last minibatch may be shorter. Capped at 16 minibatches."""
     if minibatch_size < 1:
@@ -100,19 +170,6 @@ def minibatch_bounds(num_tokens: int, minibatch_size: int) -> tuple[int, ...]:
     if num_tokens == 0:
         return (0, 0)
     return tuple(range(0, num_tokens, size)) + (num_tokens,)
-
-
-@dataclass(frozen=True)
-class ExpertGroup:
-    """Minibatch ``index`` of a call split by experts: local experts ``[bounds[index], bounds[index + 1])``
-    (what an expert call gets to pick its weights; ``bounds`` the same for every call of the layer call)."""
-
-    bounds: tuple[int, ...]
-    index: int
-
-    @property
-    def experts(self) -> tuple[int, int]:
-        return self.bounds[self.index], self.bounds[self.index + 1]
 
 
 def expert_bounds(num_local_experts: int, groups: int) -> tuple[int, ...]:
@@ -124,50 +181,6 @@ def expert_bounds(num_local_experts: int, groups: int) -> tuple[int, ...]:
     for i in range(g):
         out.append(out[-1] + per + (1 if i < extra else 0))
     return tuple(out)
-
-
-@dataclass(frozen=True)
-class ExpertPart:
-    """One grouped-GEMM call's rows: the received remote rows, or a local region."""
-
-    rows_M: int  # (token, local expert) rows; sync-free (``padded``): an upper bound
-    tokens_per_expert_L: torch.Tensor  # [L] int64 on device (exact mode)
-    tokens_per_expert_host: tuple[int, ...] | None  # exact mode: the same on the host
-    padded: bool  # rows carry a mask; counts come from what arrived
-
-
-@dataclass(frozen=True)
-class LocalPlan:
-    """The rows of one minibatch that stay on this rank, and how the minibatch's output is summed."""
-
-    regions: tuple[int, int, int]  # (r, a, b): tokens [0, r) remote-only, [r, r+a) A, [r+a, r+a+b) B
-    here_T: torch.Tensor  # [Tc] bool: the token routes to a local expert (emulated: region A/B)
-    remote: ExpertPart  # the rows received from the other ranks
-    part_a: ExpertPart
-    part_b: ExpertPart
-    sum_slots: SlotMap  # [Tc, EP]: rows of cat(remote back, A, B) per token, fixed order
-
-
-@dataclass(frozen=True)
-class SendPlan:
-    """One minibatch's *remote* exchange (what a transport reads) plus, in ``local``, its local rows.
-    Sizes are Python ints; in sync-free mode they are the fixed capacities (no host read)."""
-
-    start: int  # first token of the minibatch
-    num_tokens: int  # Tc
-    token_idx_N: torch.Tensor  # [N] token (within the minibatch) of each sent row
-    dest_N: torch.Tensor  # [N] destination EP rank of each row
-    valid_N: torch.Tensor | None  # [N] row carries a token (sync-free padding: False)
-    slots: SlotMap  # [Tc, EP] each token's sent rows (gradient of the gather)
-    send_splits: tuple[int, ...] | None  # [EP] rows per destination (None: capacity each)
-    recv_splits: tuple[int, ...] | None  # [EP] rows per source
-    split_matrix: tuple[tuple[int, ...], ...] | None  # [EP(src)][EP(dest)] rows, every rank's sends
-    capacity: int | None  # token rows per (source, destination) when all peers get the same
-    rows_M: int  # expanded rows this rank's experts compute from received rows (upper bound if padded)
-    tokens_per_expert_L: torch.Tensor  # [L] int64 on device
-    tokens_per_expert_host: tuple[int, ...] | None  # exact mode: the same on the host
-    local: LocalPlan | None = None  # None: every row goes through the transport (hand-built plans)
-    group: ExpertGroup | None = None  # split by experts: this minibatch's group (None: every local expert)
 
 
 @dataclass(frozen=True)
@@ -203,19 +216,24 @@ def regions(num_tokens: int, emulated_ep: int, split_local: bool = True) -> tupl
     return r, a, rest - a
 
 
-_LABELS: dict = {}  # (T, size, emulated_ep, device) -> labels: read-only, reused by every call
+MAX_CACHED_LABELS = 64  # call shapes a labels cache keeps; more (shapes that keep changing) start it over
 
 
-def _region_labels(T: int, size: int, emulated_ep: int, device, split_local: bool = True) -> torch.Tensor:
+def _region_labels(
+    T: int, size: int, emulated_ep: int, device, split_local: bool = True, cache: dict | None = None
+) -> torch.Tensor:
     """``[T]`` region id ``3c + {0: R, 1: A, 2: B}`` of every token, by device arithmetic (the same
-    rule as ``regions``; no host tensors, so a CUDA graph can capture it). Cached per shape: later
-    calls launch nothing (a graph captured after the first call reads the cached tensor)."""
+    rule as ``regions``; no host tensors, so a CUDA graph can capture it). ``cache`` (the layer's
+    ``engine.pipeline.PipelineRuntime.labels``) keeps them per shape: later calls launch nothing (a graph
+    captured after the first call reads the cached tensor)."""
+    if cache is None:
+        return _labels(T, size, emulated_ep, device, split_local)
     key = (T, size, emulated_ep, MIN_LOCAL_HALF, split_local, str(device))
-    if key not in _LABELS:
-        if len(_LABELS) > 64:
-            _LABELS.clear()
-        _LABELS[key] = _labels(T, size, emulated_ep, device, split_local)
-    return _LABELS[key]
+    if key not in cache:
+        if len(cache) > MAX_CACHED_LABELS:
+            cache.clear()
+        cache[key] = _labels(T, size, emulated_ep, device, split_local)
+    return cache[key]
 
 
 def _labels(T: int, size: int, emulated_ep: int, device, split_local: bool = True) -> torch.Tensor:
@@ -232,12 +250,12 @@ def _labels(T: int, size: int, emulated_ep: int, device, split_local: bool = Tru
     return 3 * c + (o >= r).to(torch.int64) + (o >= r + a).to(torch.int64)
 
 
-def _counts(routing_map_TE, bounds, ep, L, emulated_ep, split_local=True):
+def _counts(routing_map_TE, bounds, ep, L, emulated_ep, split_local=True, cache=None):
     """``[3C, EP, L+1]``: rows per (region, destination local expert) and token rows per destination."""
     T = routing_map_TE.shape[0]
     C = len(bounds) - 1
     size = bounds[1] - bounds[0] if C else 1  # equal minibatches but the last
-    label_T = _region_labels(T, max(size, 1), emulated_ep, routing_map_TE.device, split_local)
+    label_T = _region_labels(T, max(size, 1), emulated_ep, routing_map_TE.device, split_local, cache)
     rm = routing_map_TE.view(T, ep, L)
     per = torch.cat([rm, rm.any(-1, keepdim=True)], -1).to(torch.int64).view(T, -1)  # [T, EP*(L+1)]
     out = torch.zeros((3 * C, ep * (L + 1)), dtype=torch.int64, device=routing_map_TE.device)
@@ -255,14 +273,14 @@ def _group_of_expert(L: int, bounds: tuple[int, ...], device) -> torch.Tensor:
     return g_L
 
 
-def _counts_by_experts(routing_map_TE, bounds, ep, L, emulated_ep, split_local=True):
+def _counts_by_experts(routing_map_TE, bounds, ep, L, emulated_ep, split_local=True, cache=None):
     """``_counts`` for a call split by experts: minibatch c is every token with only group c's experts,
     so rows per (region, destination local expert) land in the expert's group, and a token row to a
     destination counts in every group it uses there."""
     T = routing_map_TE.shape[0]
     C = len(bounds) - 1
     dev = routing_map_TE.device
-    label_T = _region_labels(T, max(T, 1), emulated_ep, dev, split_local)  # one minibatch of T: 0..2
+    label_T = _region_labels(T, max(T, 1), emulated_ep, dev, split_local, cache)  # one minibatch of T: 0..2
     rm_TPL = routing_map_TE.view(T, ep, L)
     group_L = _group_of_expert(L, bounds, dev)
     onehot_LC = (group_L.unsqueeze(1) == torch.arange(C, device=dev)).to(torch.int64)  # [L, C]
@@ -291,6 +309,7 @@ def build_pipeline_plan(
     emulated_ep: int = 1,
     fuse_local: bool = False,
     split_experts: bool = False,
+    labels: dict | None = None,
 ) -> PipelinePlan:
     """Route this rank's tokens into minibatches: one all-gather of counts, at most one host read.
 
@@ -300,7 +319,8 @@ def build_pipeline_plan(
     ``emulated_ep`` > 1 (loopback benchmarks, EP=1 only): region R of each minibatch, the share of
     rows an EP rank would receive from its peers, goes through the transport as if remote.
     ``fuse_local``: no region B; the local rows run in the received rows' expert call (see the
-    module docstring)."""
+    module docstring). ``labels``: the layer's cache of region labels per call shape (``_region_labels``;
+    None: computed every call)."""
     T, E = routing_map_TE.shape
     ep = group_size(ep_group)
     L = num_local_experts
@@ -319,10 +339,10 @@ def build_pipeline_plan(
         groups = expert_bounds(L, C)
         C = len(groups) - 1
         bounds = (0, T)  # every minibatch spans every token
-        counts_GPW = _counts_by_experts(routing_map_TE, groups, ep, L, emulated_ep, not fuse_local)
+        counts_GPW = _counts_by_experts(routing_map_TE, groups, ep, L, emulated_ep, not fuse_local, labels)
     else:
         counts_GPW = _counts(
-            routing_map_TE, bounds, ep, L, emulated_ep, not fuse_local
+            routing_map_TE, bounds, ep, L, emulated_ep, not fuse_local, labels
         )  # [3C, EP(dest), L+1]
     # Every rank learns every count: [EP(src), EP(dest), 3C, L+1] (padded to 3*MAX_MINIBATCHES so
     # the collective has the same size on every rank; T rides along to check that the ranks agree).

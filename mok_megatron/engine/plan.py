@@ -14,6 +14,7 @@ padding). Dropless with EP*TP == 1 and drop-and-pad never read the device.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import Enum
 
 import torch
 import torch.distributed as dist
@@ -22,6 +23,24 @@ from mok_megatron.config import MoKConfig
 from mok_megatron.transport.comm import group_size
 from mok_megatron.kernels.routing import RoutingMeta
 from mok_megatron.ops.routing import SlotMap, capacity_order, dropless_order, expert_counts, slot_map
+
+
+class RowLayout(Enum):
+    """How a layer's expert calls get their (token, local expert) rows; fixed when the layer is built
+    (``engine.select.select_engine``, from what the experts take)."""
+
+    SORTED = "sorted"  # a stable sort groups the rows by expert (Megatron's layout; any experts)
+    ALIGNED = "aligned"  # the routing kernels plan the rows (no sort) into a static buffer, each expert's
+    # rows padded to the row alignment by the permute (MoK's experts: they take device counts)
+    ALIGNED_EXACT = "aligned_exact"  # plain engine: ALIGNED with the buffer sized exactly (experts that
+    # read the per-expert counts on the host anyway: TE's m_splits)
+    FUSED = "fused"  # the experts take token rows and routing metadata and fuse the permute / combine
+    # into their operands (the native FP8 experts)
+
+    @property
+    def routing_kernels(self) -> bool:
+        """The routing kernels plan the rows (no sort)."""
+        return self is not RowLayout.SORTED
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,8 @@
 """Which engine a MoK layer runs, decided once when the layer is built: ``EngineChoice``.
 
-The overlap pipeline (``engine.pipeline``) runs when expert parallelism is on (or the loopback transport
-emulates it) and routing is dropless without expert-TP. Capacity dropping, drop-and-pad, router padding
+The overlap pipeline (``engine.pipeline``) runs when expert parallelism is on (or a transport given to the
+layer emulates it: the one-GPU loopback of benchmarks and tests) and routing is dropless without
+expert-TP. Capacity dropping, drop-and-pad, router padding
 and expert-TP keep the plain six-phase engine (``engine.plain``), and asking for a pipeline-only option
 with them is an error naming the settings.
 
@@ -23,11 +24,13 @@ backward_dw after each backward of the layer). Tested on CPU at EP 2 and 4 (test
 bitwise the plain schedule, and Megatron's alltoall layer under the same schedule within 1e-6 relative in
 fp32 (measured: bitwise).
 
-What the experts take decides how the plain engine lays out their rows (``ExpertsContract``, from the
-experts' class before they are built): MoK's experts take per-expert counts on the device, so at EP = 1
-the routing kernels plan the rows without a sort (``aligned_plan``) and the permute writes the padded
-layout FP8 GEMMs need (``row_alignment``); the native FP8 experts take token rows and fuse the permute
-and combine into their operands (``fused_experts``).
+What the experts take decides how both engines lay out their rows (``RowLayout``, from the experts'
+``ExpertsContract``, known from their class before they are built): MoK's experts take per-expert counts
+on the device, so the routing kernels plan the rows without a sort (``ALIGNED``; the plain engine at
+EP = 1, every expert call of the pipeline) and the permute writes the padded layout FP8 GEMMs need
+(``row_alignment``); the native FP8 experts take token rows and fuse the permute and combine into their
+operands (``FUSED``); TE's experts read the counts on the host, so the plain engine sizes their buffer
+exactly (``ALIGNED_EXACT``); Megatron's experts get the sorted layout (``SORTED``).
 """
 
 from __future__ import annotations
@@ -37,7 +40,9 @@ from dataclasses import dataclass
 import torch
 
 from mok_megatron.config import MoKConfig, MoKConfigError
-from mok_megatron.engine.plan import aligned_plan_applies
+from mok_megatron.engine.pipeline import PipelineConfig
+from mok_megatron.engine.pipeline_plan import MinibatchPolicy
+from mok_megatron.engine.plan import RowLayout, aligned_plan_applies
 from mok_megatron.options import Engine, MinibatchSplit, MoKOptions, TransportKind
 
 
@@ -62,23 +67,25 @@ MEGATRON_EXPERTS = ExpertsContract(mok=False)
 class EngineChoice:
     """How one MoK layer dispatches, computes and combines; fixed when the layer is built."""
 
-    transport: object | None  # the overlap pipeline's transport (``transport.base.Transport``); None: plain
-    aligned_plan: bool = False  # plain, EP = 1: the routing kernels' plan (no sort)
-    exact_aligned_rows: bool = False  # size that plan's buffer exactly (the experts read counts anyway)
+    pipeline: PipelineConfig | None  # the overlap pipeline's config; None: the plain engine
+    rows: RowLayout = RowLayout.SORTED  # how the expert calls get their rows
     row_alignment: int = 1  # > 1: the permute writes every expert's rows padded to this
-    fused_experts: bool = False  # plain, EP = 1: experts take token rows (permute / combine fused)
-    routing_kernel_calls: bool = False  # pipeline: every expert call planned by the routing kernels
+
+    @property
+    def transport(self):
+        """The overlap pipeline's transport (``transport.base.Transport``); None: the plain engine."""
+        return None if self.pipeline is None else self.pipeline.transport
 
     @property
     def pipelined(self) -> bool:
-        return self.transport is not None
+        return self.pipeline is not None
 
     @property
     def folded_phase(self) -> str | None:
         """The one phase dispatch, experts and combine run in (``pipeline`` / ``experts``), or None."""
         if self.pipelined:
             return "pipeline"
-        return "experts" if self.fused_experts else None
+        return "experts" if self.rows is RowLayout.FUSED else None
 
 
 def pipeline_blockers(capacity_factor: float | None, router_padding: bool, etp_size: int) -> list[str]:
@@ -102,8 +109,8 @@ def check_options(
     cuda: bool | None = None,
 ) -> None:
     """Raise ``MoKConfigError`` for options this layer cannot honour: pipeline-only options where the
-    plain engine must run, the loopback with real EP, a GPU transport without GPUs (``cuda`` None: not
-    checked). The command line runs this right after parsing; the layer again when it is built."""
+    plain engine must run, a GPU transport without GPUs (``cuda`` None: not checked). The command line
+    runs this right after parsing; the layer again when it is built."""
     explicit = options.pipeline_only()
     if options.engine is Engine.PLAIN:
         return
@@ -122,11 +129,6 @@ def check_options(
             "option(s) (the layer then runs unpipelined) or change those settings."
         )
     kind = options.transport
-    if kind is TransportKind.LOOPBACK and ep_size != 1:
-        raise MoKConfigError(
-            f"--mok-transport loopback emulates expert parallelism on one rank and needs "
-            f"--expert-model-parallel-size 1 (got {ep_size}); use collective or copy_engine with real EP ranks."
-        )
     if cuda is False and kind in (TransportKind.NVLINK, TransportKind.COPY_ENGINE):
         raise MoKConfigError(
             f"--mok-transport {kind.value} needs CUDA GPUs in one NVLink domain; use --mok-transport "
@@ -134,8 +136,28 @@ def check_options(
         )
 
 
-def select_transport(cfg: MoKConfig, options: MoKOptions, ep_group):
-    """The transport of the overlap engine, or None for the plain engine."""
+def _check_given_transport(transport, cfg: MoKConfig, options: MoKOptions, blockers: list[str]) -> None:
+    """A transport given to the layer needs the overlap pipeline, and one that spans other peers than the
+    EP group only stands in for a larger group on one rank (the loopback)."""
+    why = list(blockers) + list(cfg.megatron_overlap_flags)
+    if options.engine is Engine.PLAIN:
+        why.append("--mok-engine plain")
+    if why:
+        raise MoKConfigError(
+            f"the {transport.name} transport given to this layer runs in the MoK overlap pipeline, which "
+            f"this layer cannot run ({', '.join(why)}); drop the transport or change those settings."
+        )
+    if transport.peers != cfg.ep_size and cfg.ep_size != 1:
+        raise MoKConfigError(
+            f"the {transport.name} transport spans {transport.peers} EP ranks but this layer's EP group has "
+            f"{cfg.ep_size} (--expert-model-parallel-size); a transport that emulates a larger group (the "
+            "loopback) runs on one rank: use --expert-model-parallel-size 1, or a transport of this group."
+        )
+
+
+def select_transport(cfg: MoKConfig, options: MoKOptions, ep_group, transport=None):
+    """The transport of the overlap engine, or None for the plain engine. ``transport``: one given to the
+    layer (benchmarks, tests: e.g. ``transport.loopback.LoopbackTransport``), checked and used as it is."""
     blockers = pipeline_blockers(cfg.capacity_factor, bool(cfg.router_pad_multiple), cfg.etp_size)
     check_options(
         options,
@@ -144,13 +166,12 @@ def select_transport(cfg: MoKConfig, options: MoKOptions, ep_group):
         megatron_overlap_flags=cfg.megatron_overlap_flags,
         cuda=torch.cuda.is_available(),
     )
+    if transport is not None:
+        _check_given_transport(transport, cfg, options, blockers)
+        return transport
     if options.engine is Engine.PLAIN or cfg.megatron_overlap_flags or blockers:
         return None
     kind = options.transport
-    if kind is TransportKind.LOOPBACK:
-        from mok_megatron.transport.loopback import LoopbackTransport
-
-        return LoopbackTransport(options.loopback, cfg.num_local_experts, cfg.topk)
     if cfg.ep_size == 1:
         return None  # nothing to move, nothing to overlap
     if kind is TransportKind.NVLINK:
@@ -169,9 +190,12 @@ def select_transport(cfg: MoKConfig, options: MoKOptions, ep_group):
     return CollectiveTransport(ep_group)
 
 
-def select_engine(cfg: MoKConfig, options: MoKOptions, ep_group, experts: ExpertsContract) -> EngineChoice:
-    """The engine of one layer: transport (or the plain engine) and the experts' row layout."""
-    transport = select_transport(cfg, options, ep_group)
+def select_engine(
+    cfg: MoKConfig, options: MoKOptions, ep_group, experts: ExpertsContract, transport=None
+) -> EngineChoice:
+    """The engine of one layer: transport (or the plain engine) and the experts' row layout. ``transport``:
+    one given to the layer (``select_transport``)."""
+    transport = select_transport(cfg, options, ep_group, transport)
     if options.sync_free and transport is not None and not experts.mok:
         raise MoKConfigError(
             "--mok-sync-free needs MoK's experts (MoKGroupedMLP); these experts read token counts on the "
@@ -194,17 +218,33 @@ def select_engine(cfg: MoKConfig, options: MoKOptions, ep_group, experts: Expert
             "weights, expert minibatches use one view per group of experts. Drop --delay-wgrad-compute or "
             "--mok-minibatch-split."
         )
-    pipelined = transport is not None
-    aligned_plan = not pipelined and aligned_plan_applies(cfg)
     align = experts.alignment
+    if transport is not None:  # every expert call of the pipeline: experts that take device counts
+        aligned = experts.device_counts
+        exact = False
+    else:  # the plain engine: the routing kernels' plan at EP = 1
+        aligned = aligned_plan_applies(cfg)
+        exact = aligned and experts.mok and experts.host_counts
+    if aligned and align > 1 and experts.mok and experts.fuses_permute:
+        rows = RowLayout.FUSED
+    elif exact:
+        rows = RowLayout.ALIGNED_EXACT
+    elif aligned:
+        rows = RowLayout.ALIGNED
+    else:
+        rows = RowLayout.SORTED
     # The permute writes the experts' padded layout itself (no pad / unpad copies); in the pipeline only
     # for experts that take device counts.
-    row_alignment = align if align > 1 and (aligned_plan or (pipelined and experts.device_counts)) else 1
-    return EngineChoice(
+    row_alignment = align if align > 1 and aligned else 1
+    if transport is None:
+        return EngineChoice(None, rows, row_alignment)
+    config = PipelineConfig(
         transport=transport,
-        aligned_plan=aligned_plan,
-        exact_aligned_rows=aligned_plan and experts.mok and experts.host_counts,
+        topk=cfg.topk,
+        minibatches=MinibatchPolicy.of(options, transport, cfg.ep_size),
+        rows=rows,
         row_alignment=row_alignment,
-        fused_experts=aligned_plan and align > 1 and experts.mok and experts.fuses_permute,
-        routing_kernel_calls=pipelined and experts.device_counts,
+        fp8_dispatch=options.fp8_dispatch,
+        fp8_combine=options.fp8_combine,
     )
+    return EngineChoice(config, rows, row_alignment)

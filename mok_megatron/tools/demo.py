@@ -245,7 +245,7 @@ def _worker(rank: int, a: DemoArgs) -> None:
     data = dataset(a, num_samples=a.steps * a.micro_batch * a.nproc)
     n_tokens = a.micro_batch * a.seq_length * a.nproc  # per step, all ranks
     losses, step_times = [], []
-    prof_ctx = profiling.record()
+    prof_ctx = profiling.record(model)
     prof = prof_ctx.__enter__()
     warm = 1  # the first step pays for allocations and lazy initialisation
     t_start = None

@@ -45,23 +45,20 @@ def _is_rank0() -> bool:
 # ---- model ----------------------------------------------------------------------------------------
 
 
-_domains_ready = []  # set once the NVLink-domain groups exist (``init_nvlink_domains``)
-
-
 def _nvlink_domains(options) -> None:
-    """With ``--mok-transport nvlink``: create the NVLink-domain groups once, on every rank (the layer spec
-    is built on every rank, once per model chunk, after Megatron's process groups: the one place where all
-    ranks meet before the MoE layers are built)."""
+    """With ``--mok-transport nvlink``: create the NVLink-domain groups on every rank (the layer spec is
+    built on every rank, once per model chunk, after Megatron's process groups: the one place where all
+    ranks meet before the MoE layers are built; the first chunk's call creates them)."""
     import torch.distributed as dist
 
     from mok_megatron.options import TransportKind
 
-    if _domains_ready or options.transport is not TransportKind.NVLINK or not dist.is_initialized():
+    if options.transport is not TransportKind.NVLINK or not dist.is_initialized():
         return
-    from mok_megatron.transport.nvlink.hierarchical import init_nvlink_domains
+    from mok_megatron.transport.nvlink.domains import domains_ready, init_nvlink_domains
 
-    init_nvlink_domains()
-    _domains_ready.append(True)
+    if not domains_ready():
+        init_nvlink_domains()
 
 
 def mok_layer_spec(model_config, vp_stage=None, options=None):

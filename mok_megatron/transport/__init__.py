@@ -1,6 +1,6 @@
 """How token rows move between expert-parallel ranks: one protocol, several transports.
 
-base.py         ``Transport`` (``move(x, mb, direction)``), DISPATCH / COMBINE
+base.py         ``Transport`` (``move(x, mb, direction)``, ``peers``, ``link``), ``Direction``, ``SendPlan``
 collective.py   torch.distributed all-to-all (NCCL / gloo), across nodes
 copy_engine.py  symmetric-memory peer pulls on the copy engine (one NVLink domain)
 nvlink/         Triton kernels reading / writing peers' symmetric memory; hierarchical across domains

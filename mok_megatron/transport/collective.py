@@ -6,8 +6,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from mok_megatron.engine.pipeline_plan import SendPlan
-from mok_megatron.transport.base import splits
+from mok_megatron.transport.base import Direction, SendPlan, group_link, splits
 from mok_megatron.transport.comm import group_size
 
 
@@ -16,9 +15,12 @@ class CollectiveTransport:
 
     def __init__(self, group):
         self.group = group
-        self.ep = group_size(group)
+        self.ep = self.peers = group_size(group)
+        self.link = group_link(group)
 
-    def move(self, x: torch.Tensor, mb: SendPlan, direction: int, backward: bool = False) -> torch.Tensor:
+    def move(
+        self, x: torch.Tensor, mb: SendPlan, direction: Direction, backward: bool = False
+    ) -> torch.Tensor:
         if self.ep == 1:
             return x.clone()
         in_splits, out_splits = splits(mb, direction, self.ep)

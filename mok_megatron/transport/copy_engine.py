@@ -14,8 +14,7 @@ import math
 import torch
 import torch.distributed as dist
 
-from mok_megatron.engine.pipeline_plan import SendPlan
-from mok_megatron.transport.base import COMBINE
+from mok_megatron.transport.base import Direction, SendPlan, group_link, split_matrix
 from mok_megatron.transport.comm import group_size
 from mok_megatron.transport.nvlink.workspace import workspace
 
@@ -29,18 +28,13 @@ class CopyEngineTransport:
         if not torch.cuda.is_available():
             raise RuntimeError("the copy_engine transport needs CUDA GPUs; use --mok-transport collective")
         self.group = group
-        self.ep = group_size(group)
+        self.ep = self.peers = group_size(group)
+        self.link = group_link(group)
         self.rank = 0 if group is None else dist.get_rank(group)
 
-    def _matrix(self, mb: SendPlan, direction: int):
-        if mb.capacity is not None:
-            return [[mb.capacity] * self.ep for _ in range(self.ep)]
-        m = [list(r) for r in mb.split_matrix]
-        if direction == COMBINE:
-            m = [list(r) for r in zip(*m, strict=True)]
-        return m
-
-    def move(self, x: torch.Tensor, mb: SendPlan, direction: int, backward: bool = False) -> torch.Tensor:
+    def move(
+        self, x: torch.Tensor, mb: SendPlan, direction: Direction, backward: bool = False
+    ) -> torch.Tensor:
         if self.ep == 1:
             return x.clone()
         x = x.contiguous()
@@ -48,7 +42,7 @@ class CopyEngineTransport:
         row_bytes = (
             x[0:1].numel() * x.element_size() if x.shape[0] else math.prod(row_shape) * x.element_size()
         )
-        m = self._matrix(mb, direction)
+        m = split_matrix(mb, direction, self.ep)
         me, ep = self.rank, self.ep
         ws = workspace(self.group, x.device)
         # every rank computes the same size from the global matrix: the same (collective) growth decision

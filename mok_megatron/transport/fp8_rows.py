@@ -37,7 +37,7 @@ from mok_megatron.ops.fp8_quantize import (
     dequantize_rowwise,
     quantize_blockwise,
 )
-from mok_megatron.transport.base import DISPATCH, COMBINE
+from mok_megatron.transport.base import Direction
 from mok_megatron.kernels.fp8_quant import quantize_rowwise as quantize_rowwise_fast
 
 ROW_ALIGN_BYTES = 16
@@ -121,11 +121,11 @@ class _FP8Dispatch(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g_RH, _gq, _gs):
-        back = COMBINE if ctx.direction == DISPATCH else DISPATCH
-        return ctx.transport.move(g_RH.contiguous(), ctx.mb, back, backward=True), None, None, None, None
+        g_NH = ctx.transport.move(g_RH.contiguous(), ctx.mb, ctx.direction.reverse, backward=True)
+        return g_NH, None, None, None, None
 
 
-def fp8_dispatch(x_NH: torch.Tensor, transport, mb, block: int = 0, direction: int = DISPATCH):
+def fp8_dispatch(x_NH: torch.Tensor, transport, mb, block: int = 0, direction: Direction = Direction.DISPATCH):
     """Exchange ``x [N, H]`` in FP8 (``block`` 0: rowwise scales, 128: 1x128 blocks).
 
     Returns (``y [R, H]`` dequantized in x's dtype, differentiable; ``q [R, H]`` e4m3 and

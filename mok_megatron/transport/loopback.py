@@ -1,20 +1,50 @@
-"""``LoopbackTransport``: one GPU standing in for an EP rank (benchmarks, ``mok bench overlap``).
+"""``LoopbackTransport``: one GPU standing in for an EP rank (benchmarks and tests construct it and give it
+to the layer: ``MoKMoELayer(..., transport=LoopbackTransport(LoopbackLink(ep=8), L, topk))``).
 
 The rows are copied (device to device) as many times as the emulated rank would move them, and a delay
-stream waits ``bytes / bandwidth``; the exchange ends when both are done. ``copies=False``: no copy
-(the received rows are the sent ones), only the link time is emulated.
+stream waits ``bytes / bandwidth``; the exchange ends when both are done. ``LoopbackBytes.LINK``: no copy
+(the received rows are the sent ones), only the link time is emulated. The transport reports the emulated
+EP size as its ``peers``: the pipeline plan then sends region R, the emulated peers' share of each
+minibatch, through it (``engine.pipeline_plan``).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from enum import StrEnum
+
 import torch
 
-from mok_megatron.engine.pipeline_plan import SendPlan
-from mok_megatron.options import LoopbackBytes, LoopbackLink
+from mok_megatron.transport.base import Direction, Link, SendPlan
 
 # Below this emulated bandwidth the link counts as slow (an inter-node link): the automatic minibatch
 # size and local-row placement then follow the across-nodes rules (``engine.pipeline_plan``).
 SLOW_LINK_GBPS = 200
+
+
+class LoopbackBytes(StrEnum):
+    COPY = "copy"  # the emulated rank's bytes as device-to-device copies beside the link time
+    LINK = "link"  # the link time only; on GPUs the received rows are the sent rows (an ideal transport)
+
+
+@dataclass(frozen=True)
+class LoopbackLink:
+    """The link the loopback transport emulates: one GPU plays one rank of an EP group of ``ep`` ranks."""
+
+    ep: int = 2  # the EP size whose traffic is emulated
+    gbps: float = 0.0  # per-direction link bandwidth; 0 = infinite
+    bytes: LoopbackBytes = LoopbackBytes.COPY
+
+    def __post_init__(self):
+        try:
+            object.__setattr__(self, "bytes", LoopbackBytes(self.bytes))
+        except ValueError:
+            choices = ", ".join(b.value for b in LoopbackBytes)
+            raise ValueError(f"loopback bytes={self.bytes!r}: choose one of {choices}.") from None
+        if self.ep < 1:
+            raise ValueError(f"loopback ep={self.ep}: must be >= 1 (the EP size to emulate).")
+        if self.gbps < 0:
+            raise ValueError(f"loopback gbps={self.gbps}: must be >= 0 (0 = an infinitely fast link).")
 
 
 def expected_remote_ranks(ep: int, num_local_experts: int, topk: int, group: int | None = None) -> float:
@@ -51,17 +81,19 @@ class LoopbackTransport:
     name = "loopback"
 
     def __init__(self, link: LoopbackLink, num_local_experts: int, topk: int):
-        self.link = link
+        self.emulated = link
         self.num_local_experts, self.topk = num_local_experts, topk
         self.factor = expected_remote_ranks(link.ep, num_local_experts, topk)
         self.copies = link.bytes is LoopbackBytes.COPY
         self.gbps = link.gbps
-        self.emulated_ep = link.ep
-        self.slow_link = bool(0 < link.gbps < SLOW_LINK_GBPS)
+        self.peers = link.ep
+        self.link = Link.SLOW if 0 < link.gbps < SLOW_LINK_GBPS else Link.FAST
         self._delay_stream = None
         self.bytes_moved = 0  # emulated link bytes so far (benchmarks read it)
 
-    def move(self, x: torch.Tensor, mb: SendPlan, direction: int, backward: bool = False) -> torch.Tensor:
+    def move(
+        self, x: torch.Tensor, mb: SendPlan, direction: Direction, backward: bool = False
+    ) -> torch.Tensor:
         # The emulated peers' share (region R) is charged as the minibatch's whole exchange; rows moved
         # outside a pipeline plan (``mb`` None) are charged as they are.
         r = mb.local.regions[0] if mb is not None else 0
@@ -69,7 +101,7 @@ class LoopbackTransport:
         factor = self.factor
         if mb is not None and mb.group is not None:  # split by experts: this group's visits
             lo, hi = mb.group.experts
-            factor = expected_remote_ranks(self.link.ep, self.num_local_experts, self.topk, hi - lo)
+            factor = expected_remote_ranks(self.emulated.ep, self.num_local_experts, self.topk, hi - lo)
         nbytes = x.numel() * x.element_size() * factor * scale
         self.bytes_moved += nbytes
         if x.device.type != "cuda":

@@ -18,11 +18,10 @@ Legend: P peers (EP ranks), W words per row, R rows received, N rows sent.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-
 import torch
 
 from mok_megatron.compat import have_triton
+from mok_megatron.transport.nvlink.peers import PeerBuffers
 from mok_megatron.transport.nvlink.signals import Signals, spin_until, wait, wait_args, wait_reference
 
 if have_triton():
@@ -38,14 +37,6 @@ else:  # the references still work
 
 
 DEFAULT_PROGRAMS = 64  # CTAs that communicate (of 132 SMs on an H200); benchmarks sweep it
-
-
-@dataclass(frozen=True)
-class PeerBuffers:
-    """Every peer's buffer of one shape ``[rows, W]`` (words), and their base addresses for the kernels."""
-
-    bufs: tuple[torch.Tensor, ...]  # bufs[p]: peer p's buffer as seen from this process (loopback: real)
-    table_P: torch.Tensor  # [P] int64 base addresses, on the device
 
 
 def word_dtype(row_bytes: int) -> torch.dtype:

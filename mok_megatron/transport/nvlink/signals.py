@@ -37,14 +37,11 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
 from mok_megatron.kernels import INTERPRETED, jit, tl
-
-if TYPE_CHECKING:
-    from mok_megatron.transport.nvlink.kernels import PeerBuffers
+from mok_megatron.transport.nvlink.peers import PeerBuffers
 
 SPIN_LIMIT = 1 << 26  # polls of one flag before a wait traps
 WAIT_TIMEOUT_S = 60.0  # the torch reference's bound (the gloo collectives' timeout in the tests)

@@ -16,22 +16,11 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from mok_megatron.transport.base import Direction, SendPlan, group_link, split_matrix
 from mok_megatron.transport.comm import group_size
-from mok_megatron.engine.pipeline_plan import SendPlan
-from mok_megatron.transport.base import COMBINE
 from mok_megatron.transport.nvlink.exchange import exchange_rows
 from mok_megatron.transport.nvlink.kernels import DEFAULT_PROGRAMS
 from mok_megatron.transport.nvlink.workspace import workspace
-
-
-def split_matrix(mb: SendPlan, direction: int, ep: int) -> list[list[int]]:
-    """``m[s][d]``: rows s sends to d in this direction (capacity per pair in sync-free mode)."""
-    if mb.capacity is not None:
-        return [[mb.capacity] * ep for _ in range(ep)]
-    m = [list(r) for r in mb.split_matrix]
-    if direction == COMBINE:
-        m = [list(r) for r in zip(*m, strict=True)]
-    return m
 
 
 class NVLinkTransport:
@@ -45,18 +34,21 @@ class NVLinkTransport:
         programs_backward: int | None = None,
     ):
         self.group = group
-        self.ep = group_size(group)
+        self.ep = self.peers = group_size(group)
+        self.link = group_link(group)
         self.rank = 0 if group is None else dist.get_rank(group)
         self.programs = programs
         self.programs_backward = programs if programs_backward is None else programs_backward
         self.sync = sync
 
-    def move(self, x: torch.Tensor, mb: SendPlan, direction: int, backward: bool = False) -> torch.Tensor:
+    def move(
+        self, x: torch.Tensor, mb: SendPlan, direction: Direction, backward: bool = False
+    ) -> torch.Tensor:
         if self.ep == 1:
             return x.clone()
         ws = workspace(self.group, x.device)
         m = split_matrix(mb, direction, self.ep)
-        push = direction == COMBINE
+        push = direction is Direction.COMBINE
         # CPU tensors (tests with a shared-memory workspace) take the torch references.
         programs = self.programs_backward if backward else self.programs
         return exchange_rows(ws, x, m, self.rank, push, programs, use_triton=x.is_cuda, sync=self.sync)

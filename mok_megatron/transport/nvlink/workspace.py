@@ -27,7 +27,8 @@ import torch.distributed as dist
 
 from mok_megatron.config import MoKConfigError
 from mok_megatron.transport.comm import group_size
-from mok_megatron.transport.nvlink.kernels import PeerBuffers
+from mok_megatron.transport.nvlink.domains import node_name
+from mok_megatron.transport.nvlink.peers import PeerBuffers
 from mok_megatron.transport.nvlink.signals import Signals
 
 _FIX = "use --mok-transport collective (or copy_engine inside one node)"
@@ -95,8 +96,6 @@ def check_nvlink_group(group) -> None:
         importlib.import_module("torch.distributed._symmetric_memory")
     except Exception as e:  # pragma: no cover - torch builds without it
         raise MoKConfigError(f"--mok-transport nvlink needs torch symmetric memory ({e}): {_FIX}.") from e
-    from mok_megatron.transport.nvlink.hierarchical import node_name
-
     me = torch.cuda.current_device()
     mine = (node_name(), me)
     everyone = [None] * group_size(group)
