@@ -1,4 +1,4 @@
-"""``MoKTokenDispatcher``: Megatron's ``MoETokenDispatcher`` phases on top of the engine (``mok_megatron.engine.plain``).
+"""``MoKTokenDispatcher``: Megatron's ``MoETokenDispatcher`` phases on top of ``mok_megatron.engine``.
 
 Megatron calls the six phases with tensors only, so the adapter keeps exactly one piece of state:
 the frozen ``DispatchPlan`` of the call in flight, set by ``dispatch_preprocess`` and dropped by
