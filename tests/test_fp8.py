@@ -8,7 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mok_megatron.ops import align, fp8_grouped_gemm as native, fp8_quantize as quantize
+from mok_megatron.kernels import fp8_quant_reference as quantize
+from mok_megatron.ops import align, fp8_grouped_gemm as native
 from mok_megatron.transport import fp8_rows as dispatch_pack
 from mok_megatron.experts import recipes
 from mok_megatron.kernels.routing import routing_metadata_reference
@@ -549,24 +550,33 @@ def test_to_te_layout_key_mapping():
 @pytest.mark.usefixtures("single_rank")
 def test_moK_experts_refuse_fp8_backends_here():
     """On this machine (CPU, or a GPU without TE) the experts refuse at build, naming the fix; the te
-    backend's class is chosen from the options (``experts_class``, which ``MoKMoELayer`` calls)."""
+    backend's class is chosen from the options (``experts_class``, which ``MoKMoELayer`` calls), and
+    ``MoKGroupedMLP`` itself runs only the torch backend."""
     from mok_megatron.compat import have_te
     from mok_megatron.config import MoKConfigError
-    from mok_megatron.experts.grouped_mlp import MoKGroupedMLP, experts_class
+    from mok_megatron.experts.fp8_mlp import MoKFP8GroupedMLP
+    from mok_megatron.experts.grouped_mlp import MoKGroupedMLP
+    from mok_megatron.experts.protocol import experts_class
     from mok_megatron.experts.te import MoKTEGroupedMLP
     from mok_megatron.options import MoKOptions
     from tests.cases import make_config
 
     cfg = make_config()
     assert type(MoKGroupedMLP(8, cfg, options=MoKOptions())) is MoKGroupedMLP
+    fp8_opts = MoKOptions(expert_backend="torch-fp8")
     if not torch.cuda.is_available():
         with pytest.raises(MoKConfigError, match="torch-fp8 needs an FP8-capable GPU"):
-            MoKGroupedMLP(8, cfg, options=MoKOptions(expert_backend="torch-fp8"))
+            MoKFP8GroupedMLP(8, cfg, options=fp8_opts)
     te_opts = MoKOptions(expert_backend="te")
     assert experts_class(MoKGroupedMLP, te_opts) is MoKTEGroupedMLP
+    assert experts_class(MoKGroupedMLP, fp8_opts) is MoKFP8GroupedMLP
     assert experts_class(MoKGroupedMLP, MoKOptions()) is MoKGroupedMLP
-    with pytest.raises(MoKConfigError, match="TE backend has its own parameters"):
-        MoKGroupedMLP(8, cfg, options=te_opts)
+    for opts in (te_opts, fp8_opts):
+        value = opts.expert_backend.value
+        with pytest.raises(MoKConfigError, match=f"MoKGroupedMLP with expert_backend='{value}'.*experts_class"):
+            MoKGroupedMLP(8, cfg, options=opts)
+    with pytest.raises(MoKConfigError, match="MoKFP8GroupedMLP with expert_backend='torch'.*experts_class"):
+        MoKFP8GroupedMLP(8, cfg, options=MoKOptions())
     if not have_te():
         with pytest.raises(MoKConfigError, match="te needs Transformer Engine"):
             MoKTEGroupedMLP(8, cfg, options=te_opts)

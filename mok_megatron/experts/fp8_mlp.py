@@ -4,8 +4,9 @@ no Transformer Engine), on the same parameters as the bf16 backend.
 Legend: R real rows (expert-major), P rows of the padded expert-major buffer, T tokens, K routes per token,
 H hidden, F1 fc1 rows (2F with a GLU), F FFN width, L local experts.
 
-Three entry points, one math (fc1 -> activation * probs -> fc2 per expert, every expert's rows padded to
-``ops.fp8_grouped_gemm.ALIGNMENT``):
+``MoKFP8GroupedMLP`` is the backend's experts module (``MoKGroupedMLP``'s parameters and checkpoints). Its
+two calls run three MLPs, one math (fc1 -> activation * probs -> fc2 per expert, every expert's rows padded
+to ``ops.fp8_grouped_gemm.ALIGNMENT``):
 
     native_expert_mlp           expert-major rows as any dispatcher delivers them: fc1 quantizes the real
                                 rows straight into the padded layout, fc2 returns the real rows and its
@@ -47,7 +48,11 @@ from __future__ import annotations
 
 import torch
 
+from mok_megatron.config import MoKConfig, MoKConfigError
+from mok_megatron.experts.backend import expert_alignment
 from mok_megatron.experts.common import padded_expert_mlp, scale_input
+from mok_megatron.experts.grouped_mlp import MoKGroupedMLP
+from mok_megatron.experts_contract import ExpertsContract
 from mok_megatron.kernels.combine import combine
 from mok_megatron.kernels.fp8_permute import quantize_permute
 from mok_megatron.kernels.fp8_quant import quantize_segments_t, quantize_segments_t_rows
@@ -57,6 +62,7 @@ from mok_megatron.ops import fp8_grouped_gemm as N
 from mok_megatron.ops.activation import ActivationSpec, apply_activation
 from mok_megatron.ops.align import PadPlan
 from mok_megatron.ops.grouped_gemm import offsets_from_counts
+from mok_megatron.options import ExpertBackend, MoKOptions
 
 
 def native_num_rows(real_rows: int, num_experts: int, alignment: int) -> int:
@@ -117,7 +123,6 @@ def native_expert_mlp_aligned(x_PH, probs_P, counts_L, w1_LFH, w2_LHF, act, *, a
     every count a multiple of ``ops.fp8_grouped_gemm.ALIGNMENT``, padding rows zero with probability 0. fc1 / fc2
     run on the buffer as it is: no scatter into a padded buffer, no gather of real rows back."""
     from mok_megatron.ops.fp8_grouped_gemm import ALIGNMENT, fp8_grouped_linear
-    from mok_megatron.ops.grouped_gemm import offsets_from_counts
 
     if x_PH.shape[0] % ALIGNMENT or x_PH.shape[0] != probs_P.shape[0]:
         raise ValueError(
@@ -255,3 +260,47 @@ def fp8_token_mlp(
     probs_P = _PermuteProbs.apply(probs_TK, meta)
     h_PF1 = _PermuteFc1.apply(x_TH.contiguous(), w1_LFH, offs_L, meta)
     return _Fc2Combine.apply(apply_activation(h_PF1, act, probs_P), w2_LHF, offs_L, meta)
+
+
+class MoKFP8GroupedMLP(MoKGroupedMLP):
+    """Routed experts, the ``torch-fp8`` backend: ``MoKGroupedMLP``'s parameters with both GEMMs in native
+    rowwise FP8. ``forward`` takes expert-major rows (padded by the dispatcher when ``aligned_input`` > 1);
+    ``token_rows_forward`` takes token rows and the routing metadata (the permute fused into the GEMMs).
+    Weight gradients are ordinary autograd gradients (no delayed, late or fused accumulation)."""
+
+    backend = ExpertBackend.TORCH_FP8
+
+    @classmethod
+    def contract(cls, config, mok_config: MoKConfig, options: MoKOptions) -> ExpertsContract:
+        """Device counts, rows padded to ``ops.fp8_grouped_gemm.ALIGNMENT``, and, without probabilities on
+        the input, token rows with the permute fused into their operands."""
+        return ExpertsContract(
+            mok=True,
+            alignment=expert_alignment(ExpertBackend.TORCH_FP8, config),
+            fuses_permute=not mok_config.apply_probs_on_input,
+        )
+
+    def late_wgrad(self):
+        return None
+
+    def forward(self, permuted_local_hidden_states, tokens_per_expert, permuted_probs, late=None, group=None):
+        """Megatron's experts call on expert-major rows; ``late`` / ``group`` as ``MoKGroupedMLP.forward``."""
+        w1, w2, _, _, _ = self._call_weights(late, group)
+        act = self.mok_config.activation
+        # rows already padded by the dispatcher (aligned plan), or padded here
+        mlp = native_expert_mlp_aligned if self.aligned_input > 1 else native_expert_mlp
+        args = (permuted_local_hidden_states, permuted_probs, tokens_per_expert, w1, w2, act)
+        return mlp(*args, apply_probs_on_input=self.mok_config.apply_probs_on_input), None
+
+    def token_rows_forward(self, x_TH, probs_TK, meta, counts_L):
+        """The experts' per-token output ``[T, H]`` from the token rows and routing metadata in the padded
+        layout: the aligned plan's at EP = 1 (``MoKTokenDispatcher.run_fused``), each expert call's in the
+        overlap pipeline (``engine.pipeline._experts_aligned``)."""
+        if self.mok_config.apply_probs_on_input:
+            raise MoKConfigError(
+                "token_rows_forward: apply_probs_on_input=True; the permute fuses into the FP8 GEMMs only "
+                "with the probabilities applied by the activation (moe_apply_probs_on_input False)"
+            )
+        return fp8_token_mlp(
+            x_TH, probs_TK, meta, counts_L, self.fc1_weight, self.fc2_weight, self.mok_config.activation
+        )

@@ -35,7 +35,8 @@ per-(expert, column) quantization passes.
 
 Quantization kernels (``kernels.fp8_quant``): on CUDA one-pass Triton kernels (rowwise for x, dy and the
 forward weight; per-(expert, column) with a transposing write for the wgrad operands and the dgrad weight),
-bitwise equal to the ``ops.fp8_quantize`` references, which run everywhere else (CPU tests).
+bitwise equal to their pure-torch references (``kernels.fp8_quant_reference``), which run everywhere else
+(CPU tests).
 
 Padding: the experts' MLP (``experts.fp8_mlp.native_expert_mlp``) calls ``fp8_grouped_linear_padded``
 for fc1 (the R real rows quantized straight into the padded FP8 layout) and ``fp8_grouped_linear_gather``
