@@ -134,7 +134,7 @@ def test_fp8_experts_pick_the_mlp_for_their_input(monkeypatch):
         experts.aligned_input = aligned
         out, bias = experts(x, tpe, probs)
         assert out is x and bias is None
-        assert calls[-1] == (want, 6, {"apply_probs_on_input": False})
+        assert calls[-1] == (want, 6, {"apply_probs_on_input": False, "cache": experts.fp8_weights})
 
 
 @pytest.mark.parametrize("wgrad", ["fp8", "bf16"])
