@@ -10,8 +10,8 @@ need sm_100 and are reported as such on Hopper.
 1. Accuracy (H 1024, F 512, 16 experts, top-4, 2048 tokens, bf16 weights): layer output, input gradient and
    expert weight gradients of each variant vs the bf16 layer with the same weights and input, relative
    Frobenius error ||a - b|| / ||b||, after 2 warm-up steps (delayed scaling needs an amax history).
-   Bound ``REL_BOUND`` = 0.1: e4m3 rounds each operand with relative error <= 2^-4 (``ops.fp8_quantize``),
-   ~2^-4/sqrt(3) = 0.036 RMS; two chained GEMMs plus the activation give ~0.05-0.07.
+   Bound ``REL_BOUND`` = 0.1: e4m3 rounds each operand with relative error <= 2^-4
+   (``kernels.fp8_quant_reference``), ~2^-4/sqrt(3) = 0.036 RMS; two chained GEMMs plus the activation give ~0.05-0.07.
 2. Time: fwd+bwd medians (CUDA events, 10 iterations after 3) on the DeepSeek-V3 slice and Qwen3-30B-A3B.
 3. Tiny-model loss: examples/tiny_moe.sh (launch command from DRY_RUN=1, widened to H 128 / F 128 so every
    GEMM dimension suits the 1x128 blockwise recipe) for 100 steps: bf16, TE blockwise, TE tensorwise,

@@ -287,25 +287,25 @@ def aligned_case(rank, world, *, align=16, **kw):
 def fp8_token_rows_case(rank, world, *, ep=2, topk=4, wgrad="fp8", opts=None, **cfg_kw):
     """The pipeline with native FP8 experts (``torch._scaled_grouped_mm`` emulated in fp32: CPU has none):
     every expert call with the permute / combine fused into the experts' FP8 operands
-    (``MoKGroupedMLP.token_rows_forward``) against the same calls unfused (permute into the padded layout,
-    experts, combine). Returns whether the two runs are bitwise equal, how many fused calls ran, and the
+    (``MoKFP8GroupedMLP.token_rows_forward``) against the same calls unfused (permute into the padded
+    layout, experts, combine). Returns whether the two runs are bitwise equal, how many fused calls ran, and the
     largest relative (Frobenius) error of either against Megatron's layer."""
     import dataclasses
 
     from mok_megatron.experts.checkpoint import convert_state_dict
-    from mok_megatron.experts.grouped_mlp import MoKGroupedMLP
+    from mok_megatron.experts.fp8_mlp import MoKFP8GroupedMLP
     from mok_megatron.ops import fp8_grouped_gemm as native
     from tests.cases import build_layers, make_config, run_layer, setup_parallel
     from tests.test_fp8 import _fake_scaled_grouped_mm
 
     opts = dict(opts or {}, expert_backend="torch-fp8")
     saved = (native._gemm, native.check_native_fp8, native.WGRAD_FP8_MIN_ROWS)
-    real_rows = MoKGroupedMLP.token_rows_forward
+    real_rows = MoKFP8GroupedMLP.token_rows_forward
     calls = []
     native._gemm = _fake_scaled_grouped_mm([])
     native.check_native_fp8 = lambda device: None
     native.WGRAD_FP8_MIN_ROWS = 1 if wgrad == "fp8" else 10**9
-    MoKGroupedMLP.token_rows_forward = lambda self, *a: calls.append(1) or real_rows(self, *a)
+    MoKFP8GroupedMLP.token_rows_forward = lambda self, *a: calls.append(1) or real_rows(self, *a)
     try:
         setup_parallel(ep=ep)
         cfg = make_config(ep=ep, topk=topk, ffn=16, **cfg_kw)
@@ -322,7 +322,7 @@ def fp8_token_rows_case(rank, world, *, ep=2, topk=4, wgrad="fp8", opts=None, **
         want = run_layer(ref, x, dout)
     finally:
         native._gemm, native.check_native_fp8, native.WGRAD_FP8_MIN_ROWS = saved
-        MoKGroupedMLP.token_rows_forward = real_rows
+        MoKFP8GroupedMLP.token_rows_forward = real_rows
     (o1, dx1, g1, _), (o2, dx2, g2, _) = fused, unfused
     bitwise = torch.equal(o1, o2) and torch.equal(dx1, dx2) and all(torch.equal(g1[k], g2[k]) for k in g1)
     ref_g = convert_state_dict(want[2], "mok")

@@ -121,19 +121,21 @@ def test_fp8_experts_pick_the_mlp_for_their_input(monkeypatch):
     """torch-fp8 experts run the aligned MLP on rows the dispatcher padded, the padding MLP otherwise
     (the FP8 MLPs themselves need a GPU: tests/test_fp8_gpu.py)."""
     import mok_megatron.experts.fp8_mlp as P
+    from mok_megatron.ops import fp8_grouped_gemm as native
 
     calls = []
     for name in ("native_expert_mlp", "native_expert_mlp_aligned"):
         monkeypatch.setattr(P, name, lambda *a, _n=name, **k: calls.append((_n, len(a), k)) or a[0])
-    _, mok = build_layers(make_config())
+    monkeypatch.setattr(native, "check_native_fp8", lambda device: None)  # CPU: no FP8 GEMMs
+    _, mok = build_layers(make_config(), opts=dict(expert_backend="torch-fp8"))
     experts = mok.experts
-    experts.expert_backend = ExpertBackend.TORCH_FP8  # as --mok-expert-backend torch-fp8 (CPU: no FP8 GEMMs)
+    assert type(experts) is P.MoKFP8GroupedMLP
     x, tpe, probs = torch.randn(8, 16), torch.tensor([8] + [0] * 7), torch.rand(8)
     for aligned, want in ((1, "native_expert_mlp"), (16, "native_expert_mlp_aligned")):
         experts.aligned_input = aligned
         out, bias = experts(x, tpe, probs)
         assert out is x and bias is None
-        assert calls[-1] == (want, 6, {"apply_probs_on_input": False})
+        assert calls[-1] == (want, 6, {"apply_probs_on_input": False, "cache": experts.fp8_weights})
 
 
 @pytest.mark.parametrize("wgrad", ["fp8", "bf16"])

@@ -95,7 +95,8 @@ def test_expert_split_refuses_experts_without_device_counts():
     from types import SimpleNamespace
 
     from mok_megatron.config import MoKConfigError
-    from mok_megatron.engine.select import MEGATRON_EXPERTS, ExpertsContract, select_engine
+    from mok_megatron.engine.select import select_engine
+    from mok_megatron.experts_contract import MEGATRON_EXPERTS, ExpertsContract
     from mok_megatron.options import MoKOptions
     from mok_megatron.transport.loopback import LoopbackLink, LoopbackTransport
 

@@ -8,7 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mok_megatron.ops import align, fp8_grouped_gemm as native, fp8_quantize as quantize
+from mok_megatron.kernels import fp8_quant_reference as quantize
+from mok_megatron.ops import align, fp8_grouped_gemm as native
 from mok_megatron.transport import fp8_rows as dispatch_pack
 from mok_megatron.transport.base import COMBINE, DISPATCH
 from mok_megatron.experts import recipes
@@ -549,24 +550,34 @@ def test_to_te_layout_key_mapping():
 @pytest.mark.usefixtures("single_rank")
 def test_moK_experts_refuse_fp8_backends_here():
     """On this machine (CPU, or a GPU without TE) the experts refuse at build, naming the fix; the te
-    backend's class is chosen from the options (``experts_class``, which ``MoKMoELayer`` calls)."""
+    backend's class is chosen from the options (``experts_class``, which ``MoKMoELayer`` calls), and
+    ``MoKGroupedMLP`` itself runs only the torch backend."""
     from mok_megatron.compat import have_te
     from mok_megatron.config import MoKConfigError
-    from mok_megatron.experts.grouped_mlp import MoKGroupedMLP, experts_class
+    from mok_megatron.experts.fp8_mlp import MoKFP8GroupedMLP
+    from mok_megatron.experts.grouped_mlp import MoKGroupedMLP
+    from mok_megatron.experts.protocol import experts_class
     from mok_megatron.experts.te import MoKTEGroupedMLP
     from mok_megatron.options import MoKOptions
     from tests.cases import make_config
 
     cfg = make_config()
     assert type(MoKGroupedMLP(8, cfg, options=MoKOptions())) is MoKGroupedMLP
+    fp8_opts = MoKOptions(expert_backend="torch-fp8")
     if not torch.cuda.is_available():
         with pytest.raises(MoKConfigError, match="torch-fp8 needs an FP8-capable GPU"):
-            MoKGroupedMLP(8, cfg, options=MoKOptions(expert_backend="torch-fp8"))
+            MoKFP8GroupedMLP(8, cfg, options=fp8_opts)
     te_opts = MoKOptions(expert_backend="te")
     assert experts_class(MoKGroupedMLP, te_opts) is MoKTEGroupedMLP
+    assert experts_class(MoKGroupedMLP, fp8_opts) is MoKFP8GroupedMLP
     assert experts_class(MoKGroupedMLP, MoKOptions()) is MoKGroupedMLP
-    with pytest.raises(MoKConfigError, match="TE backend has its own parameters"):
-        MoKGroupedMLP(8, cfg, options=te_opts)
+    for opts in (te_opts, fp8_opts):
+        value = opts.expert_backend.value
+        refused = f"MoKGroupedMLP with expert_backend='{value}'.*experts_class"
+        with pytest.raises(MoKConfigError, match=refused):
+            MoKGroupedMLP(8, cfg, options=opts)
+    with pytest.raises(MoKConfigError, match="MoKFP8GroupedMLP with expert_backend='torch'.*experts_class"):
+        MoKFP8GroupedMLP(8, cfg, options=MoKOptions())
     if not have_te():
         with pytest.raises(MoKConfigError, match="te needs Transformer Engine"):
             MoKTEGroupedMLP(8, cfg, options=te_opts)
@@ -661,35 +672,37 @@ def _count_weight_quantization(monkeypatch):
 
 def test_weight_cache_hits_until_the_weight_changes(monkeypatch):
     counts = _count_weight_quantization(monkeypatch)
+    cache = native.FP8WeightCache()
     w = torch.nn.Parameter((torch.randn(3, 32, 48) / 8).to(torch.bfloat16))
-    first = native.quantized_weight(w, "fwd")
-    assert native.quantized_weight(w, "fwd") is first and counts == {"fwd": 1, "dgrad": 0}
-    q, s = native.quantized_weight(w, "dgrad")
+    first = native.quantized_weight(w, "fwd", cache)
+    assert native.quantized_weight(w, "fwd", cache) is first and counts == {"fwd": 1, "dgrad": 0}
+    q, s = native.quantized_weight(w, "dgrad", cache)
     assert q.shape == (3, 48, 32) and s.shape == (3, 48) and counts["dgrad"] == 1
     with torch.no_grad():
         w.mul_(2)  # in place through the parameter: _version moves
-    q2, s2 = native.quantized_weight(w, "fwd")
+    q2, s2 = native.quantized_weight(w, "fwd", cache)
     assert counts["fwd"] == 2 and torch.equal(s2, first[1] * 2)
     assert torch.equal(q2.view(torch.uint8), quantize.quantize_rowwise(w.detach())[0].view(torch.uint8))
     # some experts of the weight (a view along dim 0): the parent's entry, sliced, bitwise their own
-    q3, s3 = native.quantized_weight(w[1:], "fwd")
+    q3, s3 = native.quantized_weight(w[1:], "fwd", cache)
     assert counts["fwd"] == 2
     ref_q, ref_s = quantize.quantize_rowwise(w.detach()[1:])
     assert torch.equal(q3.view(torch.uint8), ref_q.view(torch.uint8)) and torch.equal(s3, ref_s)
-    qd, _ = native.quantized_weight(w[:2], "dgrad")
+    qd, _ = native.quantized_weight(w[:2], "dgrad", cache)
     assert counts["dgrad"] == 2 and qd.shape == (2, 48, 32)  # the parent changed: dgrad requantized once
-    native.quantized_weight(w[:, 1:], "fwd")  # not a group of experts: its own entry
+    native.quantized_weight(w[:, 1:], "fwd", cache)  # not a group of experts: its own entry
     assert counts["fwd"] == 3
     with pytest.raises(ValueError, match="orientation='bwd'"):
-        native.quantized_weight(w, "bwd")
+        native.quantized_weight(w, "bwd", cache)
 
 
 def test_weight_cache_invalidated_by_optimizer_step_and_explicitly(monkeypatch):
     """Megatron writes weights through ``param.data`` / the DDP buffer, which ``_version`` does not see:
-    every optimizer step (and ``invalidate_weight_cache``) drops the cache."""
+    every optimizer step (and ``FP8WeightCache.invalidate``) drops the cache."""
     counts = _count_weight_quantization(monkeypatch)
+    cache = native.FP8WeightCache()
     w = torch.nn.Parameter(torch.randn(2, 16, 32))
-    native.quantized_weight(w, "fwd")
+    native.quantized_weight(w, "fwd", cache)
     version = w._version
     w.data.copy_(torch.randn(2, 16, 32))  # invisible to _version
     assert w._version == version
@@ -697,25 +710,50 @@ def test_weight_cache_invalidated_by_optimizer_step_and_explicitly(monkeypatch):
     other.grad = torch.zeros(1)
     torch.optim.SGD([other], lr=0.1).step()
     assert w._version == version
-    q, _ = native.quantized_weight(w, "fwd")
+    q, _ = native.quantized_weight(w, "fwd", cache)
     assert counts["fwd"] == 2
     assert torch.equal(q.view(torch.uint8), quantize.quantize_rowwise(w.detach())[0].view(torch.uint8))
-    native.invalidate_weight_cache()
-    native.quantized_weight(w, "fwd")
+    cache.invalidate()
+    native.quantized_weight(w, "fwd", cache)
     assert counts["fwd"] == 3
 
 
 def test_weight_cache_entry_dies_with_its_weight():
     import gc
 
-    gc.collect()
-    n = len(native._WEIGHTS)
+    cache = native.FP8WeightCache()
     w = torch.randn(2, 16, 16)
-    native.quantized_weight(w, "fwd")
-    assert len(native._WEIGHTS) == n + 1
+    native.quantized_weight(w, "fwd", cache)
+    assert len(cache) == 1
     del w
     gc.collect()
-    assert len(native._WEIGHTS) == n
+    assert len(cache) == 0
+
+
+def test_weight_cache_belongs_to_its_owner(monkeypatch):
+    """Each cache is its owner's: quantizing without one caches nothing, two caches hold their own entries,
+    and a cache's optimizer hook goes with it."""
+    import gc
+
+    from torch.optim.optimizer import _global_optimizer_post_hooks
+
+    counts = _count_weight_quantization(monkeypatch)
+    w = torch.randn(2, 16, 16)
+    native.quantized_weight(w, "fwd")
+    native.quantized_weight(w, "fwd")
+    assert counts["fwd"] == 2
+    hooks = len(_global_optimizer_post_hooks)
+    one, two = native.FP8WeightCache(), native.FP8WeightCache()
+    assert len(_global_optimizer_post_hooks) == hooks + 2
+    native.quantized_weight(w, "fwd", one)
+    native.quantized_weight(w, "fwd", two)
+    assert counts["fwd"] == 4 and len(one) == len(two) == 1
+    two.invalidate()
+    native.quantized_weight(w, "fwd", one)
+    assert counts["fwd"] == 4, "invalidating one cache leaves the other's entries"
+    del one, two
+    gc.collect()
+    assert len(_global_optimizer_post_hooks) == hooks
 
 
 @pytest.mark.parametrize("policy", ["measured", "exact"])
@@ -731,13 +769,14 @@ def test_fp8_linear_reuses_quantized_weights_across_microbatches(monkeypatch, po
     calls = []
     monkeypatch.setattr(native, "_gemm", _fake_scaled_grouped_mm(calls))
     counts = _count_weight_quantization(monkeypatch)
+    cache = native.FP8WeightCache()
     _, x, w, dy, offs = _operands(2)
     w = torch.nn.Parameter(w)
     grads, wgrads = [], []
     for _ in range(2):
         xi = x.clone().requires_grad_(True)
         w.grad = None
-        native._FP8GroupedLinear.apply(xi, w, offs).backward(dy)
+        native._FP8GroupedLinear.apply(xi, w, offs, cache).backward(dy)
         grads.append(xi.grad)
         wgrads.append(w.grad)
     assert counts == {"fwd": 1, "dgrad": 1}
@@ -817,7 +856,7 @@ def test_native_mlp_fc1_quantized_into_padding_equals_pad_then_quantize(monkeypa
 
     def old(x, p, w1, w2):
         def fc(w):
-            return lambda x_PK, plan: native._FP8GroupedLinear.apply(x_PK, w, pe.native_offsets(plan))
+            return lambda x_PK, plan: native.fp8_grouped_linear(x_PK, w, pe.native_offsets(plan))
 
         P = pe.native_num_rows(R, L, native.ALIGNMENT)
         return common.padded_expert_mlp(x, p, counts, fc(w1), fc(w2), act, native.ALIGNMENT, num_rows=P)
@@ -978,11 +1017,12 @@ def test_expert_groups_share_one_weight_quantization(monkeypatch):
     from mok_megatron.experts.groups import ExpertGroups
 
     counts = _count_weight_quantization(monkeypatch)
+    cache = native.FP8WeightCache()
     w = torch.nn.Parameter((torch.randn(3, 32, 48) / 8).to(torch.bfloat16))
     for _ in range(2):  # two layer calls
         groups = ExpertGroups((w,), (0, 1, 3), (None,))
         for c in range(2):
             (view,) = groups.weights(c)
-            q, s = native.quantized_weight(view, "fwd")
+            q, s = native.quantized_weight(view, "fwd", cache)
             assert q.shape[0] == view.shape[0]
     assert counts["fwd"] == 1

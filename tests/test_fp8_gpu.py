@@ -209,12 +209,12 @@ def _linear_inputs(counts=(48, 0, 112, 96), k=256, n=384):
     return x, w, dy, offs
 
 
-def _fwd_bwd(x, w, dy, offs):
+def _fwd_bwd(x, w, dy, offs, cache=None):
     from mok_megatron.ops.fp8_grouped_gemm import fp8_grouped_linear
 
     w.grad = None
     xi = x.detach().requires_grad_(True)
-    y = fp8_grouped_linear(xi, w, offs)
+    y = fp8_grouped_linear(xi, w, offs, cache)
     y.backward(dy)
     return y.detach(), xi.grad, w.grad
 
@@ -226,15 +226,16 @@ def test_native_fp8_weight_cache_follows_weight_updates():
     from mok_megatron.ops import fp8_grouped_gemm as native
 
     _native_or_skip()
+    cache = native.FP8WeightCache()
     x, w, dy, offs = _linear_inputs()
-    first = _fwd_bwd(x, w, dy, offs)
-    again = _fwd_bwd(x, w, dy, offs)  # cache hit
+    first = _fwd_bwd(x, w, dy, offs, cache)
+    again = _fwd_bwd(x, w, dy, offs, cache)  # cache hit
     assert all(_rel(a.float(), b.float()) < SAME for a, b in zip(first, again, strict=True))
     with torch.no_grad():
         w.mul_(-0.5)
-    updated = _fwd_bwd(x, w, dy, offs)
-    native.invalidate_weight_cache()
-    fresh = _fwd_bwd(x, w, dy, offs)
+    updated = _fwd_bwd(x, w, dy, offs, cache)
+    cache.invalidate()
+    fresh = _fwd_bwd(x, w, dy, offs, cache)
     assert all(_rel(a.float(), b.float()) < SAME for a, b in zip(updated, fresh, strict=True))
     assert not torch.equal(updated[0], first[0])
     version = w._version
@@ -243,11 +244,10 @@ def test_native_fp8_weight_cache_follows_weight_updates():
     other.grad = torch.zeros_like(other)
     torch.optim.SGD([other], lr=0.1).step()  # ... but every optimizer step drops the cache
     assert w._version == version
-    stepped = _fwd_bwd(x, w, dy, offs)
-    native.invalidate_weight_cache()
-    assert all(
-        _rel(a.float(), b.float()) < SAME for a, b in zip(stepped, _fwd_bwd(x, w, dy, offs), strict=True)
-    )
+    stepped = _fwd_bwd(x, w, dy, offs, cache)
+    cache.invalidate()
+    fresh = _fwd_bwd(x, w, dy, offs, cache)
+    assert all(_rel(a.float(), b.float()) < SAME for a, b in zip(stepped, fresh, strict=True))
     # FP8 close to bf16 (bound as the layer test)
     ref = torch.cat(
         [
@@ -279,17 +279,18 @@ def test_fp8_wgrad_scales_from_rowwise_partials_change_nothing(monkeypatch):
 
 
 def test_native_fp8_linear_needs_no_host_sync():
+    from mok_megatron.ops import fp8_grouped_gemm as native
+
     _native_or_skip()
+    cache = native.FP8WeightCache()
     x, w, dy, offs = _linear_inputs()
-    _fwd_bwd(x, w, dy, offs)  # compile the kernels first
+    _fwd_bwd(x, w, dy, offs, cache)  # compile the kernels first
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        _fwd_bwd(x, w, dy, offs)
-        from mok_megatron.ops import fp8_grouped_gemm as native
-
-        native.invalidate_weight_cache()
-        _fwd_bwd(x, w, dy, offs)  # with weight quantization
+        _fwd_bwd(x, w, dy, offs, cache)
+        cache.invalidate()
+        _fwd_bwd(x, w, dy, offs, cache)  # with weight quantization
     finally:
         torch.cuda.set_sync_debug_mode("default")
 

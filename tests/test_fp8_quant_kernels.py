@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from mok_megatron.compat import have_triton
-from mok_megatron.ops import fp8_quantize as quantize
+from mok_megatron.kernels import fp8_quant_reference as quantize
 from mok_megatron.kernels import INTERPRETED, Impl
 from mok_megatron.kernels import fp8_permute as FP
 from mok_megatron.kernels import fp8_quant as Q
@@ -88,7 +88,7 @@ def segments_case(counts, width, dtype, *, spare=0, zero_segment=None, device="c
     x, offs = _segmented(counts, width, dtype, spare, zero_segment, device, seed_mul=7)
     got = Q.quantize_segments_t(x, offs, Impl.TRITON)
     _bitwise("segments", got, Q.quantize_segments_t(x, offs, Impl.TORCH))
-    # the reference it stands for: ops.fp8_quantize.quantize_segments on x^T
+    # the reference it stands for: kernels.fp8_quant_reference.quantize_segments on x^T
     q_ref, s_ref = quantize.quantize_segments(x.t(), offs)
     _bitwise("segments vs quantize_segments", got, (q_ref.contiguous(), s_ref))
 
@@ -325,7 +325,8 @@ def test_reference_layouts_are_what_scaled_grouped_mm_takes():
     q_KM, s_GK = Q.quantize_segments_t(x, offs, Impl.TORCH)
     assert q_KM.shape == (32, 48) and q_KM.is_contiguous() and s_GK.shape == (3, 32)
     assert torch.all(s_GK[1] == 1)  # the empty expert
-    # dequantized per (segment, column) within the e4m3 bound of ops.fp8_quantize (1/16 of the group amax)
+    # dequantized per (segment, column) within the e4m3 bound of kernels.fp8_quant_reference
+    # (1/16 of the group amax)
     seg = quantize.segment_ids(offs, 48)
     deq = q_KM.float() * s_GK[seg].t()
     amax = torch.stack([x[a:b].float().abs().amax(0) for a, b in ((0, 16), (16, 48))])

@@ -99,11 +99,13 @@ def test_op_rejects_bad_inputs():
 def _ddp_experts(
     fusion: bool, dtype, *, delay=False, recompute=False, seed=0, options=None, ffn=8, overlap=False
 ):
-    """MoKGroupedMLP (torch backend, 4 local experts) wrapped in Megatron's DistributedDataParallel with
-    fp32 main_grad buffers; the same weights for every ``seed``."""
+    """MoK's experts (4 local experts; the torch backend unless ``options`` name another) wrapped in
+    Megatron's DistributedDataParallel with fp32 main_grad buffers; the same weights for every ``seed``."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
     from mok_megatron.experts.grouped_mlp import MoKGroupedMLP
+    from mok_megatron.experts.protocol import experts_class
+    from mok_megatron.options import MoKOptions
     from tests.cases import make_config, setup_parallel
 
     setup_parallel(seed=1234 + seed)  # reseeds Megatron's expert-parallel RNG stream: the same weights
@@ -113,7 +115,7 @@ def _ddp_experts(
     if recompute:
         cfg.recompute_granularity, cfg.recompute_modules = "selective", ["moe_act"]
     cfg.gradient_accumulation_fusion = fusion
-    experts = MoKGroupedMLP(4, cfg, options=options)
+    experts = experts_class(MoKGroupedMLP, options or MoKOptions())(4, cfg, options=options)
     assert experts.gradient_accumulation_fusion is fusion
     ddp = DistributedDataParallel(
         cfg,

@@ -31,8 +31,10 @@ from mok_megatron.adapter.cuda_graphs import check_cuda_graphs
 from mok_megatron.adapter.dispatcher import MoKTokenDispatcher
 from mok_megatron.config import MoKConfig, MoKConfigError
 from mok_megatron.engine.plan import RowLayout
-from mok_megatron.engine.select import MEGATRON_EXPERTS, ExpertsContract, select_engine
-from mok_megatron.experts.grouped_mlp import MoKGroupedMLP, experts_class
+from mok_megatron.engine.select import select_engine
+from mok_megatron.experts.grouped_mlp import MoKGroupedMLP
+from mok_megatron.experts.protocol import experts_class
+from mok_megatron.experts_contract import MEGATRON_EXPERTS, ExpertsContract
 from mok_megatron.options import MoKOptions
 
 

@@ -43,24 +43,8 @@ from mok_megatron.config import MoKConfig, MoKConfigError
 from mok_megatron.engine.pipeline import PipelineConfig
 from mok_megatron.engine.pipeline_plan import MinibatchPolicy
 from mok_megatron.engine.plan import RowLayout, aligned_plan_applies
+from mok_megatron.experts_contract import ExpertsContract
 from mok_megatron.options import Engine, MinibatchSplit, MoKOptions, TransportKind
-
-
-@dataclass(frozen=True)
-class ExpertsContract:
-    """What a layer's experts take, known from their class and the options before they are built."""
-
-    mok: bool  # MoK's experts: device counts, sync-free and CUDA-graph capture possible
-    alignment: int = 1  # rows per expert must be a multiple of this for their GEMMs
-    host_counts: bool = False  # they read the per-expert counts on the host anyway (TE's m_splits)
-    fuses_permute: bool = False  # they take token rows + routing metadata (native FP8 experts)
-
-    @property
-    def device_counts(self) -> bool:
-        return self.mok and not self.host_counts
-
-
-MEGATRON_EXPERTS = ExpertsContract(mok=False)
 
 
 @dataclass(frozen=True)

@@ -11,11 +11,16 @@ keys, global shapes and offsets, including the SwiGLU split), so ``dist_checkpoi
 move between the three layouts. ``load_state_dict`` also accepts plain (non-distributed) state dicts
 in either Megatron layout (see ``mok_megatron.experts.checkpoint``).
 
-Expert backend (``MoKOptions.expert_backend``, ``--mok-expert-backend``; checks in ``experts.backend``):
-    torch      the bf16 grouped GEMMs below (``experts.torch_mlp``)
-    torch-fp8  the same parameters, GEMMs in native rowwise FP8 (``experts.fp8_mlp.native_expert_mlp``)
-    te         ``MoKGroupedMLP(...)`` builds a ``experts.te.MoKTEGroupedMLP`` instead: Transformer
-               Engine GroupedLinear parameters and GEMMs, exactly TEGroupedMLP's layout
+Expert backend (``MoKOptions.expert_backend``, ``--mok-expert-backend``; checks in ``experts.backend``;
+the class of each backend: ``experts.protocol.experts_class``):
+    torch      this class: the bf16 grouped GEMMs of ``experts.torch_mlp``
+    torch-fp8  ``experts.fp8_mlp.MoKFP8GroupedMLP``, a subclass: the same parameters, GEMMs in native
+               rowwise FP8
+    te         ``experts.te.MoKTEGroupedMLP``, a subclass: Transformer Engine GroupedLinear parameters and
+               GEMMs, exactly TEGroupedMLP's layout
+
+Every backend offers its weights stacked, read-only, for conversion and inspection
+(``stacked_fc1_weight`` [L, F1, H], ``stacked_fc2_weight`` [L, H, F]; ``experts.protocol``).
 
 Gradient accumulation fusion (``config.gradient_accumulation_fusion``, read once at construction): with
 the torch backend, weights that have ``main_grad`` (Megatron's DDP) and an accumulating GEMM for their
@@ -38,11 +43,11 @@ from megatron.core.transformer.utils import make_sharded_object_for_checkpoint
 from megatron.core.utils import get_pg_rank, get_pg_size
 
 from mok_megatron.config import MoKConfig, MoKConfigError
-from mok_megatron.engine.select import ExpertsContract
 from mok_megatron.experts.backend import check_expert_backend, expert_alignment
 from mok_megatron.experts.groups import ExpertGroups
 from mok_megatron.experts.main_grad import main_grad_owner
 from mok_megatron.experts.torch_mlp import WgradQueue, expert_mlp
+from mok_megatron.experts_contract import ExpertsContract
 from mok_megatron.options import ExpertBackend, MoKOptions
 
 
@@ -52,34 +57,28 @@ def _init_device(config) -> torch.device:
     return torch.device("cuda", torch.cuda.current_device())
 
 
-def experts_class(cls: type, options: MoKOptions) -> type:
-    """The class that builds ``cls``'s experts under ``options``: the TE backend has other parameters
-    (TE's GroupedLinear), so ``MoKGroupedMLP`` becomes ``experts.te.MoKTEGroupedMLP`` there."""
-    if cls is MoKGroupedMLP and options.expert_backend is ExpertBackend.TE:
-        from mok_megatron.experts.te import MoKTEGroupedMLP
-
-        return MoKTEGroupedMLP
-    return cls
+def read_only(weights: list[torch.Tensor]) -> torch.Tensor:
+    """The experts' weights stacked along a new first axis, detached and copied (TE's FP8 parameters
+    dequantized): conversion and inspection read it, and nothing written to it reaches the parameters."""
+    with torch.no_grad():
+        return torch.stack([w.detach().dequantize() for w in weights], 0)
 
 
 class MoKGroupedMLP(MegatronModule):
-    """Routed experts: ``forward(x, tokens_per_expert, permuted_probs) -> (out, None)``.
+    """Routed experts, the ``torch`` backend:
+    ``forward(x, tokens_per_expert, permuted_probs) -> (out, None)``.
 
     ``options``: the layer's (``MoKMoELayer`` passes them; the expert backend among them).
     ``aligned_input`` > 1: the dispatcher delivers every expert's rows padded to this multiple
     (``engine.plan.build_aligned_plan`` or the pipeline's expert calls); 1: the experts pad for themselves
     where their GEMMs must."""
 
+    backend = ExpertBackend.TORCH  # the --mok-expert-backend this class runs
+
     @classmethod
     def contract(cls, config, mok_config: MoKConfig, options: MoKOptions) -> ExpertsContract:
-        """What these experts take (``engine.select``): device counts; native FP8 rows padded to 16 and,
-        without probabilities on the input, token rows with the permute fused into their operands."""
-        fp8 = options.expert_backend is ExpertBackend.TORCH_FP8
-        return ExpertsContract(
-            mok=True,
-            alignment=expert_alignment(options.expert_backend, config),
-            fuses_permute=fp8 and not mok_config.apply_probs_on_input,
-        )
+        """What these experts take (``engine.select``): device counts, no row alignment."""
+        return ExpertsContract(mok=True, alignment=expert_alignment(ExpertBackend.TORCH, config))
 
     def __init__(
         self,
@@ -95,10 +94,11 @@ class MoKGroupedMLP(MegatronModule):
         cfg = self._setup(num_local_experts, config, pg_collection, mok_config, options, aligned_input)
         self.expert_backend = self.options.expert_backend
         self.gradient_accumulation_fusion = bool(getattr(config, "gradient_accumulation_fusion", False))
-        if self.expert_backend is ExpertBackend.TE and type(self) is MoKGroupedMLP:
+        if self.expert_backend is not self.backend:
             raise MoKConfigError(
-                "MoKGroupedMLP with expert_backend='te': the TE backend has its own parameters; build "
-                "experts_class(MoKGroupedMLP, options) (experts.te.MoKTEGroupedMLP), or let MoKMoELayer do it."
+                f"{type(self).__name__} with expert_backend='{self.expert_backend.value}': each backend has "
+                "its own class; build experts_class(MoKGroupedMLP, options) (experts.protocol), or let "
+                "MoKMoELayer do it."
             )
         if self.expert_backend is not ExpertBackend.TORCH:
             from mok_megatron.compat import have_te
@@ -175,33 +175,16 @@ class MoKGroupedMLP(MegatronModule):
                 self.config.init_method(self.fc1_weight[e])
                 self.config.output_layer_init_method(self.fc2_weight[e])
 
-    def token_rows_forward(self, x_TH, probs_TK, meta, counts_L):
-        """The experts' per-token output ``[T, H]`` from the token rows and routing metadata in the padded
-        layout: the aligned plan's at EP = 1 (``MoKTokenDispatcher.run_fused``), each expert call's in the
-        overlap pipeline (``engine.pipeline._experts_aligned``)."""
-        from mok_megatron.experts.fp8_mlp import fp8_token_mlp
-
-        if not (self.expert_backend is ExpertBackend.TORCH_FP8 and not self.mok_config.apply_probs_on_input):
-            raise MoKConfigError(
-                f"token_rows_forward: expert backend {self.expert_backend!r} with apply_probs_on_input="
-                f"{self.mok_config.apply_probs_on_input}; only torch-fp8 without probabilities on the input "
-                "fuses the permute"
-            )
-        return fp8_token_mlp(
-            x_TH, probs_TK, meta, counts_L, self.fc1_weight, self.fc2_weight, self.mok_config.activation
-        )
-
     def late_wgrad(self):
         """A ``experts.late_wgrad.LateWgrad`` gate for one pipelined layer call, or None where the weight
         gradients are computed as usual: Megatron's ``delay_wgrad_compute`` (its queue defers them
-        further), the FP8 / TE backends (other GEMMs), or no gradient wanted. (``--mok-late-wgrad``
-        is the layer's to check: ``MoKMoELayer.routed_experts_compute``.)"""
+        further) or no gradient wanted. The FP8 and TE backends (other GEMMs) return None always.
+        (``--mok-late-wgrad`` is the layer's to check: ``MoKMoELayer.routed_experts_compute``.)"""
         from mok_megatron.experts.late_wgrad import LateWgrad
 
         weights = (self.fc1_weight, self.fc2_weight)
         if (
-            self.expert_backend is not ExpertBackend.TORCH
-            or self.wgrad_queue is not None
+            self.wgrad_queue is not None
             or not torch.is_grad_enabled()
             or not all(w.requires_grad for w in weights)
         ):
@@ -215,12 +198,21 @@ class MoKGroupedMLP(MegatronModule):
         owners = (main_grad_owner(self.fc1_weight, fusion), main_grad_owner(self.fc2_weight, fusion))
         return ExpertGroups((self.fc1_weight, self.fc2_weight), bounds, owners)
 
-    def forward(self, permuted_local_hidden_states, tokens_per_expert, permuted_probs, late=None, group=None):
-        """Megatron's experts call. ``late`` (an open ``LateWgrad`` of this module, pipeline only): the
-        GEMMs use its stand-in weights and queue their weight gradients in it. ``group`` (``(groups,
-        c)``, ``groups`` from ``expert_groups``): the rows and counts are those of group c's local
-        experts, which its views of the weights compute."""
-        cfg = self.mok_config
+    @property
+    def stacked_fc1_weight(self) -> torch.Tensor:
+        """fc1's weights ``[L, F1, H]``, read-only (``read_only``); slice l is expert l's
+        ``linear_fc1.weight``."""
+        return read_only(list(self.fc1_weight))
+
+    @property
+    def stacked_fc2_weight(self) -> torch.Tensor:
+        """fc2's weights ``[L, H, F]``, read-only (``read_only``); slice l is expert l's
+        ``linear_fc2.weight``."""
+        return read_only(list(self.fc2_weight))
+
+    def _call_weights(self, late, group):
+        """``(w1, w2, queue, owners, rng)`` of one call: the parameters and the module's queue, a late-wgrad
+        gate's stand-ins and queue, or a group's views of the weights, its local experts and its owners."""
         w1, w2, queue = self.fc1_weight, self.fc2_weight, self.wgrad_queue
         owners, rng = None, None
         if late is not None:
@@ -236,23 +228,23 @@ class MoKGroupedMLP(MegatronModule):
                     "by tokens."
                 )
             (w1, w2), rng, owners = groups.weights(c), groups.experts(c), groups.owners
-        args = (
+        return w1, w2, queue, owners, rng
+
+    def forward(self, permuted_local_hidden_states, tokens_per_expert, permuted_probs, late=None, group=None):
+        """Megatron's experts call. ``late`` (an open ``LateWgrad`` of this module, pipeline only): the
+        GEMMs use its stand-in weights and queue their weight gradients in it. ``group`` (``(groups,
+        c)``, ``groups`` from ``expert_groups``): the rows and counts are those of group c's local
+        experts, which its views of the weights compute."""
+        cfg = self.mok_config
+        w1, w2, queue, owners, rng = self._call_weights(late, group)
+        fusion = self.gradient_accumulation_fusion
+        out = expert_mlp(
             permuted_local_hidden_states,
             permuted_probs,
             tokens_per_expert,
             w1,
             w2,
             cfg.activation,
-        )
-        if self.expert_backend is ExpertBackend.TORCH_FP8:
-            from mok_megatron.experts import fp8_mlp as P
-
-            # rows already padded by the dispatcher (aligned plan), or padded here
-            mlp = P.native_expert_mlp_aligned if self.aligned_input > 1 else P.native_expert_mlp
-            return mlp(*args, apply_probs_on_input=cfg.apply_probs_on_input), None
-        fusion = self.gradient_accumulation_fusion
-        out = expert_mlp(
-            *args,
             apply_probs_on_input=cfg.apply_probs_on_input,
             recompute_activation=cfg.recompute_activation,
             wgrad_queue=queue,

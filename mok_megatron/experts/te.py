@@ -31,10 +31,10 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
 
 from mok_megatron.config import MoKConfig, MoKConfigError
-from mok_megatron.engine.select import ExpertsContract
 from mok_megatron.experts.backend import check_expert_backend, expert_alignment
 from mok_megatron.experts.common import padded_expert_mlp, scale_input
-from mok_megatron.experts.grouped_mlp import MoKGroupedMLP
+from mok_megatron.experts.grouped_mlp import MoKGroupedMLP, read_only
+from mok_megatron.experts_contract import ExpertsContract
 from mok_megatron.ops.activation import apply_activation
 from mok_megatron.options import ExpertBackend, MoKOptions
 
@@ -106,7 +106,10 @@ class MoKTEGroupedMLP(MoKGroupedMLP):
     """Routed experts on TE GroupedLinear: ``forward(x, tokens_per_expert, permuted_probs) -> (out, None)``.
 
     ``MoKMoELayer`` builds it in place of ``MoKGroupedMLP`` when the options ask for ``expert_backend='te'``
-    (``experts.grouped_mlp.experts_class``)."""
+    (``experts.protocol.experts_class``). TE keeps one Parameter per expert (``linear_fc1.weight{i}``);
+    ``stacked_fc1_weight`` / ``stacked_fc2_weight`` stack them read-only as the other backends do."""
+
+    backend = ExpertBackend.TE
 
     @classmethod
     def contract(cls, config, mok_config: MoKConfig, options) -> ExpertsContract:
@@ -177,6 +180,19 @@ class MoKTEGroupedMLP(MoKGroupedMLP):
         self._wgrad_hooks = []
 
     def reset_parameters(self) -> None:  # TE initialises its weights (config.init_method)
+        return None
+
+    @property
+    def stacked_fc1_weight(self) -> torch.Tensor:
+        """fc1's weights ``[L, F1, H]`` (``linear_fc1.weight{l}`` at slice l), read-only (``read_only``)."""
+        return read_only([getattr(self.linear_fc1, f"weight{i}") for i in range(self.num_local_experts)])
+
+    @property
+    def stacked_fc2_weight(self) -> torch.Tensor:
+        """fc2's weights ``[L, H, F]`` (``linear_fc2.weight{l}`` at slice l), read-only (``read_only``)."""
+        return read_only([getattr(self.linear_fc2, f"weight{i}") for i in range(self.num_local_experts)])
+
+    def late_wgrad(self):
         return None
 
     def forward(self, permuted_local_hidden_states, tokens_per_expert, permuted_probs):

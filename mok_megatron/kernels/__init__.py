@@ -11,6 +11,8 @@ Modules:
     combine  expert rows -> per-token (optionally probability-weighted) sum, deterministic, with backward
     swiglu   fused SwiGLU forward/backward on fc1's [gate | up] output, optionally times a per-row prob
     fp8_quant    e4m3 rowwise / per-(expert, column) transposed quantization (the native FP8 GEMMs' operands)
+    fp8_quant_reference  the e4m3 quantizers in pure torch (rowwise, 1x128 blockwise, per segment): the
+                 references of fp8_quant and fp8_permute, and the FP8 exchange's row packing
     fp8_permute  the permute with rowwise e4m3 quantization fused in (each token quantized once)
     topk     the router's top-k selection, one pass per row (ties to the lower index)
     link_delay   the loopback transport's emulated link time: a one-warp wall-clock spin (GPU only)

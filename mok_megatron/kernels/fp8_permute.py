@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import torch
 
-from mok_megatron.ops.fp8_quantize import _check_input
+from mok_megatron.kernels.fp8_quant_reference import _check_input
 from mok_megatron.kernels import Impl, jit, next_pow2, tl, use_triton
 from mok_megatron.kernels.fp8_quant import ONE_PASS_MAX, TWO_PASS_BLOCK, _finish, _q_buffer, quantize_rowwise
 from mok_megatron.kernels.permute import (

@@ -19,8 +19,8 @@ Legend: R rows, H row width (the scaled dimension), M rows split into G segments
                           bitwise ``ops.align.pad_rows`` followed by the unpadded op, without the bf16 padded
                           copy (rows map by ``PadPlan.dest_R`` / shifted segment starts; padding stays 0)
 
-Numerics are the references' (``ops.fp8_quantize``): ``scale = amax / 448`` (all-zero group: 1), ``q =
-e4m3(clamp(x / scale, +-448))``, both divisions IEEE round-to-nearest (``tl.math.div_rn``: Triton's plain
+Numerics are the references' (``kernels.fp8_quant_reference``): ``scale = amax / 448`` (all-zero group: 1),
+``q = e4m3(clamp(x / scale, +-448))``, both divisions IEEE round-to-nearest (``tl.math.div_rn``: Triton's plain
 ``/`` is approximate on NVIDIA GPUs, and Triton 3.6's ``tl.math.fdiv`` ignores ``ieee_rounding=True``), the
 cast round-to-nearest-even. So the kernels are bitwise equal to the references
 (tests/test_fp8_quant_kernels.py holds them to that, on CPU interpreted and on the GPU).
@@ -54,9 +54,9 @@ from __future__ import annotations
 
 import torch
 
-from mok_megatron.ops import fp8_quantize as quantize
-from mok_megatron.ops.fp8_quantize import E4M3, _check_input, quantize_segments
-from mok_megatron.ops.fp8_quantize import quantize_rowwise as quantize_rowwise_reference
+from mok_megatron.kernels import fp8_quant_reference as quantize
+from mok_megatron.kernels.fp8_quant_reference import E4M3, _check_input, quantize_segments
+from mok_megatron.kernels.fp8_quant_reference import quantize_rowwise as quantize_rowwise_reference
 from mok_megatron.kernels import INTERPRETED, Impl, jit, next_pow2, tl, use_triton
 
 ONE_PASS_MAX = 8192  # widest row read once into registers (DeepSeek-V3 H = 7168 fits)

@@ -4,8 +4,6 @@ routing.py, permute.py   slot maps, permute / combine of token rows (fixed-order
 grouped_gemm.py          ``torch._grouped_mm`` with its per-expert reference; fp8_grouped_gemm.py: native FP8
 activation.py            the expert activations Megatron supports (GLU or not), fused SwiGLU on CUDA
 router_gemm.py           the fp32 gating GEMM on bf16 tensor cores
-fp8_quantize.py, align.py  e4m3 quantization; per-expert padding plans
-mxfp8.py                 MXFP8 (1x32 E8M0 block scales): quantizer, cuBLAS's swizzled scale layout, the grouped
-                         GEMM for Blackwell (built and checked on CPU; not yet run on hardware)
+align.py                 per-expert padding plans (e4m3 quantization: ``kernels.fp8_quant``)
 fast.py                  the Triton-or-reference switch
 """

@@ -35,7 +35,8 @@ per-(expert, column) quantization passes.
 
 Quantization kernels (``kernels.fp8_quant``): on CUDA one-pass Triton kernels (rowwise for x, dy and the
 forward weight; per-(expert, column) with a transposing write for the wgrad operands and the dgrad weight),
-bitwise equal to the ``ops.fp8_quantize`` references, which run everywhere else (CPU tests).
+bitwise equal to their pure-torch references (``kernels.fp8_quant_reference``), which run everywhere else
+(CPU tests).
 
 Padding: the experts' MLP (``experts.fp8_mlp.native_expert_mlp``) calls ``fp8_grouped_linear_padded``
 for fc1 (the R real rows quantized straight into the padded FP8 layout) and ``fp8_grouped_linear_gather``
@@ -43,20 +44,24 @@ for fc2 (returns the real rows; its backward quantizes their gradient straight i
 neither x nor the output gradient is copied into a zero-filled bf16 padded buffer. Both are bitwise the
 pad / ``fp8_grouped_linear`` / unpad composition.
 
-Quantized weights are cached per weight version (``quantized_weight``): both orientations, (q, scale),
-keyed on ``(data_ptr, _version, shape, stride, dtype)`` plus an optimizer-step epoch, held in a weak
-dictionary owned by the weight tensor (an entry dies with its weight). So a forward and every later
-forward/dgrad with the same weights (gradient-accumulation micro-batches, activation recompute) quantize
-each weight once. Invalidated by (a) any in-place change through the weight or a view of it (``_version``:
-torch optimizers, ``copy_`` in ``load_state_dict``), (b) any ``torch.optim.Optimizer.step`` (a global
-post-step hook, registered on first use, bumps the epoch: Megatron's optimizers write the model weights
-through ``param.data`` or the DDP param buffer, which ``_version`` does not see), (c) ``invalidate_weight_cache()``
+Quantized weights are cached per weight version in an ``FP8WeightCache`` that the experts module owns
+(``experts.fp8_mlp.MoKFP8GroupedMLP.fp8_weights``; every GEMM here takes it as ``cache``, None: quantize
+on every call): both orientations, (q, scale), keyed on ``(data_ptr, _version, shape, stride, dtype)`` plus
+the cache's optimizer-step epoch, in a weak dictionary keyed by the weight tensor (an entry dies with its
+weight). So a forward and every later forward/dgrad with the same weights (gradient-accumulation
+micro-batches, activation recompute) quantize each weight once. Invalidated by (a) any in-place change
+through the weight or a view of it (``_version``: torch optimizers, ``copy_`` in ``load_state_dict``),
+(b) any ``torch.optim.Optimizer.step`` (torch's optimizer post-step hook, registered by each cache and
+removed when the cache dies, bumps its epoch: Megatron's optimizers write the model weights through
+``param.data`` or the DDP param buffer, which ``_version`` does not see), (c) ``FP8WeightCache.invalidate()``
 for anything else that rewrites weights behind autograd's back. While a CUDA graph is being captured the
 cache is bypassed (the graph must quantize on every replay). Memory: 1 byte per weight element per
 orientation, i.e. about one bf16 copy of the experts' weights.
 """
 
 from __future__ import annotations
+
+import weakref
 
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
@@ -141,26 +146,6 @@ def _check_shapes(x_MK: torch.Tensor, w_GNK: torch.Tensor, offs_G: torch.Tensor)
 
 # ---- quantized weights, cached per weight version ---------------------------------------------------------
 
-_WEIGHTS = WeakIdKeyDictionary()  # weight tensor -> (key, {orientation: (q, scale)}); dies with the weight
-_epoch = 0  # bumped by every optimizer step (hook below) and by invalidate_weight_cache()
-_hook = None
-
-
-def invalidate_weight_cache() -> None:
-    """Drop every cached quantized weight (call after rewriting weights outside autograd and optimizers)."""
-    global _epoch
-    _epoch += 1
-
-
-def _register_optimizer_hook() -> None:
-    global _hook
-    if _hook is None:
-        _hook = register_optimizer_step_post_hook(lambda *_: invalidate_weight_cache())
-
-
-def _weight_key(w: torch.Tensor) -> tuple:
-    return (w.data_ptr(), w._version, tuple(w.shape), w.stride(), w.dtype, w.device, _epoch)
-
 
 def _quantize_weight(w_GNK: torch.Tensor, orientation: str) -> tuple[torch.Tensor, torch.Tensor]:
     if orientation == "fwd":  # q [G, N, K], one scale per (g, n) over K
@@ -184,29 +169,62 @@ def _experts_of(w_GNK: torch.Tensor) -> tuple[torch.Tensor, int] | None:
     return base, lo
 
 
-def quantized_weight(w_GNK: torch.Tensor, orientation: str) -> tuple[torch.Tensor, torch.Tensor]:
+class FP8WeightCache:
+    """Quantized weights of one owner (an experts module), per weight version (module docstring): a weak
+    dictionary keyed by the weight tensor, and an epoch that every optimizer step bumps through torch's
+    optimizer post-step hook, registered here and removed when the cache is collected."""
+
+    def __init__(self):
+        self._weights = WeakIdKeyDictionary()  # weight -> (key, {orientation: (q, scale)})
+        self._epoch = 0
+        ref = weakref.ref(self)  # the hook must not keep the cache alive
+
+        def after_step(*_):
+            cache = ref()
+            if cache is not None:
+                cache.invalidate()
+
+        weakref.finalize(self, register_optimizer_step_post_hook(after_step).remove)
+
+    def __len__(self) -> int:
+        return len(self._weights)
+
+    def invalidate(self) -> None:
+        """Drop every cached quantized weight (after rewriting weights outside autograd and optimizers)."""
+        self._epoch += 1
+
+    def _key(self, w: torch.Tensor) -> tuple:
+        return (w.data_ptr(), w._version, tuple(w.shape), w.stride(), w.dtype, w.device, self._epoch)
+
+    def get(self, w_GNK: torch.Tensor, orientation: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """``quantized_weight(w_GNK, orientation)`` from this cache, quantizing on a miss."""
+        group = _experts_of(w_GNK)
+        if group is not None:
+            base, lo = group
+            q, scale = self.get(base, orientation)
+            return q[lo : lo + w_GNK.shape[0]], scale[lo : lo + w_GNK.shape[0]]
+        key = self._key(w_GNK)
+        cached = self._weights.get(w_GNK)
+        if cached is None or cached[0] != key:
+            cached = (key, {})
+            self._weights[w_GNK] = cached
+        by_orientation = cached[1]
+        if orientation not in by_orientation:
+            by_orientation[orientation] = _quantize_weight(w_GNK, orientation)
+        return by_orientation[orientation]
+
+
+def quantized_weight(
+    w_GNK: torch.Tensor, orientation: str, cache: FP8WeightCache | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(q, scale) of ``w_GNK`` for the forward (``"fwd"``: q [G, N, K], scale [G, N]) or the dgrad
-    (``"dgrad"``: q [G, K, N], scale [G, K]), row-major; cached per weight version (module docstring).
-    A view of some of a stacked weight's experts gets its slice of the stacked weight's entry (the scales
-    are per expert, so the slice is bitwise its own quantization): the views made anew every layer call
-    share one quantization per weight version."""
-    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+    (``"dgrad"``: q [G, K, N], scale [G, K]), row-major; from ``cache`` (module docstring), or quantized now
+    without one or while a CUDA graph is captured. In the cache a view of some of a stacked weight's experts
+    gets its slice of the stacked weight's entry (the scales are per expert, so the slice is bitwise its own
+    quantization): the views made anew every layer call share one quantization per weight version."""
+    if cache is None or (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()):
         return _quantize_weight(w_GNK, orientation)
-    group = _experts_of(w_GNK)
-    if group is not None:
-        base, lo = group
-        q, scale = quantized_weight(base, orientation)
-        return q[lo : lo + w_GNK.shape[0]], scale[lo : lo + w_GNK.shape[0]]
-    _register_optimizer_hook()
-    key = _weight_key(w_GNK)
-    cached = _WEIGHTS.get(w_GNK)
-    if cached is None or cached[0] != key:
-        cached = (key, {})
-        _WEIGHTS[w_GNK] = cached
-    by_orientation = cached[1]
-    if orientation not in by_orientation:
-        by_orientation[orientation] = _quantize_weight(w_GNK, orientation)
-    return by_orientation[orientation]
+    return cache.get(w_GNK, orientation)
 
 
 # ---- GEMM operands -------------------------------------------------------------------------------------------
@@ -257,10 +275,11 @@ def _rowwise(x_MK: torch.Tensor, partials: bool):
 
 class _FP8GroupedLinear(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x_MK, w_GNK, offs_G):
+    def forward(ctx, x_MK, w_GNK, offs_G, cache):
         x_quantized, x_partials = _rowwise(x_MK, w_GNK.requires_grad and _wgrad_fp8(x_MK.shape[0], w_GNK))
         ctx.save_for_backward(x_MK, w_GNK, offs_G, x_partials)
-        operands = fwd_operands(x_MK, w_GNK, quantized_weight(w_GNK, "fwd"), x_quantized)
+        ctx.cache = cache
+        operands = fwd_operands(x_MK, w_GNK, quantized_weight(w_GNK, "fwd", cache), x_quantized)
         return _gemm(*operands, offs_G, fast_accum=True).to(x_MK.dtype)
 
     @staticmethod
@@ -271,7 +290,7 @@ class _FP8GroupedLinear(torch.autograd.Function):
         wgrad_fp8 = ctx.needs_input_grad[1] and _wgrad_fp8(x_MK.shape[0], w_GNK)
         if ctx.needs_input_grad[0]:
             dy_quantized, dy_partials = _rowwise(dy_MN, wgrad_fp8)
-            operands = dgrad_operands(dy_MN, w_GNK, quantized_weight(w_GNK, "dgrad"), dy_quantized)
+            operands = dgrad_operands(dy_MN, w_GNK, quantized_weight(w_GNK, "dgrad", ctx.cache), dy_quantized)
             dx_MK = _gemm(*operands, offs_G, fast_accum=_dgrad_fast(w_GNK)).to(x_MK.dtype)
         if ctx.needs_input_grad[1]:
             if wgrad_fp8:
@@ -279,7 +298,7 @@ class _FP8GroupedLinear(torch.autograd.Function):
                 dw_GNK = _gemm(*operands, offs_G, fast_accum=False).to(w_GNK.dtype)
             else:
                 dw_GNK = _wgrad_bf16(dy_MN, x_MK, offs_G, w_GNK)
-        return dx_MK, dw_GNK, None
+        return dx_MK, dw_GNK, None, None
 
 
 class _FP8GroupedLinearPadded(torch.autograd.Function):
@@ -288,11 +307,11 @@ class _FP8GroupedLinearPadded(torch.autograd.Function):
     beyond the one gather of dx's real rows. Bitwise the unpadded-input path after ``ops.align.pad_rows``."""
 
     @staticmethod
-    def forward(ctx, x_RK, w_GNK, dest_R, offs_real_G, offs_G, num_rows: int):
+    def forward(ctx, x_RK, w_GNK, dest_R, offs_real_G, offs_G, num_rows: int, cache):
         ctx.save_for_backward(x_RK, w_GNK, dest_R, offs_real_G, offs_G)
-        ctx.num_rows = num_rows
+        ctx.num_rows, ctx.cache = num_rows, cache
         xq_PK, xs_P = quantize_rowwise_scatter(x_RK, dest_R, num_rows)
-        wq_GNK, ws_GN = quantized_weight(w_GNK, "fwd")
+        wq_GNK, ws_GN = quantized_weight(w_GNK, "fwd", cache)
         y_PN = _gemm(xq_PK, wq_GNK.transpose(-2, -1), xs_P, ws_GN, offs_G, fast_accum=True)
         return y_PN.to(x_RK.dtype)
 
@@ -302,7 +321,7 @@ class _FP8GroupedLinearPadded(torch.autograd.Function):
         dy_PN = dy_PN.contiguous()
         dx_RK = dw_GNK = None
         if ctx.needs_input_grad[0]:
-            operands = dgrad_operands(dy_PN, w_GNK, quantized_weight(w_GNK, "dgrad"))
+            operands = dgrad_operands(dy_PN, w_GNK, quantized_weight(w_GNK, "dgrad", ctx.cache))
             dx_PK = _gemm(*operands, offs_G, fast_accum=_dgrad_fast(w_GNK))
             dx_RK = dx_PK.index_select(0, dest_R).to(x_RK.dtype)
         if ctx.needs_input_grad[1]:
@@ -312,7 +331,7 @@ class _FP8GroupedLinearPadded(torch.autograd.Function):
                 dw_GNK = _gemm(*operands, offs_G, fast_accum=False).to(w_GNK.dtype)
             else:  # the real rows of dy against x's real rows
                 dw_GNK = _wgrad_bf16(dy_PN.index_select(0, dest_R), x_RK, offs_real_G, w_GNK)
-        return dx_RK, dw_GNK, None, None, None, None
+        return dx_RK, dw_GNK, None, None, None, None, None
 
 
 class _FP8GroupedLinearGather(torch.autograd.Function):
@@ -321,9 +340,10 @@ class _FP8GroupedLinearGather(torch.autograd.Function):
     padded gradient). Bitwise the padded-output path followed by ``ops.align.unpad_rows``."""
 
     @staticmethod
-    def forward(ctx, x_PK, w_GNK, dest_R, offs_real_G, offs_G):
+    def forward(ctx, x_PK, w_GNK, dest_R, offs_real_G, offs_G, cache):
         ctx.save_for_backward(x_PK, w_GNK, dest_R, offs_real_G, offs_G)
-        operands = fwd_operands(x_PK, w_GNK, quantized_weight(w_GNK, "fwd"))
+        ctx.cache = cache
+        operands = fwd_operands(x_PK, w_GNK, quantized_weight(w_GNK, "fwd", cache))
         return _gemm(*operands, offs_G, fast_accum=True).index_select(0, dest_R).to(x_PK.dtype)
 
     @staticmethod
@@ -334,7 +354,7 @@ class _FP8GroupedLinearGather(torch.autograd.Function):
         dx_PK = dw_GNK = None
         if ctx.needs_input_grad[0]:
             dyq_PN, dys_P = quantize_rowwise_scatter(dy_RN, dest_R, num_rows)
-            wq_GKN, ws_GK = quantized_weight(w_GNK, "dgrad")
+            wq_GKN, ws_GK = quantized_weight(w_GNK, "dgrad", ctx.cache)
             fast = _dgrad_fast(w_GNK)
             dx_PK = _gemm(dyq_PN, wq_GKN.transpose(-2, -1), dys_P, ws_GK, offs_G, fast_accum=fast)
             dx_PK = dx_PK.to(x_PK.dtype)
@@ -346,7 +366,7 @@ class _FP8GroupedLinearGather(torch.autograd.Function):
                 dw_GNK = _gemm(*operands, offs_G, fast_accum=False).to(w_GNK.dtype)
             else:  # x's real rows against the real rows of dy
                 dw_GNK = _wgrad_bf16(dy_RN, x_PK.index_select(0, dest_R), offs_real_G, w_GNK)
-        return dx_PK, dw_GNK, None, None, None
+        return dx_PK, dw_GNK, None, None, None, None
 
 
 def fp8_grouped_linear_gather(
@@ -355,6 +375,7 @@ def fp8_grouped_linear_gather(
     dest_R: torch.Tensor,
     offs_real_G: torch.Tensor,
     offs_G: torch.Tensor,
+    cache: FP8WeightCache | None = None,
 ) -> torch.Tensor:
     """``ops.align.unpad_rows(fp8_grouped_linear(x_PK, w_GNK, offs_G), plan)`` whose backward builds no
     bf16 padded gradient. Inputs as ``fp8_grouped_linear_padded`` with x [P, K] on the padded layout;
@@ -366,7 +387,7 @@ def fp8_grouped_linear_gather(
             f"fp8_grouped_linear_gather: dest {tuple(dest_R.shape)} and offs_real {tuple(offs_real_G.shape)} "
             f"do not fit offs {tuple(offs_G.shape)}; pass a PadPlan's dest_R, offsets_E"
         )
-    return _FP8GroupedLinearGather.apply(x_PK.contiguous(), w_GNK, dest_R, offs_real_G, offs_G)
+    return _FP8GroupedLinearGather.apply(x_PK.contiguous(), w_GNK, dest_R, offs_real_G, offs_G, cache)
 
 
 def fp8_grouped_linear_padded(
@@ -376,6 +397,7 @@ def fp8_grouped_linear_padded(
     offs_real_G: torch.Tensor,
     offs_G: torch.Tensor,
     num_rows: int,
+    cache: FP8WeightCache | None = None,
 ) -> torch.Tensor:
     """``fp8_grouped_linear(ops.align.pad_rows(x_RK, plan), w_GNK, offs_G)`` without the padded bf16 copy.
 
@@ -389,11 +411,15 @@ def fp8_grouped_linear_padded(
             f"fp8_grouped_linear_padded: dest {tuple(dest_R.shape)} and offs_real {tuple(offs_real_G.shape)} "
             f"do not fit x {tuple(x_RK.shape)} and offs {tuple(offs_G.shape)}; pass a PadPlan's dest_R, offsets_E"
         )
-    return _FP8GroupedLinearPadded.apply(x_RK.contiguous(), w_GNK, dest_R, offs_real_G, offs_G, num_rows)
+    x_RK = x_RK.contiguous()
+    return _FP8GroupedLinearPadded.apply(x_RK, w_GNK, dest_R, offs_real_G, offs_G, num_rows, cache)
 
 
-def fp8_grouped_linear(x_MK: torch.Tensor, w_GNK: torch.Tensor, offs_G: torch.Tensor) -> torch.Tensor:
-    """``y_MN[rows of g] = x_MK[rows of g] @ w_GNK[g].T`` in FP8 (rowwise scales) with autograd.
+def fp8_grouped_linear(
+    x_MK: torch.Tensor, w_GNK: torch.Tensor, offs_G: torch.Tensor, cache: FP8WeightCache | None = None
+) -> torch.Tensor:
+    """``y_MN[rows of g] = x_MK[rows of g] @ w_GNK[g].T`` in FP8 (rowwise scales) with autograd; the
+    quantized weights from ``cache`` (None: quantized on every call).
 
     Inputs as ``ops.grouped_gemm.grouped_linear``; each expert's rows padded to ``ALIGNMENT`` (zero
     padding rows: they add nothing to dW). Rows past ``offs_G[-1]`` (spare rows of a static-size padded
@@ -401,4 +427,4 @@ def fp8_grouped_linear(x_MK: torch.Tensor, w_GNK: torch.Tensor, offs_G: torch.Te
     Raises MoKConfigError on a device without FP8 grouped GEMMs (CPU, pre-Hopper)."""
     check_native_fp8(x_MK.device)
     _check_shapes(x_MK, w_GNK, offs_G)
-    return _FP8GroupedLinear.apply(x_MK.contiguous(), w_GNK, offs_G)
+    return _FP8GroupedLinear.apply(x_MK.contiguous(), w_GNK, offs_G, cache)

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
-from mok_megatron.ops.fp8_quantize import (
+from mok_megatron.kernels.fp8_quant_reference import (
     BLOCK,
     E4M3,
     dequantize_blockwise,
