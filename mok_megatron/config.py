@@ -13,11 +13,10 @@ from dataclasses import dataclass
 
 import torch
 
+from mok_megatron.errors import MoKConfigError
 from mok_megatron.ops.activation import Activation, ActivationSpec, activation_from_callable
 
-
-class MoKConfigError(ValueError):
-    """A setting the MoK layer cannot run with. The message names the value and the fix."""
+__all__ = ["MoKConfig", "MoKConfigError"]
 
 
 _SUPPORTED_ACTS = ", ".join(a.value for a in Activation)

@@ -40,7 +40,7 @@ from megatron.core.transformer.transformer_block import TransformerBlockSubmodul
 from mok_megatron.adapter.layer import MoKMoELayer
 from mok_megatron.adapter.router import MoKTopKRouter
 from mok_megatron.compat import have_te
-from mok_megatron.config import MoKConfigError
+from mok_megatron.errors import MoKConfigError
 from mok_megatron.experts.grouped_mlp import MoKGroupedMLP
 from mok_megatron.options import MoKOptions
 

@@ -16,7 +16,9 @@ A CUDA graph replays device work only: a region that reads the device from the h
 
 from __future__ import annotations
 
-from mok_megatron.config import MoKConfig, MoKConfigError
+from mok_megatron.config import MoKConfig
+
+from mok_megatron.errors import MoKConfigError
 from mok_megatron.options import MoKOptions
 
 

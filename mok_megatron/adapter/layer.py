@@ -29,7 +29,8 @@ from megatron.core.utils import get_pg_size
 
 from mok_megatron.adapter.cuda_graphs import check_cuda_graphs
 from mok_megatron.adapter.dispatcher import MoKTokenDispatcher
-from mok_megatron.config import MoKConfig, MoKConfigError
+from mok_megatron.config import MoKConfig
+from mok_megatron.errors import MoKConfigError
 from mok_megatron.engine.plan import RowLayout
 from mok_megatron.engine.select import select_engine
 from mok_megatron.experts.grouped_mlp import MoKGroupedMLP

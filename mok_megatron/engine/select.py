@@ -39,7 +39,9 @@ from dataclasses import dataclass
 
 import torch
 
-from mok_megatron.config import MoKConfig, MoKConfigError
+from mok_megatron.config import MoKConfig
+
+from mok_megatron.errors import MoKConfigError
 from mok_megatron.engine.pipeline import PipelineConfig
 from mok_megatron.engine.pipeline_plan import MinibatchPolicy
 from mok_megatron.engine.plan import RowLayout, aligned_plan_applies

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from mok_megatron.config import MoKConfigError
+from mok_megatron.errors import MoKConfigError
 from mok_megatron.experts.recipes import alignment_for
 from mok_megatron.ops import fp8_grouped_gemm as native
 from mok_megatron.options import ExpertBackend

@@ -49,7 +49,9 @@ from __future__ import annotations
 
 import torch
 
-from mok_megatron.config import MoKConfig, MoKConfigError
+from mok_megatron.config import MoKConfig
+
+from mok_megatron.errors import MoKConfigError
 from mok_megatron.experts.backend import expert_alignment
 from mok_megatron.experts.common import padded_expert_mlp, scale_input
 from mok_megatron.experts.grouped_mlp import MoKGroupedMLP

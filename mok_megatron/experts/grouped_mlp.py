@@ -42,7 +42,9 @@ from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
 from megatron.core.transformer.utils import make_sharded_object_for_checkpoint
 from megatron.core.utils import get_pg_rank, get_pg_size
 
-from mok_megatron.config import MoKConfig, MoKConfigError
+from mok_megatron.config import MoKConfig
+
+from mok_megatron.errors import MoKConfigError
 from mok_megatron.experts.backend import check_expert_backend, expert_alignment
 from mok_megatron.experts.groups import ExpertGroups
 from mok_megatron.experts.main_grad import main_grad_owner

@@ -36,7 +36,7 @@ def has_accumulating_gemm(weight: torch.nn.Parameter) -> bool:
 
     A CUDA device without QuACK keeps ordinary gradients: there the portable path adds every expert
     call's gradient into fp32 separately, and on an H200 (DeepSeek-V3 EP slice, 4 calls of 1,024 tokens,
-    ``mok bench wgrad``) that took 9.28 ms against 5.63 ms for bf16 sums of the same GEMMs."""
+    ``benchmarks/wgrad.py``) that took 9.28 ms against 5.63 ms for bf16 sums of the same GEMMs."""
     if weight.device.type == "cpu":
         return True
     from mok_megatron.compat import have_quack

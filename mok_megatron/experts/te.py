@@ -30,7 +30,9 @@ import torch
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
 
-from mok_megatron.config import MoKConfig, MoKConfigError
+from mok_megatron.config import MoKConfig
+
+from mok_megatron.errors import MoKConfigError
 from mok_megatron.experts.backend import check_expert_backend, expert_alignment
 from mok_megatron.experts.common import padded_expert_mlp, scale_input
 from mok_megatron.experts.grouped_mlp import MoKGroupedMLP, read_only

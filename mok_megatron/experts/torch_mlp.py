@@ -71,7 +71,7 @@ class WgradQueue:
     sums (``_merge_pays``). The result equals the per-task sum up to the order of the additions (and is
     bitwise repeatable run to run). Why: one layer call's weight gradients in 4 expert calls cost 5.83 ms
     summed against 5.41 merged and 3.79 in one call (DeepSeek-V3 EP slice), 5.50 / 3.81 / 1.88 ms
-    (Qwen3-30B-A3B, 128 experts) on an H200 (``mok bench wgrad``); with few, small experts the gather costs
+    (Qwen3-30B-A3B, 128 experts) on an H200 (``benchmarks/wgrad.py``); with few, small experts the gather costs
     more than the sums it saves."""
 
     def __init__(self, merge_calls: bool = False):
@@ -168,7 +168,7 @@ class WgradQueue:
 def _merge_pays(group: list[WgradTask]) -> bool:
     """Whether one GEMM over the gathered rows beats one GEMM per task plus the sums, by bytes: the gather
     moves every operand row (``rows x (N + K)`` elements), the sums ``len - 1`` full-size gradients.
-    Measured on an H200 in the pipeline (``mok bench overlap``, late-wgrad): DeepSeek-V3's slice (8 experts
+    Measured on an H200 in the pipeline (``benchmarks/overlap.py``, late-wgrad): DeepSeek-V3's slice (8 experts
     of 7168 x 2048) gains 0.4-0.5 ms at 4 calls and loses 0.6-0.8 ms at 2, where the rule merges only at 4;
     Qwen3's EP=8 slice (16 experts of 2048 x 768, 16k tokens) loses 1.3-1.6 ms merged, where the rule never
     merges."""

@@ -67,7 +67,7 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
 from torch.utils.weak import WeakIdKeyDictionary
 
-from mok_megatron.config import MoKConfigError
+from mok_megatron.errors import MoKConfigError
 from mok_megatron.ops.grouped_gemm import _wgrad as _bf16_wgrad
 from mok_megatron.kernels.fp8_quant import (
     quantize_rowwise,

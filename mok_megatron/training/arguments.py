@@ -39,7 +39,7 @@ import typing
 import warnings
 from enum import StrEnum
 
-from mok_megatron.config import MoKConfigError
+from mok_megatron.errors import MoKConfigError
 from mok_megatron.engine.select import check_options, pipeline_blockers
 
 from mok_megatron.options import MoKOptions, MoKOptionsError, flag_fields, flag_name

@@ -329,7 +329,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from mok_megatron.compat import use_prebuilt_dataset_helpers
 
-    from mok_megatron.config import MoKConfigError
+    from mok_megatron.errors import MoKConfigError
     from mok_megatron.options import MoKOptionsError
     from mok_megatron.training.arguments import MoKArgumentError, check_environment, tell_launcher
     from mok_megatron.training.checkpoint_files import CheckpointError, check_load, naming_load_errors

@@ -127,7 +127,7 @@ def mok_layer_problems(args) -> list[str]:
     from types import SimpleNamespace
 
     from mok_megatron.adapter.cuda_graphs import check_cuda_graphs
-    from mok_megatron.config import MoKConfigError
+    from mok_megatron.errors import MoKConfigError
     from mok_megatron.engine.select import pipeline_blockers
     from mok_megatron.experts.backend import check_expert_backend
     from mok_megatron.options import Engine, ExpertBackend

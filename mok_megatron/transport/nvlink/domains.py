@@ -14,7 +14,7 @@ import socket
 
 import torch.distributed as dist
 
-from mok_megatron.config import MoKConfigError
+from mok_megatron.errors import MoKConfigError
 from mok_megatron.transport.comm import group_size
 
 DOMAIN_ENV = "MOK_NVLINK_DOMAIN"

@@ -25,7 +25,7 @@ import importlib
 import torch
 import torch.distributed as dist
 
-from mok_megatron.config import MoKConfigError
+from mok_megatron.errors import MoKConfigError
 from mok_megatron.transport.comm import group_size
 from mok_megatron.transport.nvlink.domains import node_name
 from mok_megatron.transport.nvlink.peers import PeerBuffers
