@@ -49,8 +49,13 @@ def _num_warps(block_e: int) -> int:
 
 
 def topk_indices_reference(scores_TE: torch.Tensor, k: int) -> torch.Tensor:
-    # torch.sort orders NaN above +inf (descending: first), equal values and NaNs in ascending index
-    return torch.sort(scores_TE.float(), dim=1, descending=True, stable=True).indices[:, :k].contiguous()
+    # The kernel's int32 keys (below), sorted stably: the same order on every device. (A float sort is not:
+    # CUDA's radix sort ranks a NaN with its sign bit set below -inf and -0.0 below +0.0.)
+    s_TE = scores_TE.float()
+    s_TE = torch.where(s_TE == 0.0, 0.0, s_TE)
+    bits_TE = s_TE.view(torch.int32)
+    key_TE = torch.where(s_TE.isnan(), 0x7FFFFFFF, bits_TE ^ ((bits_TE >> 31) & 0x7FFFFFFF))
+    return torch.sort(key_TE, dim=1, descending=True, stable=True).indices[:, :k].contiguous()
 
 
 @jit
