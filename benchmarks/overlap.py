@@ -179,8 +179,8 @@ def _bench_overlap(
 
 def _graphed_baselines(rows, shapes, iters, warmup, expert_backend, dtype, device) -> None:
     """The graphed rows' fair baseline: the no-communication layer's step replayed from a CUDA graph
-    too (no host launch gaps; on an H200 0.7-2.3 ms faster than eager: docs/results/2026-12-01-late-wgrad-*,
-    docs/results/2026-12-01-loopback-overlap-5). Timed after every pipelined
+    too (no host launch gaps; on an H200 0.7-2.3 ms faster than eager: docs/results/2026-12-01-loopback/shipped).
+    Timed after every pipelined
     row, so that no graph of it is alive while they capture; each graphed row's exposed time is then
     taken against the faster baseline (``t0_ms``); eager rows keep the eager one."""
     import torch
@@ -205,8 +205,8 @@ def _graphed_baselines(rows, shapes, iters, warmup, expert_backend, dtype, devic
         print(f"{name} [{expert_backend}]: no communication, CUDA graph: {1e3 * t0g:.2f} ms", flush=True)
         t0 = min(r["ms"] for r in rows if r["shape"] == name and r.get("gbps", 0) is None)
         for r in rows:
-            graphed = r.get("mode") is not None and MODES[r["mode"].split()[0]][1]
-            if r["shape"] == name and r.get("gbps") is not None and "profile" not in r and graphed:
+            in_graph = r.get("mode") is not None and MODES[r["mode"].split()[0]][1]
+            if r["shape"] == name and r.get("gbps") is not None and "profile" not in r and in_graph:
                 r["t0_ms"] = t0
                 r["exposed_ms"] = r["ms"] - t0
                 r["exposed_frac"] = (r["exposed_ms"] / r["comm_ms"]) if r["comm_ms"] else None

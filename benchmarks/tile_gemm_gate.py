@@ -13,7 +13,7 @@ reach it with waits at that K.
 
 Legend: M rows received (expert-major), G local experts, H hidden, F expert FFN width.
 
-    python benchmarks/tile_gemm_gate.py --json out.json          # H200 (QuACK needed: `pip install quack-kernels`)
+    python -m benchmarks.tile_gemm_gate --json gate.json     # sm_90 (QuACK needed: pip install quack-kernels)
 """
 
 from __future__ import annotations
@@ -33,7 +33,13 @@ SHAPES = {
 }
 GATE = 1.03
 # QuACK sm_90 tile configurations: (tile_m, tile_n, pingpong, cluster_m); the first is QuACK's default
-CONFIGS = ((128, 192, True, 2), (128, 256, False, 2), (256, 128, False, 2), (256, 192, False, 2), (128, 128, True, 1))
+CONFIGS = (
+    (128, 192, True, 2),
+    (128, 256, False, 2),
+    (256, 128, False, 2),
+    (256, 192, False, 2),
+    (128, 128, True, 1),
+)
 
 
 def counts(shape: dict, seed: int = 0) -> torch.Tensor:
@@ -54,9 +60,15 @@ def problems(shape: dict, device) -> dict:
         "offs": offs_G,
         "cu": torch.nn.functional.pad(offs_G, (1, 0)),
         # fc1: y_M2F = x_MH @ w1_G2FH[g].T
-        "fc1": (torch.randn(m, h, device=device, dtype=bf), torch.randn(g, 2 * f, h, device=device, dtype=bf).mT),
+        "fc1": (
+            torch.randn(m, h, device=device, dtype=bf),
+            torch.randn(g, 2 * f, h, device=device, dtype=bf).mT,
+        ),
         # fc2 input gradient: dh_MF = dy_MH @ w2_GHF[g]
-        "fc2_dgrad": (torch.randn(m, h, device=device, dtype=bf), torch.randn(g, h, f, device=device, dtype=bf)),
+        "fc2_dgrad": (
+            torch.randn(m, h, device=device, dtype=bf),
+            torch.randn(g, h, f, device=device, dtype=bf),
+        ),
     }
 
 
@@ -120,47 +132,80 @@ def main(argv=None) -> int:
             x, w = prob[gemm]
             ref = torch._grouped_mm(x, w, offs=prob["offs"])
             outs[gemm] = ref
-            t = time_ms(lambda: torch._grouped_mm(x, w, offs=prob["offs"]), a.iters, a.rounds)
+            t = time_ms(
+                lambda x=x, w=w, offs=prob["offs"]: torch._grouped_mm(x, w, offs=offs), a.iters, a.rounds
+            )
             rows.append(dict(shape=name, gemm=gemm, impl="torch._grouped_mm", k=0, ms=t, rows=prob["rows"]))
             print(f"{name:18s} {gemm:10s} torch._grouped_mm        k= 0 {t:8.3f} ms", flush=True)
             for tm, tn, pp, cm in CONFIGS:
-                cfg = GemmConfig(tile_m=tm, tile_n=tn, pingpong=pp, cluster_m=cm, cluster_n=1,
-                                 is_dynamic_persistent=False, device_capacity=9)
+                cfg = GemmConfig(
+                    tile_m=tm,
+                    tile_n=tn,
+                    pingpong=pp,
+                    cluster_m=cm,
+                    cluster_n=1,
+                    is_dynamic_persistent=False,
+                    device_capacity=9,
+                )
                 label = f"quack {tm}x{tn}{' pp' if pp else ' coop'} c{cm}"
                 out = torch.empty_like(ref)
 
-                def run(x=x, w=w, out=out, cfg=cfg):
-                    gemm_tuned.fn(x, w, out, cu_seqlens_m=prob["cu"], config=cfg)
+                def run(x=x, w=w, out=out, cfg=cfg, cu=prob["cu"]):
+                    gemm_tuned.fn(x, w, out, cu_seqlens_m=cu, config=cfg)
 
                 try:
                     run()
                     torch.cuda.synchronize()
                 except Exception as e:  # a tile shape this problem's layout does not take
-                    print(f"{name:18s} {gemm:10s} {label:24s} skipped: {type(e).__name__}: {e}"[:200], flush=True)
+                    print(
+                        f"{name:18s} {gemm:10s} {label:24s} skipped: {type(e).__name__}: {e}"[:200],
+                        flush=True,
+                    )
                     continue
                 err = ((out.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
                 for k in ks:
                     with HeldBack(qg, k):
                         t = time_ms(run, a.iters, a.rounds)
-                    rows.append(dict(shape=name, gemm=gemm, impl=label, k=k, ms=t, rows=prob["rows"], rel_err=err))
-                    print(f"{name:18s} {gemm:10s} {label:24s} k={k:2d} {t:8.3f} ms  (err {err:.1e})", flush=True)
+                    rows.append(
+                        dict(shape=name, gemm=gemm, impl=label, k=k, ms=t, rows=prob["rows"], rel_err=err)
+                    )
+                    print(
+                        f"{name:18s} {gemm:10s} {label:24s} k={k:2d} {t:8.3f} ms  (err {err:.1e})", flush=True
+                    )
     gate = []
     for name in a.shapes.split(","):
         base = sum(r["ms"] for r in rows if r["shape"] == name and r["impl"] == "torch._grouped_mm")
         for k in ks:
             best = {}
             for gemm in ("fc1", "fc2_dgrad"):
-                cand = [r for r in rows if r["shape"] == name and r["gemm"] == gemm and r["k"] == k
-                        and r["impl"] != "torch._grouped_mm"]
+                cand = [
+                    r
+                    for r in rows
+                    if r["shape"] == name
+                    and r["gemm"] == gemm
+                    and r["k"] == k
+                    and r["impl"] != "torch._grouped_mm"
+                ]
                 if cand:
                     best[gemm] = min(cand, key=lambda r: r["ms"])
             if len(best) == 2:
                 tot = best["fc1"]["ms"] + best["fc2_dgrad"]["ms"]
-                gate.append(dict(shape=name, k=k, torch_ms=base, quack_best_ms=tot, ratio=tot / base,
-                                 passes=tot / base <= GATE,
-                                 configs={g: r["impl"] for g, r in best.items()}))
-                print(f"gate {name:18s} k={k:2d}: torch {base:.3f} ms, best QuACK {tot:.3f} ms = {tot / base:.3f}x "
-                      f"({'meets' if tot / base <= GATE else 'misses'} <= {GATE:.2f}x)", flush=True)
+                gate.append(
+                    dict(
+                        shape=name,
+                        k=k,
+                        torch_ms=base,
+                        quack_best_ms=tot,
+                        ratio=tot / base,
+                        passes=tot / base <= GATE,
+                        configs={g: r["impl"] for g, r in best.items()},
+                    )
+                )
+                print(
+                    f"gate {name:18s} k={k:2d}: torch {base:.3f} ms, best QuACK {tot:.3f} ms = {tot / base:.3f}x "
+                    f"({'meets' if tot / base <= GATE else 'misses'} <= {GATE:.2f}x)",
+                    flush=True,
+                )
     if a.json:
         with open(a.json, "w") as fh:
             json.dump(dict(device=torch.cuda.get_device_name(), rows=rows, gate=gate), fh, indent=1)

@@ -130,7 +130,9 @@ def test_imports_go_down_the_floors():
         unit = _unit(name)
         for dep in deps:
             if dep.startswith(("benchmarks", "tests")):
-                wrong.append(f"{name} -> {dep} (the package never imports the repository's {dep.split('.')[0]}/)")
+                wrong.append(
+                    f"{name} -> {dep} (the package never imports the repository's {dep.split('.')[0]}/)"
+                )
                 continue
             other = _unit(dep)
             if other == unit:

@@ -2,7 +2,7 @@
 
 A benchmark on a power-capped GPU measures the power cap as much as the code: on the H200 (700 W) the
 DeepSeek-V3 expert GEMMs run at 1,100-1,550 MHz SM clock with the software power cap active, against a
-1,980 MHz maximum (``docs/results/2026-12-01-layer-limits-1``). ``mok bench layer`` records, per
+1,980 MHz maximum (``docs/results/2026-12-01-layer/clocks``). ``mok bench layer`` records, per
 implementation, the median SM clock, the power draw and the clock-event reasons seen while it was timed,
 so a table says which rows ran throttled.
 
