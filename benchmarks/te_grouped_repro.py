@@ -19,13 +19,7 @@ Variants (rows per expert = the counts, padded up to ``align`` with zero rows):
   qwen           Qwen3-30B-A3B's fc1 (128 experts, 2048 -> 1536, 32768 rows, skewed counts, some empty)
 and the FP8 recipes Float8CurrentScaling (``cs``) and Float8BlockScaling (``block``) at paddings 16 / 128.
 
-Measured on one H200 (TE 2.20.2, cuBLASLt 13.10, torch 2.11): with 3 or 8 experts every bf16 layout above
-(unpadded counts, int32 splits, padding 16, empty experts, spare rows) and tensorwise FP8 at padding 16 give
-results bitwise equal to TE's per-expert path, empty experts a zero weight gradient; blockwise FP8 is
-bitwise equal at padding 128 and does not finish at padding 16 (TE's grouped blockwise quantization
-requires every expert's rows to be a multiple of 128 and stops on the device otherwise); a host list is
-refused (ValueError); 128 experts with one weight tensor per expert are refused in every precision
-(TE's grouped GEMM takes at most 64 per-expert weight tensors per call).
+Measured: docs/performance.md (FP8 expert backends) and docs/results/2026-12-03-te-grouped-gemm.
 
 Each variant runs in its own process (a device-side assertion ends the CUDA context), 8 at a time. Run on
 one Hopper GPU with TE 2.20 and a cuBLASLt that has the grouped GEMM:
