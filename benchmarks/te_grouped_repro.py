@@ -113,7 +113,9 @@ def run_variant(name: str) -> dict:
     x = torch.zeros(rows + tail, k_in)
     dy = torch.zeros(rows + tail, n_out)
     off = 0
-    for c, p in zip(counts, padded):  # real rows random, padding rows zero (as a padding scatter leaves them)
+    for c, p in zip(
+        counts, padded, strict=True
+    ):  # real rows random, padding rows zero (as a padding scatter leaves them)
         x[off : off + c] = torch.randn(c, k_in, generator=gen)
         dy[off : off + c] = torch.randn(c, n_out, generator=gen)
         off += p
@@ -136,7 +138,12 @@ def run_variant(name: str) -> dict:
 
     def build(grouped: bool):
         m = te.GroupedLinear(
-            experts, k_in, n_out, bias=False, params_dtype=torch.bfloat16, device=dev,
+            experts,
+            k_in,
+            n_out,
+            bias=False,
+            params_dtype=torch.bfloat16,
+            device=dev,
             use_grouped_tensor=grouped,
         )
         with torch.no_grad():
@@ -154,21 +161,31 @@ def run_variant(name: str) -> dict:
         dw = torch.stack([getattr(m, f"weight{e}").grad for e in range(experts)])
         return y.detach(), xi.grad.detach(), dw
 
-    out = {"variant": name, "recipe": recipe_name or "bf16", "experts": experts, "shape": f"{k_in}->{n_out}",
-           "align": align, "splits": form, "rows": rows, "tail": tail,
-           "zero_experts": sum(1 for c in counts if c == 0),
-           "counts_multiple_of_16": all(c % 16 == 0 for c in padded),
-           "counts_multiple_of_128": all(c % 128 == 0 for c in padded),
-           "path_supported": bool(gl.is_module_grouped_tensor_path_supported(recipe, torch.bfloat16))}
+    out = {
+        "variant": name,
+        "recipe": recipe_name or "bf16",
+        "experts": experts,
+        "shape": f"{k_in}->{n_out}",
+        "align": align,
+        "splits": form,
+        "rows": rows,
+        "tail": tail,
+        "zero_experts": sum(1 for c in counts if c == 0),
+        "counts_multiple_of_16": all(c % 16 == 0 for c in padded),
+        "counts_multiple_of_128": all(c % 128 == 0 for c in padded),
+        "path_supported": bool(gl.is_module_grouped_tensor_path_supported(recipe, torch.bfloat16)),
+    }
 
     # TE's per-expert path: host list, tight rows
     legacy = run(build(False), padded, x[:rows], dy[:rows])
     calls_legacy = dict(calls)
     calls.update(grouped=0, per_expert=0)
 
-    splits = {"cuda64": torch.tensor(padded, dtype=torch.int64, device=dev),
-              "cuda32": torch.tensor(padded, dtype=torch.int32, device=dev),
-              "list": list(padded)}[form]
+    splits = {
+        "cuda64": torch.tensor(padded, dtype=torch.int64, device=dev),
+        "cuda32": torch.tensor(padded, dtype=torch.int32, device=dev),
+        "list": list(padded),
+    }[form]
     t0 = time.perf_counter()
     try:
         y, dx, dw = run(build(True), splits, x, dy)
@@ -181,12 +198,18 @@ def run_variant(name: str) -> dict:
     nz = [e for e, c in enumerate(counts) if c > 0]
     z = [e for e, c in enumerate(counts) if c == 0]
     out.update(
-        nan_out=int(torch.isnan(y[:rows]).sum()), nan_dx=int(torch.isnan(dx[:rows]).sum()),
-        nan_dw=int(torch.isnan(dw).sum()), nonfinite_dw=int((~torch.isfinite(dw)).sum()),
-        rel_out=_rel(y[:rows], y_ref), rel_dx=_rel(dx[:rows], dx_ref), rel_dw=_rel(dw[nz], dw_ref[nz]),
-        rel_out_vs_te=_rel(y[:rows], legacy[0]), rel_dx_vs_te=_rel(dx[:rows], legacy[1]),
+        nan_out=int(torch.isnan(y[:rows]).sum()),
+        nan_dx=int(torch.isnan(dx[:rows]).sum()),
+        nan_dw=int(torch.isnan(dw).sum()),
+        nonfinite_dw=int((~torch.isfinite(dw)).sum()),
+        rel_out=_rel(y[:rows], y_ref),
+        rel_dx=_rel(dx[:rows], dx_ref),
+        rel_dw=_rel(dw[nz], dw_ref[nz]),
+        rel_out_vs_te=_rel(y[:rows], legacy[0]),
+        rel_dx_vs_te=_rel(dx[:rows], legacy[1]),
         rel_dw_vs_te=_rel(dw[nz], legacy[2][nz]),
-        te_rel_out=_rel(legacy[0], y_ref), te_rel_dw=_rel(legacy[2][nz], dw_ref[nz]),
+        te_rel_out=_rel(legacy[0], y_ref),
+        te_rel_dw=_rel(legacy[2][nz], dw_ref[nz]),
     )
     if z:  # an expert without rows has a zero weight gradient
         out["zero_expert_dw_absmax"] = float(dw[z].float().abs().nan_to_num(float("inf")).max())
@@ -203,9 +226,13 @@ def environment() -> dict:
     import transformer_engine_torch as tex
 
     libs = sorted({ln.split()[-1] for ln in open("/proc/self/maps") if "libcublas" in ln})
-    return {"torch": torch.__version__, "te": getattr(transformer_engine, "__version__", "?"),
-            "cublasLt": tex.get_cublasLt_version(), "gpu": torch.cuda.get_device_name(),
-            "libcublas": libs}
+    return {
+        "torch": torch.__version__,
+        "te": getattr(transformer_engine, "__version__", "?"),
+        "cublasLt": tex.get_cublasLt_version(),
+        "gpu": torch.cuda.get_device_name(),
+        "libcublas": libs,
+    }
 
 
 def main() -> None:
@@ -226,8 +253,13 @@ def main() -> None:
     while pending or running:
         while pending and len(running) < args.parallel:
             n = pending.pop(0)
-            p = subprocess.Popen([sys.executable, __file__, "--variant", n], stdout=subprocess.PIPE,
-                                 stderr=subprocess.PIPE, text=True, env=dict(os.environ))
+            p = subprocess.Popen(
+                [sys.executable, __file__, "--variant", n],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+                env=dict(os.environ),
+            )
             running.append((n, p, time.time()))
         time.sleep(0.2)
         for item in list(running):
@@ -248,7 +280,9 @@ def main() -> None:
                 results[n] = {"variant": n, "crashed": how, "stderr": " | ".join(keep[-6:])[-800:]}
             print("RESULT " + json.dumps(results[n]), flush=True)
             running.remove(item)
-    print("\nvariant                      nan out/dx/dw   rel out   rel dx    rel dw    vs TE per-expert out/dw  note")
+    print(
+        "\nvariant                      nan out/dx/dw   rel out   rel dx    rel dw    vs TE per-expert out/dw  note"
+    )
     for n in names:
         r = results[n]
         if "crashed" in r or "error" in r:
@@ -256,14 +290,18 @@ def main() -> None:
             continue
         note = []
         if "zero_expert_dw_absmax" in r:
-            note.append(f"empty-expert dW max {r['zero_expert_dw_absmax']:.3g} (TE per-expert "
-                        f"{r['zero_expert_dw_absmax_te']:.3g})")
+            note.append(
+                f"empty-expert dW max {r['zero_expert_dw_absmax']:.3g} (TE per-expert "
+                f"{r['zero_expert_dw_absmax_te']:.3g})"
+            )
         if "tail_out_nonfinite" in r:
             note.append(f"tail nonfinite out/dx {r['tail_out_nonfinite']}/{r['tail_dx_nonfinite']}")
         if not r["calls"]["grouped"]:
             note.append("grouped path NOT taken")
-        print(f"{n:28s} {r['nan_out']}/{r['nan_dx']}/{r['nan_dw']:<10} {r['rel_out']:.2e}  {r['rel_dx']:.2e}  "
-              f"{r['rel_dw']:.2e}  {r['rel_out_vs_te']:.2e}/{r['rel_dw_vs_te']:.2e}       {'; '.join(note)}")
+        print(
+            f"{n:28s} {r['nan_out']}/{r['nan_dx']}/{r['nan_dw']:<10} {r['rel_out']:.2e}  {r['rel_dx']:.2e}  "
+            f"{r['rel_dw']:.2e}  {r['rel_out_vs_te']:.2e}/{r['rel_dw_vs_te']:.2e}       {'; '.join(note)}"
+        )
 
 
 if __name__ == "__main__":
