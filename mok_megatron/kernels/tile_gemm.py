@@ -71,7 +71,9 @@ class TileConfig:
                 f"tile {self.tile_m}x{self.tile_n}; tile_m must be 64, 128, 192 or 256 and tile_n a multiple of "
                 "16 up to 256"
             )
-        if self.pingpong and (self.tile_m not in (64, 128, 192) or self.tile_n > (256, 208, 128)[self.tile_m // 64 - 1]):
+        if self.pingpong and (
+            self.tile_m not in (64, 128, 192) or self.tile_n > (256, 208, 128)[self.tile_m // 64 - 1]
+        ):
             return f"pingpong tile {self.tile_m}x{self.tile_n}; pingpong takes 64x256, 128x208 or 192x128 at most"
         if self.cluster_m not in (1, 2, 4):
             return f"cluster_m={self.cluster_m}; it must be 1, 2 or 4"
@@ -322,7 +324,9 @@ def grid_clusters(device: torch.device, config: TileConfig, sms_held_back: int) 
     """Persistent clusters on ``SMs - sms_held_back`` SMs (at most what fits on the whole GPU)."""
     fit, sms = _max_clusters(device.index or 0, config.cluster_m)
     if not 0 <= sms_held_back < sms - config.cluster_m:
-        raise ValueError(f"grid_clusters: sms_held_back={sms_held_back}; it must be in [0, {sms - config.cluster_m})")
+        raise ValueError(
+            f"grid_clusters: sms_held_back={sms_held_back}; it must be in [0, {sms - config.cluster_m})"
+        )
     return min(fit, (sms - sms_held_back) // config.cluster_m)
 
 
@@ -365,7 +369,9 @@ def tile_grouped_mm(
         )
     for name, t in (("offs", offs_G), ("counters", counters_S), ("tiles", plan.tiles_W3)):
         if t.dtype != torch.int32 or t.device != a_MK.device:
-            raise ValueError(f"tile_grouped_mm: {name} is {t.dtype} on {t.device}; it must be int32 on {a_MK.device}")
+            raise ValueError(
+                f"tile_grouped_mm: {name} is {t.dtype} on {t.device}; it must be int32 on {a_MK.device}"
+            )
     if a_MK.stride(1) != 1:
         raise ValueError("tile_grouped_mm: a_MK must have contiguous rows (K contiguous)")
     if out is None:

@@ -273,7 +273,8 @@ def compile_tile_gemm(a_dtype, b_dtype, d_dtype, b_major, tile_shape_mn, cluster
 
 
 def b_major_of(b_GKN: torch.Tensor) -> str:
-    """"k" when b's K is contiguous (fc1's ``w1.mT``), "n" when N is (fc2's ``w2`` in the input gradient)."""
+    """B's major mode: ``"k"`` when K is contiguous (fc1's ``w1.mT``), ``"n"`` when N is (``w2`` in fc2's
+    input gradient)."""
     if b_GKN.stride(1) == 1:
         return "k"
     if b_GKN.stride(2) == 1:
