@@ -68,13 +68,15 @@ class TileConfig:
         """Why QuACK's sm_90 kernel cannot take this configuration, or None (the pure functions take any)."""
         if self.tile_m not in (64, 128, 192, 256) or self.tile_n % 16 or self.tile_n > 256:
             return (
-                f"tile {self.tile_m}x{self.tile_n}; tile_m must be 64, 128, 192 or 256 and tile_n a multiple of "
-                "16 up to 256"
+                f"tile {self.tile_m}x{self.tile_n}; tile_m must be 64, 128, 192 or 256 and tile_n a "
+                "multiple of 16 up to 256"
             )
         if self.pingpong and (
             self.tile_m not in (64, 128, 192) or self.tile_n > (256, 208, 128)[self.tile_m // 64 - 1]
         ):
-            return f"pingpong tile {self.tile_m}x{self.tile_n}; pingpong takes 64x256, 128x208 or 192x128 at most"
+            return (
+                f"pingpong tile {self.tile_m}x{self.tile_n}; pingpong takes 64x256, 128x208, 192x128 at most"
+            )
         if self.cluster_m not in (1, 2, 4):
             return f"cluster_m={self.cluster_m}; it must be 1, 2 or 4"
         return None
@@ -111,7 +113,7 @@ class TilePlan:
         return dataclasses.replace(self, targets_S=torch.where(real, self.targets_S + base, self.targets_S))
 
 
-# ---- sizes (host ints) -------------------------------------------------------------------------------------------
+# ---- sizes (host ints) -------------------------------------------------------------------------------------
 
 
 def cluster_rows_capacity(rows: int, groups: int, config: TileConfig) -> int:
@@ -130,7 +132,7 @@ def slot_capacity(rows: int, groups: int, config: TileConfig) -> int:
     return cluster_rows_capacity(rows, groups, config) * config.cluster_m
 
 
-# ---- pure functions: the tile-to-expert map, counter targets, tile orders -----------------------------------------
+# ---- pure functions: the tile-to-expert map, counter targets, tile orders ----------------------------------
 
 
 def _counts(offs_G: torch.Tensor) -> torch.Tensor:
@@ -139,7 +141,7 @@ def _counts(offs_G: torch.Tensor) -> torch.Tensor:
 
 
 def slot_base(offs_G: torch.Tensor, config: TileConfig) -> torch.Tensor:
-    """int32 [G]: the counter slot of each expert's first row tile (padded row tiles of the experts before)."""
+    """int32 [G]: the counter slot of each expert's first row tile (the padded row tiles before it)."""
     slots_G = (_counts(offs_G) + config.block_m - 1) // config.block_m * config.cluster_m
     return (torch.cumsum(slots_G, 0) - slots_G).to(torch.int32)
 
@@ -251,7 +253,7 @@ def tile_plan(
     return TilePlan(config, n, tiles_W3.contiguous(), base_G, counter_targets(offs_G, rows, config))
 
 
-# ---- references --------------------------------------------------------------------------------------------------
+# ---- references --------------------------------------------------------------------------------------------
 
 
 def grouped_mm_reference(a_MK: torch.Tensor, b_GKN: torch.Tensor, offs_G: torch.Tensor) -> torch.Tensor:
@@ -309,7 +311,7 @@ def tile_gemm_reference(
     return out.to(a_MK.dtype)
 
 
-# ---- the kernel (sm_90, QuACK) -----------------------------------------------------------------------------------
+# ---- the kernel (sm_90, QuACK) -----------------------------------------------------------------------------
 
 
 @functools.cache
@@ -357,15 +359,15 @@ def tile_grouped_mm(
         raise ValueError(f"tile_grouped_mm: the plan's {why} (QuACK's sm_90 kernel)")
     if kb != k or n != plan.n or offs_G.shape != (g,) or plan.slot_base_G.shape != (g,):
         raise ValueError(
-            f"tile_grouped_mm: a {tuple(a_MK.shape)}, b {tuple(b_GKN.shape)}, offs {tuple(offs_G.shape)}, plan for "
-            f"{plan.slot_base_G.numel()} groups and {plan.n} columns; they must agree (a [M, K], b [G, K, N], "
-            "offs [G], the plan built from the same offs and N)"
+            f"tile_grouped_mm: a {tuple(a_MK.shape)}, b {tuple(b_GKN.shape)}, offs {tuple(offs_G.shape)}, "
+            f"plan for {plan.slot_base_G.numel()} groups and {plan.n} columns; they must agree (a [M, K], "
+            "b [G, K, N], offs [G], the plan built from the same offs and N)"
         )
     if plan.tiles_W3.shape != (work_capacity(m, g, n, cfg), 3) or counters_S.shape != plan.targets_S.shape:
         raise ValueError(
-            f"tile_grouped_mm: tiles {tuple(plan.tiles_W3.shape)}, counters {tuple(counters_S.shape)}, targets "
-            f"{tuple(plan.targets_S.shape)}; build the plan with tile_plan(offs, {m}, {n}, config) and size the "
-            "counters like its targets"
+            f"tile_grouped_mm: tiles {tuple(plan.tiles_W3.shape)}, counters {tuple(counters_S.shape)}, "
+            f"targets {tuple(plan.targets_S.shape)}; build the plan with tile_plan(offs, {m}, {n}, config) "
+            "and size the counters like its targets"
         )
     for name, t in (("offs", offs_G), ("counters", counters_S), ("tiles", plan.tiles_W3)):
         if t.dtype != torch.int32 or t.device != a_MK.device:
