@@ -45,7 +45,7 @@ def _expected_items(counts, n, cfg):
     return items
 
 
-# ---- sizes, slots, targets ------------------------------------------------------------------------------------
+# ---- sizes, slots, targets ---------------------------------------------------------------------------------
 
 
 def test_hand_worked_plan():
@@ -53,7 +53,7 @@ def test_hand_worked_plan():
     # clusters of 2 row tiles, bands of 2 column tiles
     offs = _offs([5, 0, 16, 9])
     plan = tg.tile_plan(offs, 32, 40, SMALL)
-    # expert 0: 2 row tiles (1 real + cluster padding... 5 rows = tiles of 4 + 1); expert 2: 4; expert 3: 3 -> 4
+    # slots: expert 0 (5 rows) 2, expert 1 none, expert 2 (16 rows) 4, expert 3 (9 rows, 3 tiles) 4
     assert plan.slot_base_G.tolist() == [0, 2, 2, 6]
     assert plan.targets_S.tolist() == [4, 1, 4, 4, 4, 4, 4, 4, 1, 0, 0, 0, 0, 0]
     assert tg.slot_capacity(32, 4, SMALL) == 14 and tg.work_capacity(32, 4, 40, SMALL) == 21
@@ -91,7 +91,7 @@ def test_targets_count_the_rows_of_each_slot(counts, rows, cfg):
         assert targets[int(base[e]) : int(base[e]) + n_slots].tolist() == want
 
 
-# ---- tile orders ---------------------------------------------------------------------------------------------------
+# ---- tile orders -------------------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize(
@@ -134,7 +134,7 @@ def test_arrival_order_sorts_by_the_latest_row_and_keeps_quack_order_in_ties():
     assert bool(torch.all(ready_S[9:] == torch.iinfo(torch.int64).min))  # padding: ready at once
     quack = tg.tile_plan(offs, rows, n, SMALL).tiles_W3.tolist()
     tiles = tg.tile_plan(offs, rows, n, SMALL, ready_M=ready).tiles_W3.tolist()
-    # expert 3's second cluster row (slots 8, 9: ready 1) first, then everything else (ready 4) as QuACK has it
+    # expert 3's second cluster row (slots 8, 9: ready 1) first, then the rest (ready 4) as QuACK has it
     assert tiles[:3] == [[3, 1, 0], [3, 1, 1], [3, 1, 2]]
     assert tiles[3:15] == [t for t in quack[:15] if t[:2] != [3, 1]]
 
@@ -149,7 +149,7 @@ def test_plans_are_sync_free_shapes_on_meta():
     assert plan.targets_S.shape == (tg.slot_capacity(4096, 8, tg.QWEN3),)
 
 
-# ---- the GEMM's math, tile by tile ------------------------------------------------------------------------------
+# ---- the GEMM's math, tile by tile -------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("counts,rows", [([5, 0, 16, 9], 32), ([0, 0, 70], 72), ([1, 2, 3, 4], 10), ([0], 3)])
@@ -217,7 +217,7 @@ def test_kernel_without_quack_names_the_fix():
     a, b = _operands(4, 8, 16, 1)
     plan = tg.tile_plan(offs, 4, 16, tg.QWEN3)
     with pytest.raises(ImportError, match=r"quack-kernels >=0\.4\.1,<0\.5.*pip install"):
-        tg.tile_grouped_mm(a, b, offs, plan, plan.targets_S.clone())
+        tg.tile_grouped_mm(a, b, plan, plan.targets_S.clone())
 
 
 def _shuffled(plan, groups, seed):
@@ -228,7 +228,7 @@ def _shuffled(plan, groups, seed):
     return dataclasses.replace(plan, tiles_W3=torch.cat([tiles[:valid][perm], tiles[valid:]]).contiguous())
 
 
-# ---- the kernel compiles for sm_90a without a GPU ------------------------------------------------------------------
+# ---- the kernel compiles for sm_90a without a GPU ----------------------------------------------------------
 
 # cute.compile runs the whole pipeline (PTX, then ptxas to a cubin) before it loads the module through the
 # CUDA driver; the script stops it there.
@@ -276,7 +276,7 @@ def test_kernel_compiles_for_sm90a_without_a_gpu(tmp_path):
         assert "ld.acquire.gpu.global" in text and "fence.proxy.async.global" in text
 
 
-# ---- GPU: the kernel against torch._grouped_mm ------------------------------------------------------------------
+# ---- GPU: the kernel against torch._grouped_mm -------------------------------------------------------------
 
 
 def _sm90_with_quack() -> bool:
@@ -320,10 +320,10 @@ def _check(out, a, b, offs):
 @pytest.mark.parametrize("held_back", [0, 8])
 def test_counters_preset_match_grouped_mm_gpu(cfg, b_major, held_back):
     offs, a, b, plan = _gpu_case(cfg, b_major)
-    out = tg.tile_grouped_mm(a, b, offs, plan, plan.targets_S.clone(), sms_held_back=held_back)
+    out = tg.tile_grouped_mm(a, b, plan, plan.targets_S.clone(), sms_held_back=held_back)
     torch.cuda.synchronize()
     _check(out, a, b, offs)
-    again = tg.tile_grouped_mm(a, b, offs, plan, plan.targets_S.clone(), sms_held_back=held_back)
+    again = tg.tile_grouped_mm(a, b, plan, plan.targets_S.clone(), sms_held_back=held_back)
     assert torch.equal(out, again)
 
 
@@ -336,7 +336,7 @@ def test_counters_preset_equal_quack_without_waits_gpu():
 
     cfg = tg.QWEN3
     offs, a, b, plan = _gpu_case(cfg, "k", seed=3)
-    out = tg.tile_grouped_mm(a, b, offs, plan, plan.targets_S.clone())
+    out = tg.tile_grouped_mm(a, b, plan, plan.targets_S.clone())
     quack = torch.empty_like(out)
     qcfg = GemmConfig(
         tile_m=cfg.tile_m, tile_n=cfg.tile_n, pingpong=cfg.pingpong, cluster_m=cfg.cluster_m, cluster_n=1,
@@ -353,7 +353,7 @@ def test_counters_preset_equal_quack_without_waits_gpu():
 def test_random_tile_order_matches_grouped_mm_gpu():
     offs, a, b, plan = _gpu_case(tg.QWEN3, "k", seed=1)
     plan = _shuffled(plan, len(GPU_COUNTS), seed=7)
-    out = tg.tile_grouped_mm(a, b, offs, plan, plan.targets_S.clone(), sms_held_back=8)
+    out = tg.tile_grouped_mm(a, b, plan, plan.targets_S.clone(), sms_held_back=8)
     torch.cuda.synchronize()
     _check(out, a, b, offs)
 
@@ -369,7 +369,7 @@ def test_counters_released_late_from_another_stream_gpu(order):
 
     cfg = tg.QWEN3
     offs, a_src, b, plan = _gpu_case(cfg, "k", seed=2)
-    tg.tile_grouped_mm(a_src, b, offs, plan, plan.targets_S.clone(), sms_held_back=8)  # compiled before
+    tg.tile_grouped_mm(a_src, b, plan, plan.targets_S.clone(), sms_held_back=8)  # compiled before
     slot_M = tg.row_slots(offs, GPU_ROWS, cfg)
     slots = torch.unique(slot_M[slot_M >= 0]).tolist()
     slots = slots[::-1] if order == "reversed" else slots[1::2] + slots[0::2]
@@ -386,7 +386,7 @@ def test_counters_released_late_from_another_stream_gpu(order):
             spin_ns(50_000, a.device)
             a.index_copy_(0, rows, a_src.index_select(0, rows))
             counters.index_add_(0, slot_M[rows], ones[: rows.numel()])
-    out = tg.tile_grouped_mm(a, b, offs, plan, counters, sms_held_back=8)
+    out = tg.tile_grouped_mm(a, b, plan, counters, sms_held_back=8)
     torch.cuda.synchronize()
     assert torch.equal(counters, plan.targets_S)
     end = int(offs[-1])

@@ -95,6 +95,7 @@ QWEN3 = TileConfig(tile_m=128, tile_n=192, pingpong=True, cluster_m=2)
 class TilePlan:
     """What the waiting GEMM reads besides its operands, all int32 on the operands' device.
 
+    cu_G1         [0, *offs_G]: each expert's first row (QuACK's cu_seqlens_m)
     tiles_W3      (expert, cluster row within the expert, column tile) per work item, in visiting order;
                   rows past the last work item hold expert G
     slot_base_G   counter slot of each expert's first row tile
@@ -102,7 +103,9 @@ class TilePlan:
     """
 
     config: TileConfig
+    rows: int
     n: int
+    cu_G1: torch.Tensor
     tiles_W3: torch.Tensor
     slot_base_G: torch.Tensor
     targets_S: torch.Tensor
@@ -250,7 +253,10 @@ def tile_plan(
         if ready_M.shape != (rows,):
             raise ValueError(f"tile_plan: ready_M has shape {tuple(ready_M.shape)}; it must be ({rows},)")
         tiles_W3 = arrival_tile_order(tiles_W3, base_G, slot_ready(offs_G, ready_M, config), config)
-    return TilePlan(config, n, tiles_W3.contiguous(), base_G, counter_targets(offs_G, rows, config))
+    cu_G1 = torch.nn.functional.pad(offs_G.to(torch.int32), (1, 0))
+    return TilePlan(
+        config, rows, n, cu_G1, tiles_W3.contiguous(), base_G, counter_targets(offs_G, rows, config)
+    )
 
 
 # ---- references --------------------------------------------------------------------------------------------
@@ -335,21 +341,20 @@ def grid_clusters(device: torch.device, config: TileConfig, sms_held_back: int) 
 def tile_grouped_mm(
     a_MK: torch.Tensor,
     b_GKN: torch.Tensor,
-    offs_G: torch.Tensor,
     plan: TilePlan,
     counters_S: torch.Tensor,
     *,
     sms_held_back: int = 0,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """``out_MN`` = ``torch._grouped_mm(a_MK, b_GKN, offs=offs_G)``, one launch on the current stream, each
-    row tile loaded once ``counters_S`` reaches ``plan.targets_S`` at its slot.
+    """``out_MN`` = ``torch._grouped_mm(a_MK, b_GKN, offs=offs_G)`` for the ``offs_G`` the plan was built
+    from, one launch on the current stream, each row tile loaded once ``counters_S`` reaches
+    ``plan.targets_S`` at its slot.
 
-    Inputs: a_MK bf16/fp16 [M, K] (K contiguous); b_GKN same dtype [G, K, N] (K or N contiguous); offs_G
-    int32 [G] (cumulative row ends, on the device); plan from ``tile_plan`` (same offs, M and N); counters_S
-    int32 [S] (S = ``slot_capacity``), written concurrently by the exchange. Output: out_MN [M, N] in a's
-    dtype (rows past offs_G[-1] are not written). Every slot's counter must eventually reach its target, or
-    the launch never ends."""
+    Inputs: a_MK bf16/fp16 [M, K] (K contiguous); b_GKN same dtype [G, K, N] (K or N contiguous); plan from
+    ``tile_plan`` (same M, G and N, on a's device); counters_S int32 [S] (S = ``slot_capacity``), written
+    concurrently by the exchange. Output: out_MN [M, N] in a's dtype (rows past offs_G[-1] are not
+    written). Every slot's counter must eventually reach its target, or the launch never ends."""
     require_quack_tile_gemm()
     m, k = a_MK.shape
     g, kb, n = b_GKN.shape
@@ -357,19 +362,18 @@ def tile_grouped_mm(
     why = cfg.kernel_error()
     if why is not None:
         raise ValueError(f"tile_grouped_mm: the plan's {why} (QuACK's sm_90 kernel)")
-    if kb != k or n != plan.n or offs_G.shape != (g,) or plan.slot_base_G.shape != (g,):
+    if kb != k or (m, g, n) != (plan.rows, plan.slot_base_G.numel(), plan.n):
         raise ValueError(
-            f"tile_grouped_mm: a {tuple(a_MK.shape)}, b {tuple(b_GKN.shape)}, offs {tuple(offs_G.shape)}, "
-            f"plan for {plan.slot_base_G.numel()} groups and {plan.n} columns; they must agree (a [M, K], "
-            "b [G, K, N], offs [G], the plan built from the same offs and N)"
+            f"tile_grouped_mm: a {tuple(a_MK.shape)}, b {tuple(b_GKN.shape)}, a plan for {plan.rows} rows, "
+            f"{plan.slot_base_G.numel()} groups and {plan.n} columns; they must agree (a [M, K], "
+            "b [G, K, N], the plan built by tile_plan(offs_G, M, N, config))"
         )
-    if plan.tiles_W3.shape != (work_capacity(m, g, n, cfg), 3) or counters_S.shape != plan.targets_S.shape:
+    if counters_S.shape != plan.targets_S.shape:
         raise ValueError(
-            f"tile_grouped_mm: tiles {tuple(plan.tiles_W3.shape)}, counters {tuple(counters_S.shape)}, "
-            f"targets {tuple(plan.targets_S.shape)}; build the plan with tile_plan(offs, {m}, {n}, config) "
-            "and size the counters like its targets"
+            f"tile_grouped_mm: counters {tuple(counters_S.shape)}, targets {tuple(plan.targets_S.shape)}; "
+            "size the counters like the plan's targets (slot_capacity)"
         )
-    for name, t in (("offs", offs_G), ("counters", counters_S), ("tiles", plan.tiles_W3)):
+    for name, t in (("counters", counters_S), ("cu", plan.cu_G1), ("tiles", plan.tiles_W3)):
         if t.dtype != torch.int32 or t.device != a_MK.device:
             raise ValueError(
                 f"tile_grouped_mm: {name} is {t.dtype} on {t.device}; it must be int32 on {a_MK.device}"
@@ -382,7 +386,5 @@ def tile_grouped_mm(
         return out
     from mok_megatron.kernels import tile_gemm_sm90
 
-    tile_gemm_sm90.launch(
-        a_MK, b_GKN, out, offs_G, plan, counters_S, grid_clusters(a_MK.device, cfg, sms_held_back)
-    )
+    tile_gemm_sm90.launch(a_MK, b_GKN, out, plan, counters_S, grid_clusters(a_MK.device, cfg, sms_held_back))
     return out

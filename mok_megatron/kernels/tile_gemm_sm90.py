@@ -290,11 +290,10 @@ def compile_for(a_dtype: torch.dtype, b_major: str, config) -> object:
     )
 
 
-def launch(a_MK, b_GKN, out_MN, offs_G, plan, counters_S, max_clusters: int) -> None:
+def launch(a_MK, b_GKN, out_MN, plan, counters_S, max_clusters: int) -> None:
     """One launch on the current stream (inputs checked by ``tile_gemm.tile_grouped_mm``)."""
     compiled = compile_for(a_MK.dtype, b_major_of(b_GKN), plan.config)
     b_NKG = b_GKN.mT.permute(1, 2, 0)  # QuACK's (N, K, L)
-    cu_G1 = torch.nn.functional.pad(offs_G, (1, 0))
     epi_args = GemmDefaultEpiMixin.EpilogueArguments(
         alpha=None,
         beta=None,
@@ -311,5 +310,5 @@ def launch(a_MK, b_GKN, out_MN, offs_G, plan, counters_S, max_clusters: int) -> 
         counters=counters_S,
         targets=plan.targets_S,
     )
-    varlen_args = VarlenArguments(mCuSeqlensM=cu_G1, mCuSeqlensK=None, mAIdx=None)
+    varlen_args = VarlenArguments(mCuSeqlensM=plan.cu_G1, mCuSeqlensK=None, mAIdx=None)
     compiled(a_MK, b_NKG, out_MN, None, epi_args, sched_args, varlen_args, None)
