@@ -24,16 +24,17 @@ the number of its rows (``counter_targets``): whoever writes rows into the exper
 the rows are visible at GPU scope (a release, or the end of the kernel that wrote them), the number of rows
 it wrote to each slot (``row_slots`` names each row's slot). Rows rather than a 0/1 flag because a row tile
 gathers rows from several source ranks, each written by a different transfer. The wait is ``counter >=
-target``, so counters need no reset between steps when the targets move up by the rows of one step.
+target``, so counters need no reset between steps when the targets move up by the rows of one step
+(``TilePlan.shifted``).
 Counters are read at GPU scope: the pulls that fill them run on this GPU (the K communication SMs).
 
-Sync-free: every function below runs on the device of its inputs with shapes fixed by host-known sizes
-(rows M, groups G, width N), so none reads a device value back. Capacities (``work_capacity``,
+Sync-free: the plan's functions and the launch run on the device of their inputs with shapes fixed by
+host-known sizes (rows M, groups G, width N), so none reads a device value back (the references do). Capacities (``work_capacity``,
 ``slot_capacity``) bound the tile counts for any split of M rows into G groups; table rows past the last
 work item hold expert ``G`` (the scheduler stops there).
 
-The grid is limited to the clusters that fit on ``132 - sms_held_back`` SMs, the rest being left to
-communication.
+The grid is limited to the clusters that fit on the GPU's SMs less ``sms_held_back`` (132 - K on an H200),
+the rest being left to communication.
 """
 
 from __future__ import annotations
