@@ -5,13 +5,23 @@ gradient, which consumes the exchanged output gradient) as one persistent launch
 SMs pull rows. Its gate: those two GEMMs, with every arrival counter already set and K SMs held back, take at
 most 3 % more than ``torch._grouped_mm`` on all SMs for the same GEMMs, in the same process.
 
-A waiting GEMM does at least the work of the same GEMM without waits, so this sweep times the lower bound
-of each route: QuACK's persistent varlen-M grouped GEMM (CuTe DSL, sm_90; the kernels SonicMoE is built on)
-at several tile configurations, its grid limited to the clusters that fit on ``132 - K`` SMs, beside
-``torch._grouped_mm`` (CUTLASS, all SMs). A route whose GEMM without waits misses the gate at a K cannot
-reach it with waits at that K.
+Timed, per slice and GEMM, in one process:
+    torch._grouped_mm                  CUTLASS, all SMs
+    quack <config>                     QuACK's persistent varlen-M grouped GEMM (CuTe DSL, sm_90; the kernels
+                                       SonicMoE is built on), no waits, its grid limited to ``132 - K`` SMs
+    wait <config> quack-order          the waiting GEMM (``kernels.tile_gemm``: QuACK's kernel whose producer
+                                       spins on a per-(expert, row tile) counter before a tile's loads), every
+                                       counter preset, tiles in QuACK's own order
+    wait <config> arrival              the same, tiles in the order a plausible exchange delivers their rows
+                                       (the gate's row)
+One tile configuration per slice (the best of the no-wait sweep at K = 8, ``tile_gemm.DEEPSEEK`` /
+``tile_gemm.QWEN3``); ``--all-configs`` adds QuACK's no-wait GEMM at the five configurations of that sweep.
 
-Legend: M rows received (expert-major), G local experts, H hidden, F expert FFN width.
+The plausible exchange (``arrival_steps``): the rank's own rows are there at step 0 and the K SMs pull the
+other ranks' rows one source rank per step, ring order (rank r+1, r+2, ...); each expert's rows are ordered by
+source rank, so a row tile is complete at the step of its last source.
+
+Legend: M rows received (expert-major), G local experts, H hidden, F expert FFN width, S source ranks.
 
     python -m benchmarks.tile_gemm_gate --json gate.json     # sm_90 (QuACK needed: pip install quack-kernels)
 """
@@ -32,6 +42,9 @@ SHAPES = {
     "qwen3-ep8": dict(hidden=2048, ffn=768, local=16, experts=128, tokens=16384, topk=8, ep=8),
 }
 GATE = 1.03
+# the waiting GEMM's configuration per slice (QuACK's no-wait sweep, docs/results/2026-12-03-tile-gemm-gate:
+# the best of the five at K = 8 for both GEMMs of the slice)
+SHAPE_CONFIG = {"deepseek-v3-ep32": "DEEPSEEK", "qwen3-ep8": "QWEN3"}
 # QuACK sm_90 tile configurations: (tile_m, tile_n, pingpong, cluster_m); the first is QuACK's default
 CONFIGS = (
     (128, 192, True, 2),
@@ -42,22 +55,40 @@ CONFIGS = (
 )
 
 
-def counts(shape: dict, seed: int = 0) -> torch.Tensor:
-    """Rows each local expert receives: every rank's tokens pick top-k distinct experts uniformly."""
+def counts_by_source(shape: dict, seed: int = 0) -> torch.Tensor:
+    """Rows each local expert receives from each source rank, [S, G]: every rank's tokens pick top-k
+    distinct experts uniformly."""
     g = torch.Generator(device="cpu").manual_seed(seed)
-    n = shape["tokens"] * shape["ep"]
-    pick = torch.rand(n, shape["experts"], generator=g).argsort(1)[:, : shape["topk"]]
-    return torch.bincount(pick.flatten(), minlength=shape["experts"])[: shape["local"]]
+    n, e = shape["tokens"] * shape["ep"], shape["experts"]
+    pick = torch.rand(n, e, generator=g).argsort(1)[:, : shape["topk"]]
+    source = torch.arange(n).repeat_interleave(shape["topk"]) // shape["tokens"]
+    c_SE = torch.bincount(source * e + pick.flatten(), minlength=shape["ep"] * e).view(shape["ep"], e)
+    return c_SE[:, : shape["local"]]
+
+
+def counts(shape: dict, seed: int = 0) -> torch.Tensor:
+    """Rows each local expert receives, [G]."""
+    return counts_by_source(shape, seed).sum(0)
+
+
+def arrival_steps(c_SG: torch.Tensor, rank: int = 0) -> torch.Tensor:
+    """The exchange step that delivers each received row, [M] in expert-major order (each expert's rows by
+    source rank): the rank's own rows at step 0, then source ``rank + i`` at step i (ring order)."""
+    s, g = c_SG.shape
+    step_S = (torch.arange(s) - rank) % s
+    return step_S.repeat(g).repeat_interleave(c_SG.t().flatten())
 
 
 def problems(shape: dict, device) -> dict:
-    c_G = counts(shape)
+    c_SG = counts_by_source(shape)
+    c_G = c_SG.sum(0)
     m, h, f, g = int(c_G.sum()), shape["hidden"], shape["ffn"], shape["local"]
     offs_G = torch.cumsum(c_G, 0).to(device=device, dtype=torch.int32)
     bf = torch.bfloat16
     return {
         "rows": m,
         "offs": offs_G,
+        "ready": arrival_steps(c_SG).to(device),
         "cu": torch.nn.functional.pad(offs_G, (1, 0)),
         # fc1: y_M2F = x_MH @ w1_G2FH[g].T
         "fc1": (
@@ -107,105 +138,159 @@ def time_ms(fn, iters: int, rounds: int) -> float:
     return statistics.median(per)
 
 
+def _gemm_config(tm, tn, pp, cm):
+    from quack.gemm_config import GemmConfig
+
+    return GemmConfig(
+        tile_m=tm,
+        tile_n=tn,
+        pingpong=pp,
+        cluster_m=cm,
+        cluster_n=1,
+        is_dynamic_persistent=False,
+        device_capacity=9,
+    )
+
+
+def _label(cfg) -> str:
+    return f"{cfg.tile_m}x{cfg.tile_n}{' pp' if cfg.pingpong else ' coop'} c{cfg.cluster_m}"
+
+
+def _rel_err(out, ref, rows) -> float:
+    return ((out[:rows].float() - ref[:rows].float()).abs().max() / ref[:rows].float().abs().max()).item()
+
+
+def gate_rows(rows: list[dict], shapes: list[str], ks: list[int]) -> list[dict]:
+    """Per slice and K: fc1 + fc2_dgrad of the waiting GEMM (arrival order) and of QuACK without waits (its
+    best configuration), each over torch._grouped_mm's fc1 + fc2_dgrad on all SMs."""
+    gate = []
+    for name in shapes:
+        base = sum(r["ms"] for r in rows if r["shape"] == name and r["impl"] == "torch._grouped_mm")
+        for k in ks:
+            best = {}
+            for kind in ("quack", "wait-arrival", "wait-quack-order"):
+                per = {}
+                for gemm in ("fc1", "fc2_dgrad"):
+                    cand = [
+                        r for r in rows if r["shape"] == name and r["gemm"] == gemm and r["k"] == k
+                        and r["kind"] == kind
+                    ]  # fmt: skip
+                    if cand:
+                        per[gemm] = min(cand, key=lambda r: r["ms"])
+                if len(per) == 2:
+                    best[kind] = per
+            if "wait-arrival" not in best:
+                continue
+            tot = {kind: per["fc1"]["ms"] + per["fc2_dgrad"]["ms"] for kind, per in best.items()}
+            wait = tot["wait-arrival"]
+            entry = dict(
+                shape=name,
+                k=k,
+                torch_ms=base,
+                wait_ms=wait,
+                ratio=wait / base,
+                passes=wait / base <= GATE,
+                wait_quack_order_ms=tot.get("wait-quack-order"),
+                quack_ms=tot.get("quack"),
+                quack_ratio=tot["quack"] / base if "quack" in tot else None,
+                configs={g: r["impl"] for g, r in best["wait-arrival"].items()},
+            )
+            gate.append(entry)
+            quack = f", QuACK without waits {entry['quack_ms']:.3f} ms" if entry["quack_ms"] else ""
+            print(
+                f"gate {name:18s} k={k:2d}: torch {base:.3f} ms, waiting GEMM {wait:.3f} ms = "
+                f"{wait / base:.3f}x "
+                f"({'meets' if entry['passes'] else 'misses'} <= {GATE:.2f}x){quack}",
+                flush=True,
+            )
+    return gate
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--shapes", default=",".join(SHAPES))
     p.add_argument("--k", default="0,8,16,32", help="SMs held back for communication")
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--rounds", type=int, default=7)
+    p.add_argument(
+        "--all-configs", action="store_true", help="QuACK without waits at all five configurations"
+    )
     p.add_argument("--json", default=None)
     a = p.parse_args(argv)
     if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
         print("tile_gemm_gate: needs an sm_90 GPU (QuACK's sm_90 kernels); none here", file=sys.stderr)
         return 2
     import quack.gemm as qg
-    from quack.gemm_config import GemmConfig
     from quack.gemm_interface import gemm_tuned
+
+    from mok_megatron.kernels import tile_gemm as tg
 
     dev = torch.device("cuda")
     ks = [int(k) for k in a.k.split(",")]
+    shapes = a.shapes.split(",")
     rows = []
-    for name in a.shapes.split(","):
+
+    def record(name, gemm, kind, label, k, t, prob, **extra):
+        rows.append(dict(shape=name, gemm=gemm, kind=kind, impl=label, k=k, ms=t, rows=prob["rows"], **extra))
+        err = f"  (err {extra['rel_err']:.1e})" if "rel_err" in extra else ""
+        print(f"{name:18s} {gemm:10s} {label:32s} k={k:2d} {t:8.3f} ms{err}", flush=True)
+
+    for name in shapes:
         prob = problems(SHAPES[name], dev)
-        outs = {}
+        m, offs = prob["rows"], prob["offs"]
+        cfg = getattr(tg, SHAPE_CONFIG[name])
+        configs = CONFIGS if a.all_configs else ((cfg.tile_m, cfg.tile_n, cfg.pingpong, cfg.cluster_m),)
         for gemm in ("fc1", "fc2_dgrad"):
             x, w = prob[gemm]
-            ref = torch._grouped_mm(x, w, offs=prob["offs"])
-            outs[gemm] = ref
-            t = time_ms(
-                lambda x=x, w=w, offs=prob["offs"]: torch._grouped_mm(x, w, offs=offs), a.iters, a.rounds
-            )
-            rows.append(dict(shape=name, gemm=gemm, impl="torch._grouped_mm", k=0, ms=t, rows=prob["rows"]))
-            print(f"{name:18s} {gemm:10s} torch._grouped_mm        k= 0 {t:8.3f} ms", flush=True)
-            for tm, tn, pp, cm in CONFIGS:
-                cfg = GemmConfig(
-                    tile_m=tm,
-                    tile_n=tn,
-                    pingpong=pp,
-                    cluster_m=cm,
-                    cluster_n=1,
-                    is_dynamic_persistent=False,
-                    device_capacity=9,
-                )
+            n = w.shape[2]
+            ref = torch._grouped_mm(x, w, offs=offs)
+            t = time_ms(lambda x=x, w=w, offs=offs: torch._grouped_mm(x, w, offs=offs), a.iters, a.rounds)
+            record(name, gemm, "torch", "torch._grouped_mm", 0, t, prob)
+            quack_out = {}
+            for tm, tn, pp, cm in configs:
                 label = f"quack {tm}x{tn}{' pp' if pp else ' coop'} c{cm}"
                 out = torch.empty_like(ref)
 
-                def run(x=x, w=w, out=out, cfg=cfg, cu=prob["cu"]):
-                    gemm_tuned.fn(x, w, out, cu_seqlens_m=cu, config=cfg)
+                qcfg = _gemm_config(tm, tn, pp, cm)
+
+                def run(x=x, w=w, out=out, qcfg=qcfg, cu=prob["cu"]):
+                    gemm_tuned.fn(x, w, out, cu_seqlens_m=cu, config=qcfg)
 
                 try:
                     run()
                     torch.cuda.synchronize()
                 except Exception as e:  # a tile shape this problem's layout does not take
                     print(
-                        f"{name:18s} {gemm:10s} {label:24s} skipped: {type(e).__name__}: {e}"[:200],
+                        f"{name:18s} {gemm:10s} {label:32s} skipped: {type(e).__name__}: {e}"[:200],
                         flush=True,
                     )
                     continue
-                err = ((out.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
+                quack_out[(tm, tn, pp, cm)] = out.clone()
+                err = _rel_err(out, ref, m)
                 for k in ks:
                     with HeldBack(qg, k):
                         t = time_ms(run, a.iters, a.rounds)
-                    rows.append(
-                        dict(shape=name, gemm=gemm, impl=label, k=k, ms=t, rows=prob["rows"], rel_err=err)
-                    )
-                    print(
-                        f"{name:18s} {gemm:10s} {label:24s} k={k:2d} {t:8.3f} ms  (err {err:.1e})", flush=True
-                    )
-    gate = []
-    for name in a.shapes.split(","):
-        base = sum(r["ms"] for r in rows if r["shape"] == name and r["impl"] == "torch._grouped_mm")
-        for k in ks:
-            best = {}
-            for gemm in ("fc1", "fc2_dgrad"):
-                cand = [
-                    r
-                    for r in rows
-                    if r["shape"] == name
-                    and r["gemm"] == gemm
-                    and r["k"] == k
-                    and r["impl"] != "torch._grouped_mm"
-                ]
-                if cand:
-                    best[gemm] = min(cand, key=lambda r: r["ms"])
-            if len(best) == 2:
-                tot = best["fc1"]["ms"] + best["fc2_dgrad"]["ms"]
-                gate.append(
-                    dict(
-                        shape=name,
-                        k=k,
-                        torch_ms=base,
-                        quack_best_ms=tot,
-                        ratio=tot / base,
-                        passes=tot / base <= GATE,
-                        configs={g: r["impl"] for g, r in best.items()},
-                    )
-                )
-                print(
-                    f"gate {name:18s} k={k:2d}: torch {base:.3f} ms, best QuACK {tot:.3f} ms = {tot / base:.3f}x "
-                    f"({'meets' if tot / base <= GATE else 'misses'} <= {GATE:.2f}x)",
-                    flush=True,
-                )
+                    record(name, gemm, "quack", label, k, t, prob, rel_err=err)
+            # the waiting GEMM: counters preset, QuACK's order and the exchange's arrival order
+            same = quack_out.get((cfg.tile_m, cfg.tile_n, cfg.pingpong, cfg.cluster_m))
+            for order, ready in (("quack-order", None), ("arrival", prob["ready"])):
+                plan = tg.tile_plan(offs, m, n, cfg, ready_M=ready)
+                counters = plan.targets_S.clone()
+                out = torch.empty_like(ref)
+                label = f"wait {_label(cfg)} {order}"
+
+                def run_wait(x=x, w=w, out=out, plan=plan, counters=counters, k=0):
+                    tg.tile_grouped_mm(x, w, plan, counters, sms_held_back=k, out=out)
+
+                run_wait()
+                torch.cuda.synchronize()
+                extra = dict(rel_err=_rel_err(out, ref, m), order=order)
+                if same is not None:
+                    extra["equals_quack"] = bool(torch.equal(out[:m], same[:m]))
+                for k in ks:
+                    t = time_ms(lambda run_wait=run_wait, k=k: run_wait(k=k), a.iters, a.rounds)
+                    record(name, gemm, f"wait-{order}", label, k, t, prob, **extra)
+    gate = gate_rows(rows, shapes, ks)
     if a.json:
         with open(a.json, "w") as fh:
             json.dump(dict(device=torch.cuda.get_device_name(), rows=rows, gate=gate), fh, indent=1)

@@ -158,6 +158,23 @@ def quack_gemm():
     return gemm
 
 
+# The tile-waiting GEMM (kernels.tile_gemm_sm90) subclasses QuACK's sm_90 GEMM and its varlen-M tile scheduler,
+# internals that change between QuACK minor releases: it runs on the releases it was compiled against.
+QUACK_TILE_GEMM = (Version("0.4.1"), Version("0.5.0"))
+
+
+def require_quack_tile_gemm() -> None:
+    """Raise ImportError naming the fix unless the installed QuACK is one whose sm_90 GEMM internals
+    ``kernels.tile_gemm_sm90`` builds on (>= 0.4.1, < 0.5)."""
+    lo, hi = QUACK_TILE_GEMM
+    v = dist_version("quack-kernels")
+    if v is None or importlib.util.find_spec("quack") is None or not lo <= Version(v) < hi:
+        raise ImportError(
+            f"the tile-waiting grouped GEMM needs quack-kernels >={lo},<{hi} (its sm_90 GEMM and tile scheduler "
+            f"are subclassed); found {v}: pip install 'quack-kernels>={lo},<{hi}'"
+        )
+
+
 def _require_quack() -> None:
     if not have_quack():
         raise ImportError(

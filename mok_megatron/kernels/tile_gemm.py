@@ -1,0 +1,391 @@
+"""A grouped GEMM whose tiles wait for their rows: the expert GEMMs that consume exchanged rows (fc1 forward,
+fc2's input gradient) start while the exchange still runs, each tile once its rows have arrived.
+
+Legend: M rows (expert-major, all local experts), K reduction width, N output width, G groups (local
+experts), S counter slots (row tiles, see below), W work items (one cluster of ``cluster_m`` row tiles
+times one column tile).
+
+    out_MN[rows of g] = a_MK[rows of g] @ b_GKN[g]          (torch._grouped_mm(a_MK, b_GKN, offs=offs_G))
+
+The kernel is QuACK's sm_90 persistent varlen-M grouped GEMM (CuTe DSL; the kernels SonicMoE is built on),
+one launch, with two changes (``tile_gemm_sm90``):
+
+- its scheduler reads the work items from a table ``tiles_W3`` (expert, cluster row, column tile) in the
+  order they are to be visited, instead of deriving them from the work index; the table is built here, in
+  QuACK's own order (``quack_tile_order``) or in the order the rows arrive (``arrival_tile_order``);
+- before the TMA producer warp loads a row tile's A rows it spins on an acquire load (``ld.acquire.gpu``)
+  of that tile's counter until the counter reaches the tile's target, then fences the async proxy so the
+  TMA loads see the rows.
+
+Counters. One int32 counter per (expert, row tile of ``tile_m`` rows): slot ``slot_base_G[g] + t`` for row
+tile ``t`` of expert ``g``. Each expert's slots are padded to a multiple of ``cluster_m`` (a cluster's second
+CTA can fall past an expert's last row: its slot has target 0 and never waits). The target of a slot is
+the number of its rows (``counter_targets``): whoever writes rows into the expert-major buffer adds, once
+the rows are visible at GPU scope (a release, or the end of the kernel that wrote them), the number of rows
+it wrote to each slot (``row_slots`` names each row's slot). Rows rather than a 0/1 flag because a row tile
+gathers rows from several source ranks, each written by a different transfer. The wait is ``counter >=
+target``, so counters need no reset between steps when the targets move up by the rows of one step
+(``TilePlan.shifted``).
+Counters are read at GPU scope: the pulls that fill them run on this GPU (the K communication SMs).
+
+Sync-free: the plan's functions and the launch run on the device of their inputs with shapes fixed by
+host-known sizes (rows M, groups G, width N), so none reads a device value back (the references do). Capacities (``work_capacity``,
+``slot_capacity``) bound the tile counts for any split of M rows into G groups; table rows past the last
+work item hold expert ``G`` (the scheduler stops there).
+
+The grid is limited to the clusters that fit on the GPU's SMs less ``sms_held_back`` (132 - K on an H200),
+the rest being left to communication.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import torch
+
+from mok_megatron.compat import require_quack_tile_gemm
+
+
+@dataclasses.dataclass(frozen=True)
+class TileConfig:
+    """One compiled kernel variant: CTA tile, warp-group schedule and cluster along M (cluster N is 1).
+
+    The benchmarks' choices (docs/results/2026-12-03-tile-gemm-gate, best at K = 8 held-back SMs):
+    ``DEEPSEEK`` (H 7168) and ``QWEN3`` (H 2048, QuACK's default configuration)."""
+
+    tile_m: int = 128
+    tile_n: int = 192
+    pingpong: bool = True
+    cluster_m: int = 2
+    max_swizzle: int = 8  # QuACK's column band width (clusters) of its L2 swizzle
+
+    def __post_init__(self):
+        if min(self.tile_m, self.tile_n, self.cluster_m, self.max_swizzle) < 1:
+            raise ValueError(f"TileConfig: {self}; every size must be positive")
+
+    def kernel_error(self) -> str | None:
+        """Why QuACK's sm_90 kernel cannot take this configuration, or None (the pure functions take any)."""
+        if self.tile_m not in (64, 128, 192, 256) or self.tile_n % 16 or self.tile_n > 256:
+            return (
+                f"tile {self.tile_m}x{self.tile_n}; tile_m must be 64, 128, 192 or 256 and tile_n a "
+                "multiple of 16 up to 256"
+            )
+        if self.pingpong and (
+            self.tile_m not in (64, 128, 192) or self.tile_n > (256, 208, 128)[self.tile_m // 64 - 1]
+        ):
+            return (
+                f"pingpong tile {self.tile_m}x{self.tile_n}; pingpong takes 64x256, 128x208, 192x128 at most"
+            )
+        if self.cluster_m not in (1, 2, 4):
+            return f"cluster_m={self.cluster_m}; it must be 1, 2 or 4"
+        return None
+
+    @property
+    def block_m(self) -> int:
+        """Rows of one cluster (one work item)."""
+        return self.tile_m * self.cluster_m
+
+
+DEEPSEEK = TileConfig(tile_m=128, tile_n=256, pingpong=False, cluster_m=2)
+QWEN3 = TileConfig(tile_m=128, tile_n=192, pingpong=True, cluster_m=2)
+
+
+@dataclasses.dataclass(frozen=True)
+class TilePlan:
+    """What the waiting GEMM reads besides its operands, all int32 on the operands' device.
+
+    cu_G1         [0, *offs_G]: each expert's first row (QuACK's cu_seqlens_m)
+    tiles_W3      (expert, cluster row within the expert, column tile) per work item, in visiting order;
+                  rows past the last work item hold expert G
+    slot_base_G   counter slot of each expert's first row tile
+    targets_S     the counter value each slot waits for (rows of the slot; 0 for padding slots)
+    """
+
+    config: TileConfig
+    rows: int
+    n: int
+    cu_G1: torch.Tensor
+    tiles_W3: torch.Tensor
+    slot_base_G: torch.Tensor
+    targets_S: torch.Tensor
+
+    def shifted(self, base: int | torch.Tensor) -> TilePlan:
+        """The same plan waiting for ``base`` more on every real slot (counters kept across steps)."""
+        real = self.targets_S > 0
+        return dataclasses.replace(self, targets_S=torch.where(real, self.targets_S + base, self.targets_S))
+
+
+# ---- sizes (host ints) -------------------------------------------------------------------------------------
+
+
+def cluster_rows_capacity(rows: int, groups: int, config: TileConfig) -> int:
+    """Most clusters along M for ``rows`` rows split into ``groups`` experts (each expert rounds up)."""
+    b = config.block_m
+    return (rows + groups * (b - 1)) // b
+
+
+def work_capacity(rows: int, groups: int, n: int, config: TileConfig) -> int:
+    """Rows of ``tiles_W3``: QuACK's bound on the work items of a varlen-M problem (its grid bound too)."""
+    return cluster_rows_capacity(rows, groups, config) * math.ceil(n / config.tile_n)
+
+
+def slot_capacity(rows: int, groups: int, config: TileConfig) -> int:
+    """Counter slots: row tiles of all experts, each expert padded to a multiple of ``cluster_m``."""
+    return cluster_rows_capacity(rows, groups, config) * config.cluster_m
+
+
+# ---- pure functions: the tile-to-expert map, counter targets, tile orders ----------------------------------
+
+
+def _counts(offs_G: torch.Tensor) -> torch.Tensor:
+    offs = offs_G.long()
+    return torch.diff(offs, prepend=offs.new_zeros(1))
+
+
+def slot_base(offs_G: torch.Tensor, config: TileConfig) -> torch.Tensor:
+    """int32 [G]: the counter slot of each expert's first row tile (the padded row tiles before it)."""
+    slots_G = (_counts(offs_G) + config.block_m - 1) // config.block_m * config.cluster_m
+    return (torch.cumsum(slots_G, 0) - slots_G).to(torch.int32)
+
+
+def _slot_owner(offs_G: torch.Tensor, rows: int, config: TileConfig):
+    """For every slot < capacity: its expert (G past the last) and its row tile within the expert."""
+    g = offs_G.numel()
+    slots_G = (_counts(offs_G) + config.block_m - 1) // config.block_m * config.cluster_m
+    end_G = torch.cumsum(slots_G, 0)
+    s = torch.arange(slot_capacity(rows, g, config), device=offs_G.device)
+    e = torch.searchsorted(end_G, s, right=True)
+    ec = e.clamp(max=max(g - 1, 0))
+    t = s - (end_G - slots_G)[ec]
+    return e, ec, t
+
+
+def counter_targets(offs_G: torch.Tensor, rows: int, config: TileConfig) -> torch.Tensor:
+    """int32 [S]: rows of each (expert, row tile) slot, 0 for padding slots (a cluster's tile past the
+    expert's last row, or past the last expert)."""
+    e, ec, t = _slot_owner(offs_G, rows, config)
+    c = _counts(offs_G)[ec] if offs_G.numel() else torch.zeros_like(t)
+    rows_S = (c - t * config.tile_m).clamp(0, config.tile_m)
+    return torch.where(e < offs_G.numel(), rows_S, 0).to(torch.int32)
+
+
+def row_slots(offs_G: torch.Tensor, rows: int, config: TileConfig) -> torch.Tensor:
+    """int64 [M]: the counter slot of every row (what a writer of row r adds 1 to); -1 past the last group."""
+    offs = offs_G.long()
+    r = torch.arange(rows, device=offs_G.device)
+    e = torch.searchsorted(offs, r, right=True)
+    ec = e.clamp(max=offs_G.numel() - 1)
+    slot = slot_base(offs_G, config).long()[ec] + (r - (offs - _counts(offs_G))[ec]) // config.tile_m
+    return torch.where(e < offs_G.numel(), slot, -1)
+
+
+def quack_tile_order(offs_G: torch.Tensor, rows: int, n: int, config: TileConfig) -> torch.Tensor:
+    """int32 [W, 3]: the work items in QuACK's own order (its varlen-M scheduler, static persistence):
+    experts in turn; within one, bands of ``max_swizzle`` column tiles, rows down the band, every other band
+    upwards (serpentine), so a band of B stays in L2 while the expert's rows stream through it."""
+    g, dev = offs_G.numel(), offs_G.device
+    ncl_n = math.ceil(n / config.tile_n)
+    nm_G = (_counts(offs_G) + config.block_m - 1) // config.block_m
+    work_G = nm_G * ncl_n
+    end_G = torch.cumsum(work_G, 0)
+    w = torch.arange(work_capacity(rows, g, n, config), device=dev)
+    e = torch.searchsorted(end_G, w, right=True)
+    valid = e < g
+    ec = e.clamp(max=max(g - 1, 0))
+    cid = w - (end_G - work_G)[ec]
+    nm = nm_G[ec].clamp(min=1)
+    gs = min(config.max_swizzle, ncl_n)
+    tail = ncl_n % gs
+    in_group = gs * nm
+    group = cid // in_group
+    idx = cid - group * in_group
+    full = (group + 1) * in_group <= nm * ncl_n
+    width = torch.where(full, gs, max(tail, 1))
+    slow, fast = idx // width, idx % width
+    slow = torch.where(group % 2 == 1, nm - 1 - slow, slow)
+    cid_m, cid_n = slow, group * gs + fast
+    zero = torch.zeros_like(w)
+    return torch.stack(
+        [torch.where(valid, e, g), torch.where(valid, cid_m, zero), torch.where(valid, cid_n, zero)], 1
+    ).to(torch.int32)
+
+
+def slot_ready(offs_G: torch.Tensor, ready_M: torch.Tensor, config: TileConfig) -> torch.Tensor:
+    """int64 [S]: when each slot's rows are all there (the latest ``ready_M`` of its rows); padding slots
+    are ready at once (int64 min)."""
+    rows = ready_M.numel()
+    slots = slot_capacity(rows, offs_G.numel(), config)
+    out = torch.full((slots + 1,), torch.iinfo(torch.int64).min, dtype=torch.int64, device=ready_M.device)
+    slot_M = row_slots(offs_G, rows, config)
+    slot_M = torch.where(slot_M >= 0, slot_M, slots)  # rows past the last group: a dropped extra slot
+    return out.scatter_reduce(0, slot_M, ready_M.long(), "amax", include_self=True)[:slots]
+
+
+def arrival_tile_order(
+    tiles_W3: torch.Tensor, slot_base_G: torch.Tensor, ready_S: torch.Tensor, config: TileConfig
+) -> torch.Tensor:
+    """``tiles_W3`` reordered by when their rows are ready (a work item: its latest row tile), ties kept in
+    the given order (so QuACK's band order survives inside one arrival step); invalid items stay last."""
+    g = slot_base_G.numel()
+    e = tiles_W3[:, 0].long()
+    valid = e < g
+    first = slot_base_G.long()[e.clamp(max=max(g - 1, 0))] + tiles_W3[:, 1].long() * config.cluster_m
+    slot = first.unsqueeze(1) + torch.arange(config.cluster_m, device=tiles_W3.device)
+    ready_W = ready_S[slot.clamp(max=ready_S.numel() - 1)].amax(1)
+    ready_W = torch.where(valid, ready_W, torch.iinfo(torch.int64).max)
+    return tiles_W3[torch.argsort(ready_W, stable=True)]
+
+
+def tile_plan(
+    offs_G: torch.Tensor,
+    rows: int,
+    n: int,
+    config: TileConfig,
+    ready_M: torch.Tensor | None = None,
+) -> TilePlan:
+    """The plan of one waiting GEMM over ``rows`` expert-major rows split by ``offs_G`` (cumulative ends,
+    as ``torch._grouped_mm``) and ``n`` output columns: QuACK's tile order, or, given ``ready_M`` (any
+    integer per row, e.g. the exchange step that delivers it), the order the rows arrive in."""
+    tiles_W3 = quack_tile_order(offs_G, rows, n, config)
+    base_G = slot_base(offs_G, config)
+    if ready_M is not None:
+        if ready_M.shape != (rows,):
+            raise ValueError(f"tile_plan: ready_M has shape {tuple(ready_M.shape)}; it must be ({rows},)")
+        tiles_W3 = arrival_tile_order(tiles_W3, base_G, slot_ready(offs_G, ready_M, config), config)
+    cu_G1 = torch.nn.functional.pad(offs_G.to(torch.int32), (1, 0))
+    return TilePlan(
+        config, rows, n, cu_G1, tiles_W3.contiguous(), base_G, counter_targets(offs_G, rows, config)
+    )
+
+
+# ---- references --------------------------------------------------------------------------------------------
+
+
+def grouped_mm_reference(a_MK: torch.Tensor, b_GKN: torch.Tensor, offs_G: torch.Tensor) -> torch.Tensor:
+    """``torch._grouped_mm(a_MK, b_GKN, offs=offs_G)`` in fp32 matmuls per group, cast to a's dtype; rows
+    past the last group are zero."""
+    out = torch.zeros(a_MK.shape[0], b_GKN.shape[2], dtype=torch.float32, device=a_MK.device)
+    start = 0
+    for g, end in enumerate(offs_G.tolist()):
+        out[start:end] = a_MK[start:end].float() @ b_GKN[g].float()
+        start = end
+    return out.to(a_MK.dtype)
+
+
+def tile_gemm_reference(
+    a_MK: torch.Tensor, b_GKN: torch.Tensor, offs_G: torch.Tensor, plan: TilePlan, counters_S: torch.Tensor
+) -> torch.Tensor:
+    """The waiting GEMM's math, tile by tile in the plan's order (host loop; CPU tests): each work item's
+    row tiles must have reached their targets (a tile that would wait forever raises), and every output
+    element must be written by exactly one tile. Rows past the last group stay zero."""
+    cfg, g = plan.config, offs_G.numel()
+    n = b_GKN.shape[2]
+    if n != plan.n:
+        raise ValueError(f"tile_gemm_reference: b has {n} columns, the plan {plan.n}")
+    offs = offs_G.tolist()
+    starts = [0] + offs[:-1]
+    out = torch.zeros(a_MK.shape[0], n, dtype=torch.float32)
+    hits = torch.zeros(a_MK.shape[0], n, dtype=torch.int32)
+    tiles, base = plan.tiles_W3.tolist(), plan.slot_base_G.tolist()
+    counters, targets = counters_S.tolist(), plan.targets_S.tolist()
+    done = False
+    for w, (e, cm, cn) in enumerate(tiles):
+        if e >= g:
+            done = True
+            continue
+        if done:
+            raise ValueError(f"tile_gemm_reference: work item {w} (expert {e}) follows the end of the table")
+        for b in range(cfg.cluster_m):
+            pid_m = cm * cfg.cluster_m + b
+            slot = base[e] + pid_m
+            if counters[slot] < targets[slot]:
+                raise RuntimeError(
+                    f"tile_gemm_reference: work item {w} (expert {e}, row tile {pid_m}) waits for counter "
+                    f"slot {slot} to reach {targets[slot]}; it holds {counters[slot]}"
+                )
+            r0 = starts[e] + pid_m * cfg.tile_m
+            r1 = min(r0 + cfg.tile_m, offs[e])
+            c0, c1 = cn * cfg.tile_n, min((cn + 1) * cfg.tile_n, n)
+            if r0 < r1:
+                out[r0:r1, c0:c1] = a_MK[r0:r1].float() @ b_GKN[e][:, c0:c1].float()
+                hits[r0:r1, c0:c1] += 1
+    end = offs[-1] if offs else 0
+    if not torch.all(hits[:end] == 1):
+        bad = (hits[:end] != 1).nonzero()[0].tolist()
+        raise ValueError(f"tile_gemm_reference: output element {bad} written {int(hits[tuple(bad)])} times")
+    return out.to(a_MK.dtype)
+
+
+# ---- the kernel (sm_90, QuACK) -----------------------------------------------------------------------------
+
+
+@functools.cache
+def _max_clusters(device_index: int, cluster_size: int) -> tuple[int, int]:
+    from quack.cute_dsl_utils import get_max_active_clusters
+
+    sms = torch.cuda.get_device_properties(device_index).multi_processor_count
+    return get_max_active_clusters(cluster_size, device_id=device_index), sms
+
+
+def grid_clusters(device: torch.device, config: TileConfig, sms_held_back: int) -> int:
+    """Persistent clusters on ``SMs - sms_held_back`` SMs (at most what fits on the whole GPU)."""
+    fit, sms = _max_clusters(device.index or 0, config.cluster_m)
+    if not 0 <= sms_held_back < sms - config.cluster_m:
+        raise ValueError(
+            f"grid_clusters: sms_held_back={sms_held_back}; it must be in [0, {sms - config.cluster_m})"
+        )
+    return min(fit, (sms - sms_held_back) // config.cluster_m)
+
+
+def tile_grouped_mm(
+    a_MK: torch.Tensor,
+    b_GKN: torch.Tensor,
+    plan: TilePlan,
+    counters_S: torch.Tensor,
+    *,
+    sms_held_back: int = 0,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``out_MN`` = ``torch._grouped_mm(a_MK, b_GKN, offs=offs_G)`` for the ``offs_G`` the plan was built
+    from, one launch on the current stream, each row tile loaded once ``counters_S`` reaches
+    ``plan.targets_S`` at its slot.
+
+    Inputs: a_MK bf16/fp16 [M, K] (K contiguous); b_GKN same dtype [G, K, N] (K or N contiguous); plan from
+    ``tile_plan`` (same M, G and N, on a's device); counters_S int32 [S] (S = ``slot_capacity``), written
+    concurrently by the exchange. Output: out_MN [M, N] in a's dtype (rows past offs_G[-1] are not
+    written). Every slot's counter must eventually reach its target, or the launch never ends."""
+    require_quack_tile_gemm()
+    m, k = a_MK.shape
+    g, kb, n = b_GKN.shape
+    cfg = plan.config
+    why = cfg.kernel_error()
+    if why is not None:
+        raise ValueError(f"tile_grouped_mm: the plan's {why} (QuACK's sm_90 kernel)")
+    if kb != k or (m, g, n) != (plan.rows, plan.slot_base_G.numel(), plan.n):
+        raise ValueError(
+            f"tile_grouped_mm: a {tuple(a_MK.shape)}, b {tuple(b_GKN.shape)}, a plan for {plan.rows} rows, "
+            f"{plan.slot_base_G.numel()} groups and {plan.n} columns; they must agree (a [M, K], "
+            "b [G, K, N], the plan built by tile_plan(offs_G, M, N, config))"
+        )
+    if counters_S.shape != plan.targets_S.shape:
+        raise ValueError(
+            f"tile_grouped_mm: counters {tuple(counters_S.shape)}, targets {tuple(plan.targets_S.shape)}; "
+            "size the counters like the plan's targets (slot_capacity)"
+        )
+    for name, t in (("counters", counters_S), ("cu", plan.cu_G1), ("tiles", plan.tiles_W3)):
+        if t.dtype != torch.int32 or t.device != a_MK.device:
+            raise ValueError(
+                f"tile_grouped_mm: {name} is {t.dtype} on {t.device}; it must be int32 on {a_MK.device}"
+            )
+    if a_MK.stride(1) != 1:
+        raise ValueError("tile_grouped_mm: a_MK must have contiguous rows (K contiguous)")
+    if out is None:
+        out = torch.empty(m, n, dtype=a_MK.dtype, device=a_MK.device)
+    if m == 0 or n == 0:
+        return out
+    from mok_megatron.kernels import tile_gemm_sm90
+
+    tile_gemm_sm90.launch(a_MK, b_GKN, out, plan, counters_S, grid_clusters(a_MK.device, cfg, sms_held_back))
+    return out
