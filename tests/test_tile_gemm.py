@@ -324,7 +324,8 @@ def test_counters_preset_match_grouped_mm_gpu(cfg, b_major, held_back):
     torch.cuda.synchronize()
     _check(out, a, b, offs)
     again = tg.tile_grouped_mm(a, b, plan, plan.targets_S.clone(), sms_held_back=held_back)
-    assert torch.equal(out, again)
+    end = int(offs[-1])  # the spare rows past the last expert are not the GEMM's
+    assert torch.equal(out[:end], again[:end])
 
 
 @pytest.mark.gpu
