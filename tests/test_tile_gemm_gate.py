@@ -46,10 +46,13 @@ def test_gate_sums_both_gemms_against_torch():
     rows += [row("fc1", "wait-arrival", 8, 2.05), row("fc2_dgrad", "wait-arrival", 8, 1.0)]
     rows += [row("fc1", "wait-arrival", 16, 2.2), row("fc2_dgrad", "wait-arrival", 16, 1.0)]
     rows += [row("fc1", "quack", 8, 2.0), row("fc2_dgrad", "quack", 8, 0.95)]
+    rows += [row("fc1", "wait-quack-order", 16, 2.0), row("fc2_dgrad", "wait-quack-order", 16, 1.0)]
     gate = {g["k"]: g for g in gate_rows(rows, ["s"], [8, 16])}
     assert gate[8]["ratio"] == pytest.approx(3.05 / 3) and gate[8]["passes"] and GATE == 1.03
-    assert gate[8]["quack_ratio"] == pytest.approx(2.95 / 3)
+    assert gate[8]["quack_ratio"] == pytest.approx(2.95 / 3) and "quack_order_ratio" not in gate[8]
     assert not gate[16]["passes"] and gate[16]["quack_ms"] is None
+    # the same waiting GEMM in QuACK's order (an expert-major pull) gets its own verdict
+    assert gate[16]["quack_order_ratio"] == pytest.approx(1.0) and gate[16]["quack_order_passes"]
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without a GPU")
