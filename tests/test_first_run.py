@@ -125,6 +125,11 @@ USER_ERRORS = {
         ),
     ),
     "megatron_value": (BASE + ["--num-layers", "two"], ("--num-layers", "invalid int value: 'two'")),
+    # Megatron's scheduler asserts this after building the model and optimizer, as a bare AssertionError
+    "warmup_not_below_decay": (
+        BASE + ["--lr-warmup-iters", "4"],
+        ("--lr-warmup-iters 4 is not below the 4 iterations", "--lr-warmup-iters to at most 3"),
+    ),
 }
 if not torch.cuda.is_available():
     USER_ERRORS["torch_fp8_on_cpu"] = (
