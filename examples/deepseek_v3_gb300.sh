@@ -12,6 +12,7 @@
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")"
 source ./lib/common.sh
+mok_iters 50000 2000   # ITERS=N trains N iterations (warm-up at most N - 1)
 
 NNODES=128 GPUS_PER_NODE=4 NVLINK_DOMAIN_GPUS=64 GPU=GB300   # 64 of a rack's 72 GPUs per segment
 export CUDA_DEVICE_MAX_CONNECTIONS=32              # GB300: let TP/EP comm kernels run beside compute
@@ -80,8 +81,8 @@ MEMORY_ARGS=(
   --manual-gc --manual-gc-interval 10
 )
 TRAIN_ARGS=(
-  --micro-batch-size 1 --global-batch-size 4096 --train-iters 50000
-  --lr 3e-4 --min-lr 3e-5 --lr-decay-style cosine --lr-warmup-iters 2000
+  --micro-batch-size 1 --global-batch-size 4096 --train-iters "$ITERS"
+  --lr 3e-4 --min-lr 3e-5 --lr-decay-style cosine --lr-warmup-iters "$WARMUP"
   --weight-decay 0.1 --adam-beta1 0.9 --adam-beta2 0.95 --clip-grad 1.0 --init-method-std 0.006
   --cross-entropy-loss-fusion --cross-entropy-fusion-impl te
 )

@@ -12,6 +12,7 @@
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")"
 source ./lib/common.sh
+mok_iters 50000 2000   # ITERS=N trains N iterations (warm-up at most N - 1)
 
 NNODES=128 GPUS_PER_NODE=4 NVLINK_DOMAIN_GPUS=32 GPU=GB300
 export CUDA_DEVICE_MAX_CONNECTIONS=32
@@ -66,8 +67,8 @@ MEMORY_ARGS=(
   --manual-gc --manual-gc-interval 10
 )
 TRAIN_ARGS=(
-  --micro-batch-size 1 --global-batch-size 2048 --train-iters 50000
-  --lr 3e-4 --min-lr 3e-5 --lr-decay-style cosine --lr-warmup-iters 2000
+  --micro-batch-size 1 --global-batch-size 2048 --train-iters "$ITERS"
+  --lr 3e-4 --min-lr 3e-5 --lr-decay-style cosine --lr-warmup-iters "$WARMUP"
   --weight-decay 0.1 --adam-beta1 0.9 --adam-beta2 0.95 --clip-grad 1.0 --init-method-std 0.02
   --cross-entropy-loss-fusion --cross-entropy-fusion-impl te
 )

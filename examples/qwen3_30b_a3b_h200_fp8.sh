@@ -11,6 +11,7 @@
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")"
 source ./lib/common.sh
+mok_iters 20000 1000   # ITERS=N trains N iterations (warm-up at most N - 1)
 
 NNODES=4 GPUS_PER_NODE=8 NVLINK_DOMAIN_GPUS=8      # NVLink ends at the node on Hopper: EP <= 8
 GPU=${GPU:-H200}                                   # GPU=H100 checks the same command against 80 GB
@@ -61,8 +62,8 @@ MEMORY_ARGS=(
   --manual-gc --manual-gc-interval 10
 )
 TRAIN_ARGS=(
-  --micro-batch-size 1 --global-batch-size 512 --train-iters 20000
-  --lr 3e-4 --min-lr 3e-5 --lr-decay-style cosine --lr-warmup-iters 1000
+  --micro-batch-size 1 --global-batch-size 512 --train-iters "$ITERS"
+  --lr 3e-4 --min-lr 3e-5 --lr-decay-style cosine --lr-warmup-iters "$WARMUP"
   --weight-decay 0.1 --adam-beta1 0.9 --adam-beta2 0.95 --clip-grad 1.0 --init-method-std 0.02
 )
 DATA_ARGS=("${DATA_SOURCE[@]}" --tokenizer-type HuggingFaceTokenizer

@@ -7,11 +7,8 @@ set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")"
 source ./lib/common.sh
 
-NPROC=${NPROC:-1} ITERS=${ITERS:-20}
-case "$ITERS" in
-  ''|*[!0-9]*|0*) echo "tiny_moe.sh: ITERS=$ITERS: must be a whole number >= 1 (e.g. ITERS=20)." >&2; exit 2 ;;
-esac
-WARMUP=$(( ITERS > 2 ? 2 : ITERS - 1 ))   # Megatron's scheduler needs fewer warm-up than decay (= ITERS) steps
+NPROC=${NPROC:-1}
+mok_iters 20 2   # 20 iterations, 2 of warm-up (ITERS=N: N iterations, warm-up at most N - 1)
 PY=${PYTHON:-$(command -v python3 || command -v python)}
 if [ -z "${DEVICE:-}" ]; then
   DEVICE=$("$PY" -c 'import torch; print("gpu" if torch.cuda.is_available() else "cpu")' 2>/dev/null || echo cpu)

@@ -125,6 +125,11 @@ USER_ERRORS = {
         ),
     ),
     "megatron_value": (BASE + ["--num-layers", "two"], ("--num-layers", "invalid int value: 'two'")),
+    # Megatron's scheduler asserts this after building the model and optimizer, as a bare AssertionError
+    "warmup_not_below_decay": (
+        BASE + ["--lr-warmup-iters", "4"],
+        ("--lr-warmup-iters 4 is not below the 4 iterations", "--lr-warmup-iters to at most 3"),
+    ),
 }
 if not torch.cuda.is_available():
     USER_ERRORS["torch_fp8_on_cpu"] = (
@@ -348,28 +353,42 @@ def test_truncated_checkpoint_is_named_at_start_up(saved_checkpoint, tmp_path):
 
 # Megatron's `torch` checkpoint format pickles ``args`` and loads it with ``weights_only``; one process.
 @pytest.fixture(scope="module")
-def torch_checkpoint(tmp_path_factory):
-    """The tiny recipe on one CPU process for 4 iterations, saving at 2 and 4 in the ``torch`` format."""
+def torch_training(tmp_path_factory):
+    """The tiny recipe on one CPU process for 4 iterations, saving at 2 and 4 in the ``torch`` format: the
+    run and the checkpoint directory."""
     ckpt = tmp_path_factory.mktemp("torch_ckpt")
     cmd = _tiny_command(4, nproc=1) + ["--save", str(ckpt), "--save-interval", "2", "--ckpt-format", "torch"]
     r = _run(cmd, timeout=600)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
-    return ckpt
+    return r, ckpt
 
 
 @pytest.fixture(scope="module")
-def resumed(torch_checkpoint, tmp_path_factory):
-    """Runs that load it: from iteration 2; from iteration 4 with nothing left; with a longer ITERS (another
-    learning-rate schedule), without and with Megatron's --override-opt_param-scheduler; a copy whose
-    iteration-4 file is cut in half (Megatron's torch-format loader then calls ``sys.exit()``)."""
+def torch_checkpoint(torch_training):
+    return torch_training[1]
+
+
+@pytest.fixture(scope="module")
+def resumed_save(tmp_path_factory):
+    """Where the run resumed from iteration 2 saves its iteration 4."""
+    return tmp_path_factory.mktemp("resumed_ckpt")
+
+
+@pytest.fixture(scope="module")
+def resumed(torch_checkpoint, resumed_save, tmp_path_factory):
+    """Runs that load it: from iteration 2 (saving its iteration 4 in ``resumed_save``); from iteration 4
+    with nothing left; with a longer ITERS (another learning-rate schedule), without and with Megatron's
+    --override-opt_param-scheduler; a copy whose iteration-4 file is cut in half (Megatron's torch-format
+    loader then calls ``sys.exit()``)."""
     load = ["--load", str(torch_checkpoint), "--ckpt-format", "torch"]
+    save = ["--save", str(resumed_save), "--save-interval", "2"]
     damaged = tmp_path_factory.mktemp("damaged") / "ckpt"
     shutil.copytree(torch_checkpoint, damaged)
     for f in (damaged / "iter_0000004").rglob("*.pt"):
         f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
     runs = {
         "damaged": _tiny_command(6, nproc=1) + ["--load", str(damaged), "--ckpt-format", "torch"],
-        "from_2": _tiny_command(4, nproc=1) + load + ["--ckpt-step", "2"],
+        "from_2": _tiny_command(4, nproc=1) + load + ["--ckpt-step", "2"] + save,
         "at_end": _tiny_command(4, nproc=1) + load,
         "longer": _tiny_command(6, nproc=1) + load,
         "longer_override": _tiny_command(6, nproc=1) + load + ["--override-opt_param-scheduler"],
@@ -390,6 +409,40 @@ def test_torch_format_checkpoint_resumes_from_its_iteration(resumed, torch_check
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     assert f"> resumed from --load {torch_checkpoint} at iteration 2" in r.stdout, r.stdout[-3000:]
     assert _iterations(r) == [3, 4], r.stdout[-3000:]
+
+
+def _losses(r) -> dict[int, str]:
+    return {int(m.group(1)): m.group(2) for m in _LOSS.finditer(r.stdout + r.stderr)}
+
+
+def _checkpoint_tensors(ckpt: Path, iteration: int) -> dict[str, torch.Tensor]:
+    """Every tensor of a torch-format checkpoint (one process): model, optimizer state, RNG states."""
+    sd = torch.load(ckpt / f"iter_{iteration:07d}" / "mp_rank_00" / "model_optim_rng.pt", weights_only=False)
+    out = {f"model.{k}": v for k, v in sd["model"].items() if isinstance(v, torch.Tensor)}
+    for i, opt in enumerate(sd["optimizer"]):
+        for p, state in opt["state"].items():
+            out.update({f"optimizer{i}.{p}.{k}": v for k, v in state.items()})
+    for rng in sd["rng_state"]:
+        out.update({f"rng.{k}": v for k, v in rng.items() if isinstance(v, torch.Tensor)})
+        out.update({f"rng.tracker.{k}": v for k, v in rng["rng_tracker_states"].items()})
+    return out
+
+
+def test_torch_format_resume_trains_as_the_uninterrupted_run(torch_training, resumed, resumed_save):
+    """Resumed at iteration 2, the run trains bitwise as the uninterrupted one (dropout on): iteration 3's
+    loss, and every weight, optimizer state and RNG state at iteration 4. Megatron logs the first iteration
+    of a run without resetting its loss sums, so the run's next line is the mean of its first two iterations
+    (uninterrupted: iteration 2; resumed at 2: iteration 4), for either layer."""
+    full, ckpt = torch_training
+    r = resumed["from_2"]
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    want, got = _losses(full), _losses(r)
+    assert got[3] == want[3], (got, want)
+    assert abs(float(got[4]) - (float(want[3]) + float(want[4])) / 2) < 2e-6, (got, want)
+    a, b = _checkpoint_tensors(ckpt, 4), _checkpoint_tensors(resumed_save, 4)
+    assert a.keys() == b.keys() and any(k.startswith("optimizer") for k in a), sorted(a)
+    differ = [k for k in a if not torch.equal(a[k], b[k])]
+    assert not differ, differ
 
 
 def test_unreadable_torch_format_checkpoint_fails_in_one_line(resumed):

@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -291,3 +292,123 @@ def test_recipe_dry_run_parses_and_its_layout_adds_up(parser, recipe):
     assert r.argv[i + 1] == "mok" and ab[: len(expected)] == expected
     assert all(not x.startswith("--mok-") for x in ab[len(expected) :])
     assert not parser.parse_args(ab).mok
+
+
+def _recipe_dry_run(recipe: Path, **env) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        ["bash", str(recipe)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=dict(os.environ, DEVICE="cpu", DRY_RUN="1", **env),
+    )
+
+
+def _flag(argv: list[str], flag: str) -> int:
+    return int(argv[len(argv) - 1 - argv[::-1].index(flag) + 1])  # the last occurrence, as argparse reads it
+
+
+@pytest.mark.parametrize("recipe", RECIPES, ids=[r.stem for r in RECIPES])
+def test_every_recipe_trains_any_number_of_iterations(parser, capsys, recipe):
+    """``ITERS=N`` sets ``--train-iters N`` on every recipe, with its warm-up kept below N (Megatron's
+    scheduler asserts fewer warm-up than decay steps); an ITERS that is not a whole number >= 1 stops the
+    script in one line naming the recipe's own value; ``EXTRA_ARGS="--train-iters 2"`` (the recipe's warm-up
+    left above it) is refused by the parser in one line naming the fix, not by the scheduler's assertion."""
+    default = _recipe_dry_run(recipe)
+    assert default.returncode == 0, default.stderr
+    own = _flag(shlex.split(default.stdout.splitlines()[-1]), "--train-iters")
+    for iters in (1, 3):
+        r = _recipe_dry_run(recipe, ITERS=str(iters))
+        assert r.returncode == 0, r.stderr
+        argv = shlex.split(r.stdout.splitlines()[-1])
+        argv = argv[argv.index("mok_megatron.pretrain_gpt") + 1 :]
+        a = parser.parse_args(argv)
+        assert a.train_iters == iters and 0 <= a.lr_warmup_iters < iters, (iters, a.lr_warmup_iters)
+    for bad in ("0", "abc", "-3", "007"):
+        r = _recipe_dry_run(recipe, ITERS=bad)
+        assert r.returncode == 2 and r.stdout == "", r.stdout
+        want = f"{recipe.name}: ITERS={bad}: must be a whole number >= 1 (e.g. ITERS={own})."
+        assert r.stderr.splitlines() == [want]
+    r = _recipe_dry_run(recipe, EXTRA_ARGS="--train-iters 2")
+    argv = shlex.split(r.stdout.splitlines()[-1])
+    warmup = _flag(argv, "--lr-warmup-iters")
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        parser.parse_args(argv[argv.index("mok_megatron.pretrain_gpt") + 1 :])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and len(err.splitlines()) == 1, err
+    assert f"--lr-warmup-iters {warmup} is not below the 2 iterations" in err and "ITERS=N sets both" in err, err
+
+
+SCHEDULE_ERRORS = [
+    (
+        ["--train-iters", "2", "--lr-warmup-iters", "2"],
+        r"--lr-warmup-iters 2 is not below the 2 iterations the learning rate decays over \(--train-iters 2\)"
+        r".* Lower --lr-warmup-iters to at most 1, or raise --train-iters above 2",
+    ),
+    (
+        ["--train-iters", "10", "--lr-decay-iters", "3", "--lr-warmup-iters", "5"],
+        r"--lr-warmup-iters 5 is not below the 3 iterations .* \(--lr-decay-iters 3\)"
+        r".* raise --lr-decay-iters",
+    ),
+    (
+        ["--train-samples", "64", "--lr-warmup-samples", "64"],
+        r"--lr-warmup-samples 64 is not below the 64 samples .* \(--train-samples 64\)",
+    ),
+    (
+        ["--train-iters", "10", "--lr-warmup-fraction", "1.0"],
+        r"--lr-warmup-fraction 1.0 warms up over all 10",
+    ),
+    (["--train-iters", "10", "--lr-decay-iters", "0"], r"--lr-decay-iters 0: the learning rate must decay"),
+    (["--train-iters", "10", "--min-lr", "3e-4"], r"--min-lr 0.0003 is above --lr 0.0001"),
+    (["--train-iters", "10", "--lr-warmup-init", "1e-3"], r"--lr-warmup-init 0.001 is above --lr 0.0001"),
+    (["--train-iters", "10", "--lr-decay-style", "WSD"], r"WSD needs --lr-wsd-decay-iters"),
+]
+SCHEDULES_MEGATRON_BUILDS = [
+    ["--train-iters", "2", "--lr-warmup-iters", "1"],
+    ["--train-iters", "1"],
+    ["--train-iters", "10", "--lr-decay-iters", "6", "--lr-warmup-iters", "5"],
+    ["--train-samples", "64", "--lr-warmup-fraction", "0.5"],
+    ["--train-iters", "10", "--lr-decay-style", "WSD", "--lr-wsd-decay-iters", "4"],
+]
+
+
+def _megatron_scheduler(argv: list[str]):
+    """Megatron's own scheduler for ``argv`` (its ``get_optimizer_param_scheduler`` on a one-parameter
+    optimizer), parsed without MoK's checks."""
+    import torch
+    from megatron.training import training
+    from megatron.training.arguments import add_megatron_arguments
+
+    a = add_megatron_arguments(argparse.ArgumentParser(allow_abbrev=False)).parse_args(argv)
+    a.start_weight_decay = a.end_weight_decay = a.weight_decay  # what validate_args fills in
+    a.global_batch_size = 4
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.0)
+    old = training.get_args
+    training.get_args = lambda: a
+    try:
+        return training.get_optimizer_param_scheduler(optimizer)
+    finally:
+        training.get_args = old
+
+
+@pytest.mark.parametrize("argv, message", SCHEDULE_ERRORS, ids=[" ".join(a) for a, _ in SCHEDULE_ERRORS])
+def test_a_schedule_megatron_cannot_build_is_one_line_at_parse_time(parser, capsys, argv, message):
+    """Megatron's scheduler asserts on these after the model and optimizer are built (a bare AssertionError);
+    the parser refuses them first, naming the flags and the fix."""
+    argv = BASE + ["--lr", "1e-4", *argv]
+    with pytest.raises(AssertionError):
+        _megatron_scheduler(argv)
+    with pytest.raises(SystemExit) as e:
+        parser.parse_args(argv)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and len(err.splitlines()) == 1, err
+    assert re.search(message, err), err
+
+
+@pytest.mark.parametrize("argv", SCHEDULES_MEGATRON_BUILDS, ids=" ".join)
+def test_a_schedule_megatron_builds_parses(parser, argv):
+    argv = BASE + ["--lr", "1e-4", *argv]
+    _megatron_scheduler(argv)
+    parser.parse_args(argv)
+    parser.parse_args(BASE + ["--train-iters", "2", "--lr-warmup-iters", "5", "--skip-train"])  # no optimizer

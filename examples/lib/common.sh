@@ -3,6 +3,7 @@
 #   DRY_RUN=1   print the layout line and the exact launch command (one line, shell-quoted), run nothing
 #   DISPATCHER  mok (default) or alltoall: the same command A/B-compares the MoK layer and Megatron's
 #   EXTRA_ARGS  more Megatron/MoK flags, appended last (argparse keeps the last value of a repeated flag)
+#   ITERS       training iterations (any whole number >= 1); the recipe's warm-up stays below them
 #
 # MOK_ARGS go to the MoK run only, ALLTOALL_ARGS (optional) to Megatron's alltoall run only.
 #
@@ -11,6 +12,19 @@
 # PARALLEL_ARGS, PRECISION_ARGS, MEMORY_ARGS, TRAIN_ARGS, DATA_ARGS, LOG_ARGS, then calls mok_launch.
 
 DISPATCHER=${DISPATCHER:-mok}
+
+# mok_iters ITERS WARMUP: the recipe's iterations and warm-up; sets ITERS (the user's ITERS, else the recipe's)
+# and WARMUP (the recipe's, at most ITERS - 1: Megatron's scheduler asserts fewer warm-up than decay steps,
+# and the decay runs over --train-iters). An ITERS that is not a whole number >= 1 stops here, in one line.
+mok_iters() {
+  ITERS=${ITERS:-$1}
+  case "$ITERS" in
+    ''|*[!0-9]*|0*)
+      echo "$(basename "${BASH_SOURCE[1]}"): ITERS=$ITERS: must be a whole number >= 1 (e.g. ITERS=$1)." >&2
+      exit 2 ;;
+  esac
+  WARMUP=$(( ITERS > $2 ? $2 : ITERS - 1 ))
+}
 # Megatron indexed data (prefix of .bin/.idx, or a blend "w1 p1 w2 p2") or mock data.
 if [ -n "${DATA_PATH:-}" ]; then read -r -a DATA_SOURCE <<< "--data-path $DATA_PATH"; else DATA_SOURCE=(--mock-data); fi
 

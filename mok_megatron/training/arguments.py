@@ -286,10 +286,65 @@ def _given_mok_flags(args) -> list[str]:
     return [flag_name(f.name) for f, _ in flag_fields() if getattr(given, f.name) != f.default]
 
 
+def check_schedule(args) -> None:
+    """The learning-rate schedule against what Megatron's ``OptimizerParamScheduler`` asserts when it is
+    built: after the model, the optimizer and any checkpoint load, minutes into a large job, as a bare
+    ``AssertionError``. The same arithmetic as ``megatron.training.training.get_optimizer_param_scheduler``:
+    decay steps are ``--lr-decay-iters`` (else ``--train-iters``) or ``--lr-decay-samples`` (else
+    ``--train-samples``); warm-up steps are ``--lr-warmup-fraction`` of them, else ``--lr-warmup-iters`` /
+    ``--lr-warmup-samples``; warm-up must stay below decay. Both layers train with this scheduler, so the
+    check applies to every dispatcher. ``--skip-train`` builds no optimizer: nothing to check."""
+    if getattr(args, "skip_train", False):
+        return
+    lr = getattr(args, "lr", None)
+    min_lr = getattr(args, "min_lr", 0.0) or 0.0
+    init = getattr(args, "lr_warmup_init", 0.0) or 0.0
+    if lr is not None and min_lr > lr:
+        raise MoKArgumentError(f"--min-lr {min_lr} is above --lr {lr}. Lower --min-lr to at most {lr}.")
+    if lr is not None and init > lr:
+        raise MoKArgumentError(
+            f"--lr-warmup-init {init} is above --lr {lr}: warm-up rises to --lr. Lower --lr-warmup-init."
+        )
+    if getattr(args, "train_iters", None):
+        unit, train_flag, train = "iterations", "--train-iters", args.train_iters
+        decay_flag, decay_value = "--lr-decay-iters", getattr(args, "lr_decay_iters", None)
+        warmup_flag, warmup = "--lr-warmup-iters", getattr(args, "lr_warmup_iters", 0) or 0
+        wsd_flag, wsd = "--lr-wsd-decay-iters", getattr(args, "lr_wsd_decay_iters", None)
+    elif getattr(args, "train_samples", None):
+        unit, train_flag, train = "samples", "--train-samples", args.train_samples
+        decay_flag, decay_value = "--lr-decay-samples", getattr(args, "lr_decay_samples", None)
+        warmup_flag, warmup = "--lr-warmup-samples", getattr(args, "lr_warmup_samples", 0) or 0
+        wsd_flag, wsd = "--lr-wsd-decay-samples", getattr(args, "lr_wsd_decay_samples", None)
+    else:
+        return  # Megatron names the missing --train-iters / --train-samples itself
+    if decay_value is None:
+        decay, named = train, f"{train_flag} {train}"
+    else:
+        decay, named = decay_value, f"{decay_flag} {decay_value}"
+    if decay <= 0:
+        raise MoKArgumentError(f"{named}: the learning rate must decay over at least 1 of the {unit}.")
+    fraction = getattr(args, "lr_warmup_fraction", None)
+    if fraction is not None and fraction >= 1:
+        raise MoKArgumentError(
+            f"--lr-warmup-fraction {fraction} warms up over all {decay} {unit} the learning rate decays over "
+            f"({named}); Megatron's scheduler needs warm-up shorter than decay. Use a fraction below 1."
+        )
+    if fraction is None and warmup >= decay:
+        more = decay_flag if decay_value is not None else train_flag
+        raise MoKArgumentError(
+            f"{warmup_flag} {warmup} is not below the {decay} {unit} the learning rate decays over "
+            f"({named}); Megatron's scheduler needs warm-up shorter than decay. Lower {warmup_flag} to at "
+            f"most {decay - 1}, or raise {more} above {warmup} (examples/*.sh: ITERS=N sets both)."
+        )
+    if getattr(args, "lr_decay_style", None) == "WSD" and wsd is None:
+        raise MoKArgumentError(f"--lr-decay-style WSD needs {wsd_flag} (the steps of its final decay).")
+
+
 def validate(args) -> None:
     """Checks that need only the command line (no process groups). Raises ``MoKArgumentError`` /
     ``MoKOptionsError``; ``extra_args_provider`` turns them into ``parser.error``."""
     options_from_args(args)  # value checks live in MoKOptions
+    check_schedule(args)
     if getattr(args, "overlap_moe_expert_parallel_comm", False) and args.expert_model_parallel_size < 2:
         raise MoKArgumentError(
             "--overlap-moe-expert-parallel-comm overlaps the expert-parallel all-to-all of one micro-batch "

@@ -14,6 +14,14 @@ assumes a GPU in more places; ``enable()`` here adds, each seen failing without 
    do nothing.
 3. ``initialize_megatron`` calls ``torch.cuda.set_device(local_rank)`` only when GPUs exist; the
    backend comes from ``--distributed-backend`` (use ``gloo``).
+4. Each ``torch.utils.data.DataLoader`` iterator draws its workers' base seed from the loader's generator,
+   else from torch's default (CPU) generator. On a GPU that draw leaves dropout's generator (CUDA) alone; in
+   CPU mode the CPU generator is also the "CUDA" one dropout draws from. A resumed run creates its data
+   iterator after the checkpoint's RNG states are restored, an uninterrupted one before its first step, so
+   with the shared generator every dropout mask after a resume comes one draw later than in the
+   uninterrupted run (the tiny recipe resumed at iteration 2, either layer: iteration-3 loss 4.712636
+   against 4.707510). Megatron's loaders get their own generator, seeded with ``--seed``: a resumed run
+   trains bitwise as the uninterrupted one (docs/design.md, Megatron glue).
 
 What the command line must say on CPU (``CPU_FLAGS``; the tiny recipe passes them): gloo, no fused
 kernels (apex / TE are GPU-only), fp32, local transformer implementation, no gradient-accumulation
@@ -125,6 +133,19 @@ def _patch_megatron_training(saved: list) -> None:
         return init(*args, **kwargs)
 
     replace(mtrain, "initialize_megatron", initialize_megatron)
+
+    build_loader = mtrain.build_pretraining_data_loader
+
+    def build_pretraining_data_loader(dataset, consumed_samples):
+        # the base-seed draw of each data iterator stays off the CPU generator dropout uses (item 4 above)
+        loader = build_loader(dataset, consumed_samples)
+        if isinstance(loader, torch.utils.data.DataLoader) and loader.generator is None:
+            from megatron.training import get_args
+
+            loader.generator = torch.Generator().manual_seed(get_args().seed)
+        return loader
+
+    replace(mtrain, "build_pretraining_data_loader", build_pretraining_data_loader)
     # _initialize_distributed creates Megatron's model-parallel groups, and _set_random_seed seeds
     # the model-parallel RNG tracker, only `if torch.cuda.device_count() > 0`. Without the groups
     # nothing runs; without the seeds every tracked fork (expert init, dropout) fails. In CPU mode the

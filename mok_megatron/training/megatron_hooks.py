@@ -63,6 +63,14 @@ RUNTIME_PATCHES: tuple[RuntimePatch, ...] = (
         "pretrain() asserts CUDA unless allow_no_cuda; CPU mode handles everything that assertion guards.",
     ),
     RuntimePatch(
+        "megatron.training.training.build_pretraining_data_loader",
+        "mok_megatron.training.cpu_training.enable",
+        _CPU,
+        "a data iterator draws its workers' base seed from the default CPU generator, which in CPU mode is "
+        "also dropout's: a resumed run (iterator made after the RNG states are restored) would drop other "
+        "units than the uninterrupted run. Its loaders get their own generator, seeded with --seed.",
+    ),
+    RuntimePatch(
         "megatron.training.initialize._initialize_distributed",
         "mok_megatron.training.cpu_training.enable",
         _CPU,
