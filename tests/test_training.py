@@ -363,6 +363,20 @@ SCHEDULE_ERRORS = [
     (["--train-iters", "10", "--min-lr", "3e-4"], r"--min-lr 0.0003 is above --lr 0.0001"),
     (["--train-iters", "10", "--lr-warmup-init", "1e-3"], r"--lr-warmup-init 0.001 is above --lr 0.0001"),
     (["--train-iters", "10", "--lr-decay-style", "WSD"], r"WSD needs --lr-wsd-decay-iters"),
+    (["--train-iters", "10", "--min-lr=-1e-5"], r"--min-lr -1e-05 is negative"),
+    (["--train-iters", "10", "--lr=-1e-4", "--min-lr", "0"], r"--lr -0.0001 is negative"),
+    (["--train-iters", "10", "--weight-decay=-0.1"], r"--weight-decay -0.1 is negative"),
+    (
+        ["--train-iters", "10", "--weight-decay-incr-style", "linear", "--start-weight-decay", "0.1",
+         "--end-weight-decay", "0.01"],
+        r"--end-weight-decay 0.01 is below --start-weight-decay 0.1.* Raise --end-weight-decay to at least"
+        r" 0.1",
+    ),
+    (
+        ["--train-iters", "10", "--weight-decay-incr-style", "cosine", "--start-weight-decay=-0.1",
+         "--end-weight-decay", "0.1"],
+        r"--start-weight-decay -0.1 is negative",
+    ),
 ]
 SCHEDULES_MEGATRON_BUILDS = [
     ["--train-iters", "2", "--lr-warmup-iters", "1"],
@@ -370,6 +384,9 @@ SCHEDULES_MEGATRON_BUILDS = [
     ["--train-iters", "10", "--lr-decay-iters", "6", "--lr-warmup-iters", "5"],
     ["--train-samples", "64", "--lr-warmup-fraction", "0.5"],
     ["--train-iters", "10", "--lr-decay-style", "WSD", "--lr-wsd-decay-iters", "4"],
+    ["--train-iters", "10", "--min-lr", "0", "--weight-decay", "0"],
+    ["--train-iters", "10", "--weight-decay-incr-style", "linear", "--start-weight-decay", "0.01",
+     "--end-weight-decay", "0.1"],
 ]
 
 
@@ -381,7 +398,8 @@ def _megatron_scheduler(argv: list[str]):
     from megatron.training.arguments import add_megatron_arguments
 
     a = add_megatron_arguments(argparse.ArgumentParser(allow_abbrev=False)).parse_args(argv)
-    a.start_weight_decay = a.end_weight_decay = a.weight_decay  # what validate_args fills in
+    if a.weight_decay_incr_style == "constant":  # what validate_args fills in
+        a.start_weight_decay = a.end_weight_decay = a.weight_decay
     a.global_batch_size = 4
     optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.0)
     old = training.get_args

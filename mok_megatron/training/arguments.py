@@ -299,12 +299,17 @@ def check_schedule(args) -> None:
     lr = getattr(args, "lr", None)
     min_lr = getattr(args, "min_lr", 0.0) or 0.0
     init = getattr(args, "lr_warmup_init", 0.0) or 0.0
+    if min_lr < 0:
+        raise MoKArgumentError(f"--min-lr {min_lr} is negative. Give --min-lr 0 or more.")
+    if lr is not None and lr < 0:
+        raise MoKArgumentError(f"--lr {lr} is negative. Give --lr above 0.")
     if lr is not None and min_lr > lr:
         raise MoKArgumentError(f"--min-lr {min_lr} is above --lr {lr}. Lower --min-lr to at most {lr}.")
     if lr is not None and init > lr:
         raise MoKArgumentError(
             f"--lr-warmup-init {init} is above --lr {lr}: warm-up rises to --lr. Lower --lr-warmup-init."
         )
+    _check_weight_decay_schedule(args)
     if getattr(args, "train_iters", None):
         unit, train_flag, train = "iterations", "--train-iters", args.train_iters
         decay_flag, decay_value = "--lr-decay-iters", getattr(args, "lr_decay_iters", None)
@@ -338,6 +343,29 @@ def check_schedule(args) -> None:
         )
     if getattr(args, "lr_decay_style", None) == "WSD" and wsd is None:
         raise MoKArgumentError(f"--lr-decay-style WSD needs {wsd_flag} (the steps of its final decay).")
+
+
+def _check_weight_decay_schedule(args) -> None:
+    """Megatron's scheduler also asserts on the weight decay it steps: from ``--start-weight-decay`` (>= 0)
+    up to ``--end-weight-decay`` under ``--weight-decay-incr-style linear / cosine``, else ``--weight-decay``
+    throughout (``validate_args`` fills both in, and refuses a missing one itself)."""
+    style = getattr(args, "weight_decay_incr_style", "constant")
+    if style == "constant":
+        wd = getattr(args, "weight_decay", 0.0) or 0.0
+        if wd < 0:
+            raise MoKArgumentError(f"--weight-decay {wd} is negative. Give --weight-decay 0 or more.")
+        return
+    start, end = getattr(args, "start_weight_decay", None), getattr(args, "end_weight_decay", None)
+    if start is None or end is None:
+        return
+    if start < 0:
+        raise MoKArgumentError(f"--start-weight-decay {start} is negative. Give 0 or more.")
+    if end < start:
+        raise MoKArgumentError(
+            f"--end-weight-decay {end} is below --start-weight-decay {start}: Megatron's scheduler only "
+            f"raises weight decay (--weight-decay-incr-style {style}). Raise --end-weight-decay to at least "
+            f"{start}, or use --weight-decay alone."
+        )
 
 
 def validate(args) -> None:
