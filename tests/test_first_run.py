@@ -404,6 +404,22 @@ def _error_lines(r) -> list[str]:
     return [line for line in r.stderr.splitlines() if line.startswith("mok-pretrain-gpt: error: ")]
 
 
+def test_entry_point_outside_torchrun_names_the_launcher_in_one_line():
+    """``mok-pretrain-gpt`` run straight from a shell (no torchrun): one error line naming torchrun, not the
+    rendezvous traceback asking for MASTER_ADDR."""
+    cmd = _tiny_command(2, nproc=1)
+    flags = cmd[cmd.index("mok_megatron.pretrain_gpt") + 1 :]
+    argv = [sys.executable, "-m", "mok_megatron.pretrain_gpt", *flags]
+    env = {k: v for k, v in _user_env().items() if k not in ("MASTER_ADDR", "MASTER_PORT")}
+    r = subprocess.run(argv, capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
+    errors = _error_lines(r)
+    assert r.returncode == 2 and _iterations(r) == [], r.stderr[-3000:]
+    assert len(errors) == 1 and "MASTER_ADDR and MASTER_PORT not set: start it under torchrun" in errors[0], (
+        r.stderr[-3000:]
+    )
+    assert "Traceback" not in r.stderr, r.stderr[-3000:]
+
+
 def test_torch_format_checkpoint_resumes_from_its_iteration(resumed, torch_checkpoint):
     r = resumed["from_2"]
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]

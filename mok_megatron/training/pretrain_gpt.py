@@ -353,6 +353,7 @@ def main(argv: list[str] | None = None) -> int:
         check_environment(args)
         model_cfg = model_config_from_args(args)
         check_load(args)
+        check_launcher(args)
     except (MoKArgumentError, MoKOptionsError, MoKConfigError, CheckpointError) as e:
         return fail(e)
     except AssertionError as e:  # Megatron's TransformerConfig checks
@@ -378,6 +379,25 @@ def main(argv: list[str] | None = None) -> int:
         if nothing is not None:
             return fail(nothing)
     return 0
+
+
+def check_launcher(args) -> None:
+    """Megatron starts ``torch.distributed`` from the environment torchrun sets (``env://``); started any
+    other way, its rendezvous raises a traceback that asks for ``MASTER_ADDR``. One line names the launcher
+    instead (nothing to check where the caller started ``torch.distributed`` or Megatron fakes it)."""
+    import torch
+
+    from mok_megatron.training.arguments import MoKArgumentError
+
+    if getattr(args, "fake_process_group", False) or torch.distributed.is_initialized():
+        return
+    missing = [v for v in ("MASTER_ADDR", "MASTER_PORT") if not os.environ.get(v)]
+    if missing:
+        raise MoKArgumentError(
+            f"{' and '.join(missing)} not set: start it under torchrun (torchrun --nproc-per-node N -m "
+            f"mok_megatron.pretrain_gpt ..., or torchrun ... $(command -v {PROG}) ...), or set "
+            "MASTER_ADDR and MASTER_PORT for the launcher you use."
+        )
 
 
 def _megatron_refuses(e: AssertionError) -> str:
