@@ -245,6 +245,24 @@ def test_missing_transformer_engine_names_both_fixes(startup):
 # ---- training on a CPU as a user runs it, and a damaged checkpoint ------------------------------------
 
 
+def test_recipe_without_torchrun_on_the_path_names_the_environment():
+    """A recipe started outside the environment mok-megatron is installed in: one line, not bash's
+    ``torchrun: command not found``."""
+    r = subprocess.run(
+        ["bash", "examples/tiny_moe.sh"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=ROOT,
+        env={"HOME": os.environ.get("HOME", "/tmp"), "PATH": "/usr/bin:/bin", "ITERS": "2"},
+    )
+    assert r.returncode == 127 and r.stdout == ""
+    assert r.stderr.strip().splitlines() == [
+        "tiny_moe.sh: torchrun not found: activate the environment mok-megatron is installed in "
+        "(e.g. source .venv/bin/activate after ./run demo)."
+    ]
+
+
 def _tiny_command(iters: int, dispatcher: str = "mok", nproc: int = 2) -> list[str]:
     """The tiny recipe's launch command: ``nproc`` gloo ranks, EP=nproc (rendezvous on a free port here)."""
     r = _run(

@@ -46,6 +46,10 @@ mok_launch() {
     echo
     return 0
   fi
+  if ! command -v torchrun > /dev/null; then
+    echo "$(basename "$0"): torchrun not found: activate the environment mok-megatron is installed in (e.g. source .venv/bin/activate after ./run demo)." >&2
+    return 127
+  fi
   if [ -n "${SLURM_JOB_ID:-}" ] && [ "$nnodes" -gt 1 ]; then
     srun --ntasks-per-node 1 "${cmd[@]}"   # one torchrun per node
   else

@@ -339,7 +339,8 @@ def check_schedule(args) -> None:
         raise MoKArgumentError(
             f"{warmup_flag} {warmup} is not below the {decay} {unit} the learning rate decays over "
             f"({named}); Megatron's scheduler needs warm-up shorter than decay. Lower {warmup_flag} to at "
-            f"most {decay - 1}, or raise {more} above {warmup} (examples/*.sh: ITERS=N sets both)."
+            f"most {decay - 1}, or raise {more} above {warmup}"
+            + (" (examples/*.sh: ITERS=N sets both)." if decay_value is None else ".")
         )
     if getattr(args, "lr_decay_style", None) == "WSD" and wsd is None:
         raise MoKArgumentError(f"--lr-decay-style WSD needs {wsd_flag} (the steps of its final decay).")

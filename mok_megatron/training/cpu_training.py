@@ -19,8 +19,7 @@ assumes a GPU in more places; ``enable()`` here adds, each seen failing without 
    CPU mode the CPU generator is also the "CUDA" one dropout draws from. A resumed run creates its data
    iterator after the checkpoint's RNG states are restored, an uninterrupted one before its first step, so
    with the shared generator every dropout mask after a resume comes one draw later than in the
-   uninterrupted run (the tiny recipe resumed at iteration 2, either layer: iteration-3 loss 4.712636
-   against 4.707510). Megatron's loaders get their own generator, seeded with ``--seed``: a resumed run
+   uninterrupted run, and the resumed losses differ from the uninterrupted ones (either layer). Megatron's loaders get their own generator, seeded with ``--seed``: a resumed run
    trains bitwise as the uninterrupted one (docs/design.md, Megatron glue).
 
 What the command line must say on CPU (``CPU_FLAGS``; the tiny recipe passes them): gloo, no fused
