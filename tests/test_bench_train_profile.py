@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from mok_megatron.bench.train_profile import (
+    CATEGORIES,
     CATEGORY_NAMES,
     MOK_KERNELS,
     kernel_category,
@@ -123,6 +124,13 @@ NAMES = [
 @pytest.mark.parametrize("name, category", NAMES, ids=[f"{c}-{i}" for i, (_, c) in enumerate(NAMES)])
 def test_kernel_category(name, category):
     assert kernel_category(name) == category
+
+
+def test_docs_table_is_the_categories():
+    """docs/bench-train.md's category table is ``CATEGORIES``' (name, what it holds), in order."""
+    doc = (PACKAGE.parent / "docs" / "bench-train.md").read_text()
+    rows = re.findall(r"^\| `(\w+)` \| (.*) \|$", doc.split("## One step profiled", 1)[1], re.MULTILINE)
+    assert rows == [(name, what) for name, what, _ in CATEGORIES]
 
 
 def test_every_category_is_reached():

@@ -56,33 +56,42 @@ MOK_KERNELS = {
     "_wait_kernel": "communication",
 }
 
-# (category, what it holds, pattern on the lower-cased kernel name); the first match wins, so the order
-# settles names that fit two: cuDNN's fused attention names "wgmma" and FP8 GEMMs name "e4m3" (attention
-# and GEMM come before FP8), Transformer Engine's FP8 permute names "fp8" (MoE before FP8), its FP8
-# scale update runs through "multi_tensor_apply" (FP8 before the optimizer).
+# (category, what it holds (docs/bench-train.md's table), pattern on the lower-cased kernel name). The
+# first match wins, so the order settles names that fit two: cuDNN's fused attention names "wgmma" and FP8
+# GEMMs name "e4m3" (attention and GEMM come before FP8), Transformer Engine's FP8 permute names "fp8" (MoE
+# before FP8), its FP8 scale update runs through "multi_tensor_apply" (FP8 before the optimizer).
 CATEGORIES = (
-    ("communication", "NCCL, DeepEP / NVSHMEM", r"nccl|nvshmem|deep_?ep|all_?to_?all|allreduce|allgather"),
+    (
+        "communication",
+        "NCCL, DeepEP / NVSHMEM; MoK's NVLink transport kernels",
+        r"nccl|nvshmem|deep_?ep|all_?to_?all|allreduce|allgather",
+    ),
     (
         "attention",
-        "flash / fused (cuDNN) attention, softmax of attention, RoPE",
+        "flash / cuDNN fused attention, Megatron's fused attention softmax, RoPE",
         r"flash|fmha|sdpa|attn|attention|scaled_(?:upper_triang_)?(?:masked_)?softmax|rotary|_rope|rope_",
     ),
     (
         "gemm",
-        "cuBLAS(Lt) / nvjet / CUTLASS / QuACK GEMMs, grouped or not",
+        "cuBLAS(Lt), nvjet, CUTLASS and QuACK GEMMs, grouped or not, bf16 or FP8",
         r"gemm|gemv|cutlass|cublas|nvjet|xmma|wgmma|quack|splitkreduce|matmul",
     ),
     (
         "moe",
-        "MoE routing, top-k, sort, permute / unpermute / combine",
+        "routing, top-k, sorting, permute / unpermute / combine (Transformer Engine's, torch's, MoK's)",
         r"permut|topk|top_k|router|aux_loss|moe|row_id_map|sort_chunks|radixsort|histogram",
     ),
     (
         "fp8",
-        "FP8 quantize / cast / amax / scale / transpose",
+        "quantize, cast-transpose, amax, scale, transpose (Transformer Engine's; MoK's Triton quantization "
+        "kernels; torch's casts to float8)",
         r"fp8|float8|e4m3|e5m2|fp4|quantiz|amax|compute_scale|scale_inv|cast_transpose|transpose",
     ),
-    ("optimizer", "Adam, gradient norm and clipping", r"adam|lamb|sgd|l2_?norm|multi_tensor"),
+    (
+        "optimizer",
+        "Adam, the gradient norm and its clip (`multi_tensor_*`)",
+        r"adam|lamb|sgd|l2_?norm|multi_tensor",
+    ),
     ("other", "elementwise, normalization, reductions, copies, memcpy / memset", r""),
 )
 CATEGORY_NAMES = tuple(c[0] for c in CATEGORIES)
