@@ -1,12 +1,13 @@
 """``mok bench train``: the command lines it builds, the Megatron log it reads, its bad-input lines, and the
 whole comparison on the tiny preset through Megatron's real training loop on a CPU (identical initial weights
--> equal losses), plus the Qwen3-30B-A3B 100-step loss agreement on a GPU against Megatron's own drift
-(its limits as pure functions, tested on a CPU)."""
+-> equal losses; one iteration traced by Megatron's profiler), plus the Qwen3-30B-A3B 100-step loss agreement
+on a GPU against Megatron's own drift (its limits as pure functions, tested on a CPU)."""
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import shlex
 from pathlib import Path
 
@@ -37,9 +38,19 @@ QWEN3_COMMAND = (
 
 
 def _plan(
-    preset="qwen3-30b-a3b", machine=H200, nproc=1, forwarded=(), runs="auto", iters=12, warmup=2, fusion=False
+    preset="qwen3-30b-a3b",
+    machine=H200,
+    nproc=1,
+    forwarded=(),
+    runs="auto",
+    iters=12,
+    warmup=2,
+    fusion=False,
+    profile_step=None,
 ):
-    return make_plan(preset, runs, iters, warmup, nproc, list(forwarded), machine, "/ckpt", fusion)
+    return make_plan(
+        preset, runs, iters, warmup, nproc, list(forwarded), machine, "/w/ckpt", fusion, profile_step
+    )
 
 
 def _flag_values(argv) -> dict:
@@ -61,7 +72,7 @@ def test_qwen3_preset_is_the_measured_command():
     want = _flag_values(QWEN3_COMMAND)
     assert {k: mok.get(k) for k in want} == want
     # what the bench adds: the loop length it reads, and the checkpoint every run loads
-    assert mok["--eval-interval"] == "12" and mok["--load"] == "/ckpt" and mok["--no-load-optim"] is True
+    assert mok["--eval-interval"] == "12" and mok["--load"] == "/w/ckpt" and mok["--no-load-optim"] is True
     assert set(mok) - set(want) == {
         "--expert-model-parallel-size",
         "--eval-interval",
@@ -88,7 +99,7 @@ def test_runs_share_every_flag_but_the_layer():
     assert {k: v for k, v in mok.items() if k not in drop} == {k: v for k, v in ref.items() if k not in drop}
     init = _flag_values(plan.init.argv)
     assert plan.init.module == "mok_megatron.training.initial_checkpoint"
-    assert init["--save"] == "/ckpt" and init["--no-save-optim"] is True and init["--skip-train"] is True
+    assert init["--save"] == "/w/ckpt" and init["--no-save-optim"] is True and init["--skip-train"] is True
     assert init["--moe-token-dispatcher-type"] == "alltoall" and init["--moe-grouped-gemm"] is True
 
 
@@ -125,6 +136,73 @@ def test_mok_flags_are_routed_to_the_mok_run_only():
     assert common == ["--lr", "1e-4", "--bf16"] and mok == ["--mok-minibatch-size", "256", "--mok-sync-free"]
 
 
+def test_profile_step_gives_every_run_megatrons_profiler_flags():
+    """One traced iteration N per run (Megatron's --profile-step-start N --profile-step-end N+1 on rank 0),
+    each run its own --tensorboard-dir, so each trace lands in its own torch_profile/ beside it."""
+    plan = _plan(nproc=8, runs="mok,alltoall,alltoall-unfused", profile_step=6)
+    assert plan.profile_step == 6 and plan.untimed == (5, 6, 7)
+    assert plan.init.trace is None and "--profile" not in plan.init.argv  # the init run trains no step
+    for run in plan.runs:
+        f = _flag_values(run.argv)
+        assert f["--profile"] is True and f["--use-pytorch-profiler"] is True, run.name
+        assert (f["--profile-step-start"], f["--profile-step-end"], f["--profile-ranks"]) == ("6", "7", "0")
+        assert f["--tensorboard-dir"] == f"/w/profile/{run.name}/tensorboard"
+        assert run.trace == f"/w/profile/{run.name}/torch_profile/rank-0.json.gz"
+    # everything else is the unprofiled comparison's
+    plain = _plan(nproc=8, runs="mok,alltoall,alltoall-unfused")
+    assert plain.untimed == () and all(r.trace is None for r in plain.runs)
+    for a, b in zip(plain.runs, plan.runs, strict=True):
+        assert list(b.argv[: len(a.argv)]) == list(a.argv) and "--profile" not in a.argv
+
+
+def test_profile_step_through_the_cli(capsys, tmp_path):
+    argv = "--preset tiny --iters 4 --warmup 1 --profile-step 2 --dry-run --workdir".split() + [str(tmp_path)]
+    rc = train.main(argv)
+    lines = capsys.readouterr().out.splitlines()
+    assert rc == 0, lines
+    # "# NAME: label" then the command line
+    commands = {a[2:].split(":")[0]: shlex.split(b) for a, b in zip(lines, lines[1:]) if a.startswith("# ")}
+    assert set(commands) == {"init", "mok", "alltoall"} and "--profile" not in commands["init"]
+    for name in ("mok", "alltoall"):
+        f = _flag_values(commands[name])
+        assert (f["--profile-step-start"], f["--profile-step-end"]) == ("2", "3")
+        assert f["--tensorboard-dir"] == str(tmp_path / "profile" / name / "tensorboard")
+    rc = train.main("--preset tiny --iters 4 --warmup 1 --profile-step 3 --dry-run".split())
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1 and err[0].startswith("mok bench train: error: --profile-step 3: needs")
+
+
+def test_profiled_report_holds_each_runs_kernel_time(tmp_path, capsys):
+    """The profiled iterations leave the step times; a run's trace becomes its "profile"; a run that wrote no
+    trace is named and the exit status is 1."""
+    import types
+
+    from tests.test_bench_train_profile import _trace
+
+    init_dir = str(tmp_path / "initial-checkpoint")
+    plan = make_plan("qwen3-30b-a3b", "auto", 12, 0, 1, [], H200, init_dir, profile_step=1)
+    mok = next(r for r in plan.runs if r.name == "mok")
+    os.makedirs(os.path.dirname(mok.trace))
+    with open(mok.trace, "w") as f:  # read by content: a plain JSON under the .json.gz name also reads
+        json.dump(_trace(step=1), f)
+    text = LOG.replace("/w/initial-checkpoint", plan.init_dir)
+    res = {"rc": 0, "seconds": 1.0, "command": [], "log": None, "tail": []}
+    results = {"init": dict(res), "mok": dict(res, log=_log(text)), "alltoall": dict(res, log=_log(text))}
+    ns = types.SimpleNamespace(original_argv=[], json=str(tmp_path / "r.json"), png=None)
+    rc = report(plan, results, H200, ns, str(tmp_path))
+    out = capsys.readouterr().out
+    d = json.loads((tmp_path / "r.json").read_text())
+    assert rc == 1 and d["profile_step"] == 1
+    runs = d["runs"]
+    assert runs["mok"]["untimed_iterations"] == [1, 2] and runs["mok"]["timed_iterations"] == 1
+    assert runs["mok"]["step_ms_median"] == 100.0  # iteration 3 only
+    p = runs["mok"]["profile"]
+    assert p["step"] == 1 and p["trace"] == mok.trace and p["categories"]["gemm"]["ms"] == pytest.approx(6.0)
+    assert runs["alltoall"]["profile"]["error"].startswith("no trace at ")
+    assert re.search(r"^gemm +6\.00 \( 57 %\)$", out, re.MULTILINE), out
+    assert "mok bench train: the alltoall run's profile: no trace at " in out
+
+
 @pytest.mark.parametrize(
     "kwargs, message",
     [
@@ -143,11 +221,17 @@ def test_mok_flags_are_routed_to_the_mok_run_only():
         (dict(forwarded=["--load=/x"]), r"--load: the bench sets it itself"),
         (dict(nproc=6, forwarded=["--tensor-model-parallel-size", "4"]), r"6 process\(es\) do not split"),
         (dict(fusion=True, machine=Machine(True, 8, False, False)), r"--gradient-accumulation-fusion: .* no Transformer"),
+        (dict(profile_step=2), r"^--profile-step 2: needs --warmup 2 < N < --iters 12 and a timed step outside "
+         r"N-1\.\.N\+1 \(the profiler's warm-up, trace and export steps leave the timing\); choose N in 3\.\.11\.$"),
+        (dict(profile_step=12), r"^--profile-step 12: .*; choose N in 3\.\.11\.$"),
+        (dict(iters=4, warmup=1, profile_step=3), r"^--profile-step 3: .*; choose N in 2\.\.2\.$"),
+        (dict(iters=3, warmup=1, profile_step=2), r"^--profile-step 2: .*; raise --iters to 4 or more\.$"),
+        (dict(profile_step=5, forwarded=["--tensorboard-dir", "/tb"]),
+         r"^--tensorboard-dir: --profile-step sets Megatron's profiler flags per run \(--profile .*\); drop it"),
+        (dict(profile_step=5, forwarded=["--profile-step-start=4"]), r"^--profile-step-start: --profile-step sets"),
     ],
 )
 def test_bad_input_is_one_line(kwargs, message):
-    import re
-
     with pytest.raises(BenchTrainError) as e:
         _plan(**kwargs)
     assert re.search(message, str(e.value)) and "\n" not in str(e.value), str(e.value)
@@ -241,6 +325,13 @@ def test_log_summary():
     assert s["layer"].startswith("MoK") and s["loaded_checkpoint"] == "/w/initial-checkpoint"
     assert s["loaded_iteration"] == 0
     assert summarize(_log(), warmup=1, cpu=True)["peak_allocated_mib"] is None  # CPU mode reports zeros
+    profiled = summarize(_log(), warmup=0, cpu=False, untimed=(1, 2))  # a profiled iteration 1
+    assert (profiled["step_ms_min"], profiled["step_ms_max"]) == (100.0, 100.0)
+    assert profiled["timed_iterations"] == 1 and profiled["untimed_iterations"] == [1, 2]
+    assert profiled["loss"] == s["loss"]
+    untimed = r"none after the 1 warm-up iteration\(s\) and iterations 2, 3, 4 untimed"
+    with pytest.raises(ValueError, match=untimed):
+        summarize(_log(), warmup=1, cpu=False, untimed=(2, 3, 4))
     with pytest.raises(ValueError, match=r"none after the 3 warm-up iteration\(s\)"):
         summarize(_log(), warmup=3, cpu=False)
 
@@ -276,7 +367,7 @@ def test_megatron_against_itself_is_reported_not_checked(tmp_path, capsys):
     assert "--moe-permute-fusion" not in unfused and plan.runs[2].label.endswith("+ TE grouped GEMM")
 
     def result(losses):
-        text = LOG.replace("/w/initial-checkpoint", "/ckpt").replace("4.707510E+00", f"{losses:E}")
+        text = LOG.replace("/w/initial-checkpoint", "/w/ckpt").replace("4.707510E+00", f"{losses:E}")
         return {"rc": 0, "seconds": 1.0, "command": [], "log": _log(text), "tail": []}
 
     init = {"rc": 0, "seconds": 1.0, "command": [], "tail": []}
@@ -333,13 +424,16 @@ def test_last_error_names_the_failure_not_torchrun():
 
 def test_tiny_comparison_on_cpu_from_identical_weights(tmp_path, capsys):
     """init checkpoint -> MoK and Megatron's alltoall layer through Megatron's real loop (one gloo process,
-    fp32): both load it, their losses agree within the bench's limits, and the JSON holds every number."""
+    fp32): both load it, their losses agree within the bench's limits, and the JSON holds every number.
+    Iteration 2 of each run is traced by Megatron's PyTorch profiler (--profile-step 2): the trace is read
+    back as that step's (a CPU trace has host ops only, so no kernel time), and iterations 1-3 leave the
+    step times."""
     import torch
 
     if torch.cuda.is_available():
         pytest.skip("the CPU path (a GPU machine runs the Qwen3 100-step tests)")
     out = tmp_path / "bench.json"
-    argv = "--preset tiny --iters 4 --warmup 1".split() + ["--workdir", str(tmp_path / "w")]
+    argv = "--preset tiny --iters 4 --warmup 1 --profile-step 2".split() + ["--workdir", str(tmp_path / "w")]
     rc = train.main(argv + ["--json", str(out), "--png", str(tmp_path / "bench.png")])
     printed = capsys.readouterr()
     assert rc == 0, printed.out[-3000:] + printed.err[-3000:]
@@ -349,7 +443,12 @@ def test_tiny_comparison_on_cpu_from_identical_weights(tmp_path, capsys):
     assert set(d["runs"]) == {"mok", "alltoall"} and d["init"]["rc"] == 0
     ckpt = str(tmp_path / "w" / "initial-checkpoint")
     for name, r in d["runs"].items():
-        assert r["rc"] == 0 and r["iterations"] == [1, 2, 3, 4] and r["timed_iterations"] == 3
+        assert r["rc"] == 0 and r["iterations"] == [1, 2, 3, 4] and r["timed_iterations"] == 1
+        assert r["untimed_iterations"] == [1, 2, 3] and r["step_ms_median"] == r["step_ms"][3]
+        p = r["profile"]
+        assert p["trace"] == str(tmp_path / "w" / "profile" / name / "torch_profile" / "rank-0.json.gz")
+        assert os.path.isfile(p["trace"]) and p["step"] == 2 and p["rank"] == 0 and p["step_ms"] > 0
+        assert p["kernels"] == 0 and p["top"] == []
         assert (r["loaded_checkpoint"], r["loaded_iteration"]) == (ckpt, 0), name
         assert r["tokens_per_s_per_gpu"] > 0 and r["step_ms_min"] <= r["step_ms_median"] <= r["step_ms_max"]
         assert r["peak_allocated_mib"] is None and r["world_size"] == 1 and r["seq_length"] == 64
@@ -367,6 +466,7 @@ def test_tiny_comparison_on_cpu_from_identical_weights(tmp_path, capsys):
     assert not os.path.exists(ckpt)  # removed afterwards (--keep-checkpoint keeps it)
     assert "loss agreement mok/alltoall: step 1" in printed.out and "within the limits" in printed.out
     assert "[mok] |########################| 4/4" in printed.err  # the progress bar, per iteration
+    assert "mok: no GPU kernels in " in printed.out and d["profile_step"] == 2
     try:
         import matplotlib  # noqa: F401
 

@@ -2,7 +2,8 @@
 
 layer.py / suite.py    ``mok bench layer``: one MoE layer, MoK vs Megatron and peers, checked then timed
 train.py               ``mok bench train``: Megatron's training loop, MoK vs Megatron from one initial
-                       checkpoint (train_presets.py, train_log.py, train_report.py)
+                       checkpoint (train_presets.py, train_log.py, train_report.py; train_profile.py: one
+                       step under Megatron's profiler, its GPU time by category)
 ep.py / schedules.py   ``mok bench ep`` (torchrun): the layer at real EP; ``--schedules``: Megatron's 1F1B
                        EP overlap
 build.py, steps.py, shapes.py   the layers built, the steps timed, the shapes shared (the planner reads them)

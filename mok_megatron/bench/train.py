@@ -2,7 +2,7 @@
 Megatron's, on the same model, data, seed and initial weights, in one command.
 
     mok bench train --preset qwen3-30b-a3b [--iters 12] [--nproc-per-node N] [--runs auto|mok,alltoall,...]
-                    [--json F] [--png F] [-- <any Megatron / --mok-* flag>]
+                    [--profile-step N] [--json F] [--png F] [-- <any Megatron / --mok-* flag>]
 
 Steps (each a ``torchrun --standalone`` of this package's entry points, so N processes on one host work the
 same way as one):
@@ -26,6 +26,12 @@ same way as one):
    relative, every step within 2 %, their mean within 0.5 %), and of every other Megatron run with that one
    (Megatron against itself: the floor any second implementation meets, reported, not a MoK check).
 
+``--profile-step N``: every run traces iteration N under Megatron's PyTorch profiler (``--profile
+--use-pytorch-profiler --profile-step-start N --profile-step-end N+1 --profile-ranks 0``, each run its own
+``--tensorboard-dir``); after the runs, each trace's GPU kernel time by category (GEMM, FP8 quantization,
+MoE routing/permute, attention, optimizer, communication, other) and its top kernels are printed and written
+to the JSON (``mok_megatron.bench.train_profile``). Iterations N-1..N+1 leave the step-time statistics.
+
 Flags after ``--`` or not known here go to every run; ``--mok-*`` flags go to the MoK run only. The bench sets
 ``--train-iters``, ``--log-interval``, ``--load`` and the dispatcher itself and refuses them as pass-through.
 Without a GPU the run is Megatron's CPU mode (gloo, fp32; the ``tiny`` preset). Exit status: 0, 1 (a run
@@ -47,6 +53,13 @@ import time
 from dataclasses import dataclass
 
 from mok_megatron.bench.train_presets import MOK_RUNS, PRESETS, RUN_NAMES
+from mok_megatron.bench.train_profile import (
+    PROFILER_FLAGS,
+    megatron_profile_flags,
+    trace_path,
+    untimed_iterations,
+    valid_profile_steps,
+)
 from mok_megatron.training.cpu_training import CPU_FLAGS
 
 PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -114,6 +127,11 @@ class Run:
     label: str
     module: str
     argv: tuple[str, ...]
+    trace: str | None = None  # with --profile-step: where Megatron writes rank 0's trace
+
+
+def _tensorboard_dir(run: Run) -> str | None:
+    return run.argv[run.argv.index("--tensorboard-dir") + 1] if run.trace else None
 
 
 @dataclass(frozen=True)
@@ -125,6 +143,12 @@ class Plan:
     ep: int
     init: Run
     runs: tuple[Run, ...]
+    profile_step: int | None = None  # the iteration every run traces (--profile-step)
+
+    @property
+    def untimed(self) -> tuple[int, ...]:
+        """Iterations left out of the step-time statistics (the profiler's)."""
+        return untimed_iterations(self.profile_step)
 
     @property
     def init_dir(self) -> str:
@@ -244,9 +268,12 @@ def make_plan(
     machine: Machine,
     init_dir: str,
     grad_accum_fusion: bool = False,
+    profile_step: int | None = None,
 ) -> Plan:
     """Every command line of one comparison; raises ``BenchTrainError`` on bad input. ``grad_accum_fusion``:
-    drop the presets' ``--no-gradient-accumulation-fusion`` (Megatron's default back on, for both layers)."""
+    drop the presets' ``--no-gradient-accumulation-fusion`` (Megatron's default back on, for both layers).
+    ``profile_step``: every run traces that iteration under Megatron's PyTorch profiler
+    (``mok_megatron.bench.train_profile``), its trace beside ``init_dir``."""
     if preset_name not in PRESETS:
         raise BenchTrainError(f"--preset {preset_name}: unknown; choose from {', '.join(PRESETS)}.")
     preset = PRESETS[preset_name]
@@ -263,10 +290,22 @@ def make_plan(
             f"--iters {iters} --warmup {warmup}: need iters >= 1 and 0 <= warmup < iters (steps after the "
             "warm-up are the timed ones)."
         )
+    if profile_step is not None and profile_step not in valid_profile_steps(iters, warmup):
+        valid = valid_profile_steps(iters, warmup)
+        fix = f"choose N in {valid[0]}..{valid[-1]}" if valid else f"raise --iters to {warmup + 3} or more"
+        raise BenchTrainError(
+            f"--profile-step {profile_step}: needs --warmup {warmup} < N < --iters {iters} and a timed step "
+            f"outside N-1..N+1 (the profiler's warm-up, trace and export steps leave the timing); {fix}."
+        )
     for tok in forwarded:
         name = tok.split("=", 1)[0]
         if name in OWNED:
             raise BenchTrainError(f"{name}: the bench sets it itself ({OWNED[name]}).")
+        if profile_step is not None and name in PROFILER_FLAGS:
+            raise BenchTrainError(
+                f"{name}: --profile-step sets Megatron's profiler flags per run "
+                f"({' '.join(PROFILER_FLAGS)}); drop it or drop --profile-step."
+            )
     common, mok_only = split_mok_flags(forwarded)
     base = list(preset.flags)
     if machine.cuda:
@@ -327,8 +366,13 @@ def make_plan(
             flags = ["--moe-token-dispatcher-type", "mok", "--overlap-moe-expert-parallel-comm"] + mok_only
         else:
             label, flags = megatron_flags(name, machine, sizes, fp8)
-        out.append(Run(name, label, "mok_megatron.pretrain_gpt", tuple(shared + flags + loop + load)))
-    return Plan(preset_name, nproc, iters, warmup, sizes["expert"], init, tuple(out))
+        trace, profile = None, []
+        if profile_step is not None:
+            tensorboard = os.path.join(os.path.dirname(init_dir), "profile", name, "tensorboard")
+            trace, profile = trace_path(tensorboard), megatron_profile_flags(profile_step, tensorboard)
+        argv = tuple(shared + flags + loop + load + profile)
+        out.append(Run(name, label, "mok_megatron.pretrain_gpt", argv, trace))
+    return Plan(preset_name, nproc, iters, warmup, sizes["expert"], init, tuple(out), profile_step)
 
 
 def find_torchrun(explicit: str | None) -> str:
@@ -544,6 +588,14 @@ def parser() -> argparse.ArgumentParser:
         help="drop the presets' --no-gradient-accumulation-fusion: Megatron's default, weight gradients added "
         "straight into main_grad (TE's linears; MoK's experts where QuACK is installed); GPU with TE",
     )
+    p.add_argument(
+        "--profile-step",
+        type=int,
+        default=None,
+        metavar="N",
+        help="trace iteration N of every run under Megatron's PyTorch profiler (rank 0) and print its GPU "
+        "kernel time by category and the top kernels; warmup < N < iters",
+    )
     p.add_argument("--dry-run", action="store_true", help="print the command lines and stop")
     p.add_argument("--verbose", action="store_true", help="stream Megatron's logs too")
     return p
@@ -582,6 +634,7 @@ def main(argv: list[str] | None = None) -> int:
                 machine,
                 init_dir,
                 ns.gradient_accumulation_fusion,
+                ns.profile_step,
             )
 
         plan = plan_in(workdir or "WORKDIR")
@@ -625,6 +678,9 @@ def execute(plan: Plan, torchrun: str, workdir: str, ns) -> dict:
         for run in (plan.init, *plan.runs):
             progress = Progress(run.name, plan.iters)
             progress.start(run.label)
+            if run.trace:  # a fresh directory: no trace of an earlier comparison is read as this one's
+                shutil.rmtree(os.path.dirname(run.trace), ignore_errors=True)
+                os.makedirs(_tensorboard_dir(run), exist_ok=True)
             cmd = plan.command(torchrun, run)
             t0 = time.monotonic()
             rc, log, tail = launch(

@@ -105,14 +105,16 @@ class TrainLog:
         return int(v) if v is not None and v.isdigit() else None
 
 
-def summarize(log: TrainLog, warmup: int, cpu: bool) -> dict:
-    """Per-run numbers: step time min/median/max, tokens/s/GPU and TFLOP/s/GPU (medians after ``warmup``),
-    peak memory, final and mean loss, and the per-iteration curves."""
-    timed = [s for s in log.steps if s.iteration > warmup]
+def summarize(log: TrainLog, warmup: int, cpu: bool, untimed: tuple[int, ...] = ()) -> dict:
+    """Per-run numbers: step time min/median/max, tokens/s/GPU and TFLOP/s/GPU (medians after ``warmup``,
+    the ``untimed`` iterations left out: those the profiler slows), peak memory, final and mean loss, and the
+    per-iteration curves."""
+    timed = [s for s in log.steps if s.iteration > warmup and s.iteration not in untimed]
     if not timed:
+        skipped = f" and iterations {', '.join(map(str, untimed))} untimed" if untimed else ""
         raise ValueError(
-            f"the log has {len(log.steps)} iteration line(s), none after the {warmup} warm-up iteration(s); "
-            "run more iterations (--iters) or fewer warm-up ones (--warmup)."
+            f"the log has {len(log.steps)} iteration line(s), none after the {warmup} warm-up iteration(s)"
+            f"{skipped}; run more iterations (--iters) or fewer warm-up ones (--warmup)."
         )
     ms = [s.ms for s in timed]
     median_ms = statistics.median(ms)
@@ -132,6 +134,7 @@ def summarize(log: TrainLog, warmup: int, cpu: bool) -> dict:
         "seq_length": seq,
         "global_batch_size": gbs,
         "timed_iterations": len(timed),
+        "untimed_iterations": sorted(i for i in untimed if any(s.iteration == i for s in log.steps)),
         "step_ms_min": min(ms),
         "step_ms_median": median_ms,
         "step_ms_max": max(ms),

@@ -2,10 +2,11 @@
 overlaid, tokens/s/GPU bars).
 
 JSON: {"schema", "date", "command", "machine": {device, gpus, torch, megatron_core, transformer_engine,
-deep_ep}, "preset", "nproc_per_node", "expert_parallel", "iters", "warmup", "workdir", "init": {rc,
-seconds, command}, "runs": {name: {label, rc, seconds, command, log, error, + train_log.summarize's
-fields}}, "speedup": {"<MoK run>/<Megatron run>": tokens/s ratio}, "loss_agreement": {"<MoK run>/<reference>"
-and "<other Megatron run>/<reference>": train_log.loss_agreement; <reference> is the first Megatron run}, "ok"}.
+deep_ep}, "preset", "nproc_per_node", "expert_parallel", "iters", "warmup", "profile_step", "workdir", "init":
+{rc, seconds, command}, "runs": {name: {label, rc, seconds, command, log, error, + train_log.summarize's
+fields, + with --profile-step "profile": train_profile.summarize_trace's result or {"trace", "error"}}},
+"speedup": {"<MoK run>/<Megatron run>": tokens/s ratio}, "loss_agreement": {"<MoK run>/<reference>" and
+"<other Megatron run>/<reference>": train_log.loss_agreement; <reference> is the first Megatron run}, "ok"}.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import os
 import sys
 
 from mok_megatron.bench.train_log import last_error, loss_agreement, summarize
+from mok_megatron.bench.train_profile import profile_table, summarize_trace
 
 SCHEMA = "mok-bench-train/1"
 
@@ -67,7 +69,7 @@ def collect(plan, results: dict, machine, warmup: int) -> dict:
         entry["log"] = res["log_path"]
         if res["rc"] == 0:
             try:
-                entry.update(summarize(res["log"], warmup, cpu=not machine.cuda))
+                entry.update(summarize(res["log"], warmup, cpu=not machine.cuda, untimed=plan.untimed))
             except ValueError as e:
                 entry["rc"], entry["error"] = -1, str(e)
             else:
@@ -76,6 +78,8 @@ def collect(plan, results: dict, machine, warmup: int) -> dict:
                     entry["error"] = f"the log does not show {plan.init_dir} loaded at iteration 0"
         else:
             entry["error"] = last_error(res["tail"])
+        if run.trace and res["rc"] == 0:
+            entry["profile"] = _profile(run.trace, plan.profile_step)
         runs[run.name] = entry
     from mok_megatron.bench.train_presets import MOK_RUNS
 
@@ -94,6 +98,16 @@ def collect(plan, results: dict, machine, warmup: int) -> dict:
             if name not in MOK_RUNS and name != reference:
                 agreement[f"{name}/{reference}"] = loss_agreement(r, ok_runs[reference])
     return {"runs": runs, "speedup": speedup, "loss_agreement": agreement}
+
+
+def _profile(trace: str, step: int) -> dict:
+    if not os.path.isfile(trace):
+        error = f"no trace at {trace} (Megatron writes it as step {step + 1} begins)"
+        return {"trace": trace, "error": error}
+    try:
+        return summarize_trace(trace, step)
+    except ValueError as e:
+        return {"trace": trace, "error": str(e)}
 
 
 def write_png(path: str, runs: dict, title: str) -> str:
@@ -152,6 +166,7 @@ def report(plan, results: dict, machine, ns, workdir: str) -> int:
         "expert_parallel": plan.ep,
         "iters": plan.iters,
         "warmup": plan.warmup,
+        "profile_step": plan.profile_step,
         "workdir": workdir,
         "init": {k: init[k] for k in ("rc", "seconds", "command")} if init else None,
     }
@@ -181,6 +196,15 @@ def report(plan, results: dict, machine, ns, workdir: str) -> int:
         else:
             print(f"loss agreement {key}: OUTSIDE the limits: {'; '.join(a['problems'])}{floor}")
             status = 3 if not floor else status
+    profiles = {n: r["profile"] for n, r in out["runs"].items() if "profile" in r}
+    traced = {n: p for n, p in profiles.items() if "error" not in p}
+    if traced:
+        print()
+        print(profile_table(traced))
+    for name, p in profiles.items():
+        if "error" in p:
+            print(f"mok bench train: the {name} run's profile: {p['error']}")
+            status = 1
     failed = [n for n, r in out["runs"].items() if r["rc"] != 0]
     for name in failed:
         r = out["runs"][name]
