@@ -11,9 +11,11 @@ Timed, per slice and GEMM, in one process:
                                        SonicMoE is built on), no waits, its grid limited to ``132 - K`` SMs
     wait <config> quack-order          the waiting GEMM (``kernels.tile_gemm``: QuACK's kernel whose producer
                                        spins on a per-(expert, row tile) counter before a tile's loads), every
-                                       counter preset, tiles in QuACK's own order
-    wait <config> arrival              the same, tiles in the order a plausible exchange delivers their rows
-                                       (the gate's row)
+                                       counter preset, tiles in QuACK's own order (rows in expert order:
+                                       what a pull that fetches expert by expert delivers)
+    wait <config> arrival              the same, tiles in the order a ring pull delivers their rows
+Each slice and K gets a verdict for each of the two orders (``passes`` the ring order's,
+``quack_order_passes`` QuACK's).
 One tile configuration per slice (the best of the no-wait sweep at K = 8, ``tile_gemm.DEEPSEEK`` /
 ``tile_gemm.QWEN3``); ``--all-configs`` adds QuACK's no-wait GEMM at the five configurations of that sweep.
 

@@ -483,7 +483,7 @@ def test_tiny_comparison_on_cpu_from_identical_weights(tmp_path, capsys):
 # (docs/results/2026-12-03-loss-100-steps, one H200):
 #
 # * the preset's regime (--lr 3e-4, 2 warm-up steps) is chaotic in bf16: every run has grad-norm spikes
-#   (21-84 against ~0.5) at steps that differ from run to run, and the largest single-step difference is
+#   (21-84 against a median of ~2) at steps that differ from run to run, and the largest single-step difference is
 #   wherever one of the two runs spikes (measured 10.4 % MoK/alltoall, 10.0 % alltoall-unfused/alltoall,
 #   10.2 % MoK/alltoall-unfused: each pair as far apart as the others). The test holds MoK's mean relative
 #   difference from alltoall over the 100 steps no larger than alltoall-unfused's (measured 2.73 % vs
