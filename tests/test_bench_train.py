@@ -161,7 +161,8 @@ def test_profile_step_through_the_cli(capsys, tmp_path):
     lines = capsys.readouterr().out.splitlines()
     assert rc == 0, lines
     # "# NAME: label" then the command line
-    commands = {a[2:].split(":")[0]: shlex.split(b) for a, b in zip(lines, lines[1:]) if a.startswith("# ")}
+    pairs = zip(lines[:-1], lines[1:], strict=True)
+    commands = {a[2:].split(":")[0]: shlex.split(b) for a, b in pairs if a.startswith("# ")}
     assert set(commands) == {"init", "mok", "alltoall"} and "--profile" not in commands["init"]
     for name in ("mok", "alltoall"):
         f = _flag_values(commands[name])
@@ -209,26 +210,42 @@ def test_profiled_report_holds_each_runs_kernel_time(tmp_path, capsys):
         (dict(preset="llama"), r"--preset llama: unknown; choose from qwen3-30b-a3b, deepseek-v3"),
         (dict(machine=CPU), r"--preset qwen3-30b-a3b needs CUDA GPUs .* use --preset tiny"),
         (dict(nproc=9), r"--nproc-per-node 9: this machine has 8 GPU\(s\)"),
-        (dict(runs="mok,deepep"), r"--runs deepep: unknown; choose from mok, mok-overlap, alltoall, alltoall-unfused, flex"),
+        (
+            dict(runs="mok,deepep"),
+            r"--runs deepep: unknown; choose from mok, mok-overlap, alltoall, alltoall-unfused, flex",
+        ),
         (dict(runs="mok,flex", nproc=8), r"--runs flex: DeepEP \(deep_ep\) is not importable"),
         (dict(runs="mok,alltoall-overlap"), r"--overlap-moe-expert-parallel-comm needs expert parallelism"),
         (dict(runs="mok-overlap,alltoall"), r"--runs mok-overlap: --overlap-moe-expert-parallel-comm needs"),
         (dict(runs="mok,mok-overlap", nproc=2), r"no Megatron run to compare with; add alltoall"),
-        (dict(runs="mok,alltoall-unfused", machine=Machine(True, 8, False, False)),
-         r"alltoall-unfused: .* needs Transformer"),
+        (
+            dict(runs="mok,alltoall-unfused", machine=Machine(True, 8, False, False)),
+            r"alltoall-unfused: .* needs Transformer",
+        ),
         (dict(iters=4, warmup=4), r"--iters 4 --warmup 4: need iters >= 1 and 0 <= warmup < iters"),
         (dict(forwarded=["--train-iters", "5"]), r"--train-iters: the bench sets it itself \(set the number"),
         (dict(forwarded=["--load=/x"]), r"--load: the bench sets it itself"),
         (dict(nproc=6, forwarded=["--tensor-model-parallel-size", "4"]), r"6 process\(es\) do not split"),
-        (dict(fusion=True, machine=Machine(True, 8, False, False)), r"--gradient-accumulation-fusion: .* no Transformer"),
-        (dict(profile_step=2), r"^--profile-step 2: needs --warmup 2 < N < --iters 12 and a timed step outside "
-         r"N-1\.\.N\+1 \(the profiler's warm-up, trace and export steps leave the timing\); choose N in 3\.\.11\.$"),
+        (
+            dict(fusion=True, machine=Machine(True, 8, False, False)),
+            r"--gradient-accumulation-fusion: .* no Transformer",
+        ),
+        (
+            dict(profile_step=2),
+            r"^--profile-step 2: needs --warmup 2 < N < --iters 12 and a timed step outside "
+            r"N-1\.\.N\+1 \(the profiler's warm-up, trace and export steps leave the timing\); choose N in 3\.\.11\.$",
+        ),
         (dict(profile_step=12), r"^--profile-step 12: .*; choose N in 3\.\.11\.$"),
         (dict(iters=4, warmup=1, profile_step=3), r"^--profile-step 3: .*; choose N in 2\.\.2\.$"),
         (dict(iters=3, warmup=1, profile_step=2), r"^--profile-step 2: .*; raise --iters to 4 or more\.$"),
-        (dict(profile_step=5, forwarded=["--tensorboard-dir", "/tb"]),
-         r"^--tensorboard-dir: --profile-step sets Megatron's profiler flags per run \(--profile .*\); drop it"),
-        (dict(profile_step=5, forwarded=["--profile-step-start=4"]), r"^--profile-step-start: --profile-step sets"),
+        (
+            dict(profile_step=5, forwarded=["--tensorboard-dir", "/tb"]),
+            r"^--tensorboard-dir: --profile-step sets Megatron's profiler flags per run \(--profile .*\); drop it",
+        ),
+        (
+            dict(profile_step=5, forwarded=["--profile-step-start=4"]),
+            r"^--profile-step-start: --profile-step sets",
+        ),
     ],
 )
 def test_bad_input_is_one_line(kwargs, message):

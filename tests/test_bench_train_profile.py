@@ -185,7 +185,13 @@ def _trace(step=3):
         "traceEvents": [
             {"ph": "X", "cat": "user_annotation", "name": f"ProfilerStep#{step}", "ts": 0, "dur": 10_000},
             # the marker's device-side copy spans first to last kernel: not the step's host time
-            {"ph": "X", "cat": "gpu_user_annotation", "name": f"ProfilerStep#{step}", "ts": 100, "dur": 12_000},
+            {
+                "ph": "X",
+                "cat": "gpu_user_annotation",
+                "name": f"ProfilerStep#{step}",
+                "ts": 100,
+                "dur": 12_000,
+            },
             {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 50, "dur": 5_000},
             {"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": 60, "dur": 8},
             _kernel(GEMM, 1_000, 4_000),

@@ -293,3 +293,22 @@ def test_moe_act_recompute_is_fine_with_mok_bf16_experts(dry):
         _with(dry["deepseek_v3_gb300.sh"], "--recompute-modules", "moe_act"), "--mok-expert-backend", "torch"
     )
     assert recipes.check(r).ok
+
+
+def test_a_recipe_that_refuses_its_settings_or_is_missing_is_named_as_such(tmp_path):
+    """A recipe's own refusal (a bad ITERS) is reported with its line, and a missing file as missing: neither
+    gets the hint about sourcing examples/lib/common.sh, which points the wrong way there."""
+    with pytest.raises(recipes.RecipeError) as e:
+        recipes.dry_run(EX / "tiny_moe.sh", env={"ITERS": "abc"})
+    assert str(e.value) == (
+        f"{EX / 'tiny_moe.sh'}: DRY_RUN=1 exited 2: tiny_moe.sh: ITERS=abc: must be a whole number >= 1 "
+        "(e.g. ITERS=20)."
+    )
+    with pytest.raises(
+        recipes.RecipeError, match=r"nope\.sh: no such file \(the recipes are examples/\*\.sh\)$"
+    ):
+        recipes.dry_run(tmp_path / "nope.sh")
+    silent = tmp_path / "silent.sh"
+    silent.write_text("exit 0\n")
+    with pytest.raises(recipes.RecipeError, match="must source examples/lib/common.sh and call mok_launch"):
+        recipes.dry_run(silent)

@@ -337,7 +337,9 @@ def test_every_recipe_trains_any_number_of_iterations(parser, capsys, recipe):
         parser.parse_args(argv[argv.index("mok_megatron.pretrain_gpt") + 1 :])
     err = capsys.readouterr().err
     assert e.value.code == 2 and len(err.splitlines()) == 1, err
-    assert f"--lr-warmup-iters {warmup} is not below the 2 iterations" in err and "ITERS=N sets both" in err, err
+    assert (
+        f"--lr-warmup-iters {warmup} is not below the 2 iterations" in err and "ITERS=N sets both" in err
+    ), err
 
 
 SCHEDULE_ERRORS = [
@@ -367,14 +369,29 @@ SCHEDULE_ERRORS = [
     (["--train-iters", "10", "--lr=-1e-4", "--min-lr", "0"], r"--lr -0.0001 is negative"),
     (["--train-iters", "10", "--weight-decay=-0.1"], r"--weight-decay -0.1 is negative"),
     (
-        ["--train-iters", "10", "--weight-decay-incr-style", "linear", "--start-weight-decay", "0.1",
-         "--end-weight-decay", "0.01"],
+        [
+            "--train-iters",
+            "10",
+            "--weight-decay-incr-style",
+            "linear",
+            "--start-weight-decay",
+            "0.1",
+            "--end-weight-decay",
+            "0.01",
+        ],
         r"--end-weight-decay 0.01 is below --start-weight-decay 0.1.* Raise --end-weight-decay to at least"
         r" 0.1",
     ),
     (
-        ["--train-iters", "10", "--weight-decay-incr-style", "cosine", "--start-weight-decay=-0.1",
-         "--end-weight-decay", "0.1"],
+        [
+            "--train-iters",
+            "10",
+            "--weight-decay-incr-style",
+            "cosine",
+            "--start-weight-decay=-0.1",
+            "--end-weight-decay",
+            "0.1",
+        ],
         r"--start-weight-decay -0.1 is negative",
     ),
 ]
@@ -385,8 +402,16 @@ SCHEDULES_MEGATRON_BUILDS = [
     ["--train-samples", "64", "--lr-warmup-fraction", "0.5"],
     ["--train-iters", "10", "--lr-decay-style", "WSD", "--lr-wsd-decay-iters", "4"],
     ["--train-iters", "10", "--min-lr", "0", "--weight-decay", "0"],
-    ["--train-iters", "10", "--weight-decay-incr-style", "linear", "--start-weight-decay", "0.01",
-     "--end-weight-decay", "0.1"],
+    [
+        "--train-iters",
+        "10",
+        "--weight-decay-incr-style",
+        "linear",
+        "--start-weight-decay",
+        "0.01",
+        "--end-weight-decay",
+        "0.1",
+    ],
 ]
 
 

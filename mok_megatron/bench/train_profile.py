@@ -182,7 +182,7 @@ def summarize_trace(path: str, step: int, top: int = TOP_KERNELS) -> dict:
         entry = by_name.setdefault(name, [kernel_category(name), 0.0, 0])
         entry[1] += dur / 1e3
         entry[2] += 1
-    for name, (cat, ms, count) in by_name.items():
+    for cat, ms, count in by_name.values():
         cats[cat]["ms"] += ms
         cats[cat]["count"] += count
     total = sum(c["ms"] for c in cats.values())

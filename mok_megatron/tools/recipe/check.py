@@ -72,6 +72,8 @@ class Report:
 
 def dry_run(script: Path, env: dict | None = None) -> Recipe:
     """Run ``script`` with ``DRY_RUN=1`` and read its ``# layout:`` line and launch command."""
+    if not Path(script).is_file():
+        raise RecipeError(f"{script}: no such file (the recipes are examples/*.sh)")
     r = subprocess.run(
         ["bash", str(script)],
         env={**os.environ, **(env or {}), "DRY_RUN": "1"},
@@ -80,6 +82,9 @@ def dry_run(script: Path, env: dict | None = None) -> Recipe:
         timeout=60,
     )
     lines = r.stdout.splitlines()
+    said = r.stderr.strip().splitlines()
+    if r.returncode and said:  # the recipe refused its settings itself (e.g. a bad ITERS): its own line
+        raise RecipeError(f"{script}: DRY_RUN=1 exited {r.returncode}: {said[-1]}")
     if r.returncode or len(lines) < 2 or not lines[0].startswith("# layout: "):
         raise RecipeError(
             f"{script}: DRY_RUN=1 exited {r.returncode} without the '# layout:' line and the command "
