@@ -254,10 +254,12 @@ def test_tiny_recipe_gets_a_clear_answer(capsys):
 
 
 def test_package_data_is_declared_for_the_wheel():
-    """pyproject's package-data globs ship every file the planner reads."""
+    """pyproject's package-data globs ship every file the planner reads (its data folder is a package of
+    its own in setup.py's list)."""
     cfg = tomllib.loads((ROOT / "pyproject.toml").read_text())
-    globs = cfg["tool"]["setuptools"]["package-data"]["mok_megatron.tools.planner"]
-    pkg = ROOT / "mok_megatron/tools/planner"
+    globs = cfg["tool"]["setuptools"]["package-data"]["mok_megatron.tools.planner.data"]
+    assert '"mok_megatron.tools.planner.data"' in (ROOT / "setup.py").read_text()
+    pkg = ROOT / "mok_megatron/tools/planner/data"
     shipped = {p for g in globs for p in pkg.glob(g)}
     assert {
         measurements.DATA_DIR / "measurements.json",
