@@ -247,12 +247,62 @@ def te_grouped_linear_classes():
 
 
 def te_m_splits(counts_G: torch.Tensor) -> list[int]:
-    """Per-GEMM row counts in the form TE's ``GroupedLinear.forward(inp, m_splits)`` takes.
-
-    TE 2.x (through 2.20, what Megatron 0.19's ``TEGroupedMLP`` calls) wants a host ``List[int]``
-    (``torch.split`` inside): one device-to-host read, as ``TEGroupedMLP`` does with ``tolist()``.
-    A TE whose GroupedLinear takes a device tensor would go here, behind a version check."""
+    """Per-GEMM row counts in the form TE's per-expert ``GroupedLinear`` path takes: a host ``List[int]``
+    (``torch.split`` inside): one device-to-host read of a device tensor, as ``TEGroupedMLP`` does with
+    ``tolist()``."""
     return [int(c) for c in counts_G.tolist()]
+
+
+#: Per-expert weight tensors TE's cuBLASLt grouped GEMM takes in one call (``kMaxGroups`` in TE's
+#: ``common/gemm/cublaslt_grouped_gemm.cu``: a fixed-size kernel-argument array; more raise in every
+#: precision, measured with 128 on an H200, TE 2.20.2).
+TE_GROUPED_GEMM_MAX_WEIGHTS = 64
+
+
+def te_m_splits_device(counts_G: torch.Tensor, device) -> torch.Tensor:
+    """Per-GEMM row counts for TE's grouped-tensor path: a CUDA int64 tensor (that path refuses a host
+    list; int32 costs it one more cast). A device tensor is converted in place on its stream, never read
+    on the host; a host tensor is copied from pinned memory without blocking the host."""
+    if counts_G.device.type == "cpu" and torch.device(device).type == "cuda":
+        return counts_G.to(torch.int64).pin_memory().to(device, non_blocking=True)
+    return counts_G.to(device=device, dtype=torch.int64)
+
+
+def te_cublaslt_version() -> int | None:
+    """The cuBLASLt version Transformer Engine loaded (e.g. 131000 for 13.10; the ``nvidia-cublas`` wheel
+    preloaded with ``LD_PRELOAD`` replaces the CUDA toolkit's), None without TE."""
+    if not have_te():
+        return None
+    import transformer_engine_torch as tex
+
+    return int(tex.get_cublasLt_version())
+
+
+def te_grouped_tensor_predicate():
+    """TE's own test of its device-driven grouped GEMM path (``GroupedLinear(use_grouped_tensor=True)``,
+    TE >= 2.20): ``is_module_grouped_tensor_path_supported(recipe, dtype) -> bool``, which reads this
+    GPU and the cuBLASLt loaded. None where TE lacks the path (or is missing)."""
+    if not have_te():
+        return None
+    try:
+        from transformer_engine.pytorch.module.grouped_linear import is_module_grouped_tensor_path_supported
+    except ImportError:
+        return None
+    return is_module_grouped_tensor_path_supported
+
+
+def quantization_recipe(config):
+    """The Transformer Engine recipe object Megatron builds for ``config`` (``fp8_utils.get_fp8_recipe`` /
+    ``fp4_utils.get_fp4_recipe``), None in bf16."""
+    if getattr(config, "fp4", None):
+        from megatron.core.fp4_utils import get_fp4_recipe
+
+        return get_fp4_recipe(config)
+    if getattr(config, "fp8", None):
+        from megatron.core.fp8_utils import get_fp8_recipe
+
+        return get_fp8_recipe(config)
+    return None
 
 
 def quantization_context(config):

@@ -997,20 +997,6 @@ def test_fp8_dispatched_rows_requantize_to_the_same_operand(width, dtype):
     assert torch.equal(s2, s.reshape(s2.shape))
 
 
-def test_te_backend_refuses_te_native_grouped_gemm():
-    """A TE GroupedLinear on TE's native grouped path is refused with the variable to unset; the
-    per-expert path (TE's default) passes."""
-    from types import SimpleNamespace
-
-    from mok_megatron.config import MoKConfigError
-    from mok_megatron.experts.te import check_not_native_grouped
-
-    check_not_native_grouped(SimpleNamespace(use_grouped_tensor=False))
-    check_not_native_grouped(SimpleNamespace())  # a TE without the option
-    with pytest.raises(MoKConfigError, match="Unset NVTE_GROUPED_LINEAR_USE_FUSED_GROUPED_GEMM"):
-        check_not_native_grouped(SimpleNamespace(use_grouped_tensor=True))
-
-
 def test_expert_groups_share_one_weight_quantization(monkeypatch):
     """A pipeline split by experts makes new views of the weights every layer call (``experts.groups``):
     they are served from the stacked weight's one entry, not quantized per group and call."""

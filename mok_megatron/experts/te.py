@@ -16,15 +16,42 @@ is one device scatter of the rows by ``ops.align``'s plan (Megatron's ``Fp8Paddi
 concatenates per expert on the host's counts), the activation is MoK's (``ops.activation``), and plain
 (non-distributed) state dicts in MoK's stacked layout load too (``to_te_layout``).
 
-TE's native grouped GEMM (``GroupedLinear(use_grouped_tensor=True)``, which Megatron's wrappers take from
-``NVTE_GROUPED_LINEAR_USE_FUSED_GROUPED_GEMM=1``; one cuBLASLt grouped GEMM per projection, cuBLASLt 13.4+
-on Hopper) is refused at build (``check_not_native_grouped``): it wants the splits on the device and, for
-FP8 blocks, every expert's rows padded to 128 (a device-side assertion otherwise), and with device splits
-its bf16 results did not match the per-expert GEMMs on an H200 (TE 2.20.2, cuBLASLt 13.10: NaN
-outputs). Megatron 0.19's own ``TEGroupedMLP`` passes host lists, which that path rejects too.
+Two GEMM routes, chosen once at build (``grouped_route``):
+- grouped: TE's device-driven grouped GEMM (``GroupedLinear.use_grouped_tensor``, TE >= 2.20: one
+  cuBLASLt grouped GEMM per projection and pass, the weights quantized by TE's recipe every step as
+  on the per-expert route). MoK takes it wherever TE's own predicate
+  (``is_module_grouped_tensor_path_supported``: sm_90 with cuBLASLt >= 13.4 for bf16, 13.5 for
+  tensorwise, 13.6 for blockwise; sm_100 for bf16 / tensorwise / MXFP8 / NVFP4) accepts the recipe and the
+  cuBLASLt loaded, unless ``NVTE_GROUPED_LINEAR_USE_FUSED_GROUPED_GEMM=0`` says no. Splits are a CUDA
+  int64 tensor never read on the host, so ``--mok-sync-free`` runs here. Every expert's rows are
+  padded to 128 for FP8 blocks (TE's grouped block quantization works in whole 128-row tiles and stops
+  on a device assertion otherwise; MXFP8 gets the same, the tile of its swizzled scales), to Megatron's
+  16 for tensorwise, not at all in bf16 (bitwise TE's per-expert results on an H200, TE 2.20.2,
+  cuBLASLt 13.10: ``benchmarks/te_grouped_repro.py``). Rows past the splits' total are never handed to
+  TE: TE neither reads nor writes them (its outputs there are uninitialised memory), so wherever the
+  buffer has spare rows and the GEMMs need aligned groups, the last expert owns them (zero rows,
+  probability 0, a multiple of the alignment), as for the native FP8 path; in bf16 the spare rows stay
+  outside the splits and nothing reads them (the fused activation skips them, combine gathers routed
+  rows only).
+  TE's grouped GEMM takes at most 64 per-expert weight tensors per call
+  (``compat.TE_GROUPED_GEMM_MAX_WEIGHTS``), and TE 2.20's single grouped weight (which has no such
+  limit) is experimental and, in Megatron 0.19, limited to bf16 / MXFP8 / NVFP4 weights under the op
+  fuser. So more local experts run as calls of at most 64 experts over contiguous expert and row
+  ranges (``TECallViews``: TE modules whose ``weight{i}`` are the layer's own Parameters, outside the
+  module tree, so parameters, state dicts, checkpoints and DDP hooks stay ``TEGroupedMLP``'s). The
+  row boundaries between calls are host values: those layers read the counts on the host once per
+  call (the contract's ``host_counts``: the plain engine then sizes the buffer exactly, no spare rows),
+  which ``--mok-sync-free`` forbids (``check_grouped_calls``).
+- per-expert: TE's default route (host ``m_splits`` list, one GEMM and quantization per expert), taken
+  where the grouped one cannot run. When only an older cuBLASLt stands in the way, the build says so
+  once, in one line, naming the wheel that enables it.
 """
 
 from __future__ import annotations
+
+import os
+import warnings
+from dataclasses import dataclass
 
 import torch
 from megatron.core.transformer.module import MegatronModule
@@ -33,12 +60,134 @@ from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
 from mok_megatron.config import MoKConfig
 
 from mok_megatron.errors import MoKConfigError
-from mok_megatron.experts.backend import check_expert_backend, expert_alignment
-from mok_megatron.experts.common import padded_expert_mlp, scale_input
+from mok_megatron.experts.backend import _fp8_recipe_name, check_expert_backend, expert_alignment
+from mok_megatron.experts.common import pad_probs, padded_expert_mlp, scale_input
 from mok_megatron.experts.grouped_mlp import MoKGroupedMLP, read_only
 from mok_megatron.experts_contract import ExpertsContract
 from mok_megatron.ops.activation import apply_activation
+from mok_megatron.ops.align import pad_plan, pad_rows, unpad_rows
 from mok_megatron.options import ExpertBackend, MoKOptions
+
+# cuBLASLt each quantization needs for TE's grouped GEMM (TE 2.20's is_module_grouped_tensor_path_supported;
+# None: bf16). A recipe missing from an architecture's table never takes that route there.
+GROUPED_CUBLASLT = {
+    "sm_90": {None: 130400, "tensorwise": 130500, "blockwise": 130600},
+    "sm_100": {None: 130300, "tensorwise": 130300, "mxfp8": 130300, "nvfp4": 130300},
+}
+GROUPED_ENV = "NVTE_GROUPED_LINEAR_USE_FUSED_GROUPED_GEMM"
+
+
+def _arch(capability: tuple[int, int] | None) -> str | None:
+    if capability is None:
+        return None
+    if tuple(capability) >= (10, 0) and tuple(capability) <= (11, 0):
+        return "sm_100"
+    return "sm_90" if tuple(capability)[0] == 9 else None
+
+
+def _cublas(version: int) -> str:
+    return f"{version // 10000}.{version % 10000 // 100}"
+
+
+def required_cublaslt(capability: tuple[int, int] | None, recipe: str | None) -> int | None:
+    """The cuBLASLt version TE's grouped GEMM needs for ``recipe`` (None: bf16) on this GPU; None where
+    that route never runs the recipe (delayed scaling, blocks on Blackwell, MXFP8 on Hopper, ...)."""
+    table = GROUPED_CUBLASLT.get(_arch(capability))
+    return None if table is None else table.get(recipe)
+
+
+@dataclass(frozen=True)
+class GroupedRoute:
+    """How the TE backend calls TE, decided once at build.
+
+    grouped  TE's device-driven grouped GEMM (device splits); False: TE's per-expert route
+    note     the one line said at build when only an older cuBLASLt keeps the grouped route off
+    """
+
+    grouped: bool
+    note: str | None = None
+
+
+def grouped_route(
+    *,
+    env: str | None,
+    te_supports: bool | None,
+    capability: tuple[int, int] | None,
+    cublaslt: int | None,
+    recipe: str | None,
+) -> GroupedRoute:
+    """The route for this GPU, cuBLASLt and recipe (None: bf16). ``env``: the value of
+    ``NVTE_GROUPED_LINEAR_USE_FUSED_GROUPED_GEMM`` ("0" keeps the per-expert route); ``te_supports``: TE's
+    own predicate for this recipe here (None: this TE has no grouped route)."""
+    if env == "0" or te_supports is None:
+        return GroupedRoute(False)
+    if te_supports:
+        return GroupedRoute(True)
+    need = required_cublaslt(capability, recipe)
+    if need is None or cublaslt is None or cublaslt >= need:
+        return GroupedRoute(False)  # nothing a newer cuBLASLt would change
+    cap = f"sm_{capability[0]}{capability[1]}"
+    return GroupedRoute(
+        False,
+        f"--mok-expert-backend te runs {recipe or 'bf16'} on TE's per-expert GEMMs: its grouped GEMM needs "
+        f"cuBLASLt >= {_cublas(need)} on {cap}, this process loaded {_cublas(cublaslt)}; pip install "
+        "'nvidia-cublas>=13.6' and start with LD_PRELOAD=\"<site-packages>/nvidia/cu13/lib/libcublasLt.so.13 "
+        "<site-packages>/nvidia/cu13/lib/libcublas.so.13\".",
+    )
+
+
+def route_for(config) -> GroupedRoute:
+    """``grouped_route`` for ``config`` on this process's GPU, TE and cuBLASLt."""
+    from mok_megatron.compat import (
+        cuda_capability,
+        quantization_recipe,
+        te_cublaslt_version,
+        te_grouped_tensor_predicate,
+    )
+
+    predicate = te_grouped_tensor_predicate()
+    capability = cuda_capability()
+    if predicate is None or capability is None:
+        return GroupedRoute(False)
+    dtype = torch.float32
+    if getattr(config, "bf16", False) or getattr(config, "fp16", False):
+        dtype = torch.bfloat16 if getattr(config, "bf16", False) else torch.float16
+    return grouped_route(
+        env=os.environ.get(GROUPED_ENV),
+        te_supports=bool(predicate(quantization_recipe(config), dtype)),
+        capability=capability,
+        cublaslt=te_cublaslt_version(),
+        recipe=_fp8_recipe_name(config),
+    )
+
+
+def grouped_alignment(config) -> int:
+    """Rows per expert TE's grouped route needs: FP8 blocks (and MXFP8) whole 128-row tiles, the other
+    recipes Megatron's alignment (``experts.backend.expert_alignment``)."""
+    base = expert_alignment(ExpertBackend.TE, config)
+    return max(base, 128) if _fp8_recipe_name(config) in ("blockwise", "mxfp8") else base
+
+
+def expert_calls(num_local_experts: int) -> tuple[tuple[int, int], ...]:
+    """Contiguous expert ranges ``[lo, hi)`` of at most ``compat.TE_GROUPED_GEMM_MAX_WEIGHTS`` experts,
+    one TE grouped GEMM call each."""
+    from mok_megatron.compat import TE_GROUPED_GEMM_MAX_WEIGHTS as cap
+
+    return tuple((lo, min(lo + cap, num_local_experts)) for lo in range(0, num_local_experts, cap))
+
+
+def check_grouped_calls(num_local_experts: int, sync_free: bool) -> None:
+    """Raise ``MoKConfigError`` where the grouped route would need a host read that ``--mok-sync-free``
+    forbids: more local experts than one TE grouped GEMM call takes."""
+    from mok_megatron.compat import TE_GROUPED_GEMM_MAX_WEIGHTS as cap
+
+    if sync_free and num_local_experts > cap:
+        raise MoKConfigError(
+            f"--mok-sync-free with --mok-expert-backend te and {num_local_experts} local experts: TE's "
+            f"grouped GEMM takes at most {cap} experts per call, and splitting the rows between calls "
+            f"reads their boundary on the host. Raise --expert-model-parallel-size to <= {cap} local "
+            "experts, or drop --mok-sync-free."
+        )
 
 
 def padded_counts_host(counts_L: torch.Tensor, alignment: int) -> list[int]:
@@ -49,24 +198,74 @@ def padded_counts_host(counts_L: torch.Tensor, alignment: int) -> list[int]:
     return te_m_splits((counts_L + alignment - 1) // alignment * alignment)
 
 
-def check_not_native_grouped(linear) -> None:
-    """Raise ``MoKConfigError`` where ``linear`` (a TE GroupedLinear) would take TE's native grouped GEMM."""
-    if getattr(linear, "use_grouped_tensor", False):
-        raise MoKConfigError(
-            "--mok-expert-backend te: Transformer Engine's native grouped GEMM is on "
-            "(NVTE_GROUPED_LINEAR_USE_FUSED_GROUPED_GEMM=1), which this backend does not run: it needs device "
-            "splits, rows padded to 128 per expert for FP8 blocks, and its bf16 results did not match the "
-            "per-expert GEMMs. Unset NVTE_GROUPED_LINEAR_USE_FUSED_GROUPED_GEMM, or use --mok-expert-backend "
-            "torch-fp8 / torch (one grouped GEMM per projection already)."
-        )
+def static_padded_rows(real_rows: int, num_experts: int, alignment: int) -> int:
+    """Rows of the padded buffer without a host read: the worst case (each non-empty expert padded by
+    ``alignment - 1``) rounded up to ``alignment``, so that the spare rows form whole groups."""
+    from mok_megatron.kernels.routing import num_rows_bound
+
+    bound = num_rows_bound(real_rows, num_experts, alignment)
+    return (bound + alignment - 1) // alignment * alignment
+
+
+def splits_owning_tail(padded_L: torch.Tensor, num_rows: int) -> torch.Tensor:
+    """``padded_L`` with the last expert extended to ``num_rows``: the splits cover the whole buffer, so
+    TE leaves no row unwritten (device ops only, no host read)."""
+    if padded_L.numel() == 0:
+        return padded_L
+    last = padded_L.new_full((1,), num_rows) - padded_L[:-1].sum(0, keepdim=True)
+    return torch.cat([padded_L[:-1], last])
+
+
+def _mlp(x_PH, probs_P, splits, fc1, fc2, act, live=None):
+    """``fc2(act(fc1(x)) * probs)`` on rows TE's calls cover (``splits``); ``live``: rows at and past it
+    are a static buffer's spare rows, skipped by the fused activation."""
+    return fc2(apply_activation(fc1(x_PH, splits)[0], act, probs_P, live), splits)[0]
 
 
 def te_expert_mlp(
-    x_RH, probs_R, counts_L, linear_fc1, linear_fc2, act, alignment, *, apply_probs_on_input=False
+    x_RH,
+    probs_R,
+    counts_L,
+    linear_fc1,
+    linear_fc2,
+    act,
+    alignment,
+    *,
+    apply_probs_on_input=False,
+    grouped=False,
+    calls=None,
 ):
     """The MLP through TE GroupedLinear modules (``module(x, m_splits) -> (y, bias)``, Megatron's
-    wrapper contract). Runs under whatever FP8 context the caller entered (Megatron's block does)."""
-    m_splits = padded_counts_host(counts_L, alignment)
+    wrapper contract). Runs under whatever FP8 context the caller entered (Megatron's block does).
+
+    ``alignment``: rows per expert TE needs that the rows do not have yet (1: the dispatcher padded them,
+    or none needed). Routes (see the module docstring):
+    - per-expert (``grouped`` False): host ``m_splits`` (one read of the counts).
+    - grouped, one call: CUDA int64 splits, no host read; the padded buffer has the static row bound,
+      its spare rows owned by the last expert.
+    - grouped, several calls (``calls``: ``((lo, hi, fc1, fc2), ...)``, ``linear_fc1`` / ``linear_fc2``
+      unused): the counts read on the host once; the padded buffer sized exactly and cut at the calls'
+      row boundaries, each call's splits on the device; the outputs concatenated."""
+    from mok_megatron.compat import te_m_splits_device
+
+    if apply_probs_on_input:
+        x_RH, probs_R = scale_input(x_RH, probs_R)
+    if calls is not None:
+        return _te_calls_mlp(x_RH, probs_R, counts_L, calls, act, alignment)
+    if grouped:
+        padded_L = (counts_L.to(x_RH.device).long() + alignment - 1) // alignment * alignment
+        if alignment == 1:  # the rows as they are; spare rows (if any) outside the splits
+            splits = te_m_splits_device(padded_L, x_RH.device)
+            live = splits.sum(0, keepdim=True)
+            return _mlp(x_RH, probs_R, splits, linear_fc1, linear_fc2, act, live)
+        num_rows = static_padded_rows(x_RH.shape[0], padded_L.numel(), alignment)
+        splits = te_m_splits_device(splits_owning_tail(padded_L, num_rows), x_RH.device)
+        m_splits = splits
+    else:
+        m_splits = padded_counts_host(counts_L, alignment)
+        if alignment == 1:  # nothing to pad (TE bf16): skip the scatter / gather
+            return _mlp(x_RH, probs_R, m_splits, linear_fc1, linear_fc2, act)
+        num_rows = sum(m_splits)
 
     def fc1(x_PH, plan):
         return linear_fc1(x_PH, m_splits)[0]
@@ -74,21 +273,33 @@ def te_expert_mlp(
     def fc2(a_PF, plan):
         return linear_fc2(a_PF, m_splits)[0]
 
-    if alignment == 1:  # nothing to pad (TE bf16): skip the scatter / gather
-        if apply_probs_on_input:
-            x_RH, probs_R = scale_input(x_RH, probs_R)
-        return fc2(apply_activation(fc1(x_RH, None), act, probs_R), None)
-    return padded_expert_mlp(
-        x_RH,
-        probs_R,
-        counts_L,
-        fc1,
-        fc2,
-        act,
-        alignment,
-        apply_probs_on_input=apply_probs_on_input,
-        num_rows=sum(m_splits),
-    )
+    return padded_expert_mlp(x_RH, probs_R, counts_L, fc1, fc2, act, alignment, num_rows=num_rows)
+
+
+def _te_calls_mlp(x_RH, probs_R, counts_L, calls, act, alignment):
+    """``te_expert_mlp`` over several TE calls (each at most 64 experts); see there."""
+    from mok_megatron.compat import te_m_splits_device
+
+    counts_host = counts_L.cpu().long()  # the one host read (none for the exact plan's host counts)
+    padded_host = (counts_host + alignment - 1) // alignment * alignment
+    num_rows = int(padded_host.sum())
+    plan = None
+    if alignment > 1:
+        plan = pad_plan(counts_L.to(x_RH.device).long(), alignment, x_RH.shape[0], num_rows)
+        x_PH, probs_P = pad_rows(x_RH.contiguous(), plan), pad_probs(probs_R, plan)
+    else:
+        x_PH, probs_P = x_RH, probs_R
+    rows = [int(padded_host[lo:hi].sum()) for lo, hi, _, _ in calls]
+    spare = x_PH.shape[0] - num_rows  # rows nothing is routed to (a static buffer's): not computed
+    pieces = rows + [spare] if spare else rows
+    outs = []
+    for (lo, hi, fc1, fc2), x_c, p_c in zip(calls, x_PH.split(pieces), probs_P.split(pieces), strict=False):
+        splits = te_m_splits_device(padded_host[lo:hi], x_RH.device)
+        outs.append(_mlp(x_c, p_c, splits, fc1, fc2, act))
+    if spare:
+        outs.append(outs[-1].new_zeros(spare, outs[-1].shape[1]))
+    y_PH = torch.cat(outs) if len(outs) > 1 else outs[0]
+    return y_PH if plan is None else unpad_rows(y_PH, plan)
 
 
 def to_te_layout(sd: dict, prefix: str, num_local_experts: int) -> None:
@@ -104,6 +315,88 @@ def to_te_layout(sd: dict, prefix: str, num_local_experts: int) -> None:
     from_mok_layout(sd, prefix, "te_grouped")
 
 
+def _per_gemm_names(index: int) -> tuple[str, str]:
+    return f"weight{index}", f"bias{index}"
+
+
+def _has_pending_wgrad(module) -> bool:
+    """Whether a TE module holds a deferred weight gradient (``delay_wgrad_compute``) not yet computed."""
+    store = getattr(module, "wgrad_store", None)
+    if store is None or not module.need_backward_dw():
+        return False
+    context = getattr(store, "context", None)
+    return context is not None and not context.empty()
+
+
+class TECallViews:
+    """TE GroupedLinear modules over contiguous expert ranges of one TE GroupedLinear (``linear``): view
+    ``c`` has ``hi - lo`` GEMMs whose ``weight{i}`` / ``bias{i}`` are ``linear``'s ``weight{lo+i}`` /
+    ``bias{lo+i}`` themselves, so their gradients (and ``main_grad`` with gradient accumulation fusion)
+    land on ``linear``'s Parameters. The views are not submodules: ``linear`` alone owns the Parameters,
+    the state dict, the checkpoint and Megatron DDP's hooks. Each view keeps its own TE state (quantizers,
+    FP8 weight workspaces, deferred weight gradients); ``begin`` copies ``linear``'s training mode and
+    ``is_first_microbatch`` (Megatron resets the latter on ``linear`` every step) before a forward.
+
+    ``make(num_gemms)``: a module of ``linear``'s class and settings with that many GEMMs, built without
+    allocating or initialising weights (they are replaced here)."""
+
+    def __init__(self, linear, ranges: tuple[tuple[int, int], ...], make):
+        self.linear = linear
+        self.ranges = ranges
+        self.views = []
+        for lo, hi in ranges:
+            view = make(hi - lo)
+            for i in range(hi - lo):
+                for name, src in zip(_per_gemm_names(i), _per_gemm_names(lo + i), strict=True):
+                    value = getattr(linear, src)
+                    if name in view._parameters:
+                        view._parameters[name] = value
+                    else:
+                        setattr(view, name, value)
+            view.use_grouped_tensor = getattr(linear, "use_grouped_tensor", False)
+            self.views.append(view)
+
+    def begin(self) -> None:
+        """Before a forward: the views follow ``linear``'s mode and first-microbatch flag."""
+        first = getattr(self.linear, "is_first_microbatch", None)
+        for view in self.views:
+            view.train(self.linear.training)
+            if first is not None:
+                view.is_first_microbatch = first
+
+    def end(self) -> None:
+        """After a forward: ``linear`` saw its microbatch, as after its own forward."""
+        if hasattr(self.linear, "is_first_microbatch"):
+            self.linear.is_first_microbatch = False
+
+    def backward_dw(self) -> None:
+        """The views' deferred weight gradients, then ``linear``'s wgrad hooks once (Megatron DDP registers
+        them on ``linear``, one per Parameter; a view has none)."""
+        pending = [v for v in self.views if _has_pending_wgrad(v)]
+        for view in pending:
+            view.backward_dw()
+        if pending:
+            trigger = getattr(self.linear, "_trigger_wgrad_accumulation_and_reduce_hooks", None)
+            if trigger is not None:
+                trigger()
+
+
+def _view_factory(cls, config, in_size: int, out_size: int, pg, **kwargs):
+    """``make(num_gemms)`` for ``TECallViews``: Megatron's wrapper ``cls`` with ``config``'s settings, its
+    weights on the meta device (no allocation, no initialisation: no RNG draw)."""
+    import copy
+
+    meta_config = copy.copy(config)  # no __post_init__: the config was validated when built
+    meta_config.use_cpu_initialization = False
+    meta_config.init_model_with_meta_device = True
+    meta_config.perform_initialization = False
+
+    def make(num_gemms: int):
+        return cls(num_gemms, in_size, out_size, config=meta_config, pg_collection=pg, name=None, **kwargs)
+
+    return make
+
+
 class MoKTEGroupedMLP(MoKGroupedMLP):
     """Routed experts on TE GroupedLinear: ``forward(x, tokens_per_expert, permuted_probs) -> (out, None)``.
 
@@ -115,11 +408,15 @@ class MoKTEGroupedMLP(MoKGroupedMLP):
 
     @classmethod
     def contract(cls, config, mok_config: MoKConfig, options) -> ExpertsContract:
-        """TE's GroupedLinear reads the per-expert counts on the host (``m_splits``) and wants the FP8
-        recipe's row alignment."""
-        return ExpertsContract(
-            mok=True, alignment=expert_alignment(ExpertBackend.TE, config), host_counts=True
-        )
+        """TE's per-expert route reads the counts on the host (``m_splits``) and wants the recipe's row
+        alignment; the grouped route takes them on the device (one call: no host read) padded to its own
+        alignment (``grouped_alignment``: 128 for FP8 blocks)."""
+        route = route_for(config)
+        if not route.grouped:
+            alignment = expert_alignment(ExpertBackend.TE, config)
+            return ExpertsContract(mok=True, alignment=alignment, host_counts=True)
+        several = len(expert_calls(mok_config.num_local_experts)) > 1
+        return ExpertsContract(mok=True, alignment=grouped_alignment(config), host_counts=several)
 
     def __init__(
         self,
@@ -131,53 +428,90 @@ class MoKTEGroupedMLP(MoKGroupedMLP):
         options: MoKOptions | None = None,
         aligned_input: int = 1,
     ):
-        from mok_megatron.compat import have_te, te_grouped_linear_classes
+        from mok_megatron.compat import cuda_capability, have_te, te_grouped_linear_classes
 
         MegatronModule.__init__(self, config=config)
         options = options if options is not None else MoKOptions(expert_backend=ExpertBackend.TE)
         cfg = self._setup(num_local_experts, config, pg_collection, mok_config, options, aligned_input)
         pg = pg_collection if pg_collection is not None else get_default_pg_collection()
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
+        contract = self.contract(config, cfg, self.options)
         check_expert_backend(
             ExpertBackend.TE,
             config,
             device,
             have_te=have_te(),
             sync_free=self.options.sync_free,
+            host_counts=contract.host_counts,
             recompute_activation=cfg.recompute_activation,
+            capability=cuda_capability(),
         )
+        route = route_for(config)
+        if route.grouped:
+            check_grouped_calls(num_local_experts, self.options.sync_free)
+        elif route.note:
+            warnings.warn(route.note, stacklevel=2)
+        self.route = route
         self.expert_backend = ExpertBackend.TE
-        self.expert_alignment = expert_alignment(ExpertBackend.TE, config)
+        self.expert_alignment = contract.alignment
         self.input_size = config.hidden_size
         fc1_cls, fc2_cls = te_grouped_linear_classes()
-        # Exactly TEGroupedMLP.__init__'s calls (megatron/core/transformer/moe/experts.py, 0.19).
-        self.linear_fc1 = fc1_cls(
-            num_local_experts,
-            self.input_size if config.moe_latent_size is None else config.moe_latent_size,
-            cfg.activation.fc1_multiplier() * config.moe_ffn_hidden_size,
-            config=config,
+        fc1_in = self.input_size if config.moe_latent_size is None else config.moe_latent_size
+        fc1_out = cfg.activation.fc1_multiplier() * config.moe_ffn_hidden_size
+        fc2_out = config.hidden_size if config.moe_latent_size is None else config.moe_latent_size
+        fc1_kwargs = dict(
             init_method=config.init_method,
             bias=False,
             skip_bias_add=False,
             is_expert=True,
             tp_comm_buffer_name="fc1",
-            pg_collection=pg,
-            name=(name + ".linear_fc1") if name is not None else None,
         )
-        self.linear_fc2 = fc2_cls(
-            num_local_experts,
-            config.moe_ffn_hidden_size,
-            config.hidden_size if config.moe_latent_size is None else config.moe_latent_size,
-            config=config,
+        fc2_kwargs = dict(
             init_method=config.output_layer_init_method,
             bias=False,
             skip_bias_add=True,
             is_expert=True,
             tp_comm_buffer_name="fc2",
+        )
+        # Exactly TEGroupedMLP.__init__'s calls (megatron/core/transformer/moe/experts.py, 0.19).
+        self.linear_fc1 = fc1_cls(
+            num_local_experts,
+            fc1_in,
+            fc1_out,
+            config=config,
+            pg_collection=pg,
+            name=(name + ".linear_fc1") if name is not None else None,
+            **fc1_kwargs,
+        )
+        self.linear_fc2 = fc2_cls(
+            num_local_experts,
+            config.moe_ffn_hidden_size,
+            fc2_out,
+            config=config,
             pg_collection=pg,
             name=(name + ".linear_fc2") if name is not None else None,
+            **fc2_kwargs,
         )
-        check_not_native_grouped(self.linear_fc1)
+        # The route is MoK's decision (Megatron's wrappers leave TE to read NVTE_GROUPED_LINEAR_USE_FUSED_
+        # GROUPED_GEMM at construction; TE reads the attribute at every forward).
+        for linear in (self.linear_fc1, self.linear_fc2):
+            if hasattr(linear, "use_grouped_tensor"):
+                linear.use_grouped_tensor = route.grouped
+        self._views = None  # (fc1 views, fc2 views): more local experts than one TE call takes
+        ranges = expert_calls(num_local_experts)
+        if route.grouped and len(ranges) > 1:
+            self._views = (
+                TECallViews(
+                    self.linear_fc1,
+                    ranges,
+                    _view_factory(fc1_cls, config, fc1_in, fc1_out, pg, **fc1_kwargs),
+                ),
+                TECallViews(
+                    self.linear_fc2,
+                    ranges,
+                    _view_factory(fc2_cls, config, config.moe_ffn_hidden_size, fc2_out, pg, **fc2_kwargs),
+                ),
+            )
         self.wgrad_queue = None  # TE defers weight gradients itself (delay_wgrad_compute)
         self._wgrad_hooks = []
 
@@ -198,10 +532,18 @@ class MoKTEGroupedMLP(MoKGroupedMLP):
         return None
 
     def forward(self, permuted_local_hidden_states, tokens_per_expert, permuted_probs):
-
         cfg = self.mok_config
         # Rows the dispatcher already padded (aligned plan) go straight to TE's GEMMs.
         alignment = 1 if self.aligned_input >= self.expert_alignment else self.expert_alignment
+        calls = None
+        if self._views is not None:
+            fc1_views, fc2_views = self._views
+            fc1_views.begin()
+            fc2_views.begin()
+            calls = tuple(
+                (lo, hi, f1, f2)
+                for (lo, hi), f1, f2 in zip(fc1_views.ranges, fc1_views.views, fc2_views.views, strict=True)
+            )
         out = te_expert_mlp(
             permuted_local_hidden_states,
             permuted_probs,
@@ -211,17 +553,27 @@ class MoKTEGroupedMLP(MoKGroupedMLP):
             cfg.activation,
             alignment,
             apply_probs_on_input=cfg.apply_probs_on_input,
+            grouped=self.route.grouped,
+            calls=calls,
         )
+        if self._views is not None:
+            self._views[0].end()
+            self._views[1].end()
         return out, None
 
     def register_wgrad_accumulation_and_reduce_hooks(self, hook) -> None:
         """Nothing here: Megatron's DDP visits every module holding the parameter, so it registers the
-        hook on the TE linears themselves (which fire it in their backward_dw), as for TEGroupedMLP
-        (which has no such method). Registering here as well would reduce the gradient twice."""
+        hook on the TE linears themselves (which fire it in their backward_dw, or ``TECallViews`` for
+        them), as for TEGroupedMLP (which has no such method). Registering here as well would reduce
+        the gradient twice."""
         return None
 
     def backward_dw(self) -> None:
         """TE's deferred weight gradients (``delay_wgrad_compute``), fc2 then fc1 as ``TEGroupedMLP``."""
+        if self._views is not None:
+            self._views[1].backward_dw()
+            self._views[0].backward_dw()
+            return
         self.linear_fc2.backward_dw()
         self.linear_fc1.backward_dw()
 

@@ -1,0 +1,263 @@
+"""The TE expert backend on TE's grouped GEMM, on a GPU (skipped without CUDA, without Transformer Engine, and
+where TE's grouped route cannot run the recipe: Hopper needs cuBLASLt 13.4+ for bf16, 13.5+ tensorwise, 13.6+
+blockwise, the ``nvidia-cublas`` wheel preloaded; the reason is the build's note).
+
+Each case builds, with the same weights and input: MoK's te layer on the grouped route, MoK's te layer on TE's
+per-expert route (``NVTE_GROUPED_LINEAR_USE_FUSED_GROUPED_GEMM=0`` at build), and Megatron's alltoall layer in
+bf16 (SequentialMLP; the reference). Checked: output, input gradient and every expert weight gradient are
+finite; grouped vs per-expert within ``SAME_REL`` (the same quantization of the same rows; the GEMMs differ in
+accumulation order only); each vs the bf16 reference within ``BF16_REL`` (bf16) or ``FP8_REL`` (FP8); TE's
+grouped GEMM ran and its per-expert GEMMs did not. 8 experts (one TE call) and 128 (two calls of 64).
+
+Run on one Hopper GPU:
+    LD_PRELOAD="<wheel>/nvidia/cu13/lib/libcublasLt.so.13 <wheel>/nvidia/cu13/lib/libcublas.so.13" \\
+        python -m pytest -q tests/test_te_grouped_gpu.py
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mok_megatron.compat import have_te
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+    pytest.mark.skipif(not have_te(), reason="needs Transformer Engine"),
+]
+
+FP8_REL = 0.1  # as tests/test_fp8_gpu.py: e4m3 rounding through two chained GEMMs
+BF16_REL = 3e-2
+SAME_REL = 2e-2
+SHAPES = {
+    8: dict(hidden=512, ffn=256, experts=8, topk=2, tokens=1024),
+    128: dict(hidden=256, ffn=128, experts=128, topk=8, tokens=1024),
+}
+
+
+def _config(experts: int, recipe: str | None):
+    from mok_megatron.bench.build import layer_config
+    from mok_megatron.bench.fp8_layers import fp8_config
+
+    return fp8_config(layer_config(SHAPES[experts], torch.bfloat16), recipe)
+
+
+def _grouped_or_skip(cfg, recipe):
+    from mok_megatron.bench.fp8_layers import unavailable
+    from mok_megatron.experts.te import route_for
+
+    why = unavailable("te", recipe)
+    if why:
+        pytest.skip(f"{recipe}: {why}")
+    route = route_for(cfg)
+    if not route.grouped:
+        pytest.skip(route.note or f"TE's grouped GEMM does not run {recipe or 'bf16'} here")
+
+
+def _build(impl, cfg, monkeypatch=None, per_expert=False, options=None, transport=None):
+    from mok_megatron.bench.build import build
+    from mok_megatron.options import MoKOptions
+
+    torch.manual_seed(0)
+    if impl != "mok":
+        return build(impl, cfg).cuda()
+    with monkeypatch.context() as m:
+        if per_expert:
+            m.setenv("NVTE_GROUPED_LINEAR_USE_FUSED_GROUPED_GEMM", "0")
+        opts = options or MoKOptions(expert_backend="te")
+        return build("mok", cfg, options=opts, transport=transport).cuda()
+
+
+class _GemmCounter:
+    """Calls of TE's grouped GEMM and of its per-expert GEMMs."""
+
+    def __init__(self, monkeypatch):
+        import transformer_engine.pytorch.module.grouped_linear as gl
+
+        self.calls = {"grouped": 0, "per_expert": 0}
+        names = (
+            ("general_grouped_gemm_for_grouped_tensor", "grouped"),
+            ("general_grouped_gemm", "per_expert"),
+        )
+        for attr, key in names:
+            real = getattr(gl, attr)
+
+            def counted(*a, _real=real, _key=key, **k):
+                self.calls[_key] += 1
+                return _real(*a, **k)
+
+            monkeypatch.setattr(gl, attr, counted)
+
+
+def _run(layer, cfg, x, dout, steps):
+    from mok_megatron.compat import quantization_context
+    from mok_megatron.experts.checkpoint import convert_state_dict
+
+    for _ in range(steps):
+        layer.zero_grad(set_to_none=True)
+        xi = x.detach().requires_grad_(True)
+        with quantization_context(cfg):
+            out, _ = layer(xi)
+        out.backward(dout)
+    grads = {n: p.grad.float() for n, p in layer.named_parameters() if p.grad is not None and "experts" in n}
+    return out.detach().float(), xi.grad.float(), convert_state_dict(grads, "mok")
+
+
+def _rel(a, b) -> float:
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+def _errors(got, want):
+    errs = {"out": _rel(got[0], want[0]), "dx": _rel(got[1], want[1])}
+    assert set(got[2]) == set(want[2])
+    errs.update({k: _rel(got[2][k], want[2][k]) for k in want[2]})
+    return errs
+
+
+def _finite(res, name):
+    assert torch.isfinite(res[0]).all() and torch.isfinite(res[1]).all(), f"{name}: non-finite output / dx"
+    for k, v in res[2].items():
+        assert torch.isfinite(v).all(), f"{name}: non-finite {k}"
+
+
+def _inputs(experts, seed=0):
+    s = SHAPES[experts]
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(s["tokens"], 1, s["hidden"], generator=g).to("cuda", torch.bfloat16)
+    dout = torch.randn(s["tokens"], 1, s["hidden"], generator=g).to("cuda", torch.bfloat16)
+    return x, dout
+
+
+@pytest.mark.usefixtures("single_rank")
+@pytest.mark.parametrize("experts", [8, 128])
+@pytest.mark.parametrize("recipe", [None, "tensorwise", "blockwise"])
+def test_grouped_route_matches_per_expert_route_and_megatron(recipe, experts, monkeypatch):
+    from mok_megatron.experts.checkpoint import convert_state_dict
+
+    cfg = _config(experts, recipe)
+    _grouped_or_skip(cfg, recipe)
+    ref_cfg = _config(experts, None)
+    ref = _build("megatron", ref_cfg)
+    state = convert_state_dict(ref.state_dict(), "mok")
+    x, dout = _inputs(experts)
+    want = _run(ref, ref_cfg, x, dout, 1)
+    per_expert = _build("mok", cfg, monkeypatch, per_expert=True)
+    grouped = _build("mok", cfg, monkeypatch)
+    for layer in (per_expert, grouped):
+        layer.load_state_dict(state, strict=True)
+    assert not per_expert.experts.route.grouped and grouped.experts.route.grouped
+    assert grouped.experts.linear_fc1.use_grouped_tensor
+    assert (grouped.experts._views is not None) == (experts > 64)
+    steps = 3 if recipe else 1
+    old = _run(per_expert, cfg, x, dout, steps)
+    counter = _GemmCounter(monkeypatch)
+    new = _run(grouped, cfg, x, dout, steps)
+    assert counter.calls["grouped"] > 0 and counter.calls["per_expert"] == 0, counter.calls
+    _finite(old, "per-expert")
+    _finite(new, "grouped")
+    bound = BF16_REL if recipe is None else FP8_REL
+    vs_ref, vs_old = _errors(new, want), _errors(new, old)
+    assert max(vs_ref.values()) < bound, vs_ref
+    assert max(vs_old.values()) < SAME_REL, vs_old
+    if recipe is not None:  # FP8 really ran: further from bf16 than bf16's own rounding
+        assert vs_ref["out"] > 5e-3, vs_ref
+
+
+@pytest.mark.usefixtures("single_rank")
+@pytest.mark.parametrize("recipe", [None, "tensorwise", "blockwise"])
+def test_grouped_route_sync_free_pipeline(recipe, monkeypatch):
+    """The overlap pipeline (loopback, emulated EP=8: 16 local experts, one TE call) with --mok-sync-free:
+    the grouped route takes device counts, so the layer builds and matches the EP=1 per-expert TE layer
+    and the bf16 reference."""
+    from mok_megatron.experts.checkpoint import convert_state_dict
+    from mok_megatron.options import MoKOptions
+    from mok_megatron.transport.loopback import LoopbackLink, LoopbackTransport
+
+    cfg = _config(128, recipe)
+    _grouped_or_skip(cfg, recipe)
+    ref_cfg = _config(128, None)
+    ref = _build("megatron", ref_cfg)
+    state = convert_state_dict(ref.state_dict(), "mok")
+    x, dout = _inputs(128, seed=5)
+    want = _run(ref, ref_cfg, x, dout, 1)
+    ep1 = _build("mok", cfg, monkeypatch, per_expert=True)
+    link = LoopbackLink(ep=8, gbps=450.0)
+    opts = MoKOptions(expert_backend="te", minibatch_size=384, sync_free=True)
+    transport = LoopbackTransport(link, cfg.num_moe_experts, cfg.moe_router_topk)
+    pipe = _build("mok", cfg, monkeypatch, options=opts, transport=transport)
+    for layer in (ep1, pipe):
+        layer.load_state_dict(state, strict=True)
+    assert pipe.token_dispatcher.pipelined and pipe.experts.route.grouped
+    assert pipe.experts_contract.device_counts
+    steps = 3 if recipe else 1
+    one, got = _run(ep1, cfg, x, dout, steps), _run(pipe, cfg, x, dout, steps)
+    _finite(got, "pipeline")
+    bound = BF16_REL if recipe is None else FP8_REL
+    assert max(_errors(got, want).values()) < bound
+    assert _rel(got[0], one[0]) < SAME_REL
+
+
+@pytest.mark.usefixtures("single_rank")
+@pytest.mark.parametrize("recipe", [None, "blockwise"])
+def test_grouped_experts_read_nothing_back(recipe, monkeypatch):
+    """One TE call (8 experts): the experts' forward and backward on device counts never synchronise."""
+    from mok_megatron.compat import quantization_context
+
+    cfg = _config(8, recipe)
+    _grouped_or_skip(cfg, recipe)
+    experts = _build("mok", cfg, monkeypatch).experts
+    experts.aligned_input = 1  # unpadded rows: the experts pad them (device plan)
+    counts = torch.tensor([300, 0, 17, 129, 1, 64, 200, 313], device="cuda")
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(int(counts.sum()), SHAPES[8]["hidden"], generator=g).to("cuda", torch.bfloat16)
+    probs = torch.rand(x.shape[0], generator=g).to("cuda")
+
+    def step():
+        xi = x.detach().requires_grad_(True)
+        with quantization_context(cfg):
+            y, _ = experts(xi, counts, probs)
+        y.float().square().sum().backward()
+        return xi.grad
+
+    assert torch.isfinite(step()).all()  # warm-up (kernels, TE's workspaces)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
+@pytest.mark.usefixtures("single_rank")
+@pytest.mark.parametrize("recipe", [None, "tensorwise", "blockwise"])
+def test_grouped_calls_with_an_empty_call(recipe, monkeypatch):
+    """128 experts, every row on experts 0..63: the second TE call gets no rows; results finite, the
+    empty call's experts' weight gradients zero, and the per-expert route's results."""
+    from mok_megatron.compat import quantization_context
+
+    cfg = _config(128, recipe)
+    _grouped_or_skip(cfg, recipe)
+    grouped = _build("mok", cfg, monkeypatch).experts
+    per_expert = _build("mok", cfg, monkeypatch, per_expert=True).experts
+    per_expert.load_state_dict(grouped.state_dict())
+    grouped.aligned_input = per_expert.aligned_input = 1  # unpadded rows: the experts pad them
+    counts = torch.zeros(128, dtype=torch.long)
+    counts[:64] = torch.randint(0, 40, (64,), generator=torch.Generator().manual_seed(3))
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(int(counts.sum()), SHAPES[128]["hidden"], generator=g).to("cuda", torch.bfloat16)
+    probs = torch.rand(x.shape[0], generator=g).to("cuda")
+
+    def run(experts):
+        experts.zero_grad(set_to_none=True)
+        xi = x.detach().requires_grad_(True)
+        with quantization_context(cfg):
+            y, _ = experts(xi, counts, probs)
+        y.float().square().sum().backward()
+        w = [getattr(experts.linear_fc1, f"weight{i}").grad for i in range(128)]
+        return y.detach().float(), xi.grad.float(), w
+
+    got, want = run(grouped), run(per_expert)
+    assert torch.isfinite(got[0]).all() and torch.isfinite(got[1]).all()
+    assert all(w is None or float(w.abs().max()) == 0 for w in got[2][64:])
+    assert _rel(got[0], want[0]) < SAME_REL and _rel(got[1], want[1]) < SAME_REL
