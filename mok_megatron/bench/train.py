@@ -20,11 +20,25 @@ same way as one):
    (TE's grouped GEMM with torch's permute: the same math as ``alltoall`` rounded in another order; on
    request, it measures how far two Megatron layers drift apart). With ``--fp8-format``
    Megatron's runs also get ``--moe-router-padding-for-quantization`` (MoK's experts pad their own rows).
+   An FP8 comparison (``--fp8-format`` passed through) also takes ``mok-torch-fp8`` and ``mok-te`` (MoK with
+   ``--mok-expert-backend torch-fp8`` / ``te``: both FP8 expert backends in one command) and the bf16 runs
+   ``mok-bf16`` (MoK with the bf16 ``torch`` experts) and ``alltoall-bf16``, which drop every FP8 flag and
+   load the same initial weights, so each FP8 step reads against its own layer's bf16 step.
 3. every log line is parsed as it arrives (a progress bar per run); then per run: tokens/s/GPU, Megatron's
-   TFLOP/s/GPU, step time min/median/max after warm-up, peak memory, final and mean loss; MoK's speed-up over
-   each Megatron run; the loss agreement of MoK with the first Megatron run (limits: step 1 within 1e-3
-   relative, every step within 2 %, their mean within 0.5 %), and of every other Megatron run with that one
-   (Megatron against itself: the floor any second implementation meets, reported, not a MoK check).
+   TFLOP/s/GPU, step time min/median/max after warm-up, peak memory, final and mean loss, MoK's speed-up over
+   the first Megatron run of the same precision and an FP8 run's median step over its layer's bf16 run's;
+   MoK's speed-up over each Megatron run of the same precision; the loss agreement of MoK with the first
+   Megatron run of the same precision (limits: step 1 within 1e-3 relative, every step within 2 %, their
+   mean within 0.5 %), and of every other Megatron run with that one (Megatron against itself: the floor
+   any second implementation meets, reported, not a MoK check).
+
+Both MoK FP8 backends against Megatron's FP8 run, with MoK's bf16 step beside them (one H200 each; add
+``alltoall-bf16`` for Megatron's own bf16 step)::
+
+    mok bench train --preset qwen3-30b-a3b --runs mok-torch-fp8,mok-te,mok-bf16,alltoall --json q.json \\
+        -- --fp8-format e4m3 --fp8-recipe blockwise
+    mok bench train --preset deepseek-v3 --runs mok-torch-fp8,mok-te,mok-bf16,alltoall --json d.json \\
+        -- --fp8-format e4m3 --fp8-recipe blockwise
 
 ``--profile-step N``: every run traces iteration N under Megatron's PyTorch profiler (``--profile
 --use-pytorch-profiler --profile-step-start N --profile-step-end N+1 --profile-ranks 0``, each run its own
@@ -32,7 +46,8 @@ same way as one):
 MoE routing/permute, attention, optimizer, communication, other) and its top kernels are printed and written
 to the JSON (``mok_megatron.bench.train_profile``). Iterations N-1..N+1 leave the step-time statistics.
 
-Flags after ``--`` or not known here go to every run; ``--mok-*`` flags go to the MoK run only. The bench sets
+Flags after ``--`` or not known here go to every run; ``--mok-*`` flags go to the MoK runs only (a run named
+for its expert backend refuses a passed ``--mok-expert-backend``). The bench sets
 ``--train-iters``, ``--log-interval``, ``--load`` and the dispatcher itself and refuses them as pass-through.
 Without a GPU the run is Megatron's CPU mode (gloo, fp32; the ``tiny`` preset). Exit status: 0, 1 (a run
 failed), 2 (bad input: one line, before anything starts), 3 (losses disagree beyond the limits).
@@ -43,6 +58,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import re
 import shlex
 import shutil
 import signal
@@ -52,7 +68,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 
-from mok_megatron.bench.train_presets import MOK_RUNS, PRESETS, RUN_NAMES
+from mok_megatron.bench.train_presets import BF16_RUNS, FP8_BACKEND_RUNS, MOK_RUNS, PRESETS, RUN_NAMES
 from mok_megatron.bench.train_profile import (
     PROFILER_FLAGS,
     megatron_profile_flags,
@@ -128,6 +144,7 @@ class Run:
     module: str
     argv: tuple[str, ...]
     trace: str | None = None  # with --profile-step: where Megatron writes rank 0's trace
+    fp8: bool = False  # trains with the pass-through --fp8-format (a bf16 run of an FP8 comparison: False)
 
 
 def _tensorboard_dir(run: Run) -> str | None:
@@ -169,6 +186,27 @@ def split_mok_flags(flags: list[str]) -> tuple[list[str], list[str]]:
             target = mok if tok.startswith("--mok-") else common
         (target if target is not None else common).append(tok)
     return common, mok
+
+
+# Pass-through flags a bf16 run of an FP8 comparison drops (with their values): Megatron's FP8 settings and
+# bf16-layer exceptions, its router padding for quantized experts, MoK's FP8 exchange and its expert backend
+# (the bf16 run sets --mok-expert-backend torch itself).
+_FP8_ONLY = re.compile(
+    r"--(no-|disable-)?fp8-.*|--first-last-layers-bf16|--num-layers-at-(start|end)-in-bf16"
+    r"|--keep-fp8-transpose-cache|--reuse-grad-buf-for-mxfp8-param-ag|--moe-router-padding-for-(quantization|fp8)"
+    r"|--mok-fp8-.*|--mok-expert-backend"
+)
+
+
+def drop_fp8_flags(flags: list[str]) -> list[str]:
+    """``flags`` without the FP8 ones (``_FP8_ONLY``) and their values: the same run in bf16."""
+    out, dropping = [], False
+    for tok in flags:
+        if tok.startswith("--"):
+            dropping = _FP8_ONLY.fullmatch(tok.split("=", 1)[0]) is not None
+        if not dropping:
+            out.append(tok)
+    return out
 
 
 def _last(flags: list[str], name: str, cast=int, default=None):
@@ -225,10 +263,30 @@ def megatron_flags(name: str, machine: Machine, sizes: dict, fp8: bool) -> tuple
     return label, flags
 
 
-def _check_runs(names: list[str], machine: Machine, sizes: dict) -> None:
+def run_flags(name: str, machine: Machine, sizes: dict, fp8: bool, mok_only: list[str]) -> tuple[str, list[str]]:
+    """(label, flags) of one run's layer: MoK's (``mok_only``: its --mok-* pass-through flags) or Megatron's."""
+    mok = ["--moe-token-dispatcher-type", "mok"]
+    if name == "mok":
+        return "MoK", mok + mok_only
+    if name == "mok-overlap":
+        return "MoK + EP comm overlap", mok + ["--overlap-moe-expert-parallel-comm"] + mok_only
+    if name in FP8_BACKEND_RUNS:
+        backend = FP8_BACKEND_RUNS[name]
+        what = "TE GroupedLinear" if backend == "te" else "MoK's FP8 grouped GEMM"
+        return f"MoK, {backend} experts ({what}), FP8", mok + mok_only + ["--mok-expert-backend", backend]
+    if name == "mok-bf16":
+        return "MoK, torch experts, bf16", mok + drop_fp8_flags(mok_only) + ["--mok-expert-backend", "torch"]
+    if name in BF16_RUNS:
+        label, flags = megatron_flags(BF16_RUNS[name], machine, sizes, fp8=False)
+        return f"{label}, bf16", flags
+    return megatron_flags(name, machine, sizes, fp8)
+
+
+def _check_runs(names: list[str], machine: Machine, sizes: dict, fp8: bool, mok_only: list[str]) -> None:
     bad = [n for n in names if n not in RUN_NAMES]
     if bad:
         raise BenchTrainError(f"--runs {','.join(bad)}: unknown; choose from {', '.join(RUN_NAMES)} or auto.")
+    _check_fp8_runs(names, machine, fp8, mok_only)
     if "flex" in names:
         if not machine.deepep:
             raise BenchTrainError(
@@ -249,6 +307,10 @@ def _check_runs(names: list[str], machine: Machine, sizes: dict) -> None:
             raise BenchTrainError(f"--runs {name}: needs bf16 on GPUs; this machine runs in CPU mode.")
     if all(n in MOK_RUNS for n in names):
         raise BenchTrainError(f"--runs {','.join(names)}: no Megatron run to compare with; add alltoall.")
+    if fp8 and all(n in MOK_RUNS or n in BF16_RUNS for n in names):
+        raise BenchTrainError(
+            f"--runs {','.join(names)}: no Megatron FP8 run to compare the FP8 runs with; add alltoall."
+        )
     if "alltoall-unfused" in names and not machine.te:
         raise BenchTrainError(
             "--runs alltoall-unfused: TE's grouped GEMM without --moe-permute-fusion needs Transformer "
@@ -256,6 +318,40 @@ def _check_runs(names: list[str], machine: Machine, sizes: dict) -> None:
         )
     if len(set(names)) != len(names):
         raise BenchTrainError(f"--runs {','.join(names)}: a run is listed twice.")
+
+
+def _check_fp8_runs(names: list[str], machine: Machine, fp8: bool, mok_only: list[str]) -> None:
+    """The runs of an FP8 comparison: MoK's FP8 expert backends by name, and the bf16 runs."""
+    named = [n for n in names if n in FP8_BACKEND_RUNS or n in BF16_RUNS]
+    if not named:
+        return
+    fp8_example = "-- --fp8-format e4m3 --fp8-recipe blockwise"
+    for name in named:
+        if not fp8 and name in FP8_BACKEND_RUNS:
+            raise BenchTrainError(
+                f"--runs {name}: runs MoK's {FP8_BACKEND_RUNS[name]} experts in FP8 and needs --fp8-format; "
+                f"add {fp8_example}, or use mok for the bf16 layer."
+            )
+        if not fp8:
+            raise BenchTrainError(
+                f"--runs {name}: the bf16 run of an FP8 comparison drops the FP8 flags, and none is given; add "
+                f"{fp8_example}, or use {BF16_RUNS[name]}."
+            )
+        if not machine.cuda:
+            raise BenchTrainError(f"--runs {name}: FP8 needs GPUs; this machine runs in CPU mode.")
+    if "mok-te" in names and not machine.te:
+        raise BenchTrainError(
+            "--runs mok-te: MoK's te expert backend runs Transformer Engine's GroupedLinear, which is not "
+            "importable here; install it (pip install 'mok-megatron[te]') or drop mok-te."
+        )
+    backend = _last(mok_only, "--mok-expert-backend", cast=str)
+    owners = [n for n in names if n in FP8_BACKEND_RUNS]
+    if backend is not None and owners:
+        raise BenchTrainError(
+            f"--mok-expert-backend {backend}: --runs {','.join(owners)} "
+            f"{'sets its' if len(owners) == 1 else 'set their'} own expert backend; drop the flag (the mok "
+            f"run takes it: --runs mok,... with --mok-expert-backend {backend})."
+        )
 
 
 def make_plan(
@@ -327,7 +423,8 @@ def make_plan(
     names = ["mok", "alltoall"] if runs == "auto" else [n.strip() for n in runs.split(",") if n.strip()]
     if runs == "auto" and machine.deepep and sizes["tensor"] * sizes["expert"] > 1:
         names.append("flex")
-    _check_runs(names, machine, sizes)
+    fp8 = any(t.split("=", 1)[0] == "--fp8-format" for t in merged)
+    _check_runs(names, machine, sizes, fp8, mok_only)
     gbs = (
         []
         if "--global-batch-size" in merged
@@ -338,7 +435,6 @@ def make_plan(
         if "--expert-model-parallel-size" in merged
         else ["--expert-model-parallel-size", str(sizes["expert"])]
     )
-    fp8 = any(t.split("=", 1)[0] == "--fp8-format" for t in merged)
     shared = base + gbs + ep + common
     loop = ["--train-iters", str(iters), "--log-interval", "1", "--eval-interval", str(iters)]
     loop += ["--log-memory-interval", str(iters)] + (
@@ -359,19 +455,14 @@ def make_plan(
     )
     out = []
     for name in names:
-        if name == "mok":
-            label, flags = "MoK", ["--moe-token-dispatcher-type", "mok"] + mok_only
-        elif name == "mok-overlap":
-            label = "MoK + EP comm overlap"
-            flags = ["--moe-token-dispatcher-type", "mok", "--overlap-moe-expert-parallel-comm"] + mok_only
-        else:
-            label, flags = megatron_flags(name, machine, sizes, fp8)
+        label, flags = run_flags(name, machine, sizes, fp8, mok_only)
         trace, profile = None, []
         if profile_step is not None:
             tensorboard = os.path.join(os.path.dirname(init_dir), "profile", name, "tensorboard")
             trace, profile = trace_path(tensorboard), megatron_profile_flags(profile_step, tensorboard)
-        argv = tuple(shared + flags + loop + load + profile)
-        out.append(Run(name, label, "mok_megatron.pretrain_gpt", argv, trace))
+        run_fp8 = fp8 and name not in BF16_RUNS
+        argv = tuple((shared if run_fp8 or not fp8 else drop_fp8_flags(shared)) + flags + loop + load + profile)
+        out.append(Run(name, label, "mok_megatron.pretrain_gpt", argv, trace, run_fp8))
     return Plan(preset_name, nproc, iters, warmup, sizes["expert"], init, tuple(out), profile_step)
 
 
@@ -565,7 +656,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--runs",
         default="auto",
-        help=f"comma list of {', '.join(RUN_NAMES)}; auto: mok,alltoall (+flex with DeepEP)",
+        help=f"comma list of {', '.join(RUN_NAMES)}; auto: mok,alltoall (+flex with DeepEP); "
+        "mok-torch-fp8, mok-te, mok-bf16 and alltoall-bf16 need --fp8-format",
     )
     p.add_argument(
         "--nproc-per-node", type=int, default=1, help="processes (GPUs) on this host, via torchrun"

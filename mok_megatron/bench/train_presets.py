@@ -31,9 +31,20 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 DEEPSEEK_V3_EXPERTS = 24
-# The names ``--runs`` takes: MoK's layer (also under Megatron's 1F1B EP overlap), Megatron's dispatchers
-MOK_RUNS = ("mok", "mok-overlap")
-RUN_NAMES = MOK_RUNS + ("alltoall", "alltoall-unfused", "flex", "alltoall-overlap")
+# The names ``--runs`` takes: MoK's layer (also under Megatron's 1F1B EP overlap, and with each of its FP8
+# expert backends named), Megatron's dispatchers, and the bf16 runs of an FP8 comparison.
+MOK_RUNS = ("mok", "mok-overlap", "mok-torch-fp8", "mok-te", "mok-bf16")
+# MoK runs that set their own --mok-expert-backend: FP8 experts, so the comparison needs --fp8-format.
+FP8_BACKEND_RUNS = {"mok-torch-fp8": "torch-fp8", "mok-te": "te"}
+# Runs that drop the pass-through FP8 flags (the same layer in bf16, from the same initial weights): the
+# run each one repeats. MoK's bf16 run gets the bf16 experts (--mok-expert-backend torch).
+BF16_RUNS = {"mok-bf16": "mok", "alltoall-bf16": "alltoall"}
+# The bf16 run an FP8 run's step is read against: the same layer, FP8 flags dropped.
+BF16_OF = {"mok": "mok-bf16", "mok-torch-fp8": "mok-bf16", "mok-te": "mok-bf16", "alltoall": "alltoall-bf16"}
+RUN_NAMES = (
+    "mok", "mok-overlap", "alltoall", "alltoall-unfused", "flex", "alltoall-overlap",
+    *FP8_BACKEND_RUNS, *BF16_RUNS,
+)  # fmt: skip
 
 
 # The optimizer and schedule of every GPU preset (the measured Qwen3-30B-A3B command's), and the data.

@@ -3,10 +3,14 @@ overlaid, tokens/s/GPU bars).
 
 JSON: {"schema", "date", "command", "machine": {device, gpus, torch, megatron_core, transformer_engine,
 deep_ep}, "preset", "nproc_per_node", "expert_parallel", "iters", "warmup", "profile_step", "workdir", "init":
-{rc, seconds, command}, "runs": {name: {label, rc, seconds, command, log, error, + train_log.summarize's
-fields, + with --profile-step "profile": train_profile.summarize_trace's result or {"trace", "error"}}},
-"speedup": {"<MoK run>/<Megatron run>": tokens/s ratio}, "loss_agreement": {"<MoK run>/<reference>" and
-"<other Megatron run>/<reference>": train_log.loss_agreement; <reference> is the first Megatron run}, "ok"}.
+{rc, seconds, command}, "runs": {name: {label, fp8, rc, seconds, command, log, error, + train_log.summarize's
+fields, vs_megatron (a MoK run: tokens/s over its reference), step_vs_bf16 (an FP8 run: median step over its
+layer's bf16 run's), + with --profile-step "profile": train_profile.summarize_trace's result or {"trace",
+"error"}}}, "speedup": {"<MoK run>/<Megatron run>": tokens/s ratio, same precision}, "fp8_vs_bf16": {"<FP8
+run>/<bf16 run>": median step ratio}, "loss_agreement": {"<MoK run>/<reference>" and "<other Megatron
+run>/<reference>": train_log.loss_agreement}, "ok"}. A run's <reference> is the first Megatron run of its
+precision (FP8 runs: the first Megatron FP8 run; the bf16 runs of an FP8 comparison: the first Megatron bf16
+run); a run whose precision has no Megatron run has none.
 """
 
 from __future__ import annotations
@@ -41,10 +45,16 @@ def _num(v, fmt: str) -> str:
     return "n/a" if v is None else format(v, fmt)
 
 
+def _ratio(v) -> str:
+    return "" if v is None else f"{v:.2f}x"
+
+
 def table(runs: dict) -> str:
+    """One line per run; ``vs Megatron``: a MoK run's tokens/s over its reference Megatron run's, ``step/bf16``:
+    an FP8 run's median step over its layer's bf16 run's (``collect``)."""
     head = (
         f"{'run':<17} {'tokens/s/GPU':>13} {'TFLOP/s/GPU':>12} {'step ms min/median/max':>24} "
-        f"{'peak MiB':>10} {'loss final':>11} {'loss mean':>10}  layer"
+        f"{'peak MiB':>10} {'loss final':>11} {'loss mean':>10} {'vs Megatron':>11} {'step/bf16':>9}  layer"
     )
     lines = [head, "-" * len(head)]
     for name, r in runs.items():
@@ -55,7 +65,8 @@ def table(runs: dict) -> str:
         lines.append(
             f"{name:<17} {_num(r['tokens_per_s_per_gpu'], ',.0f'):>13} {_num(r['tflops_per_gpu'], '.1f'):>12} "
             f"{steps:>24} {_num(r['peak_allocated_mib'], ',.0f'):>10} {_num(r['final_loss'], '.4f'):>11} "
-            f"{_num(r['mean_loss'], '.4f'):>10}  {r['label']}"
+            f"{_num(r['mean_loss'], '.4f'):>10} {_ratio(r.get('vs_megatron')):>11} "
+            f"{_ratio(r.get('step_vs_bf16')):>9}  {r['label']}"
         )
     return "\n".join(lines)
 
@@ -65,7 +76,8 @@ def collect(plan, results: dict, machine, warmup: int) -> dict:
     runs = {}
     for run in plan.runs:
         res = results.get(run.name)
-        entry = {"label": run.label, "rc": res["rc"], "seconds": res["seconds"], "command": res["command"]}
+        entry = {"label": run.label, "fp8": run.fp8, "rc": res["rc"], "seconds": res["seconds"]}
+        entry["command"] = res["command"]
         entry["log"] = res["log_path"]
         if res["rc"] == 0:
             try:
@@ -81,23 +93,44 @@ def collect(plan, results: dict, machine, warmup: int) -> dict:
         if run.trace and res["rc"] == 0:
             entry["profile"] = _profile(run.trace, plan.profile_step)
         runs[run.name] = entry
-    from mok_megatron.bench.train_presets import MOK_RUNS
+    speedup, fp8_vs_bf16, agreement = _compare({n: r for n, r in runs.items() if r["rc"] == 0})
+    return {"runs": runs, "speedup": speedup, "fp8_vs_bf16": fp8_vs_bf16, "loss_agreement": agreement}
 
-    ok_runs = {n: r for n, r in runs.items() if r["rc"] == 0}
-    speedup, agreement = {}, {}
-    moks = [n for n in ok_runs if n in MOK_RUNS]
-    for m in moks:
-        for name, r in ok_runs.items():
-            if name not in MOK_RUNS and ok_runs[m]["tokens_per_s_per_gpu"] and r["tokens_per_s_per_gpu"]:
-                speedup[f"{m}/{name}"] = ok_runs[m]["tokens_per_s_per_gpu"] / r["tokens_per_s_per_gpu"]
-    reference = next((n for n in ok_runs if n not in MOK_RUNS), None)
-    if reference is not None:
-        for m in moks:
-            agreement[f"{m}/{reference}"] = loss_agreement(ok_runs[m], ok_runs[reference])
-        for name, r in ok_runs.items():  # Megatron against itself: the floor, not a MoK check
+
+def _compare(ok_runs: dict) -> tuple[dict, dict, dict]:
+    """(speed-ups, FP8 / bf16 step ratios, loss agreements) of the runs that finished; sets each run's
+    ``vs_megatron`` and ``step_vs_bf16``. Runs are compared within one precision: a MoK FP8 run against
+    Megatron's FP8 runs, a bf16 run of an FP8 comparison against Megatron's bf16 runs."""
+    from mok_megatron.bench.train_presets import BF16_OF, MOK_RUNS
+
+    speedup, fp8_vs_bf16, agreement = {}, {}, {}
+    references = {}  # precision (fp8: bool) -> its first Megatron run
+    for name, r in ok_runs.items():
+        if name not in MOK_RUNS:
+            references.setdefault(r["fp8"], name)
+    for m, r in ok_runs.items():
+        if m not in MOK_RUNS:
+            continue
+        for name, ref in ok_runs.items():
+            same = name not in MOK_RUNS and ref["fp8"] == r["fp8"]
+            if same and r["tokens_per_s_per_gpu"] and ref["tokens_per_s_per_gpu"]:
+                speedup[f"{m}/{name}"] = r["tokens_per_s_per_gpu"] / ref["tokens_per_s_per_gpu"]
+        reference = references.get(r["fp8"])
+        r["vs_megatron"] = speedup.get(f"{m}/{reference}")
+    for name, r in ok_runs.items():
+        bf16 = ok_runs.get(BF16_OF.get(name, ""))
+        if r["fp8"] and bf16 is not None and not bf16["fp8"] and r["step_ms_median"] and bf16["step_ms_median"]:
+            r["step_vs_bf16"] = fp8_vs_bf16[f"{name}/{BF16_OF[name]}"] = (
+                r["step_ms_median"] / bf16["step_ms_median"]
+            )
+    for fp8, reference in references.items():
+        same = {n: r for n, r in ok_runs.items() if r["fp8"] == fp8}
+        for m in (n for n in same if n in MOK_RUNS):
+            agreement[f"{m}/{reference}"] = loss_agreement(same[m], same[reference])
+        for name, r in same.items():  # Megatron against itself: the floor, not a MoK check
             if name not in MOK_RUNS and name != reference:
-                agreement[f"{name}/{reference}"] = loss_agreement(r, ok_runs[reference])
-    return {"runs": runs, "speedup": speedup, "loss_agreement": agreement}
+                agreement[f"{name}/{reference}"] = loss_agreement(r, same[reference])
+    return speedup, fp8_vs_bf16, agreement
 
 
 def _profile(trace: str, step: int) -> dict:
@@ -177,7 +210,7 @@ def report(plan, results: dict, machine, ns, workdir: str) -> int:
             f"{err or 'see its log'}; log: {init['log_path'] if init else workdir}; no run was started",
             file=sys.stderr,
         )
-        out.update(runs={}, speedup={}, loss_agreement={}, ok=False)
+        out.update(runs={}, speedup={}, fp8_vs_bf16={}, loss_agreement={}, ok=False)
         _write(out, ns, None, machine, plan)
         return 1
     out.update(collect(plan, results, machine, plan.warmup))
@@ -185,6 +218,9 @@ def report(plan, results: dict, machine, ns, workdir: str) -> int:
     print(table(out["runs"]))
     for key, ratio in out["speedup"].items():
         print(f"{key}: {ratio:.2f}x tokens/s/GPU")
+    for key, ratio in out["fp8_vs_bf16"].items():
+        fp8, bf16 = (out["runs"][n]["step_ms_median"] for n in key.split("/"))
+        print(f"{key}: FP8 step {ratio:.2f}x the bf16 step ({fp8:.1f} vs {bf16:.1f} ms median)")
     status = 0
     for key, a in out["loss_agreement"].items():
         floor = "" if key.startswith("mok") else " (Megatron against itself; not a MoK check)"
