@@ -684,3 +684,166 @@ def test_gradient_accumulation_fusion_restores_megatrons_default_for_every_run()
     for run in (plan.init, *plan.runs):
         assert "--no-gradient-accumulation-fusion" not in run.argv, run.name
     assert all("--no-gradient-accumulation-fusion" in run.argv for run in _plan().runs)
+
+
+# ---- an FP8 comparison: both MoK FP8 expert backends, the bf16 steps ---------------------------------
+
+FP8_FLAGS = ["--fp8-format", "e4m3", "--fp8-recipe", "blockwise"]
+FP8_RUNS = "mok-torch-fp8,mok-te,mok-bf16,alltoall,alltoall-bf16"
+
+
+@pytest.mark.parametrize("preset", ["qwen3-30b-a3b", "deepseek-v3"])
+def test_fp8_comparison_runs_both_mok_backends_and_the_bf16_steps(preset):
+    """One command: MoK's torch-fp8 and te experts and Megatron's layer in FP8, MoK's and Megatron's layers in
+    bf16 (the FP8 flags dropped), every run loading the one initial checkpoint."""
+    plan = _plan(preset, runs=FP8_RUNS, forwarded=FP8_FLAGS + ["--mok-fp8-dispatch", "--fp8-param-gather"])
+    runs = {r.name: _flag_values(r.argv) for r in plan.runs}
+    assert list(runs) == FP8_RUNS.split(",")
+    assert {r.name: r.fp8 for r in plan.runs} == {
+        "mok-torch-fp8": True, "mok-te": True, "mok-bf16": False, "alltoall": True, "alltoall-bf16": False
+    }  # fmt: skip
+    for name, backend in (("mok-torch-fp8", "torch-fp8"), ("mok-te", "te"), ("mok-bf16", "torch")):
+        f = runs[name]
+        assert f["--moe-token-dispatcher-type"] == "mok" and f["--mok-expert-backend"] == backend, name
+        assert "--moe-router-padding-for-quantization" not in f and "--moe-grouped-gemm" not in f, name
+    for name in ("mok-torch-fp8", "mok-te", "alltoall"):
+        f = runs[name]
+        assert (f["--fp8-format"], f["--fp8-recipe"], f["--fp8-param-gather"]) == ("e4m3", "blockwise", True)
+    assert runs["mok-te"]["--mok-fp8-dispatch"] is True and "--mok-fp8-dispatch" not in runs["alltoall"]
+    # the bf16 runs: not one FP8 flag (nor their values), Megatron's router padding for FP8 gone too
+    for name in ("mok-bf16", "alltoall-bf16"):
+        run = next(r for r in plan.runs if r.name == name)
+        assert not [t for t in run.argv if "fp8" in t or t in ("e4m3", "blockwise")], name
+        assert "--moe-router-padding-for-quantization" not in run.argv and runs[name]["--bf16"] is True
+    a2a, a2a_bf16 = runs["alltoall"], runs["alltoall-bf16"]
+    assert a2a["--moe-router-padding-for-quantization"] is True
+    assert a2a["--moe-token-dispatcher-type"] == a2a_bf16["--moe-token-dispatcher-type"] == "alltoall"
+    assert a2a_bf16["--moe-grouped-gemm"] is True and a2a_bf16["--moe-permute-fusion"] is True
+    assert plan.runs[-1].label.endswith(", bf16") and "te experts" in plan.runs[1].label
+    # every other flag is shared by all five runs and the checkpoint they load
+    layer = {
+        "--moe-token-dispatcher-type", "--mok-expert-backend", "--mok-fp8-dispatch", "--moe-grouped-gemm",
+        "--moe-permute-fusion", "--moe-router-padding-for-quantization", "--fp8-format", "--fp8-recipe",
+        "--fp8-param-gather",
+    }  # fmt: skip
+    common = [{k: v for k, v in f.items() if k not in layer} for f in runs.values()]
+    assert all(c == common[0] for c in common) and common[0]["--load"] == "/w/ckpt"
+
+
+def test_fp8_comparison_through_the_cli(capsys, monkeypatch):
+    """``--runs mok-torch-fp8,mok-te,alltoall -- FP8 flags``: the commands of both MoK FP8 backends and
+    Megatron's FP8 run, printed by --dry-run."""
+    monkeypatch.setattr(train.Machine, "detect", staticmethod(lambda: H200))
+    argv = "--preset deepseek-v3 --runs mok-torch-fp8,mok-te,alltoall --dry-run --".split() + FP8_FLAGS
+    assert train.main(argv) == 0
+    lines = capsys.readouterr().out.splitlines()
+    pairs = zip(lines[:-1], lines[1:], strict=True)
+    commands = {a[2:].split(":")[0]: _flag_values(shlex.split(b)) for a, b in pairs if a.startswith("# ")}
+    assert list(commands) == ["init", "mok-torch-fp8", "mok-te", "alltoall"]
+    assert commands["mok-torch-fp8"]["--mok-expert-backend"] == "torch-fp8"
+    assert commands["mok-te"]["--mok-expert-backend"] == "te"
+    assert all(f["--fp8-recipe"] == "blockwise" for f in commands.values())
+
+
+def test_drop_fp8_flags_keeps_everything_else():
+    flags = [
+        "--bf16", "--fp8-format=hybrid", "--fp8-recipe", "delayed", "--fp8-amax-history-len", "16",
+        "--no-fp8-wgrad", "--first-last-layers-bf16", "--num-layers-at-start-in-bf16", "1", "--lr", "1e-4",
+        "--moe-router-padding-for-quantization", "--mok-fp8-dispatch", "--mok-expert-backend", "te",
+        "--mok-minibatch-size", "256",
+    ]  # fmt: skip
+    assert train.drop_fp8_flags(flags) == ["--bf16", "--lr", "1e-4", "--mok-minibatch-size", "256"]
+
+
+_FP8_NEEDED = (
+    r"needs --fp8-format; add -- --fp8-format e4m3 --fp8-recipe blockwise, or use mok for the bf16 layer\.$"
+)
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (
+            dict(runs="mok-torch-fp8,alltoall"),
+            r"^--runs mok-torch-fp8: runs MoK's torch-fp8 experts in FP8 and " + _FP8_NEEDED,
+        ),
+        (dict(runs="mok-te,alltoall"), r"^--runs mok-te: runs MoK's te experts in FP8 and " + _FP8_NEEDED),
+        (
+            dict(runs="mok,mok-bf16,alltoall"),
+            r"^--runs mok-bf16: the bf16 run of an FP8 comparison drops the FP8 flags, and none is given; add "
+            r"-- --fp8-format e4m3 --fp8-recipe blockwise, or use mok\.$",
+        ),
+        (dict(runs="mok,alltoall-bf16"), r"^--runs alltoall-bf16: .* or use alltoall\.$"),
+        (
+            dict(runs="mok-te,alltoall", forwarded=FP8_FLAGS, machine=Machine(True, 8, False, False)),
+            r"^--runs mok-te: MoK's te expert backend runs Transformer Engine's GroupedLinear, which is not "
+            r"importable here; install it \(pip install 'mok-megatron\[te\]'\) or drop mok-te\.$",
+        ),
+        (
+            dict(runs="mok-torch-fp8,mok-te,alltoall", forwarded=FP8_FLAGS + ["--mok-expert-backend=te"]),
+            r"^--mok-expert-backend te: --runs mok-torch-fp8,mok-te set their own expert backend; drop the "
+            r"flag \(the mok run takes it: --runs mok,\.\.\. with --mok-expert-backend te\)\.$",
+        ),
+        (
+            dict(runs="mok-torch-fp8,mok-bf16,alltoall-bf16", forwarded=FP8_FLAGS),
+            r"^--runs mok-torch-fp8,mok-bf16,alltoall-bf16: no Megatron FP8 run to compare the FP8 runs with; "
+            r"add alltoall\.$",
+        ),
+        (
+            dict(preset="tiny", machine=CPU, runs="mok-bf16,alltoall", forwarded=FP8_FLAGS),
+            r"^--runs mok-bf16: FP8 needs GPUs; this machine runs in CPU mode\.$",
+        ),
+    ],
+)
+def test_fp8_comparison_bad_input_is_one_line(kwargs, message):
+    with pytest.raises(BenchTrainError) as e:
+        _plan(**kwargs)
+    assert re.search(message, str(e.value)) and "\n" not in str(e.value), str(e.value)
+
+
+def test_fp8_report_reads_each_fp8_run_against_megatrons_fp8_run_and_its_bf16_step(tmp_path, capsys):
+    """Speed-ups within a precision, each FP8 step over its layer's bf16 step, and every FP8 run's loss
+    against Megatron's FP8 run (the bf16 runs against Megatron's bf16 run), as columns, lines and JSON."""
+    import types
+
+    plan = _plan(runs=FP8_RUNS, forwarded=FP8_FLAGS)
+
+    def result(ms: float, last_loss: float = 4.70751):
+        text = LOG.replace("/w/initial-checkpoint", "/w/ckpt").replace("4.707510E+00", f"{last_loss:E}")
+        text = text.replace("(ms): 100.0 |", f"(ms): {ms} |")  # iteration 3: the one timed step
+        return {"rc": 0, "seconds": 1.0, "command": [], "log": _log(text), "tail": []}
+
+    results = {
+        "init": {"rc": 0, "seconds": 1.0, "command": [], "tail": []},
+        "mok-torch-fp8": result(80.0),
+        "mok-te": result(120.0),
+        "mok-bf16": result(100.0, last_loss=4.75),  # bf16 vs FP8: never held against the FP8 reference
+        "alltoall": result(240.0),
+        "alltoall-bf16": result(300.0, last_loss=4.75),
+    }
+    ns = types.SimpleNamespace(original_argv=[], json=str(tmp_path / "r.json"), png=None)
+    rc = report(plan, results, H200, ns, str(tmp_path))
+    out = capsys.readouterr().out
+    d = json.loads((tmp_path / "r.json").read_text())
+    assert rc == 0, out
+    assert d["speedup"] == pytest.approx(
+        {"mok-torch-fp8/alltoall": 3.0, "mok-te/alltoall": 2.0, "mok-bf16/alltoall-bf16": 3.0}
+    )
+    assert d["fp8_vs_bf16"] == pytest.approx(
+        {"mok-torch-fp8/mok-bf16": 0.8, "mok-te/mok-bf16": 1.2, "alltoall/alltoall-bf16": 0.8}
+    )
+    assert set(d["loss_agreement"]) == {"mok-torch-fp8/alltoall", "mok-te/alltoall", "mok-bf16/alltoall-bf16"}
+    runs = d["runs"]
+    assert [runs[n]["fp8"] for n in FP8_RUNS.split(",")] == [True, True, False, True, False]
+    assert runs["mok-te"]["vs_megatron"] == pytest.approx(2.0) and "vs_megatron" not in runs["alltoall"]
+    assert (
+        runs["mok-torch-fp8"]["step_vs_bf16"] == pytest.approx(0.8) and "step_vs_bf16" not in runs["mok-bf16"]
+    )
+    head = out.splitlines()[1]
+    assert "vs Megatron" in head and "step/bf16" in head
+    assert re.search(r"^mok-torch-fp8 .* 3\.00x +0\.80x  MoK, torch-fp8 experts", out, re.MULTILINE), out
+    assert re.search(r"^mok-te .* 2\.00x +1\.20x  MoK, te experts", out, re.MULTILINE), out
+    assert re.search(r"^alltoall .* 0\.80x  Megatron alltoall", out, re.MULTILINE), out
+    assert "mok-torch-fp8/mok-bf16: FP8 step 0.80x the bf16 step (80.0 vs 100.0 ms median)" in out
+    assert "mok-te/alltoall: 2.00x tokens/s/GPU" in out and "mok-te/alltoall-bf16" not in out
+    assert "loss agreement mok-te/alltoall: step 1" in out

@@ -263,7 +263,9 @@ def megatron_flags(name: str, machine: Machine, sizes: dict, fp8: bool) -> tuple
     return label, flags
 
 
-def run_flags(name: str, machine: Machine, sizes: dict, fp8: bool, mok_only: list[str]) -> tuple[str, list[str]]:
+def run_flags(
+    name: str, machine: Machine, sizes: dict, fp8: bool, mok_only: list[str]
+) -> tuple[str, list[str]]:
     """(label, flags) of one run's layer: MoK's (``mok_only``: its --mok-* pass-through flags) or Megatron's."""
     mok = ["--moe-token-dispatcher-type", "mok"]
     if name == "mok":
@@ -461,7 +463,9 @@ def make_plan(
             tensorboard = os.path.join(os.path.dirname(init_dir), "profile", name, "tensorboard")
             trace, profile = trace_path(tensorboard), megatron_profile_flags(profile_step, tensorboard)
         run_fp8 = fp8 and name not in BF16_RUNS
-        argv = tuple((shared if run_fp8 or not fp8 else drop_fp8_flags(shared)) + flags + loop + load + profile)
+        argv = tuple(
+            (shared if run_fp8 or not fp8 else drop_fp8_flags(shared)) + flags + loop + load + profile
+        )
         out.append(Run(name, label, "mok_megatron.pretrain_gpt", argv, trace, run_fp8))
     return Plan(preset_name, nproc, iters, warmup, sizes["expert"], init, tuple(out), profile_step)
 

@@ -119,7 +119,13 @@ def _compare(ok_runs: dict) -> tuple[dict, dict, dict]:
         r["vs_megatron"] = speedup.get(f"{m}/{reference}")
     for name, r in ok_runs.items():
         bf16 = ok_runs.get(BF16_OF.get(name, ""))
-        if r["fp8"] and bf16 is not None and not bf16["fp8"] and r["step_ms_median"] and bf16["step_ms_median"]:
+        if (
+            r["fp8"]
+            and bf16 is not None
+            and not bf16["fp8"]
+            and r["step_ms_median"]
+            and bf16["step_ms_median"]
+        ):
             r["step_vs_bf16"] = fp8_vs_bf16[f"{name}/{BF16_OF[name]}"] = (
                 r["step_ms_median"] / bf16["step_ms_median"]
             )
