@@ -382,6 +382,75 @@ def test_refresh_from_the_command_line(tmp_path):
     assert {r["commit"] for k in extract.KINDS for r in data[k] if r["source"] == folder.name} == {"a" * 40}
 
 
+def _train_json(runs: dict, device: str = "NVIDIA H200") -> dict:
+    """A ``mok bench train --json`` file of one FP8 comparison: {run: (layer flags, fp8, step ms)}."""
+    base = ["torchrun", "-m", "mok_megatron.pretrain_gpt", "--bf16"]
+    fp8 = ["--fp8-format", "e4m3", "--fp8-recipe", "blockwise"]
+    out = {}
+    for name, (flags, on, ms) in runs.items():
+        out[name] = {
+            "rc": 0, "fp8": on, "command": base + (fp8 if on else []) + flags, "step_ms_median": ms,
+            "tokens_per_s_per_gpu": 16384 / ms * 1e3, "iterations": [1, 2], "loss": [10.0, 9.0],
+        }  # fmt: skip
+    return {"schema": "mok-bench-train/1", "machine": {"device": device}, "preset": "qwen3-30b-a3b",
+            "nproc_per_node": 1, "runs": out}  # fmt: skip
+
+
+def test_the_planner_reads_an_fp8_training_comparison(tmp_path, capsys, monkeypatch):
+    """``mok bench train --runs mok-torch-fp8,mok-te,mok-bf16,alltoall,alltoall-bf16`` JSON in a results
+    folder: one record per run with its precision, expert backend, speed-up over Megatron's run of the same
+    precision and FP8 / bf16 step, printed by ``mok plan --validate``; a CPU-mode comparison is not read."""
+    folder = tmp_path / "2026-12-04-train-fp8"
+    (folder / "qwen3").mkdir(parents=True)
+    mok = ["--moe-token-dispatcher-type", "mok"]
+    a2a = ["--moe-token-dispatcher-type", "alltoall", "--moe-grouped-gemm"]
+    runs = {
+        "mok-torch-fp8": (mok + ["--mok-expert-backend", "torch-fp8"], True, 120.0),
+        "mok-te": (mok + ["--mok-expert-backend=te"], True, 150.0),
+        "mok-bf16": (mok + ["--mok-expert-backend", "torch"], False, 150.0),
+        "alltoall": (a2a + ["--moe-router-padding-for-quantization"], True, 360.0),
+        "alltoall-bf16": (a2a, False, 450.0),
+    }
+    (folder / "qwen3/fp8.json").write_text(json.dumps(_train_json(runs)))
+    (folder / "cpu.json").write_text(json.dumps(_train_json(runs, device="cpu")))
+    fresh = extract.extract(folder)
+    assert {k: len(v) for k, v in fresh.items()} == {
+        "layer1": 0,
+        "ep": 0,
+        "loop": 0,
+        "profiles": 0,
+        "train": 5,
+    }
+    data = extract.refresh(measurements.read_data(), fresh, folder.name, "f" * 40)
+    m = measurements.from_records(json.loads(extract.dumps(data)))
+    got = {r.run: r for r in m.train if r.source == folder.name}
+    assert {n: (r.layer, r.expert_backend, r.fp8_recipe) for n, r in got.items()} == {
+        "mok-torch-fp8": ("mok", "torch-fp8", "blockwise"),
+        "mok-te": ("mok", "te", "blockwise"),
+        "mok-bf16": ("mok", "torch", ""),
+        "alltoall": ("megatron", "", "blockwise"),
+        "alltoall-bf16": ("megatron", "", ""),
+    }
+    assert got["mok-torch-fp8"].vs_megatron == pytest.approx(3.0) and got[
+        "mok-te"
+    ].vs_megatron == pytest.approx(2.4)
+    assert got["mok-bf16"].vs_megatron == pytest.approx(3.0) and got["alltoall"].vs_megatron is None
+    assert got["mok-torch-fp8"].step_vs_bf16 == pytest.approx(0.8) and got[
+        "mok-te"
+    ].step_vs_bf16 == pytest.approx(1.0)
+    assert got["alltoall"].step_vs_bf16 == pytest.approx(0.8) and got["mok-bf16"].step_vs_bf16 is None
+    assert {(r.comparison, r.machine, r.preset) for r in got.values()} == {
+        ("qwen3/fp8.json", "NVIDIA H200", "qwen3-30b-a3b")
+    }
+    assert m.without(folder.name).train == measurements.load().train
+    table = validate.train_table(m.train)
+    row = f"| {folder.name} | qwen3/fp8.json | qwen3-30b-a3b | NVIDIA H200 | mok-torch-fp8 | FP8 blockwise | torch-fp8 | 136,533 | 120.0 | 3.00x | 0.80x |"
+    assert row in table.splitlines(), table
+    monkeypatch.setattr(measurements, "load", lambda: m)
+    assert main(["--validate"]) == 0
+    assert row in capsys.readouterr().out.split("Training steps (mok bench train")[1]
+
+
 # ---- calibration and validation -------------------------------------------------------------------
 
 # In-sample points outside TOLERANCE that docs/planner.md explains (not run outliers by the >= 3-sources

@@ -93,11 +93,11 @@ def collect(plan, results: dict, machine, warmup: int) -> dict:
         if run.trace and res["rc"] == 0:
             entry["profile"] = _profile(run.trace, plan.profile_step)
         runs[run.name] = entry
-    speedup, fp8_vs_bf16, agreement = _compare({n: r for n, r in runs.items() if r["rc"] == 0})
+    speedup, fp8_vs_bf16, agreement = compare({n: r for n, r in runs.items() if r["rc"] == 0})
     return {"runs": runs, "speedup": speedup, "fp8_vs_bf16": fp8_vs_bf16, "loss_agreement": agreement}
 
 
-def _compare(ok_runs: dict) -> tuple[dict, dict, dict]:
+def compare(ok_runs: dict) -> tuple[dict, dict, dict]:
     """(speed-ups, FP8 / bf16 step ratios, loss agreements) of the runs that finished; sets each run's
     ``vs_megatron`` and ``step_vs_bf16``. Runs are compared within one precision: a MoK FP8 run against
     Megatron's FP8 runs, a bf16 run of an FP8 comparison against Megatron's bf16 runs."""

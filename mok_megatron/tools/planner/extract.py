@@ -4,8 +4,9 @@
 
 It reads the result files anywhere below the folder: ep.json (EP=2 on 2 x H200 and the EP=1 same-work
 baselines), overlap.json (one-H200 loopback sweep), layer-*.json (``mok bench layer``: one-GPU layer,
-fwd+bwd), profile*.txt (kernel launches and host enqueue time) and layer_table.md (the EP=1 layer table of
-MoK, Megatron+TE and Megatron without TE on the Qwen3-30B-A3B and DeepSeek-V3 slices). Its records replace
+fwd+bwd), profile*.txt (kernel launches and host enqueue time), layer_table.md (the EP=1 layer table of
+MoK, Megatron+TE and Megatron without TE on the Qwen3-30B-A3B and DeepSeek-V3 slices) and any other *.json
+that ``mok bench train --json`` wrote (whole training steps per run, GPU comparisons only). Its records replace
 those of the same source in the data file; every other record stays. Each record keeps its shape, machine,
 date, its *source* (the folder's name) and the *commit* that holds the folder (``git show
 <commit>:docs/results/<source>/...``), so the data outlives the folder: a re-measurement replaces its
@@ -31,7 +32,7 @@ from mok_megatron.tools.planner.measurements import DATA_DIR, MEASUREMENTS_FILE
 ONE_GPU, TWO_GPU = "H200", "2 x H200 (NVLink)"
 BENCHMARKS_SOURCE = "2026-11-30-layer-foundation"  # the results folder holding the EP=1 layer table
 LAYER_TABLE = "layer_table.md"
-KINDS = ("layer1", "ep", "loop", "profiles")
+KINDS = ("layer1", "ep", "loop", "profiles", "train")
 
 _BENCH_SHAPES = {  # layer-table rows (shape column prefix -> per-rank shape)
     "Qwen3-30B-A3B": ("qwen3-30b-a3b", dict(hidden=2048, ffn=768, experts=128, topk=8), 16384),
@@ -258,6 +259,55 @@ def ep_profiles(folder: Path, source: str = "", date: str = "") -> list[dict]:
     return out
 
 
+def _flag_value(argv: list[str], name: str) -> str | None:
+    """The last ``name VALUE`` / ``name=VALUE`` of a command line (argparse keeps the last one)."""
+    value = None
+    for i, tok in enumerate(argv):
+        if tok == name and i + 1 < len(argv):
+            value = argv[i + 1]
+        elif tok.startswith(name + "="):
+            value = tok.split("=", 1)[1]
+    return value
+
+
+def train_results(folder: Path, source: str = "", date: str = "") -> list[dict]:
+    """Every finished run of every ``mok bench train`` JSON below ``folder`` (schema mok-bench-train/1) on
+    GPUs: its precision, layer and MoK expert backend read off the run's own command line, its speed-up and
+    FP8 / bf16 step ratio by the bench's own rule (``train_report``: within a precision, against the first
+    Megatron run of it; each FP8 run against its layer's bf16 run). CPU-mode comparisons (fp32, gloo) time
+    a CPU and are not read."""
+    from mok_megatron.bench.train_report import SCHEMA, compare
+
+    out = []
+    for f in sorted(folder.rglob("*.json")):
+        try:
+            d = json.loads(f.read_text())
+        except (UnicodeDecodeError, json.JSONDecodeError):
+            continue
+        if not isinstance(d, dict) or d.get("schema") != SCHEMA or d["machine"]["device"] == "cpu":
+            continue
+        ok = {}
+        for name, r in d["runs"].items():
+            if r["rc"] == 0 and r.get("tokens_per_s_per_gpu") and r.get("step_ms_median"):
+                ok[name] = dict(r, fp8=r.get("fp8", _flag_value(r["command"], "--fp8-format") is not None))
+        compare(ok)
+        nproc = d["nproc_per_node"]
+        machine = d["machine"]["device"] if nproc == 1 else f"{nproc} x {d['machine']['device']}"
+        for name, r in ok.items():
+            argv = r["command"]
+            mok = _flag_value(argv, "--moe-token-dispatcher-type") == "mok"
+            recipe = (_flag_value(argv, "--fp8-recipe") or "delayed") if r["fp8"] else ""
+            out.append(
+                _rec(source, date, machine, comparison=str(f.relative_to(folder)), preset=d["preset"], run=name,
+                     layer="mok" if mok else "megatron",
+                     expert_backend=(_flag_value(argv, "--mok-expert-backend") or "torch") if mok else "",
+                     fp8_recipe=recipe, nproc=nproc, tokens_per_s_per_gpu=r["tokens_per_s_per_gpu"],
+                     step_ms=r["step_ms_median"], vs_megatron=r.get("vs_megatron"),
+                     step_vs_bf16=r.get("step_vs_bf16"))
+            )  # fmt: skip
+    return out
+
+
 def loopback_shapes() -> dict:
     """The loopback sweep's shapes the model fits (no shared expert, not the tiny test shape)."""
     from mok_megatron.bench.shapes import OVERLAP_SHAPES
@@ -286,10 +336,11 @@ def extract(folder: Path, source: str | None = None) -> dict:
     data["ep"] += b
     data["loop"] += d
     data["profiles"] += profile_results(folder, source, date) + ep_profiles(folder, source, date)
+    data["train"] += train_results(folder, source, date)
     if not any(data.values()):
         raise ValueError(
-            f"{folder}: no result files (ep.json, overlap.json, layer-*.json, profile*.txt, {LAYER_TABLE}) "
-            "below it"
+            f"{folder}: no result files (ep.json, overlap.json, layer-*.json, profile*.txt, {LAYER_TABLE}, "
+            "mok bench train JSON) below it"
         )
     return data
 

@@ -191,6 +191,9 @@ def _validate() -> None:
     print(validate.spread_table(validate.spreads(m)))
     print("\nProfiles (under the profiler, which inflates host time):\n")
     print(validate.profile_table(m.profiles))
+    if m.train:
+        print("\nTraining steps (mok bench train, Megatron's loop; measured, not fitted):\n")
+        print(validate.train_table(m.train))
     for f in calibrate.calibrate(m).host_floors.values():
         counts = ", ".join(f"{t} {n:.0f}" for t, n in f.launches.items())
         print(

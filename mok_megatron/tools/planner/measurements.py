@@ -7,12 +7,15 @@ Record kinds (every record names its source folder, the commit holding it, date 
     LoopRow  one loopback row (one H200 emulating an EP rank's link): link GB/s (0 = infinite),
              minibatches, mode, layer ms, the same layer without communication, link ms, bytes
     Profile  one profiled configuration: wall ms, kernel launches, host enqueue ms
+    TrainRun one run of a ``mok bench train`` comparison: whole training steps of a preset in Megatron's
+             loop, its precision and MoK expert backend, against the comparison's Megatron run of the same
+             precision and its own layer's bf16 run (read and printed, not fitted: the model fits MoE layers)
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 from mok_megatron.tools.planner.shapes import MoEShape
@@ -89,11 +92,32 @@ class Profile:
 
 
 @dataclass(frozen=True)
+class TrainRun:
+    """One run of a ``mok bench train`` comparison (one JSON file): Megatron's training loop on a preset."""
+
+    source: str
+    comparison: str  # the JSON file, relative to the results folder
+    preset: str
+    run: str  # the bench's run name: mok, mok-torch-fp8, mok-te, mok-bf16, alltoall, alltoall-bf16, ...
+    layer: str  # mok or megatron
+    expert_backend: str  # MoK's --mok-expert-backend (torch, torch-fp8, te); "" for Megatron's layer
+    fp8_recipe: str  # Megatron's --fp8-recipe of an FP8 run; "" in bf16
+    nproc: int
+    tokens_per_s_per_gpu: float
+    step_ms: float  # median step after the warm-up
+    vs_megatron: float | None  # a MoK run: tokens/s over the first Megatron run of the same precision
+    step_vs_bf16: float | None  # an FP8 run: median step over its layer's bf16 run's in the same comparison
+    date: str = ""
+    machine: str = ""
+
+
+@dataclass(frozen=True)
 class Measurements:
     layer1: tuple[Layer1, ...]
     ep: tuple[EPPoint, ...]
     loop: tuple[LoopRow, ...]
     profiles: tuple[Profile, ...] = ()
+    train: tuple[TrainRun, ...] = ()
 
     def without(self, source: str) -> Measurements:
         return Measurements(
@@ -101,6 +125,7 @@ class Measurements:
             tuple(p for p in self.ep if p.source != source),
             tuple(p for p in self.loop if p.source != source),
             tuple(p for p in self.profiles if p.source != source),
+            tuple(p for p in self.train if p.source != source),
         )
 
     @property
@@ -164,6 +189,7 @@ def from_records(data: dict) -> Measurements:
             )
             for r in data["profiles"]
         ),  # fmt: skip
+        tuple(TrainRun(**{f.name: r[f.name] for f in fields(TrainRun)}) for r in data.get("train", ())),
     )
 
 

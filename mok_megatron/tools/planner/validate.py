@@ -406,3 +406,24 @@ def profile_table(profiles) -> str:
             f"{p.host_us_per_launch:.0f} | {un} |"
         )
     return "\n".join(lines)
+
+
+def train_table(runs) -> str:
+    """The ``mok bench train`` runs (whole training steps in Megatron's loop; read, not fitted): per run its
+    precision and MoK expert backend, tokens/s/GPU, MoK's speed-up over the comparison's Megatron run of
+    the same precision, and an FP8 run's step over its layer's bf16 step."""
+    lines = [
+        "| source | comparison | preset | GPUs | run | precision | experts | tokens/s/GPU | step ms "
+        "| vs Megatron | FP8 step / bf16 step |",
+        "|---|---|---|---|---|---|---|---:|---:|---:|---:|",
+    ]
+    for r in runs:
+        precision = f"FP8 {r.fp8_recipe}" if r.fp8_recipe else "bf16"
+        experts = r.expert_backend or "Megatron's"
+        vs = "-" if r.vs_megatron is None else f"{r.vs_megatron:.2f}x"
+        bf16 = "-" if r.step_vs_bf16 is None else f"{r.step_vs_bf16:.2f}x"
+        lines.append(
+            f"| {r.source} | {r.comparison} | {r.preset} | {r.machine} | {r.run} | {precision} | {experts} | "
+            f"{r.tokens_per_s_per_gpu:,.0f} | {r.step_ms:.1f} | {vs} | {bf16} |"
+        )
+    return "\n".join(lines)
