@@ -7,7 +7,8 @@ per-expert route (``NVTE_GROUPED_LINEAR_USE_FUSED_GROUPED_GEMM=0`` at build), an
 bf16 (SequentialMLP; the reference). Checked: output, input gradient and every expert weight gradient are
 finite; grouped vs per-expert within ``SAME_REL`` (the same quantization of the same rows; the GEMMs differ in
 accumulation order only); each vs the bf16 reference within ``BF16_REL`` (bf16) or ``FP8_REL`` (FP8); TE's
-grouped GEMM ran and its per-expert GEMMs did not. 8 experts (one TE call) and 128 (two calls of 64).
+grouped GEMM ran and its per-expert GEMMs did not. 8 experts (one TE call) and 128 (two calls of 64);
+the sync-free pipeline with 64 (one call).
 
 Run on one Hopper GPU:
     LD_PRELOAD="<wheel>/nvidia/cu13/lib/libcublasLt.so.13 <wheel>/nvidia/cu13/lib/libcublas.so.13" \\
@@ -32,6 +33,7 @@ BF16_REL = 3e-2
 SAME_REL = 2e-2
 SHAPES = {
     8: dict(hidden=512, ffn=256, experts=8, topk=2, tokens=1024),
+    64: dict(hidden=256, ffn=128, experts=64, topk=8, tokens=1024),
     128: dict(hidden=256, ffn=128, experts=128, topk=8, tokens=1024),
 }
 
@@ -167,19 +169,20 @@ def test_grouped_route_matches_per_expert_route_and_megatron(recipe, experts, mo
 @pytest.mark.usefixtures("single_rank")
 @pytest.mark.parametrize("recipe", [None, "tensorwise", "blockwise"])
 def test_grouped_route_sync_free_pipeline(recipe, monkeypatch):
-    """The overlap pipeline (loopback, emulated EP=8: 16 local experts, one TE call) with --mok-sync-free:
-    the grouped route takes device counts, so the layer builds and matches the EP=1 per-expert TE layer
-    and the bf16 reference."""
+    """The overlap pipeline (loopback emulating EP=8's traffic) with --mok-sync-free: the loopback's one GPU
+    computes every expert, so 64 experts (one TE call: the grouped route takes device counts, and the layer
+    builds) against the EP=1 per-expert TE layer and the bf16 reference. 128 experts would need two TE calls
+    and a host read, which the layer refuses under --mok-sync-free (``check_grouped_calls``)."""
     from mok_megatron.experts.checkpoint import convert_state_dict
     from mok_megatron.options import MoKOptions
     from mok_megatron.transport.loopback import LoopbackLink, LoopbackTransport
 
-    cfg = _config(128, recipe)
+    cfg = _config(64, recipe)
     _grouped_or_skip(cfg, recipe)
-    ref_cfg = _config(128, None)
+    ref_cfg = _config(64, None)
     ref = _build("megatron", ref_cfg)
     state = convert_state_dict(ref.state_dict(), "mok")
-    x, dout = _inputs(128, seed=5)
+    x, dout = _inputs(64, seed=5)
     want = _run(ref, ref_cfg, x, dout, 1)
     ep1 = _build("mok", cfg, monkeypatch, per_expert=True)
     link = LoopbackLink(ep=8, gbps=450.0)
@@ -261,3 +264,16 @@ def test_grouped_calls_with_an_empty_call(recipe, monkeypatch):
     assert torch.isfinite(got[0]).all() and torch.isfinite(got[1]).all()
     assert all(w is None or float(w.abs().max()) == 0 for w in got[2][64:])
     assert _rel(got[0], want[0]) < SAME_REL and _rel(got[1], want[1]) < SAME_REL
+
+
+@pytest.mark.usefixtures("single_rank")
+def test_grouped_route_sync_free_refuses_more_experts_than_one_call_with_that_reason(monkeypatch):
+    """128 experts on one GPU with --mok-sync-free: two TE calls would read their row boundary on the host,
+    so the layer refuses at build, naming the 64-expert call limit (not the per-expert route's reason)."""
+    from mok_megatron.errors import MoKConfigError
+    from mok_megatron.options import MoKOptions
+
+    cfg = _config(128, None)
+    _grouped_or_skip(cfg, None)
+    with pytest.raises(MoKConfigError, match="at most 64 experts per call"):
+        _build("mok", cfg, monkeypatch, options=MoKOptions(expert_backend="te", sync_free=True))

@@ -436,6 +436,9 @@ class MoKTEGroupedMLP(MoKGroupedMLP):
         pg = pg_collection if pg_collection is not None else get_default_pg_collection()
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
         contract = self.contract(config, cfg, self.options)
+        route = route_for(config)
+        if route.grouped:  # its own reason first: more experts than one grouped call takes
+            check_grouped_calls(num_local_experts, self.options.sync_free)
         check_expert_backend(
             ExpertBackend.TE,
             config,
@@ -446,10 +449,7 @@ class MoKTEGroupedMLP(MoKGroupedMLP):
             recompute_activation=cfg.recompute_activation,
             capability=cuda_capability(),
         )
-        route = route_for(config)
-        if route.grouped:
-            check_grouped_calls(num_local_experts, self.options.sync_free)
-        elif route.note:
+        if not route.grouped and route.note:
             warnings.warn(route.note, stacklevel=2)
         self.route = route
         self.expert_backend = ExpertBackend.TE
