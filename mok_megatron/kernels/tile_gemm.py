@@ -329,13 +329,23 @@ def _max_clusters(device_index: int, cluster_size: int) -> tuple[int, int]:
     return get_max_active_clusters(cluster_size, device_id=device_index), sms
 
 
+def sms_held_back_error(sms_held_back: int, sms: int, config: TileConfig) -> str | None:
+    """Why ``sms_held_back`` leaves no room for the kernel's grid on ``sms`` SMs, or None: at least one
+    cluster must fit on the rest, so it must lie in [0, sms - cluster_m)."""
+    if 0 <= sms_held_back < sms - config.cluster_m:
+        return None
+    return (
+        f"sms_held_back={sms_held_back}; it must be in [0, {sms - config.cluster_m}) ({sms} SMs, clusters of "
+        f"{config.cluster_m} along M)"
+    )
+
+
 def grid_clusters(device: torch.device, config: TileConfig, sms_held_back: int) -> int:
     """Persistent clusters on ``SMs - sms_held_back`` SMs (at most what fits on the whole GPU)."""
     fit, sms = _max_clusters(device.index or 0, config.cluster_m)
-    if not 0 <= sms_held_back < sms - config.cluster_m:
-        raise ValueError(
-            f"grid_clusters: sms_held_back={sms_held_back}; it must be in [0, {sms - config.cluster_m})"
-        )
+    why = sms_held_back_error(sms_held_back, sms, config)
+    if why is not None:
+        raise ValueError(f"grid_clusters: {why}")
     return min(fit, (sms - sms_held_back) // config.cluster_m)
 
 
