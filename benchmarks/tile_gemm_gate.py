@@ -14,8 +14,8 @@ Timed, per slice, GEMM, tile configuration and K, in one process:
                                        counter preset, tiles in QuACK's own order (rows in expert order:
                                        what a pull that fetches expert by expert delivers)
     wait <config> arrival              the same, tiles in the order a ring pull delivers their rows
-One tile configuration per slice by default (the best of QuACK's no-wait sweep at K = 8, ``tile_gemm.DEEPSEEK``
-/ ``tile_gemm.QWEN3``); ``--all-configs`` times all three at each of the five configurations in ``CONFIGS``.
+One tile configuration per slice by default (the best of QuACK's no-wait sweep at K = 8: ``tile_gemm.DEEPSEEK``
+and ``tile_gemm.QWEN3``); ``--all-configs`` times all three at each of the five configurations in ``CONFIGS``.
 Every output is checked against ``torch._grouped_mm`` once per configuration (``MATCH``) before it is timed; a
 mismatch is reported and not timed.
 
@@ -54,6 +54,8 @@ import time
 
 import torch
 
+from mok_megatron.kernels.tile_gemm import SM90_CONFIGS
+
 SHAPES = {
     # one EP rank's received rows: an EP=32 rank of DeepSeek-V3 (4,096 tokens per rank, top-8 of 256 experts,
     # 8 local) and an EP=8 rank of Qwen3-30B-A3B (16,384 tokens per rank, top-8 of 128 experts, 16 local)
@@ -67,14 +69,8 @@ MATCH = dict(rtol=1.6e-2, atol=1e-2)
 # the waiting GEMM's configuration per slice (QuACK's no-wait sweep, docs/results/2026-12-03-tile-gemm-gate:
 # the best of the five at K = 8 for both GEMMs of the slice)
 SHAPE_CONFIG = {"deepseek-v3-ep32": "DEEPSEEK", "qwen3-ep8": "QWEN3"}
-# QuACK sm_90 tile configurations: (tile_m, tile_n, pingpong, cluster_m); the first is QuACK's default
-CONFIGS = (
-    (128, 192, True, 2),
-    (128, 256, False, 2),
-    (256, 128, False, 2),
-    (256, 192, False, 2),
-    (128, 128, True, 1),
-)
+# QuACK sm_90 tile configurations (``tile_gemm.TileConfig``); the first is QuACK's default
+CONFIGS = SM90_CONFIGS
 
 
 def counts_by_source(shape: dict, seed: int = 0) -> torch.Tensor:
@@ -463,11 +459,8 @@ def main(argv=None) -> int:
 
     dev = torch.device("cuda")
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
-    all_configs = [
-        tg.TileConfig(tile_m=tm, tile_n=tn, pingpong=pp, cluster_m=cm) for tm, tn, pp, cm in CONFIGS
-    ]
     configs_of = {
-        name: all_configs if a.all_configs else [getattr(tg, SHAPE_CONFIG[name])] for name in shapes
+        name: list(CONFIGS) if a.all_configs else [getattr(tg, SHAPE_CONFIG[name])] for name in shapes
     }
     errors = held_back_errors(ks, list(dict.fromkeys(c for cs in configs_of.values() for c in cs)), sms)
     if errors:
