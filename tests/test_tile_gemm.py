@@ -1,7 +1,8 @@
 """kernels.tile_gemm: the tile-to-expert map, counter targets and tile orders as pure functions (hand-worked
 and against brute force); the GEMM's math with counters preset through the tile-by-tile reference (the
-CuTe DSL has no interpreter); the kernel compiled for sm_90a without a GPU (when QuACK is installed); and
-on an sm_90 GPU the kernel against torch._grouped_mm with counters preset, in a random tile order, and with
+CuTe DSL has no interpreter); the kernel compiled for sm_90a without a GPU at each configuration the gate
+sweeps (when QuACK and the CUTLASS DSL are installed); and on an sm_90 GPU the kernel against
+torch._grouped_mm with counters preset at each of those configurations, in a random tile order, and with
 counters released late from another stream (marked gpu)."""
 
 from __future__ import annotations
@@ -362,6 +363,21 @@ def test_counters_preset_match_grouped_mm_gpu(cfg, b_major, held_back):
 
 @pytest.mark.gpu
 @needs_sm90
+@pytest.mark.parametrize("cfg", tg.SM90_CONFIGS, ids=[_config_id(c) for c in tg.SM90_CONFIGS])
+@pytest.mark.parametrize("b_major", ["k", "n"])
+def test_every_swept_configuration_matches_grouped_mm_gpu(cfg, b_major):
+    # the gate's five configurations (256-row tiles, a cluster of one), QuACK's order and an arrival order
+    offs, a, b, plan = _gpu_case(cfg, b_major, seed=4)
+    ready = torch.randint(0, 5, (GPU_ROWS,), generator=torch.Generator().manual_seed(5)).cuda()
+    arrival = tg.tile_plan(offs, GPU_ROWS, GPU_N, cfg, ready_M=ready)
+    for p in (plan, arrival):
+        out = tg.tile_grouped_mm(a, b, p, p.targets_S.clone(), sms_held_back=8)
+        torch.cuda.synchronize()
+        _check(out, a, b, offs)
+
+
+@pytest.mark.gpu
+@needs_sm90
 def test_counters_preset_equal_quack_without_waits_gpu():
     # the same tiles and the same math as QuACK's own varlen-M GEMM: the same bits
     from quack.gemm_config import GemmConfig
@@ -393,14 +409,22 @@ def test_random_tile_order_matches_grouped_mm_gpu():
 
 @pytest.mark.gpu
 @needs_sm90
-@pytest.mark.parametrize("order", ["quack", "reversed"])
-def test_counters_released_late_from_another_stream_gpu(order):
+@pytest.mark.parametrize(
+    "cfg,order",
+    [
+        (tg.QWEN3, "quack"),
+        (tg.QWEN3, "reversed"),
+        (tg.SM90_CONFIGS[3], "reversed"),  # 256x192 cooperative: a cluster's CTAs wait on different slots
+        (tg.SM90_CONFIGS[4], "quack"),  # 128x128 pingpong, clusters of one
+    ],
+    ids=lambda v: _config_id(v) if isinstance(v, tg.TileConfig) else v,
+)
+def test_counters_released_late_from_another_stream_gpu(cfg, order):
     # The rows arrive one row tile at a time, in an order of their own, from a second stream: the buffer is
     # NaN until a tile's rows are copied in, then its counter goes up by its rows. A tile loaded before its
     # counter reached the target would carry NaN into the output.
     from mok_megatron.kernels.link_delay import spin_ns
 
-    cfg = tg.QWEN3
     offs, a_src, b, plan = _gpu_case(cfg, "k", seed=2)
     tg.tile_grouped_mm(a_src, b, plan, plan.targets_S.clone(), sms_held_back=8)  # compiled before
     slot_M = tg.row_slots(offs, GPU_ROWS, cfg)
