@@ -190,7 +190,7 @@ class ContextLost(Exception):
     """A CUDA error left the context unusable: nothing more can run in this process."""
 
     def __init__(self, case: str, error: BaseException):
-        super().__init__(f"{case}: {type(error).__name__}: {error}".splitlines()[0][:300])
+        super().__init__(f"{type(error).__name__}: {error}".splitlines()[0][:300])
         self.case = case
 
 
@@ -597,7 +597,7 @@ def main(argv=None) -> int:
                             run_wait, no_hold, dict(order=order), same,
                         )  # fmt: skip
     except ContextLost as e:
-        where = write(results(incomplete=f"CUDA context lost: {e}"))
+        where = write(results(incomplete=f"CUDA context lost at {e.case}: {e}"))
         print(f"tile_gemm_gate: CUDA error at {e.case}, the context is lost ({e}); {where}", file=sys.stderr)
         return 4
     res = results(echo=True)
