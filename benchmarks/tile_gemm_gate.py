@@ -14,8 +14,9 @@ Timed, per slice, GEMM, tile configuration and K, in one process:
                                        counter preset, tiles in QuACK's own order (rows in expert order:
                                        what a pull that fetches expert by expert delivers)
     wait <config> arrival              the same, tiles in the order a ring pull delivers their rows
-One tile configuration per slice by default (the best of QuACK's no-wait sweep at K = 8: ``tile_gemm.DEEPSEEK``
-and ``tile_gemm.QWEN3``); ``--all-configs`` times all three at each of the five configurations in ``CONFIGS``.
+One tile configuration per slice by default (the best of QuACK's no-wait sweep at K = 8:
+``tile_gemm.DEEPSEEK`` and ``tile_gemm.QWEN3``); ``--all-configs`` times all three at each of the five
+configurations in ``CONFIGS``.
 Every output is checked against ``torch._grouped_mm`` once per configuration (``MATCH``) before it is timed; a
 mismatch is reported and not timed.
 
@@ -63,8 +64,8 @@ SHAPES = {
     "qwen3-ep8": dict(hidden=2048, ffn=768, local=16, experts=128, tokens=16384, topk=8, ep=8),
 }
 GATE = 1.03
-# an output is timed only if it is this close to torch._grouped_mm's (bf16 outputs of fp32 accumulations of the
-# same products, possibly in another order; the tile GEMM tests' BF16 tolerance)
+# an output is timed only if it is this close to torch._grouped_mm's (bf16 outputs of fp32 accumulations of
+# the same products, possibly in another order; the tile GEMM tests' BF16 tolerance)
 MATCH = dict(rtol=1.6e-2, atol=1e-2)
 # the waiting GEMM's configuration per slice (QuACK's no-wait sweep, docs/results/2026-12-03-tile-gemm-gate:
 # the best of the five at K = 8 for both GEMMs of the slice)
@@ -177,8 +178,8 @@ class CaseWatchdog:
             if late:
                 where = self.on_timeout(case)
                 print(
-                    f"tile_gemm_gate: {case} did not finish within --case-timeout {self.seconds:g} s (a waiting "
-                    f"kernel whose counters never reach their targets?); {where}",
+                    f"tile_gemm_gate: {case} did not finish within --case-timeout {self.seconds:g} s "
+                    f"(a waiting kernel whose counters never reach their targets?); {where}",
                     file=sys.stderr,
                     flush=True,
                 )
@@ -289,7 +290,7 @@ def table_rows(rows: list[dict], shapes: list[str], ks: list[int]) -> list[dict]
                 for kind, key in KINDS:
                     per = {
                         r["gemm"]: r["ms"] for r in rows
-                        if r["shape"] == name and r["k"] == k and r.get("config") == config and r["kind"] == kind
+                        if (r["shape"], r["k"], r.get("config"), r["kind"]) == (name, k, config, kind)
                     }  # fmt: skip
                     ms = per["fc1"] + per["fc2_dgrad"] if len(per) == 2 else None
                     entry[f"{key}_ms"] = ms
@@ -421,7 +422,8 @@ def main(argv=None) -> int:
     p.add_argument(
         "--k",
         default="0,8,16,32",
-        help="SMs held back for communication, a comma list (e.g. 0,2,4,6,8,16); each in [0, SMs - cluster_m)",
+        help="SMs held back for communication, a comma list (e.g. 0,2,4,6,8,16), each in [0, SMs - "
+        "cluster_m)",
     )
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--rounds", type=int, default=7)
@@ -580,8 +582,8 @@ def main(argv=None) -> int:
 
                     label = f"quack {config}"
                     same = sweep(
-                        f"{name} {gemm} {label}", name, gemm, "quack", label, config, prob, ref, out, run_quack,
-                        lambda k: HeldBack(qg, k),
+                        f"{name} {gemm} {label}", name, gemm, "quack", label, config, prob, ref, out,
+                        run_quack, lambda k: HeldBack(qg, k),
                     )  # fmt: skip
                     for order, ready in (("quack-order", None), ("arrival", prob["ready"])):
                         plan = tg.tile_plan(offs, m, n, cfg, ready_M=ready)
@@ -593,8 +595,8 @@ def main(argv=None) -> int:
 
                         label = f"wait {config} {order}"
                         sweep(
-                            f"{name} {gemm} {label}", name, gemm, f"wait-{order}", label, config, prob, ref, out,
-                            run_wait, no_hold, dict(order=order), same,
+                            f"{name} {gemm} {label}", name, gemm, f"wait-{order}", label, config, prob, ref,
+                            out, run_wait, no_hold, dict(order=order), same,
                         )  # fmt: skip
     except ContextLost as e:
         where = write(results(incomplete=f"CUDA context lost at {e.case}: {e}"))

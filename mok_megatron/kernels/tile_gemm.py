@@ -20,8 +20,9 @@ one launch, with two changes (``tile_gemm_sm90``):
   TMA loads see the rows.
 
 Counters. One int32 counter per (expert, row tile of ``tile_m`` rows): slot ``slot_base(offs_G)[g] + t`` for
-row tile ``t`` of expert ``g``; the CTA of rank ``r`` in a cluster waits on slot ``tiles_W4[w, 3] + r``. Each expert's slots are padded to a multiple of ``cluster_m`` (a cluster's second
-CTA can fall past an expert's last row: its slot has target 0 and never waits). The target of a slot is
+row tile ``t`` of expert ``g``; the CTA of rank ``r`` in a cluster waits on slot ``tiles_W4[w, 3] + r``.
+Each expert's slots are padded to a multiple of ``cluster_m`` (a cluster's second CTA can fall past an
+expert's last row: its slot has target 0 and never waits). The target of a slot is
 the number of its rows (``counter_targets``): whoever writes rows into the expert-major buffer adds, once
 the rows are visible at GPU scope (a release, or the end of the kernel that wrote them), the number of rows
 it wrote to each slot (``row_slots`` names each row's slot). Rows rather than a 0/1 flag because a row tile
@@ -245,7 +246,9 @@ def slot_ready(offs_G: torch.Tensor, ready_M: torch.Tensor, config: TileConfig) 
     return out.scatter_reduce(0, slot_M, ready_M.long(), "amax", include_self=True)[:slots]
 
 
-def arrival_tile_order(tiles_W4: torch.Tensor, groups: int, ready_S: torch.Tensor, config: TileConfig):
+def arrival_tile_order(
+    tiles_W4: torch.Tensor, groups: int, ready_S: torch.Tensor, config: TileConfig
+) -> torch.Tensor:
     """``tiles_W4`` reordered by when their rows are ready (a work item: its latest row tile), ties kept in
     the given order (so QuACK's band order survives inside one arrival step); invalid items (expert >=
     ``groups``) stay last."""
