@@ -338,6 +338,20 @@ def _gpu_case(cfg, b_major, seed=0):
     return offs, a, b, plan
 
 
+def _held_back(cfg, held):
+    """SMs held back: an int, or "few": all but two clusters, so each cluster runs several work items and
+    every item after its first reaches it through the scheduler's shared-memory hand-off (the grid of an
+    int K this small covers every work item of these cases at once)."""
+    if held != "few":
+        return held
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    return sms - 2 * cfg.cluster_m
+
+
+def _valid_items(plan) -> int:
+    return int((plan.tiles_W4[:, 0] < plan.groups).sum())
+
+
 def _check(out, a, b, offs):
     end = int(offs[-1])
     want = torch._grouped_mm(a, b, offs=offs)
@@ -350,9 +364,11 @@ def _check(out, a, b, offs):
 @pytest.mark.parametrize(
     "cfg,b_major", [(tg.QWEN3, "k"), (tg.DEEPSEEK, "n")], ids=["qwen3-fc1", "deepseek-dgrad"]
 )
-@pytest.mark.parametrize("held_back", [0, 8])
+@pytest.mark.parametrize("held_back", [0, 8, "few"])
 def test_counters_preset_match_grouped_mm_gpu(cfg, b_major, held_back):
     offs, a, b, plan = _gpu_case(cfg, b_major)
+    held_back = _held_back(cfg, held_back)
+    assert _valid_items(plan) > 2 * cfg.cluster_m  # "few" hands items over
     out = tg.tile_grouped_mm(a, b, plan, plan.targets_S.clone(), sms_held_back=held_back)
     torch.cuda.synchronize()
     _check(out, a, b, offs)
@@ -365,13 +381,15 @@ def test_counters_preset_match_grouped_mm_gpu(cfg, b_major, held_back):
 @needs_sm90
 @pytest.mark.parametrize("cfg", tg.SM90_CONFIGS, ids=[_config_id(c) for c in tg.SM90_CONFIGS])
 @pytest.mark.parametrize("b_major", ["k", "n"])
-def test_every_swept_configuration_matches_grouped_mm_gpu(cfg, b_major):
-    # the gate's five configurations (256-row tiles, a cluster of one), QuACK's order and an arrival order
+@pytest.mark.parametrize("held_back", [8, "few"])
+def test_every_swept_configuration_matches_grouped_mm_gpu(cfg, b_major, held_back):
+    # the gate's five configurations (256-row tiles, a cluster of one), QuACK's order and an arrival order;
+    # "few" clusters: the work items after each cluster's first come through the shared-memory hand-off
     offs, a, b, plan = _gpu_case(cfg, b_major, seed=4)
     ready = torch.randint(0, 5, (GPU_ROWS,), generator=torch.Generator().manual_seed(5)).cuda()
     arrival = tg.tile_plan(offs, GPU_ROWS, GPU_N, cfg, ready_M=ready)
     for p in (plan, arrival):
-        out = tg.tile_grouped_mm(a, b, p, p.targets_S.clone(), sms_held_back=8)
+        out = tg.tile_grouped_mm(a, b, p, p.targets_S.clone(), sms_held_back=_held_back(cfg, held_back))
         torch.cuda.synchronize()
         _check(out, a, b, offs)
 
@@ -402,7 +420,8 @@ def test_counters_preset_equal_quack_without_waits_gpu():
 def test_random_tile_order_matches_grouped_mm_gpu():
     offs, a, b, plan = _gpu_case(tg.QWEN3, "k", seed=1)
     plan = _shuffled(plan, len(GPU_COUNTS), seed=7)
-    out = tg.tile_grouped_mm(a, b, plan, plan.targets_S.clone(), sms_held_back=8)
+    # two clusters: the shuffled items run one after another, so the order is really followed
+    out = tg.tile_grouped_mm(a, b, plan, plan.targets_S.clone(), sms_held_back=_held_back(tg.QWEN3, "few"))
     torch.cuda.synchronize()
     _check(out, a, b, offs)
 
@@ -414,12 +433,15 @@ def test_random_tile_order_matches_grouped_mm_gpu():
     [
         (tg.QWEN3, "quack"),
         (tg.QWEN3, "reversed"),
+        (tg.QWEN3, "even-first"),  # a cluster's first CTA's slot before its second's
         (tg.SM90_CONFIGS[3], "reversed"),  # 256x192 cooperative: a cluster's CTAs wait on different slots
+        (tg.SM90_CONFIGS[3], "even-first"),
         (tg.SM90_CONFIGS[4], "quack"),  # 128x128 pingpong, clusters of one
     ],
     ids=lambda v: _config_id(v) if isinstance(v, tg.TileConfig) else v,
 )
-def test_counters_released_late_from_another_stream_gpu(cfg, order):
+@pytest.mark.parametrize("held_back", [8, "few"])
+def test_counters_released_late_from_another_stream_gpu(cfg, order, held_back):
     # The rows arrive one row tile at a time, in an order of their own, from a second stream: the buffer is
     # NaN until a tile's rows are copied in, then its counter goes up by its rows. A tile loaded before its
     # counter reached the target would carry NaN into the output.
@@ -429,7 +451,12 @@ def test_counters_released_late_from_another_stream_gpu(cfg, order):
     tg.tile_grouped_mm(a_src, b, plan, plan.targets_S.clone(), sms_held_back=8)  # compiled before
     slot_M = tg.row_slots(offs, GPU_ROWS, cfg)
     slots = torch.unique(slot_M[slot_M >= 0]).tolist()
-    slots = slots[::-1] if order == "reversed" else slots[1::2] + slots[0::2]
+    slots = {
+        "reversed": slots[::-1],
+        "quack": slots[1::2] + slots[0::2],
+        "even-first": slots[0::2] + slots[1::2],
+    }[order]
+    held_back = _held_back(cfg, held_back)
     rows_of = [(slot_M == s).nonzero().flatten() for s in slots]  # host syncs here, before anything is queued
     a = torch.full_like(a_src, float("nan"))
     counters = torch.zeros_like(plan.targets_S)
@@ -443,7 +470,7 @@ def test_counters_released_late_from_another_stream_gpu(cfg, order):
             spin_ns(50_000, a.device)
             a.index_copy_(0, rows, a_src.index_select(0, rows))
             counters.index_add_(0, slot_M[rows], ones[: rows.numel()])
-    out = tg.tile_grouped_mm(a, b, plan, counters, sms_held_back=8)
+    out = tg.tile_grouped_mm(a, b, plan, counters, sms_held_back=held_back)
     torch.cuda.synchronize()
     assert torch.equal(counters, plan.targets_S)
     end = int(offs[-1])
