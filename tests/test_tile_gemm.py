@@ -1,7 +1,8 @@
 """kernels.tile_gemm: the tile-to-expert map, counter targets and tile orders as pure functions (hand-worked
 and against brute force); the GEMM's math with counters preset through the tile-by-tile reference (the
-CuTe DSL has no interpreter); the kernel compiled for sm_90a without a GPU (when QuACK is installed); and
-on an sm_90 GPU the kernel against torch._grouped_mm with counters preset, in a random tile order, and with
+CuTe DSL has no interpreter); the kernel compiled for sm_90a without a GPU at each configuration the gate
+sweeps (when QuACK and the CUTLASS DSL are installed); and on an sm_90 GPU the kernel against
+torch._grouped_mm with counters preset at each of those configurations, in a random tile order, and with
 counters released late from another stream (marked gpu)."""
 
 from __future__ import annotations
@@ -54,16 +55,18 @@ def test_hand_worked_plan():
     offs = _offs([5, 0, 16, 9])
     plan = tg.tile_plan(offs, 32, 40, SMALL)
     # slots: expert 0 (5 rows) 2, expert 1 none, expert 2 (16 rows) 4, expert 3 (9 rows, 3 tiles) 4
-    assert plan.slot_base_G.tolist() == [0, 2, 2, 6]
+    assert tg.slot_base(offs, SMALL).tolist() == [0, 2, 2, 6]
     assert plan.targets_S.tolist() == [4, 1, 4, 4, 4, 4, 4, 4, 1, 0, 0, 0, 0, 0]
     assert tg.slot_capacity(32, 4, SMALL) == 14 and tg.work_capacity(32, 4, 40, SMALL) == 21
-    # QuACK's order: per expert, bands of 2 column tiles, rows down the band, the next band upwards
-    assert plan.tiles_W3.tolist()[:15] == [
-        [0, 0, 0], [0, 0, 1], [0, 0, 2],
-        [2, 0, 0], [2, 0, 1], [2, 1, 0], [2, 1, 1], [2, 1, 2], [2, 0, 2],
-        [3, 0, 0], [3, 0, 1], [3, 1, 0], [3, 1, 1], [3, 1, 2], [3, 0, 2],
+    # QuACK's order: per expert, bands of 2 column tiles, rows down the band, the next band upwards; the
+    # fourth column: the slot of the cluster's first row tile (the expert's first slot + 2 per cluster row)
+    assert plan.tiles_W4.tolist()[:15] == [
+        [0, 0, 0, 0], [0, 0, 1, 0], [0, 0, 2, 0],
+        [2, 0, 0, 2], [2, 0, 1, 2], [2, 1, 0, 4], [2, 1, 1, 4], [2, 1, 2, 4], [2, 0, 2, 2],
+        [3, 0, 0, 6], [3, 0, 1, 6], [3, 1, 0, 8], [3, 1, 1, 8], [3, 1, 2, 8], [3, 0, 2, 6],
     ]  # fmt: skip
-    assert plan.tiles_W3.tolist()[15:] == [[4, 0, 0]] * 6  # past the last work item: expert G
+    assert plan.tiles_W4.tolist()[15:] == [[4, 0, 0, 0]] * 6  # past the last work item: expert G
+    assert plan.tiles_W4.is_contiguous() and plan.tiles_W4.dtype == torch.int32
     assert tg.row_slots(offs, 32, SMALL).tolist() == (
         [0] * 4 + [1] + [2] * 4 + [3] * 4 + [4] * 4 + [5] * 4 + [6] * 4 + [7] * 4 + [8] + [-1] * 2
     )
@@ -102,20 +105,25 @@ def test_every_order_visits_every_work_item_once(counts, rows, n, cfg):
     offs = _offs(counts)
     want = sorted(_expected_items(counts, n, cfg))
     ready = torch.randint(0, 7, (rows,), generator=torch.Generator().manual_seed(rows))
+    base = tg.slot_base(offs, cfg).tolist()
     for plan in (tg.tile_plan(offs, rows, n, cfg), tg.tile_plan(offs, rows, n, cfg, ready_M=ready)):
-        tiles = plan.tiles_W3.tolist()
+        tiles = plan.tiles_W4.tolist()
         assert len(tiles) == tg.work_capacity(rows, len(counts), n, cfg)
-        valid = [tuple(t) for t in tiles if t[0] < len(counts)]
+        valid = [tuple(t[:3]) for t in tiles if t[0] < len(counts)]
         assert sorted(valid) == want
-        assert all(t[0] == len(counts) for t in tiles[len(valid) :])  # the end marker only after the last
+        # each row carries its cluster's first counter slot, whatever the order
+        assert all(f == base[e] + cm * cfg.cluster_m for e, cm, _, f in tiles[: len(valid)])
+        assert all(
+            t == [len(counts), 0, 0, 0] for t in tiles[len(valid) :]
+        )  # end markers only after the last
 
 
 def test_quack_order_keeps_a_band_of_columns_while_rows_stream():
     # one expert, 6 cluster rows, 5 column tiles, bands of 2: band 0 down, band 1 up, band 2 (tail) down
     cfg = tg.TileConfig(tile_m=4, tile_n=8, cluster_m=1, max_swizzle=2)
     tiles = tg.quack_tile_order(_offs([24]), 24, 40, cfg).tolist()
-    bands = [[(m, n) for _, m, n in tiles[i : i + 12]] for i in (0, 12)] + [
-        [(m, n) for _, m, n in tiles[24:]]
+    bands = [[(m, n) for _, m, n, _ in tiles[i : i + 12]] for i in (0, 12)] + [
+        [(m, n) for _, m, n, _ in tiles[24:]]
     ]
     assert bands[0] == [(m, n) for m in range(6) for n in (0, 1)]
     assert bands[1] == [(m, n) for m in reversed(range(6)) for n in (2, 3)]
@@ -132,10 +140,10 @@ def test_arrival_order_sorts_by_the_latest_row_and_keeps_quack_order_in_ties():
     ready_S = tg.slot_ready(offs, ready, SMALL)
     assert ready_S.tolist()[:9] == [4, 2, 4, 2, 4, 4, 4, 4, 1]
     assert bool(torch.all(ready_S[9:] == torch.iinfo(torch.int64).min))  # padding: ready at once
-    quack = tg.tile_plan(offs, rows, n, SMALL).tiles_W3.tolist()
-    tiles = tg.tile_plan(offs, rows, n, SMALL, ready_M=ready).tiles_W3.tolist()
+    quack = tg.tile_plan(offs, rows, n, SMALL).tiles_W4.tolist()
+    tiles = tg.tile_plan(offs, rows, n, SMALL, ready_M=ready).tiles_W4.tolist()
     # expert 3's second cluster row (slots 8, 9: ready 1) first, then the rest (ready 4) as QuACK has it
-    assert tiles[:3] == [[3, 1, 0], [3, 1, 1], [3, 1, 2]]
+    assert tiles[:3] == [[3, 1, 0, 8], [3, 1, 1, 8], [3, 1, 2, 8]]
     assert tiles[3:15] == [t for t in quack[:15] if t[:2] != [3, 1]]
 
 
@@ -145,7 +153,7 @@ def test_plans_are_sync_free_shapes_on_meta():
     plan = tg.tile_plan(
         offs, 4096, 768, tg.QWEN3, ready_M=torch.empty(4096, dtype=torch.int64, device="meta")
     )
-    assert plan.tiles_W3.shape == (tg.work_capacity(4096, 8, 768, tg.QWEN3), 3)
+    assert plan.tiles_W4.shape == (tg.work_capacity(4096, 8, 768, tg.QWEN3), 4)
     assert plan.targets_S.shape == (tg.slot_capacity(4096, 8, tg.QWEN3),)
 
 
@@ -197,10 +205,10 @@ def test_tile_reference_rejects_a_table_that_misses_or_repeats_tiles():
     offs = _offs([9])
     a, b = _operands(9, 8, 16, 1)
     plan = tg.tile_plan(offs, 9, 16, SMALL)
-    tiles = plan.tiles_W3.clone()
+    tiles = plan.tiles_W4.clone()
     tiles[1] = tiles[0]  # cluster row 0 twice, cluster row 1 (row 8) never
     with pytest.raises(ValueError, match=r"output element \[0, 0\] written 2 times"):
-        tg.tile_gemm_reference(a, b, offs, dataclasses.replace(plan, tiles_W3=tiles), plan.targets_S)
+        tg.tile_gemm_reference(a, b, offs, dataclasses.replace(plan, tiles_W4=tiles), plan.targets_S)
 
 
 def test_config_errors_name_the_constraint():
@@ -220,12 +228,28 @@ def test_kernel_without_quack_names_the_fix():
         tg.tile_grouped_mm(a, b, plan, plan.targets_S.clone())
 
 
+@pytest.mark.skipif(importlib.util.find_spec("quack") is None, reason="checked after QuACK's version check")
+def test_kernel_refuses_a_table_it_cannot_read_in_16_byte_rows():
+    offs = _offs([4])
+    a, b = _operands(4, 8, 400, 1, dtype=torch.bfloat16)
+    plan = tg.tile_plan(offs, 4, 400, tg.QWEN3)  # 3 column tiles: 3 work items
+    wide = torch.zeros(plan.tiles_W4.shape[0], 5, dtype=torch.int32)
+    wide[:, :4] = plan.tiles_W4
+    for tiles in (wide[:, :4], wide.view(-1)[1:13].view(3, 4)):  # rows of 20 bytes; rows 4 bytes off
+        with pytest.raises(ValueError, match=r"a contiguous \[W, 4\] int32 tensor on a 16-byte boundary"):
+            tg.tile_grouped_mm(a, b, dataclasses.replace(plan, tiles_W4=tiles), plan.targets_S.clone())
+
+
+def _config_id(cfg) -> str:
+    return f"{cfg.tile_m}x{cfg.tile_n}-{'pp' if cfg.pingpong else 'coop'}-c{cfg.cluster_m}"
+
+
 def _shuffled(plan, groups, seed):
     """The plan with its work items in a random order (the end markers stay last)."""
-    tiles = plan.tiles_W3
+    tiles = plan.tiles_W4
     valid = int((tiles[:, 0] < groups).sum())
     perm = torch.randperm(valid, generator=torch.Generator().manual_seed(seed)).to(tiles.device)
-    return dataclasses.replace(plan, tiles_W3=torch.cat([tiles[:valid][perm], tiles[valid:]]).contiguous())
+    return dataclasses.replace(plan, tiles_W4=torch.cat([tiles[:valid][perm], tiles[valid:]]).contiguous())
 
 
 # ---- the kernel compiles for sm_90a without a GPU ----------------------------------------------------------
@@ -246,9 +270,10 @@ _COMPILE = textwrap.dedent(
 
     compiler.Compiler.jit = lambda self, module, opt_level=2, shared_libs=(): Loaded()
     from mok_megatron.kernels import tile_gemm, tile_gemm_sm90
-    for config, major in (("QWEN3", "k"), ("QWEN3", "n"), ("DEEPSEEK", "k"), ("DEEPSEEK", "n")):
+    config = tile_gemm.SM90_CONFIGS[int(sys.argv[2])]
+    for major in ("k", "n"):
         try:
-            tile_gemm_sm90.compile_for(torch.bfloat16, major, getattr(tile_gemm, config))
+            tile_gemm_sm90.compile_for(torch.bfloat16, major, config)
         except RuntimeError as e:
             if "compiled without a GPU" not in str(e):
                 raise
@@ -261,18 +286,26 @@ _COMPILE = textwrap.dedent(
     importlib.util.find_spec("quack") is None or importlib.util.find_spec("cutlass") is None,
     reason="needs quack-kernels and nvidia-cutlass-dsl (no GPU)",
 )
-def test_kernel_compiles_for_sm90a_without_a_gpu(tmp_path):
+@pytest.mark.parametrize("index", range(len(tg.SM90_CONFIGS)), ids=[_config_id(c) for c in tg.SM90_CONFIGS])
+def test_kernel_compiles_for_sm90a_without_a_gpu(index, tmp_path):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
     r = subprocess.run(
-        [sys.executable, "-c", _COMPILE, str(tmp_path)], capture_output=True, text=True, env=env, timeout=900
+        [sys.executable, "-c", _COMPILE, str(tmp_path), str(index)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=900,
     )
     assert r.returncode == 0, r.stdout + r.stderr[-4000:]
-    assert r.stdout.count("compiled") == 4, r.stdout
+    assert r.stdout.count("compiled") == 2, r.stdout
     # the dump names are cut short, so variants that differ late in their names share a file
     ptx = list(tmp_path.glob("*TileWaitGemmSm90*.ptx"))
     assert ptx and len(list(tmp_path.glob("*TileWaitGemmSm90*.cubin"))) == len(ptx)
-    for p in ptx:  # the producer's wait: an acquire spin, then the async-proxy fence before the TMA loads
+    for p in ptx:
         text = p.read_text(errors="replace")
+        # the work item's table row in one 16-byte load; the producer's wait: an acquire spin, then the
+        # async-proxy fence before the TMA loads
+        assert "ld.global.v4.u32" in text or "ld.global.v4.b32" in text or "ld.global.v4.s32" in text
         assert "ld.acquire.gpu.global" in text and "fence.proxy.async.global" in text
 
 
@@ -305,6 +338,20 @@ def _gpu_case(cfg, b_major, seed=0):
     return offs, a, b, plan
 
 
+def _held_back(cfg, held):
+    """SMs held back: an int, or "few": all but two clusters, so each cluster runs several work items and
+    every item after its first reaches it through the scheduler's shared-memory hand-off (the grid of an
+    int K this small covers every work item of these cases at once)."""
+    if held != "few":
+        return held
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    return sms - 2 * cfg.cluster_m
+
+
+def _valid_items(plan) -> int:
+    return int((plan.tiles_W4[:, 0] < plan.groups).sum())
+
+
 def _check(out, a, b, offs):
     end = int(offs[-1])
     want = torch._grouped_mm(a, b, offs=offs)
@@ -317,15 +364,34 @@ def _check(out, a, b, offs):
 @pytest.mark.parametrize(
     "cfg,b_major", [(tg.QWEN3, "k"), (tg.DEEPSEEK, "n")], ids=["qwen3-fc1", "deepseek-dgrad"]
 )
-@pytest.mark.parametrize("held_back", [0, 8])
+@pytest.mark.parametrize("held_back", [0, 8, "few"])
 def test_counters_preset_match_grouped_mm_gpu(cfg, b_major, held_back):
     offs, a, b, plan = _gpu_case(cfg, b_major)
+    held_back = _held_back(cfg, held_back)
+    assert _valid_items(plan) > 2 * cfg.cluster_m  # "few" hands items over
     out = tg.tile_grouped_mm(a, b, plan, plan.targets_S.clone(), sms_held_back=held_back)
     torch.cuda.synchronize()
     _check(out, a, b, offs)
     again = tg.tile_grouped_mm(a, b, plan, plan.targets_S.clone(), sms_held_back=held_back)
     end = int(offs[-1])  # the spare rows past the last expert are not the GEMM's
     assert torch.equal(out[:end], again[:end])
+
+
+@pytest.mark.gpu
+@needs_sm90
+@pytest.mark.parametrize("cfg", tg.SM90_CONFIGS, ids=[_config_id(c) for c in tg.SM90_CONFIGS])
+@pytest.mark.parametrize("b_major", ["k", "n"])
+@pytest.mark.parametrize("held_back", [8, "few"])
+def test_every_swept_configuration_matches_grouped_mm_gpu(cfg, b_major, held_back):
+    # the gate's five configurations (256-row tiles, a cluster of one), QuACK's order and an arrival order;
+    # "few" clusters: the work items after each cluster's first come through the shared-memory hand-off
+    offs, a, b, plan = _gpu_case(cfg, b_major, seed=4)
+    ready = torch.randint(0, 5, (GPU_ROWS,), generator=torch.Generator().manual_seed(5)).cuda()
+    arrival = tg.tile_plan(offs, GPU_ROWS, GPU_N, cfg, ready_M=ready)
+    for p in (plan, arrival):
+        out = tg.tile_grouped_mm(a, b, p, p.targets_S.clone(), sms_held_back=_held_back(cfg, held_back))
+        torch.cuda.synchronize()
+        _check(out, a, b, offs)
 
 
 @pytest.mark.gpu
@@ -354,26 +420,43 @@ def test_counters_preset_equal_quack_without_waits_gpu():
 def test_random_tile_order_matches_grouped_mm_gpu():
     offs, a, b, plan = _gpu_case(tg.QWEN3, "k", seed=1)
     plan = _shuffled(plan, len(GPU_COUNTS), seed=7)
-    out = tg.tile_grouped_mm(a, b, plan, plan.targets_S.clone(), sms_held_back=8)
+    # two clusters: the shuffled items run one after another, so the order is really followed
+    out = tg.tile_grouped_mm(a, b, plan, plan.targets_S.clone(), sms_held_back=_held_back(tg.QWEN3, "few"))
     torch.cuda.synchronize()
     _check(out, a, b, offs)
 
 
 @pytest.mark.gpu
 @needs_sm90
-@pytest.mark.parametrize("order", ["quack", "reversed"])
-def test_counters_released_late_from_another_stream_gpu(order):
+@pytest.mark.parametrize(
+    "cfg,order",
+    [
+        (tg.QWEN3, "quack"),
+        (tg.QWEN3, "reversed"),
+        (tg.QWEN3, "even-first"),  # a cluster's first CTA's slot before its second's
+        (tg.SM90_CONFIGS[3], "reversed"),  # 256x192 cooperative: a cluster's CTAs wait on different slots
+        (tg.SM90_CONFIGS[3], "even-first"),
+        (tg.SM90_CONFIGS[4], "quack"),  # 128x128 pingpong, clusters of one
+    ],
+    ids=lambda v: _config_id(v) if isinstance(v, tg.TileConfig) else v,
+)
+@pytest.mark.parametrize("held_back", [8, "few"])
+def test_counters_released_late_from_another_stream_gpu(cfg, order, held_back):
     # The rows arrive one row tile at a time, in an order of their own, from a second stream: the buffer is
     # NaN until a tile's rows are copied in, then its counter goes up by its rows. A tile loaded before its
     # counter reached the target would carry NaN into the output.
     from mok_megatron.kernels.link_delay import spin_ns
 
-    cfg = tg.QWEN3
     offs, a_src, b, plan = _gpu_case(cfg, "k", seed=2)
     tg.tile_grouped_mm(a_src, b, plan, plan.targets_S.clone(), sms_held_back=8)  # compiled before
     slot_M = tg.row_slots(offs, GPU_ROWS, cfg)
     slots = torch.unique(slot_M[slot_M >= 0]).tolist()
-    slots = slots[::-1] if order == "reversed" else slots[1::2] + slots[0::2]
+    slots = {
+        "reversed": slots[::-1],
+        "quack": slots[1::2] + slots[0::2],
+        "even-first": slots[0::2] + slots[1::2],
+    }[order]
+    held_back = _held_back(cfg, held_back)
     rows_of = [(slot_M == s).nonzero().flatten() for s in slots]  # host syncs here, before anything is queued
     a = torch.full_like(a_src, float("nan"))
     counters = torch.zeros_like(plan.targets_S)
@@ -387,7 +470,7 @@ def test_counters_released_late_from_another_stream_gpu(order):
             spin_ns(50_000, a.device)
             a.index_copy_(0, rows, a_src.index_select(0, rows))
             counters.index_add_(0, slot_M[rows], ones[: rows.numel()])
-    out = tg.tile_grouped_mm(a, b, plan, counters, sms_held_back=8)
+    out = tg.tile_grouped_mm(a, b, plan, counters, sms_held_back=held_back)
     torch.cuda.synchronize()
     assert torch.equal(counters, plan.targets_S)
     end = int(offs[-1])

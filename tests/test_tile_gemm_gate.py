@@ -55,6 +55,76 @@ def test_gate_sums_both_gemms_against_torch():
     assert gate[16]["quack_order_ratio"] == pytest.approx(1.0) and gate[16]["quack_order_passes"]
 
 
+def test_table_and_summary_per_configuration():
+    from benchmarks.tile_gemm_gate import summary_rows, table_rows
+
+    def row(gemm, kind, config, k, ms):
+        impl = "torch._grouped_mm" if kind == "torch" else f"{kind} {config}"
+        return dict(shape="s", gemm=gemm, kind=kind, impl=impl, config=config, k=k, ms=ms)
+
+    rows = [row("fc1", "torch", None, 0, 2.0), row("fc2_dgrad", "torch", None, 0, 1.0)]
+    for config, quack, order, arrival in (("A", 2.9, 3.1, 3.3), ("B", 3.0, 3.05, 3.0)):
+        for kind, ms in (("quack", quack), ("wait-quack-order", order), ("wait-arrival", arrival)):
+            rows += [row("fc1", kind, config, 8, ms - 1.0), row("fc2_dgrad", kind, config, 8, 1.0)]
+    rows.append(row("fc1", "wait-arrival", "C", 8, 2.0))  # fc2_dgrad refused at C: no total
+    table = {e["config"]: e for e in table_rows(rows, ["s"], [8])}
+    assert list(table) == ["A", "B", "C"]
+    a, b = table["A"], table["B"]
+    assert a["torch_ms"] == 3.0 and a["quack_ratio"] == pytest.approx(2.9 / 3) and a["quack_passes"]
+    assert a["wait_quack_order_ratio"] == pytest.approx(3.1 / 3) and not a["wait_quack_order_passes"]
+    assert b["wait_arrival_ms"] == pytest.approx(3.0) and b["wait_arrival_passes"]
+    assert table["C"]["wait_arrival_ms"] is None and table["C"]["wait_arrival_passes"] is None
+    # the smallest waiting ratio at K = 8, either order: B's ring order
+    (summary,) = summary_rows(list(table.values()), ["s"], [8])
+    best = summary["best"][8]
+    assert (best["config"], best["order"], best["passes"]) == ("B", "arrival", True)
+    assert best["ratio"] == pytest.approx(1.0) and best["quack_ratio"] == pytest.approx(1.0)
+
+
+def test_k_list_and_its_range_per_configuration():
+    from benchmarks.tile_gemm_gate import held_back_errors, parse_ks
+
+    from mok_megatron.kernels import tile_gemm as tg
+
+    assert parse_ks("0,2,4,6,8,16") == [0, 2, 4, 6, 8, 16] and parse_ks("8,8,0") == [8, 0]
+    with pytest.raises(ValueError, match="comma list of integers"):
+        parse_ks("0,eight")
+    c1 = tg.TileConfig(tile_m=128, tile_n=128, cluster_m=1)
+    # 132 SMs: clusters of 2 leave room up to K = 129, clusters of 1 up to K = 130
+    assert held_back_errors([0, 129], [tg.QWEN3, c1], 132) == []
+    assert held_back_errors([130, -1], [tg.QWEN3, c1], 132) == [
+        "--k 130 at 128x192 pp c2: sms_held_back=130; it must be in [0, 130) (132 SMs, clusters of 2 along M); "
+        "drop it from --k",
+        "--k -1 at 128x192 pp c2: sms_held_back=-1; it must be in [0, 130) (132 SMs, clusters of 2 along M); "
+        "drop it from --k",
+        "--k -1 at 128x128 pp c1: sms_held_back=-1; it must be in [0, 131) (132 SMs, clusters of 1 along M); "
+        "drop it from --k",
+    ]
+
+
+_HUNG = """
+import sys, time
+from benchmarks.tile_gemm_gate import CaseWatchdog
+dog = CaseWatchdog(0.2, lambda case: f"wrote {case!r}")
+with dog.case("fast"):
+    pass
+print("fast case done", flush=True)
+with dog.case("s fc1 wait 128x256 coop c2 arrival k=8"):
+    time.sleep(30)  # a kernel that never ends
+print("not reached")
+"""
+
+
+def test_watchdog_writes_and_exits_when_a_case_hangs():
+    r = subprocess.run([sys.executable, "-c", _HUNG], capture_output=True, text=True, cwd=ROOT, timeout=60)
+    assert r.returncode == 3 and r.stdout == "fast case done\n", r.stdout + r.stderr
+    assert r.stderr.strip().splitlines() == [
+        "tile_gemm_gate: s fc1 wait 128x256 coop c2 arrival k=8 did not finish within --case-timeout 0.2 s "
+        "(a waiting kernel whose counters never reach their targets?); wrote "
+        "'s fc1 wait 128x256 coop c2 arrival k=8'"
+    ]
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without a GPU")
 def test_refuses_without_an_sm90_gpu_in_one_line():
     r = subprocess.run(

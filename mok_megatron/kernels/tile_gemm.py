@@ -3,23 +3,26 @@ fc2's input gradient) start while the exchange still runs, each tile once its ro
 
 Legend: M rows (expert-major, all local experts), K reduction width, N output width, G groups (local
 experts), S counter slots (row tiles, see below), W work items (one cluster of ``cluster_m`` row tiles
-times one column tile).
+times one column tile); ``_W4`` a table of W rows of four int32.
 
     out_MN[rows of g] = a_MK[rows of g] @ b_GKN[g]          (torch._grouped_mm(a_MK, b_GKN, offs=offs_G))
 
 The kernel is QuACK's sm_90 persistent varlen-M grouped GEMM (CuTe DSL; the kernels SonicMoE is built on),
 one launch, with two changes (``tile_gemm_sm90``):
 
-- its scheduler reads the work items from a table ``tiles_W3`` (expert, cluster row, column tile) in the
-  order they are to be visited, instead of deriving them from the work index; the table is built here, in
-  QuACK's own order (``quack_tile_order``) or in the order the rows arrive (``arrival_tile_order``);
+- its scheduler reads the work items from a table ``tiles_W4`` (expert, cluster row, column tile, counter
+  slot of the cluster's first row tile) in the order they are to be visited, instead of deriving them from
+  the work index; the table is built here, in QuACK's own order (``quack_tile_order``) or in the order the
+  rows arrive (``arrival_tile_order``). One row is 16 bytes, read with one vector load, and it names the
+  counter slot itself: the producer's wait needs no second, dependent load to find it;
 - before the TMA producer warp loads a row tile's A rows it spins on an acquire load (``ld.acquire.gpu``)
   of that tile's counter until the counter reaches the tile's target, then fences the async proxy so the
   TMA loads see the rows.
 
-Counters. One int32 counter per (expert, row tile of ``tile_m`` rows): slot ``slot_base_G[g] + t`` for row
-tile ``t`` of expert ``g``. Each expert's slots are padded to a multiple of ``cluster_m`` (a cluster's second
-CTA can fall past an expert's last row: its slot has target 0 and never waits). The target of a slot is
+Counters. One int32 counter per (expert, row tile of ``tile_m`` rows): slot ``slot_base(offs_G)[g] + t`` for
+row tile ``t`` of expert ``g``; the CTA of rank ``r`` in a cluster waits on slot ``tiles_W4[w, 3] + r``.
+Each expert's slots are padded to a multiple of ``cluster_m`` (a cluster's second CTA can fall past an
+expert's last row: its slot has target 0 and never waits). The target of a slot is
 the number of its rows (``counter_targets``): whoever writes rows into the expert-major buffer adds, once
 the rows are visible at GPU scope (a release, or the end of the kernel that wrote them), the number of rows
 it wrote to each slot (``row_slots`` names each row's slot). Rows rather than a 0/1 flag because a row tile
@@ -53,7 +56,8 @@ class TileConfig:
     """One compiled kernel variant: CTA tile, warp-group schedule and cluster along M (cluster N is 1).
 
     The benchmarks' choices (docs/results/2026-12-03-tile-gemm-gate, best at K = 8 held-back SMs):
-    ``DEEPSEEK`` (H 7168) and ``QWEN3`` (H 2048, QuACK's default configuration)."""
+    ``DEEPSEEK`` (H 7168) and ``QWEN3`` (H 2048, QuACK's default configuration); ``SM90_CONFIGS`` the five
+    the gate sweeps."""
 
     tile_m: int = 128
     tile_n: int = 192
@@ -90,6 +94,14 @@ class TileConfig:
 
 DEEPSEEK = TileConfig(tile_m=128, tile_n=256, pingpong=False, cluster_m=2)
 QWEN3 = TileConfig(tile_m=128, tile_n=192, pingpong=True, cluster_m=2)
+# the configurations benchmarks/tile_gemm_gate.py sweeps (QuACK's default first)
+SM90_CONFIGS = (
+    QWEN3,
+    DEEPSEEK,
+    TileConfig(tile_m=256, tile_n=128, pingpong=False, cluster_m=2),
+    TileConfig(tile_m=256, tile_n=192, pingpong=False, cluster_m=2),
+    TileConfig(tile_m=128, tile_n=128, pingpong=True, cluster_m=1),
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,9 +109,9 @@ class TilePlan:
     """What the waiting GEMM reads besides its operands, all int32 on the operands' device.
 
     cu_G1         [0, *offs_G]: each expert's first row (QuACK's cu_seqlens_m)
-    tiles_W3      (expert, cluster row within the expert, column tile) per work item, in visiting order;
-                  rows past the last work item hold expert G
-    slot_base_G   counter slot of each expert's first row tile
+    tiles_W4      (expert, cluster row within the expert, column tile, counter slot of the cluster's first
+                  row tile) per work item, in visiting order, contiguous (16-byte rows); rows past the last
+                  work item hold (G, 0, 0, 0)
     targets_S     the counter value each slot waits for (rows of the slot; 0 for padding slots)
     """
 
@@ -107,9 +119,12 @@ class TilePlan:
     rows: int
     n: int
     cu_G1: torch.Tensor
-    tiles_W3: torch.Tensor
-    slot_base_G: torch.Tensor
+    tiles_W4: torch.Tensor
     targets_S: torch.Tensor
+
+    @property
+    def groups(self) -> int:
+        return self.cu_G1.numel() - 1
 
     def shifted(self, base: int | torch.Tensor) -> TilePlan:
         """The same plan waiting for ``base`` more on every real slot (counters kept across steps)."""
@@ -127,7 +142,7 @@ def cluster_rows_capacity(rows: int, groups: int, config: TileConfig) -> int:
 
 
 def work_capacity(rows: int, groups: int, n: int, config: TileConfig) -> int:
-    """Rows of ``tiles_W3``: QuACK's bound on the work items of a varlen-M problem (its grid bound too)."""
+    """Rows of ``tiles_W4``: QuACK's bound on the work items of a varlen-M problem (its grid bound too)."""
     return cluster_rows_capacity(rows, groups, config) * math.ceil(n / config.tile_n)
 
 
@@ -182,9 +197,10 @@ def row_slots(offs_G: torch.Tensor, rows: int, config: TileConfig) -> torch.Tens
 
 
 def quack_tile_order(offs_G: torch.Tensor, rows: int, n: int, config: TileConfig) -> torch.Tensor:
-    """int32 [W, 3]: the work items in QuACK's own order (its varlen-M scheduler, static persistence):
-    experts in turn; within one, bands of ``max_swizzle`` column tiles, rows down the band, every other band
-    upwards (serpentine), so a band of B stays in L2 while the expert's rows stream through it."""
+    """int32 [W, 4]: the work items (expert, cluster row, column tile, first counter slot) in QuACK's own
+    order (its varlen-M scheduler, static persistence): experts in turn; within one, bands of
+    ``max_swizzle`` column tiles, rows down the band, every other band upwards (serpentine), so a band of B
+    stays in L2 while the expert's rows stream through it."""
     g, dev = offs_G.numel(), offs_G.device
     ncl_n = math.ceil(n / config.tile_n)
     nm_G = (_counts(offs_G) + config.block_m - 1) // config.block_m
@@ -206,9 +222,16 @@ def quack_tile_order(offs_G: torch.Tensor, rows: int, n: int, config: TileConfig
     slow, fast = idx // width, idx % width
     slow = torch.where(group % 2 == 1, nm - 1 - slow, slow)
     cid_m, cid_n = slow, group * gs + fast
+    first = slot_base(offs_G, config).long()[ec] + cid_m * config.cluster_m
     zero = torch.zeros_like(w)
     return torch.stack(
-        [torch.where(valid, e, g), torch.where(valid, cid_m, zero), torch.where(valid, cid_n, zero)], 1
+        [
+            torch.where(valid, e, g),
+            torch.where(valid, cid_m, zero),
+            torch.where(valid, cid_n, zero),
+            torch.where(valid, first, zero),
+        ],
+        1,
     ).to(torch.int32)
 
 
@@ -224,18 +247,16 @@ def slot_ready(offs_G: torch.Tensor, ready_M: torch.Tensor, config: TileConfig) 
 
 
 def arrival_tile_order(
-    tiles_W3: torch.Tensor, slot_base_G: torch.Tensor, ready_S: torch.Tensor, config: TileConfig
+    tiles_W4: torch.Tensor, groups: int, ready_S: torch.Tensor, config: TileConfig
 ) -> torch.Tensor:
-    """``tiles_W3`` reordered by when their rows are ready (a work item: its latest row tile), ties kept in
-    the given order (so QuACK's band order survives inside one arrival step); invalid items stay last."""
-    g = slot_base_G.numel()
-    e = tiles_W3[:, 0].long()
-    valid = e < g
-    first = slot_base_G.long()[e.clamp(max=max(g - 1, 0))] + tiles_W3[:, 1].long() * config.cluster_m
-    slot = first.unsqueeze(1) + torch.arange(config.cluster_m, device=tiles_W3.device)
-    ready_W = ready_S[slot.clamp(max=ready_S.numel() - 1)].amax(1)
+    """``tiles_W4`` reordered by when their rows are ready (a work item: its latest row tile), ties kept in
+    the given order (so QuACK's band order survives inside one arrival step); invalid items (expert >=
+    ``groups``) stay last."""
+    valid = tiles_W4[:, 0] < groups
+    slot = tiles_W4[:, 3:4].long() + torch.arange(config.cluster_m, device=tiles_W4.device)
+    ready_W = ready_S[slot.clamp(0, max(ready_S.numel() - 1, 0))].amax(1)
     ready_W = torch.where(valid, ready_W, torch.iinfo(torch.int64).max)
-    return tiles_W3[torch.argsort(ready_W, stable=True)]
+    return tiles_W4[torch.argsort(ready_W, stable=True)]
 
 
 def tile_plan(
@@ -248,16 +269,14 @@ def tile_plan(
     """The plan of one waiting GEMM over ``rows`` expert-major rows split by ``offs_G`` (cumulative ends,
     as ``torch._grouped_mm``) and ``n`` output columns: QuACK's tile order, or, given ``ready_M`` (any
     integer per row, e.g. the exchange step that delivers it), the order the rows arrive in."""
-    tiles_W3 = quack_tile_order(offs_G, rows, n, config)
-    base_G = slot_base(offs_G, config)
+    tiles_W4 = quack_tile_order(offs_G, rows, n, config)
     if ready_M is not None:
         if ready_M.shape != (rows,):
             raise ValueError(f"tile_plan: ready_M has shape {tuple(ready_M.shape)}; it must be ({rows},)")
-        tiles_W3 = arrival_tile_order(tiles_W3, base_G, slot_ready(offs_G, ready_M, config), config)
+        ready_S = slot_ready(offs_G, ready_M, config)
+        tiles_W4 = arrival_tile_order(tiles_W4, offs_G.numel(), ready_S, config)
     cu_G1 = torch.nn.functional.pad(offs_G.to(torch.int32), (1, 0))
-    return TilePlan(
-        config, rows, n, cu_G1, tiles_W3.contiguous(), base_G, counter_targets(offs_G, rows, config)
-    )
+    return TilePlan(config, rows, n, cu_G1, tiles_W4.contiguous(), counter_targets(offs_G, rows, config))
 
 
 # ---- references --------------------------------------------------------------------------------------------
@@ -288,10 +307,10 @@ def tile_gemm_reference(
     starts = [0] + offs[:-1]
     out = torch.zeros(a_MK.shape[0], n, dtype=torch.float32)
     hits = torch.zeros(a_MK.shape[0], n, dtype=torch.int32)
-    tiles, base = plan.tiles_W3.tolist(), plan.slot_base_G.tolist()
+    tiles = plan.tiles_W4.tolist()
     counters, targets = counters_S.tolist(), plan.targets_S.tolist()
     done = False
-    for w, (e, cm, cn) in enumerate(tiles):
+    for w, (e, cm, cn, first) in enumerate(tiles):
         if e >= g:
             done = True
             continue
@@ -299,7 +318,7 @@ def tile_gemm_reference(
             raise ValueError(f"tile_gemm_reference: work item {w} (expert {e}) follows the end of the table")
         for b in range(cfg.cluster_m):
             pid_m = cm * cfg.cluster_m + b
-            slot = base[e] + pid_m
+            slot = first + b
             if counters[slot] < targets[slot]:
                 raise RuntimeError(
                     f"tile_gemm_reference: work item {w} (expert {e}, row tile {pid_m}) waits for counter "
@@ -329,13 +348,23 @@ def _max_clusters(device_index: int, cluster_size: int) -> tuple[int, int]:
     return get_max_active_clusters(cluster_size, device_id=device_index), sms
 
 
+def sms_held_back_error(sms_held_back: int, sms: int, config: TileConfig) -> str | None:
+    """Why ``sms_held_back`` leaves no room for the kernel's grid on ``sms`` SMs, or None: at least one
+    cluster must fit on the rest, so it must lie in [0, sms - cluster_m)."""
+    if 0 <= sms_held_back < sms - config.cluster_m:
+        return None
+    return (
+        f"sms_held_back={sms_held_back}; it must be in [0, {sms - config.cluster_m}) ({sms} SMs, clusters of "
+        f"{config.cluster_m} along M)"
+    )
+
+
 def grid_clusters(device: torch.device, config: TileConfig, sms_held_back: int) -> int:
     """Persistent clusters on ``SMs - sms_held_back`` SMs (at most what fits on the whole GPU)."""
     fit, sms = _max_clusters(device.index or 0, config.cluster_m)
-    if not 0 <= sms_held_back < sms - config.cluster_m:
-        raise ValueError(
-            f"grid_clusters: sms_held_back={sms_held_back}; it must be in [0, {sms - config.cluster_m})"
-        )
+    why = sms_held_back_error(sms_held_back, sms, config)
+    if why is not None:
+        raise ValueError(f"grid_clusters: {why}")
     return min(fit, (sms - sms_held_back) // config.cluster_m)
 
 
@@ -363,10 +392,10 @@ def tile_grouped_mm(
     why = cfg.kernel_error()
     if why is not None:
         raise ValueError(f"tile_grouped_mm: the plan's {why} (QuACK's sm_90 kernel)")
-    if kb != k or (m, g, n) != (plan.rows, plan.slot_base_G.numel(), plan.n):
+    if kb != k or (m, g, n) != (plan.rows, plan.groups, plan.n):
         raise ValueError(
             f"tile_grouped_mm: a {tuple(a_MK.shape)}, b {tuple(b_GKN.shape)}, a plan for {plan.rows} rows, "
-            f"{plan.slot_base_G.numel()} groups and {plan.n} columns; they must agree (a [M, K], "
+            f"{plan.groups} groups and {plan.n} columns; they must agree (a [M, K], "
             "b [G, K, N], the plan built by tile_plan(offs_G, M, N, config))"
         )
     if counters_S.shape != plan.targets_S.shape:
@@ -374,11 +403,18 @@ def tile_grouped_mm(
             f"tile_grouped_mm: counters {tuple(counters_S.shape)}, targets {tuple(plan.targets_S.shape)}; "
             "size the counters like the plan's targets (slot_capacity)"
         )
-    for name, t in (("counters", counters_S), ("cu", plan.cu_G1), ("tiles", plan.tiles_W3)):
+    for name, t in (("counters", counters_S), ("cu", plan.cu_G1), ("tiles", plan.tiles_W4)):
         if t.dtype != torch.int32 or t.device != a_MK.device:
             raise ValueError(
                 f"tile_grouped_mm: {name} is {t.dtype} on {t.device}; it must be int32 on {a_MK.device}"
             )
+    tiles = plan.tiles_W4
+    if tiles.dim() != 2 or tiles.shape[1] != 4 or tiles.stride() != (4, 1) or tiles.data_ptr() % 16:
+        raise ValueError(
+            f"tile_grouped_mm: tiles {tuple(tiles.shape)}, strides {tiles.stride()}, address "
+            f"{tiles.data_ptr():#x}; the kernel reads each row with one 16-byte load: it must be a contiguous "
+            "[W, 4] int32 tensor on a 16-byte boundary (tile_plan's, or .contiguous() of a reordered one)"
+        )
     if a_MK.stride(1) != 1:
         raise ValueError("tile_grouped_mm: a_MK must have contiguous rows (K contiguous)")
     if out is None:

@@ -5,14 +5,18 @@ the table, the counters and their targets is documented there.
 
 What changes against QuACK's ``GemmDefaultSm90`` with its ``VarlenMTileScheduler`` (static persistence):
 
-- ``_delinearize_work_idx``: work index ``w`` -> ``tiles[w] = (expert, cluster row, column tile)``; an
-  expert >= G (or ``w`` past the table) ends the cluster's loop. QuACK's own scheduler walks the experts'
-  tile counts from ``cu_seqlens`` forward and cannot take an order.
+- ``_delinearize_work_idx``: work index ``w`` -> ``tiles[w] = (expert, cluster row, column tile, first
+  slot)``, one 16-byte vector load; an expert >= G (or ``w`` past the table) ends the cluster's loop.
+  QuACK's own scheduler walks the experts' tile counts from ``cu_seqlens`` forward and cannot take an order.
+- the scheduler's shared-memory hand-off (block zero's scheduler warp to every CTA of the cluster, four
+  int32 per work item): its fourth word carries ``first slot + 1`` for a valid tile and 0 for the end, in
+  place of QuACK's 0/1 valid flag (``write_work_tile_to_smem`` / ``get_current_work``), so every CTA knows
+  its counter slot without a global load of its own: ``first slot + rank in the cluster``.
 - ``initial_work_tile_info`` / ``get_current_work``: in the producer warp only (``ab_load_warp_id``), for a
-  valid tile, spin on ``ld.acquire.gpu`` of ``counters[slot_base[expert] + row tile]`` until it reaches
-  ``targets[...]``, then ``fence.proxy.async.global`` (the rows were written through the generic proxy,
-  TMA reads them through the async one). The MMA and epilogue warps take the tile from the producer's
-  pipeline as before; they need no wait of their own.
+  valid tile, spin on ``ld.acquire.gpu`` of ``counters[slot]`` until it reaches ``targets[slot]`` (the two
+  loads independent of each other), then ``fence.proxy.async.global`` (the rows were written through the
+  generic proxy, TMA reads them through the async one). The MMA and epilogue warps take the tile from the
+  scheduler's pipeline as before; they need no wait of their own.
 
 Everything else (TMA multicast of B across the cluster, pingpong or cooperative warp groups, the epilogue,
 PDL) is QuACK's. The grid is ``min(max_active_clusters, work items)`` clusters, as in QuACK.
@@ -28,6 +32,9 @@ import cutlass
 import cutlass.cute as cute
 import torch
 from cutlass import Int32, const_expr
+from cutlass._mlir import ir
+from cutlass._mlir.dialects import vector
+from cutlass.cutlass_dsl import extract_mlir_values, new_from_mlir_values
 from quack.cache_utils import jit_cache
 from quack.compile_utils import make_fake_tensor
 from quack.cute_dsl_utils import mlir_namedtuple, torch2cute_dtype_map
@@ -49,8 +56,7 @@ class TileWaitOptions(NamedTuple):
     """The scheduler arguments of the waiting GEMM (in place of QuACK's ``TileSchedulerOptions``)."""
 
     max_active_clusters: Int32
-    tiles: cute.Tensor  # int32 (W, 3): expert, cluster row, column tile
-    slot_base: cute.Tensor  # int32 (G,)
+    tiles: cute.Tensor  # int32 (W, 4), 16-byte rows: expert, cluster row, column tile, first counter slot
     counters: cute.Tensor  # int32 (S,)
     targets: cute.Tensor  # int32 (S,)
 
@@ -60,12 +66,36 @@ class ArrivalTileSchedulerArguments:
     problem_shape_ntile_mnl: cute.Shape
     total_m: Int32
     tiles: cute.Tensor
-    slot_base: cute.Tensor
     counters: cute.Tensor
     targets: cute.Tensor
     tile_shape_mn: cutlass.Constexpr[cute.Shape]
     cluster_shape_mnk: cutlass.Constexpr[cute.Shape]
     producer_warp: cutlass.Constexpr[int]
+
+
+class SlotWorkTileInfo(cutlass.utils.WorkTileInfo):
+    """QuACK's work tile (``(pid_m, pid_n, None, expert)``, valid) and the counter slot of its cluster's
+    first row tile; this CTA's row tile waits on ``first_slot + pid_m % cluster_m``."""
+
+    def __init__(self, tile_idx, is_valid_tile, first_slot):
+        super().__init__(tile_idx, is_valid_tile)
+        self.first_slot = Int32(first_slot)
+
+    def __extract_mlir_values__(self) -> list:
+        return super().__extract_mlir_values__() + extract_mlir_values(self.first_slot)
+
+    def __new_from_mlir_values__(self, values: list) -> "SlotWorkTileInfo":
+        tile = super().__new_from_mlir_values__(values[:-1])
+        return SlotWorkTileInfo(
+            tile.tile_idx, tile.is_valid_tile, new_from_mlir_values(self.first_slot, values[-1:])
+        )
+
+
+class _HandOff(NamedTuple):
+    """What QuACK's ``write_work_tile_to_smem`` reads of a work tile: its fourth word is ours."""
+
+    tile_idx: tuple
+    is_valid_tile: Int32  # first slot + 1, or 0: no tile
 
 
 class ArrivalTileScheduler(VarlenMTileScheduler):
@@ -78,7 +108,6 @@ class ArrivalTileScheduler(VarlenMTileScheduler):
         problem_shape_ncluster_mnl: cute.Shape
         total_m: Int32
         tiles: cute.Tensor
-        slot_base: cute.Tensor
         counters: cute.Tensor
         targets: cute.Tensor
         tile_shape_mn: cutlass.Constexpr[cute.Shape]
@@ -101,7 +130,6 @@ class ArrivalTileScheduler(VarlenMTileScheduler):
                 problem_shape_ncluster_mnl,
                 args.total_m,
                 args.tiles,
-                args.slot_base,
                 args.counters,
                 args.targets,
                 args.tile_shape_mn,
@@ -150,29 +178,40 @@ class ArrivalTileScheduler(VarlenMTileScheduler):
         block_zero_only: bool = False,
         loc=None,
         ip=None,
-    ) -> cutlass.utils.WorkTileInfo:
+    ) -> SlotWorkTileInfo:
         params = self.params
         num_batch = params.problem_shape_ncluster_mnl[2]
-        batch_idx, cid_m, cid_n = Int32(num_batch), Int32(0), Int32(0)
+        batch_idx, cid_m, cid_n, first_slot = Int32(num_batch), Int32(0), Int32(0), Int32(0)
         if work_idx < cute.size(params.tiles, mode=[0]):
-            batch_idx = params.tiles[work_idx, 0]
-            cid_m = params.tiles[work_idx, 1]
-            cid_n = params.tiles[work_idx, 2]
+            # the whole row in one ld.global.v4 (the table is 16-byte aligned, rows of 16 bytes)
+            row = cute.arch.load(
+                elem_pointer(params.tiles, (work_idx, 0)), ir.VectorType.get([4], Int32.mlir_type)
+            )
+            batch_idx, cid_m, cid_n, first_slot = [
+                Int32(vector.extract(row, dynamic_position=[], static_position=[i])) for i in range(4)
+            ]
         is_valid = batch_idx < num_batch
         pid_m, pid_n = self._cluster_id_to_cta_id(
             cid_m, cid_n, block_zero_only=block_zero_only, loc=loc, ip=ip
         )
-        return cutlass.utils.WorkTileInfo((pid_m, pid_n, None, batch_idx), is_valid)
+        return SlotWorkTileInfo((pid_m, pid_n, None, batch_idx), is_valid, first_slot)
 
     @cute.jit
-    def _wait_for_rows(self, work_tile: cutlass.utils.WorkTileInfo, *, loc=None, ip=None):
+    def write_work_tile_to_smem(self, work_tile_info: SlotWorkTileInfo, *, loc=None, ip=None):
+        word = Int32(0)
+        if work_tile_info.is_valid_tile:
+            word = work_tile_info.first_slot + 1
+        TileScheduler.write_work_tile_to_smem(self, _HandOff(work_tile_info.tile_idx, word), loc=loc, ip=ip)
+
+    @cute.jit
+    def _wait_for_rows(self, work_tile: SlotWorkTileInfo, *, loc=None, ip=None):
         """Producer warp: spin until this CTA's row tile has all its rows (acquire), then order the TMA
         loads that follow after the rows' generic-proxy writes."""
         params = self.params
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         if warp_idx == params.producer_warp:
             if work_tile.is_valid_tile:
-                slot = params.slot_base[work_tile.tile_idx[3]] + work_tile.tile_idx[0]
+                slot = work_tile.first_slot + work_tile.tile_idx[0] % params.cluster_shape_mnk[0]
                 target = params.targets[slot]
                 counter = elem_pointer(params.counters, slot)
                 arrived = cute.arch.load(counter, Int32, sem="acquire", scope="gpu")
@@ -181,14 +220,25 @@ class ArrivalTileScheduler(VarlenMTileScheduler):
                 cute.arch.fence_proxy("async.global")
 
     @cute.jit
-    def initial_work_tile_info(self, *, loc=None, ip=None) -> cutlass.utils.WorkTileInfo:
+    def initial_work_tile_info(self, *, loc=None, ip=None) -> SlotWorkTileInfo:
         work_tile = self._delinearize_work_idx(self._current_work_idx, loc=loc, ip=ip)
         self._wait_for_rows(work_tile)
         return work_tile
 
     @cute.jit
-    def get_current_work(self, *, loc=None, ip=None) -> cutlass.utils.WorkTileInfo:
-        work_tile = TileScheduler.get_current_work(self, loc=loc, ip=ip)
+    def get_current_work(self, *, loc=None, ip=None) -> SlotWorkTileInfo:
+        # QuACK's TileScheduler.get_current_work (static persistence), its fourth word decoded as ours
+        params = self.params
+        self._scheduler_pipeline.consumer_wait(self._pipeline_state)
+        pid_m, pid_n, batch_idx, word = [self._sched_smem[i, self._pipeline_state.index] for i in range(4)]
+        # the scheduler warp's remote stores to peer CTAs go through the async proxy
+        if const_expr(cute.size(params.cluster_shape_mnk) > 1):
+            cute.arch.fence_view_async_shared()
+        cute.arch.sync_warp()
+        with cute.arch.elect_one():
+            self._scheduler_pipeline.consumer_release(self._pipeline_state)
+        self._pipeline_state.advance()
+        work_tile = SlotWorkTileInfo((pid_m, pid_n, None, batch_idx), word > 0, word - 1)
         self._wait_for_rows(work_tile)
         return work_tile
 
@@ -227,7 +277,6 @@ class TileWaitGemmSm90(GemmDefaultSm90):
             ),
             total_m=mD.shape[0],
             tiles=scheduler_args.tiles,
-            slot_base=scheduler_args.slot_base,
             counters=scheduler_args.counters,
             targets=scheduler_args.targets,
             tile_shape_mn=self.cta_tile_shape_mnk[:2],
@@ -247,8 +296,8 @@ def compile_tile_gemm(a_dtype, b_dtype, d_dtype, b_major, tile_shape_mn, cluster
     num_slots = cute.sym_int()
     sched_args = TileWaitOptions(
         max_active_clusters=Int32(1),
-        tiles=make_fake_tensor(Int32, (cute.sym_int(), 3), leading_dim=1),
-        slot_base=make_fake_tensor(Int32, (cute.sym_int(),), leading_dim=0),
+        # rows of 16 bytes on a 16-byte boundary: one vector load per row (tile_grouped_mm checks it)
+        tiles=cute.runtime.make_fake_tensor(Int32, (cute.sym_int(), 4), stride=(4, 1), assumed_align=16),
         counters=make_fake_tensor(Int32, (num_slots,), leading_dim=0),
         targets=make_fake_tensor(Int32, (num_slots,), leading_dim=0),
     )
@@ -305,8 +354,7 @@ def launch(a_MK, b_GKN, out_MN, plan, counters_S, max_clusters: int) -> None:
     )
     sched_args = TileWaitOptions(
         max_active_clusters=Int32(max_clusters),
-        tiles=plan.tiles_W3,
-        slot_base=plan.slot_base_G,
+        tiles=plan.tiles_W4,
         counters=counters_S,
         targets=plan.targets_S,
     )
