@@ -418,18 +418,18 @@ def tile_pull(
     for name, t in (("plan", plan.tasks_C8), ("counters", counters_S)):
         if t.device != recv_MH.device:
             raise ValueError(f"{op}: {name} on {t.device}; it must be on {recv_MH.device}, with recv")
-    paced = rate > 0 or delays_C is not None
-    if paced and (recv_MH.device.type != "cuda" or INTERPRETED):
-        raise ValueError(
-            f"{op}: rate={rate}, delays {'given' if delays_C is not None else 'none'} on {recv_MH.device} "
-            f"(interpreted={INTERPRETED}); pacing and delays spin on the GPU's clock: pass rate=0 and no "
-            "delays on CPU"
-        )
     chunks = plan.tasks_C8.shape[0]
     if delays_C is not None and (delays_C.shape != (chunks,) or delays_C.dtype != torch.int64):
         raise ValueError(
             f"{op}: delays are {delays_C.dtype} {tuple(delays_C.shape)}; they must be int64 ({chunks},), "
             "ns per chunk of the plan"
+        )
+    paced = rate > 0 or delays_C is not None
+    if paced and (recv_MH.device.type != "cuda" or INTERPRETED):
+        raise ValueError(
+            f"{op}: rate={rate:g}, delays {'given' if delays_C is not None else 'none'} on {recv_MH.device} "
+            f"(interpreted={INTERPRETED}); pacing and delays spin on the GPU's clock: pass rate=0 and no "
+            "delays on CPU"
         )
     if triton is None:
         raise RuntimeError(f"{op}: Triton is not installed; pip install triton (or use pull_reference)")
