@@ -243,6 +243,43 @@ def test_triton_interpreted_pull_equals_reference(name, interpreted_results):
     assert interpreted_results[name] == "ok", interpreted_results[name]
 
 
+# ---- the kernel compiles for sm_90 without a GPU ----------------------------------------------------------
+
+
+@pytest.mark.skipif(
+    not have_triton() or os.environ.get("TRITON_INTERPRET") == "1", reason="needs compiled Triton"
+)
+@pytest.mark.parametrize("aligned", [True, False])
+@pytest.mark.parametrize("paced", [False, True])
+def test_kernel_compiles_for_sm90_with_barrier_then_release(aligned, paced):
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    fn = tp._pull_kernel
+    if not (Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas").exists():
+        pytest.skip("this Triton has no bundled ptxas")
+    constexprs = dict(TILE_M=128, ELEM=8, ALIGNED=aligned, PACE=paced, DELAY=paced, BLOCK_R=2, BLOCK_W=1024)
+    ptrs = dict(recv_ptr="*i64", table_ptr="*i64", tasks_ptr="*i32", counters_ptr="*i32", delays_ptr="*i64")
+    sig = {
+        n: "constexpr" if n in constexprs else ptrs.get(n, "fp32" if n == "ns_per_byte" else "i32")
+        for n in fn.arg_names
+    }
+    div16 = [["tt.divisibility", 16]]  # what a launch specialises: 16-byte pointers, W % 16 == 0
+    names = ("recv_ptr", "table_ptr", "tasks_ptr", "counters_ptr", "delays_ptr", "W")
+    attrs = {(fn.arg_names.index(n),): div16 for n in names}
+    ptx = triton.compile(
+        ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs), target=GPUTarget("cuda", 90, 32)
+    ).asm["ptx"]
+    # stores everywhere vectorized; the source loads only with the alignment hint
+    assert "st.global.v2.b64" in ptx
+    assert ("ld.global.L1::evict_first.L2::cache_hint.v2.b64" in ptx) == aligned
+    # the CTA's stores, a barrier, then one thread's release at GPU scope for each slot
+    release = ptx.index("atom.global.gpu.release.add.u32")
+    assert "bar.sync" in ptx[:release]
+    assert ("%globaltimer" in ptx) == paced
+
+
 # ---- GPU ---------------------------------------------------------------------------------------------------
 
 
