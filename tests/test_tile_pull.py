@@ -365,3 +365,22 @@ def _run_watched(name: str) -> None:
 def test_pull_beside_waiting_gemm_launched_first_gpu(name):
     # cases ending in -delays: a random spin (0-40 us) before each chunk, so chunks land out of order
     _run_watched(name)
+
+
+# ---- the benchmark's arguments -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "argv, says",
+    [
+        (["--shapes", "gpt"], "--shapes gpt; known: deepseek-v3-ep32,qwen3-ep8"),
+        (["--k", "0,4"], "every K must be >= 1"),
+        (["--k", "x"], "it must be a comma list of integers"),
+        (["--gbps", "-1"], "every rate >= 0"),
+    ],
+)
+def test_benchmark_refuses_bad_arguments_in_one_line(argv, says, capsys):
+    from benchmarks import tile_pull as bench
+
+    assert bench.main(argv) == 2
+    assert says in capsys.readouterr().err
