@@ -70,6 +70,11 @@ def sweep_shape(name, a, ks, rates, watchdog, side, rows_out) -> None:
     from mok_megatron.kernels import tile_pull as tp
 
     dev = torch.device("cuda")
+    tuning = {}
+    if a.block_bytes:
+        tuning["block_bytes"] = a.block_bytes
+    if a.warps:
+        tuning["num_warps"] = a.warps
     shape = dict(SHAPES[name], name=name)
     pr = problem(shape, dev, a.chunk_rows)
     plan, gemm, recv, counters, w = pr["plan"], pr["gemm"], pr["recv"], pr["counters"], pr["w"]
@@ -96,7 +101,7 @@ def sweep_shape(name, a, ks, rates, watchdog, side, rows_out) -> None:
             gemm_ms = time_ms(gemm_preset, a.iters, a.rounds)
 
         def pull_alone(k=k):
-            tp.tile_pull(recv, pr["table"], plan, counters.zero_(), programs=k)
+            tp.tile_pull(recv, pr["table"], plan, counters.zero_(), programs=k, **tuning)
 
         pull_alone()
         with watchdog.case(f"{name} k={k} pull alone"):
@@ -115,7 +120,7 @@ def sweep_shape(name, a, ks, rates, watchdog, side, rows_out) -> None:
                 side.wait_stream(torch.cuda.current_stream())
                 tg.tile_grouped_mm(recv, w, gemm, counters, sms_held_back=k, out=out)  # first: it waits
                 with torch.cuda.stream(side):
-                    tp.tile_pull(recv, pr["table"], plan, counters, programs=k, rate=rate)
+                    tp.tile_pull(recv, pr["table"], plan, counters, programs=k, rate=rate, **tuning)
                 torch.cuda.current_stream().wait_stream(side)
 
             case = f"{name} k={k} layer at {gbps:g} GB/s"
@@ -168,6 +173,8 @@ def main(argv=None) -> int:
     p.add_argument("--k", default="2,4,8,16", help="SMs that pull (held back from the GEMM), a comma list")
     p.add_argument("--gbps", default="900,450,0", help="paced link rates in GB/s, a comma list; 0: unpaced")
     p.add_argument("--chunk-rows", type=int, default=CHUNK_ROWS)
+    p.add_argument("--block-bytes", type=int, default=None, help="bytes one program moves per step")
+    p.add_argument("--warps", type=int, default=None, help="warps per pulling program")
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--case-timeout", type=float, default=120.0, help="seconds per case; 0: no limit")

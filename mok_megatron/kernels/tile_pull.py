@@ -60,6 +60,12 @@ import torch
 from mok_megatron.kernels import INTERPRETED, next_pow2, tl, triton
 from mok_megatron.kernels.tile_gemm import TileConfig, slot_base, slot_capacity
 
+# one program's load-then-store step: 64 KiB in flight over 16 warps (32 registers of data per thread); an
+# SM's copy rate is bounded by its bytes in flight over the load latency (benchmarks.tile_pull --block-bytes
+# and --warps sweep both; not yet measured)
+BLOCK_BYTES = 65536
+NUM_WARPS = 16
+
 # the table's columns
 SOURCE, EXPERT, SRC_ROW, DST_ROW, ROWS, SLOT, SLOT_ROW = range(7)
 COLUMNS = 8  # the eighth is 0 (32-byte rows)
@@ -388,9 +394,8 @@ def tile_pull(
     programs: int,
     rate: float = 0.0,
     delays_C: torch.Tensor | None = None,
-    block_rows: int | None = None,
-    block_bytes: int = 16384,
-    num_warps: int = 8,
+    block_bytes: int = BLOCK_BYTES,
+    num_warps: int = NUM_WARPS,
 ) -> torch.Tensor:
     """Pull every chunk of ``plan`` into ``recv_MH`` with ``programs`` (K) persistent programs, one launch on
     the current stream, releasing each chunk's rows into ``counters_S`` as it lands.
@@ -400,7 +405,8 @@ def tile_pull(
     plan reads; plan from ``pull_plan`` (M rows); counters_S int32 [S] (``PullPlan.slots``), added to, never
     reset (a GEMM plan ``shifted`` by their value before the pull waits for this pull's rows); rate bytes/s
     of an emulated link (0: as fast as the copy goes; GPU only); delays_C int64 [C] ns spun before each
-    chunk (GPU only). Output: recv_MH.
+    chunk (GPU only); block_bytes the bytes one program loads before it stores them (its bytes in flight:
+    one SM's copy rate is about bytes in flight / memory latency), num_warps its warps. Output: recv_MH.
 
     Concurrency: with a waiting GEMM on ``SMs - K`` SMs launched before it on another stream, the pull's K
     programs (one CTA each) run on the SMs the GEMM leaves free, so the GEMM's waits always end."""
@@ -443,7 +449,7 @@ def tile_pull(
     words = recv_MH.view(torch.uint8).view(m, row_bytes).view(word)
     w = words.shape[1]
     block_w = min(next_pow2(w), max(1, block_bytes // word.itemsize))
-    block_r = block_rows or max(1, block_bytes // (block_w * word.itemsize))
+    block_r = max(1, block_bytes // (block_w * word.itemsize))
     block_r = min(next_pow2(block_r), next_pow2(plan.chunk_rows))
     aligned = row_bytes % 16 == 0 and recv_MH.data_ptr() % 16 == 0
     dummy = counters_S  # an unread pointer argument when DELAY is off
