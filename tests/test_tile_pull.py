@@ -69,6 +69,7 @@ COUNTS = [
     _c([[3, 0, 5], [2, 7, 0]]),
     _c([[0, 0, 0], [4, 0, 9], [0, 0, 0]]),  # empty sources, an empty expert
     _c([[0, 0], [0, 0]]),  # nothing at all
+    torch.zeros(0, 3, dtype=torch.int64),  # no source
     _c([[40]]),  # one source, one expert
     _random_counts(5, 7, seed=1),
     _random_counts(8, 3, seed=2, zero_frac=0.0, most=70),

@@ -157,14 +157,13 @@ def pull_plan(
     in chunks of at most ``chunk_rows`` rows, expert-major. No host sync: every shape comes from host ints."""
     _check_counts(c_PG, rows, chunk_rows, src_row0_P)
     n_p, n_g = c_PG.shape
-    dev = c_PG.device
     c = c_PG.long()
     count_I = c.t().flatten()  # segments in pull order: I = g * P + p
     dst_I = receive_rows(c).t().flatten()
     src_I = source_rows(c, src_row0_P).t().flatten()
     chunks_I = (count_I + chunk_rows - 1) // chunk_rows
     end_I = torch.cumsum(chunks_I, 0)
-    t = torch.arange(chunk_capacity(rows, n_p, n_g, chunk_rows), device=dev)
+    t = torch.arange(chunk_capacity(rows, n_p, n_g, chunk_rows), device=c.device)
     seg = torch.searchsorted(end_I, t, right=True)
     valid = seg < count_I.numel()
     segc = seg.clamp(max=max(count_I.numel() - 1, 0))
@@ -176,8 +175,7 @@ def pull_plan(
     n = torch.where(valid, (count_I[segc] - r0).clamp(0, chunk_rows), 0)
     p, g = segc % n_p, segc // n_p
     dst = dst_I[segc] + r0
-    start_G = receive_rows(c)[0] if n_p else torch.zeros(n_g, dtype=torch.long, device=dev)
-    within = dst - start_G[g]
+    within = dst - receive_rows(c)[0][g]  # the row within its expert
     slot = slot_base(_offs(c), config).long()[g] + within // config.tile_m
     zero = torch.zeros_like(t)
 
