@@ -18,6 +18,8 @@ Modules:
     link_delay   the loopback transport's emulated link time: a one-warp wall-clock spin (GPU only)
     tile_gemm    a grouped GEMM whose row tiles wait on arrival counters (QuACK's sm_90 kernel, CuTe DSL;
                  kernel in tile_gemm_sm90), its tile orders, counter targets and torch references
+    tile_pull    the dispatch that feeds it: K persistent programs pull (source, expert) chunks expert-major
+                 into the receive buffer and release each row tile's counter; its plan and torch reference
 
 Every public op takes ``impl``: ``Impl.AUTO`` runs Triton on CUDA tensors when Triton is installed and the
 torch reference otherwise; ``Impl.TRITON`` / ``Impl.TORCH`` force one (the tests hold them against each other).
