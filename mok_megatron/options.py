@@ -174,8 +174,7 @@ class MoKOptions:
     )
     te_single_weight: bool = option(
         False,
-        help="opt-in, te on TE's grouped GEMM: fc1 / fc2 each one grouped weight (TE-experimental), one TE "
-        "call per projection at any expert count",
+        help="te: one TE grouped weight per projection, one call at any expert count (TE-experimental)",
         detail="Transformer Engine's single_grouped_weight (labelled experimental by TE): each projection's "
         "local experts in one [L, N, K] Parameter, quantized by one grouped launch per pass instead of one "
         "per expert, so one grouped GEMM call covers every local expert (no 64-expert cap, no host read: "
