@@ -332,9 +332,12 @@ def te_single_param_env():
 
 def te_grouped_weight_members(weight) -> list:
     """The per-GEMM tensors of a TE ``GroupedLinear``'s single grouped weight (a ``GroupedTensor``
-    Parameter, shape ``[G, N, K]``): views of its storage, no copy (quantized storages stay quantized)."""
+    Parameter, shape ``[G, N, K]``): views of its storage, no copy (quantized storages stay quantized). A
+    plain ``[G, N, K]`` tensor (a stacked checkpoint entry) gives its ``unbind(0)``."""
     members = getattr(weight, "quantized_tensors", None)
-    return list(members if members is not None else weight.split_into_quantized_tensors())
+    if members is None and hasattr(weight, "split_into_quantized_tensors"):
+        members = weight.split_into_quantized_tensors()
+    return list(members if members is not None else weight.unbind(0))
 
 
 def quantization_recipe(config):
