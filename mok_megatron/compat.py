@@ -292,9 +292,9 @@ def te_grouped_tensor_predicate():
     return is_module_grouped_tensor_path_supported
 
 
-#: TE's gate on ``GroupedLinear(single_grouped_weight=True)`` (``resolve_grouped_linear_single_param_flags`` in
-#: ``transformer_engine/pytorch/utils.py``, read in ``GroupedLinear.__init__`` only): unset, TE warns and
-#: falls back to one Parameter per GEMM.
+#: TE's gate on ``GroupedLinear(single_grouped_weight=True)`` (``resolve_grouped_linear_single_param_flags``
+#: in ``transformer_engine/pytorch/utils.py``, read in ``GroupedLinear.__init__`` only): unset, TE warns
+#: and falls back to one Parameter per GEMM.
 TE_SINGLE_PARAM_ENV = "NVTE_GROUPED_LINEAR_SINGLE_PARAM"
 
 

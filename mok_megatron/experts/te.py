@@ -46,9 +46,10 @@ Two GEMM routes, chosen once at build (``grouped_route``):
   each hold their local experts as ONE TE grouped Parameter (``linear_fc1.weight``, ``[L, F1, H]``): TE
   quantizes it in one ``group_quantize`` launch per pass (per-expert scales, the same numbers as one
   quantization per expert, where per-expert weights cost ~4 launches each: ~1,000 per forward of a
-  128-expert Qwen3-30B-A3B layer, read off TE's source), and one grouped GEMM call takes every local expert, so there is no 64-expert cap, no call
-  views, no host read (``--mok-sync-free`` runs at any expert count) and one weight gradient (with
-  gradient accumulation fusion, one ``main_grad``) per projection. Plain state dicts keep the per-expert
+  128-expert Qwen3-30B-A3B layer, read off TE's source), and one grouped GEMM call takes every local
+  expert, so there is no 64-expert cap, no call views, no host read (``--mok-sync-free`` runs at any
+  expert count) and one weight gradient (with gradient accumulation fusion, one ``main_grad``) per
+  projection. Plain state dicts keep the per-expert
   keys (``linear_fc1.weight{i}``, views of the grouped storage) and Megatron's wrapper splits the weight
   into the same per-expert dist-checkpoint ShardedTensors and stacks per-expert keys on load, so
   checkpoints move between the two layouts both ways. Megatron 0.19's own config refuses the mode outside
@@ -222,8 +223,8 @@ def check_single_weight(
     flag = "--mok-te-single-weight"
     if not supported:
         raise MoKConfigError(
-            f"{flag}: Transformer Engine {te_version or '(not installed)'} has no single grouped weight on its "
-            "grouped GEMM (GroupedLinear's single_grouped_weight with use_grouped_tensor, TE >= 2.20); "
+            f"{flag}: Transformer Engine {te_version or '(not installed)'} has no single grouped weight on "
+            "its grouped GEMM (GroupedLinear's single_grouped_weight with use_grouped_tensor, TE >= 2.20); "
             f"pip install 'transformer-engine[pytorch]>=2.20' or drop {flag}."
         )
     name = recipe or "bf16"
