@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import importlib.util
+from contextlib import contextmanager
 from functools import cache
 
 import torch
@@ -289,6 +290,54 @@ def te_grouped_tensor_predicate():
     except ImportError:
         return None
     return is_module_grouped_tensor_path_supported
+
+
+#: TE's gate on ``GroupedLinear(single_grouped_weight=True)`` (``resolve_grouped_linear_single_param_flags``
+#: in ``transformer_engine/pytorch/utils.py``, read in ``GroupedLinear.__init__`` only): unset, TE warns
+#: and falls back to one Parameter per GEMM.
+TE_SINGLE_PARAM_ENV = "NVTE_GROUPED_LINEAR_SINGLE_PARAM"
+
+
+@cache
+def te_single_grouped_weight_supported() -> bool:
+    """Whether this TE's ``GroupedLinear`` holds its GEMMs' weights as one grouped Parameter on its
+    device-driven grouped GEMM (the ``single_grouped_weight`` and ``use_grouped_tensor`` constructor
+    arguments, TE >= 2.20). False without TE."""
+    if not have_te():
+        return False
+    import inspect
+
+    from transformer_engine.pytorch import GroupedLinear
+
+    params = inspect.signature(GroupedLinear.__init__).parameters
+    return "single_grouped_weight" in params and "use_grouped_tensor" in params
+
+
+@contextmanager
+def te_single_param_env():
+    """``NVTE_GROUPED_LINEAR_SINGLE_PARAM=1`` while TE GroupedLinear modules are constructed (the only place
+    TE reads it), the previous value (or its absence) restored after."""
+    import os
+
+    before = os.environ.get(TE_SINGLE_PARAM_ENV)
+    os.environ[TE_SINGLE_PARAM_ENV] = "1"
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(TE_SINGLE_PARAM_ENV, None)
+        else:
+            os.environ[TE_SINGLE_PARAM_ENV] = before
+
+
+def te_grouped_weight_members(weight) -> list:
+    """The per-GEMM tensors of a TE ``GroupedLinear``'s single grouped weight (a ``GroupedTensor``
+    Parameter, shape ``[G, N, K]``): views of its storage, no copy (quantized storages stay quantized). A
+    plain ``[G, N, K]`` tensor (a stacked checkpoint entry) gives its ``unbind(0)``."""
+    members = getattr(weight, "quantized_tensors", None)
+    if members is None and hasattr(weight, "split_into_quantized_tensors"):
+        members = weight.split_into_quantized_tensors()
+    return list(members if members is not None else weight.unbind(0))
 
 
 def quantization_recipe(config):

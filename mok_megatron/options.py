@@ -172,6 +172,16 @@ class MoKOptions:
         detail="torch: bf16 torch._grouped_mm; torch-fp8: native rowwise FP8 on Hopper or newer GPUs, "
         "without TE; te: Transformer Engine GroupedLinear under Megatron's --fp8-format / --fp8-recipe",
     )
+    te_single_weight: bool = option(
+        False,
+        help="te: one TE grouped weight per projection, one call at any expert count (TE-experimental)",
+        detail="Transformer Engine's single_grouped_weight (labelled experimental by TE): each projection's "
+        "local experts in one [L, N, K] Parameter, quantized by one grouped launch per pass instead of one "
+        "per expert, so one grouped GEMM call covers every local expert (no 64-expert cap, no host read: "
+        "--mok-sync-free runs at any expert count); state dicts and dist-checkpoints keep TEGroupedMLP's "
+        "per-expert keys. Needs TE >= 2.20 and its grouped GEMM for the recipe here; not with "
+        "--fp8-param-gather",
+    )
     nvlink_programs: int = option(
         64,
         help="nvlink: CTAs that communicate",
@@ -256,6 +266,12 @@ class MoKOptions:
             raise MoKOptionsError(
                 "--mok-engine plain runs no pipeline: drop --mok-minibatch-size / --mok-minibatch-split / "
                 "--mok-sync-free / --mok-fp8-dispatch / --mok-fp8-combine, or use --mok-engine pipeline."
+            )
+        if self.te_single_weight and self.expert_backend is not ExpertBackend.TE:
+            raise MoKOptionsError(
+                f"--mok-te-single-weight with --mok-expert-backend {self.expert_backend.value}: the single "
+                "grouped weight is Transformer Engine's; use --mok-expert-backend te or drop "
+                "--mok-te-single-weight."
             )
         if self.minibatch_split is MinibatchSplit.EXPERTS and self.late_wgrad:
             raise MoKOptionsError(

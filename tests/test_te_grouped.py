@@ -331,3 +331,262 @@ def test_call_views_share_the_layers_parameters_and_fire_its_hooks_once():
     assert [v.dw_calls for v in views.views] == [1, 1, 1] and parent.hooks_fired == 1
     views.backward_dw()  # nothing pending: no second reduction
     assert [v.dw_calls for v in views.views] == [1, 1, 1] and parent.hooks_fired == 1
+
+
+# ---- --mok-te-single-weight: one TE grouped weight per projection ---------------------------------
+
+
+class FakeTELinear(torch.nn.Module):
+    """Megatron's TE GroupedLinear wrapper as ``MoKTEGroupedMLP`` builds it, on CPU: a single grouped
+    weight (``weight [G, N, K]`` whose members are views of it) only where the config asks for
+    ``moe_single_grouped_weight`` AND ``NVTE_GROUPED_LINEAR_SINGLE_PARAM`` is set at construction (TE falls
+    back to ``weight{i}`` otherwise); its forward is TE's grouped route (int64 splits, rows past their
+    total NaN; one entry in ``calls`` per call); loading stacks / splits the per-expert and grouped keys
+    as Megatron's ``_normalize_grouped_parameter_keys`` pre-hook does."""
+
+    def __init__(self, num_gemms, in_size, out_size, *, config, pg_collection=None, name=None, **kwargs):
+        import os
+
+        super().__init__()
+        self.config, self.num_gemms, self.calls = config, num_gemms, []
+        self.env_at_build = os.environ.get("NVTE_GROUPED_LINEAR_SINGLE_PARAM")
+        self.single_grouped_weight = bool(getattr(config, "moe_single_grouped_weight", False)) and int(
+            self.env_at_build or 0
+        ) > 0
+        self.use_grouped_tensor = False
+        g = torch.Generator().manual_seed(31 * out_size + in_size)
+        w = torch.randn(num_gemms, out_size, in_size, generator=g, dtype=torch.float64) / 4
+        if self.single_grouped_weight:
+            self.weight = torch.nn.Parameter(w)
+            self.weight.quantized_tensors = list(self.weight.data.unbind(0))
+        else:
+            for i in range(num_gemms):
+                self.register_parameter(f"weight{i}", torch.nn.Parameter(w[i].clone()))
+        for i in range(num_gemms):
+            setattr(self, f"bias{i}", torch.empty(0))  # TE's bias=False
+        self._register_load_state_dict_pre_hook(self._remap)
+
+    def _remap(self, sd, prefix, *args):
+        keys = [f"{prefix}weight{i}" for i in range(self.num_gemms)]
+        if self.single_grouped_weight and all(k in sd for k in keys):
+            sd[f"{prefix}weight"] = torch.stack([sd.pop(k) for k in keys])
+        elif not self.single_grouped_weight and f"{prefix}weight" in sd:
+            for k, w in zip(keys, sd.pop(f"{prefix}weight").unbind(0), strict=True):
+                sd[k] = w
+
+    def forward(self, x, m_splits):
+        if not isinstance(m_splits, torch.Tensor) or m_splits.dtype != torch.int64:
+            raise ValueError("The native grouped_tensor path requires CUDA m_splits")
+        assert m_splits.shape == (self.num_gemms,)
+        sizes = _TOLIST(m_splits)
+        self.calls.append(len(sizes))
+        if self.single_grouped_weight:
+            w = self.weight
+        else:
+            w = torch.stack([getattr(self, f"weight{i}") for i in range(self.num_gemms)])
+        total = sum(sizes)
+        y = grouped_linear_reference(x[:total], w, sizes)
+        return torch.cat([y, y.new_full((x.shape[0] - total, y.shape[1]), float("nan"))]), None
+
+    def backward_dw(self):
+        return None
+
+
+def _te_experts(monkeypatch, experts, single, sync_free=False):
+    """``MoKTEGroupedMLP`` of a one-layer fp32 config on CPU, TE faked (``FakeTELinear``) and its grouped
+    route taken."""
+    from mok_megatron import compat
+    from mok_megatron.bench.build import layer_config
+    from mok_megatron.options import MoKOptions
+
+    monkeypatch.setattr(compat, "have_te", lambda: True)
+    monkeypatch.setattr(compat, "te_grouped_linear_classes", lambda: (FakeTELinear, FakeTELinear))
+    monkeypatch.setattr(compat, "te_single_grouped_weight_supported", lambda: True)
+    monkeypatch.setattr(compat, "te_version", lambda: "2.20.2")
+    monkeypatch.setattr(te, "route_for", lambda config: te.GroupedRoute(True))
+    real = te.check_expert_backend  # its checks, as on a GPU
+    monkeypatch.setattr(te, "check_expert_backend", lambda b, c, device, **k: real(b, c, "cuda", **k))
+    cfg = layer_config(dict(hidden=16, ffn=8, experts=experts, topk=2), torch.float64)
+    opts = MoKOptions(expert_backend="te", te_single_weight=single, sync_free=sync_free)
+    return te.MoKTEGroupedMLP(experts, cfg, options=opts)
+
+
+@pytest.mark.usefixtures("single_rank")
+@pytest.mark.parametrize("alignment", [1, 16])
+def test_single_weight_one_call_for_128_experts_without_host_reads(alignment, monkeypatch):
+    """--mok-te-single-weight with 128 local experts and --mok-sync-free: the layer builds (no 64-expert
+    refusal), holds one grouped weight per projection, and its forward and backward make ONE TE call per
+    projection over all 128 experts with nothing read on the host; results the per-expert reference's."""
+    from mok_megatron.experts.torch_mlp import expert_mlp
+
+    experts = _te_experts(monkeypatch, 128, single=True, sync_free=True)
+    fc1, fc2 = experts.linear_fc1, experts.linear_fc2
+    assert experts._views is None and experts.route.grouped
+    assert fc1.single_grouped_weight and fc2.single_grouped_weight
+    assert [n for n, _ in experts.named_parameters()] == ["linear_fc1.weight", "linear_fc2.weight"]
+    assert not experts.contract(experts.config, experts.mok_config, experts.options).host_counts
+    experts.expert_alignment = alignment
+    g = torch.Generator().manual_seed(7)
+    counts = torch.randint(0, 3, (128,), generator=g)
+    counts[100] = 5
+    R = int(counts.sum())
+    x0 = torch.randn(R, 16, generator=g, dtype=torch.float64)
+    p0 = torch.rand(R, generator=g, dtype=torch.float64)
+    dy = torch.randn(R, 16, generator=g, dtype=torch.float64)
+    w1, w2 = fc1.weight, fc2.weight
+    want = _run(lambda x, p: expert_mlp(x, p, counts, w1, w2, ACT), x0, p0, w1, w2, dy)
+
+    def layer(x, p):
+        with NoHostRead(monkeypatch):
+            return experts(x, counts, p)[0]
+
+    _check(_run(layer, x0, p0, w1, w2, dy), want)
+    assert fc1.calls == [128] and fc2.calls == [128]
+
+
+@pytest.mark.usefixtures("single_rank")
+def test_single_weight_off_keeps_per_expert_weights_and_calls_of_64(monkeypatch):
+    """Without the option: per-expert Parameters, the layer's config unchanged, TE's environment gate
+    closed at construction, calls of at most 64 experts, and --mok-sync-free refused at 128 experts."""
+    experts = _te_experts(monkeypatch, 128, single=False)
+    fc1 = experts.linear_fc1
+    assert not fc1.single_grouped_weight and fc1.env_at_build is None and fc1.config is experts.config
+    assert not getattr(experts.config, "moe_single_grouped_weight", False)
+    assert [v.num_gemms for v in experts._views[0].views] == [64, 64]
+    assert experts.stacked_fc1_weight.shape == (128, 16, 16)
+    with pytest.raises(MoKConfigError, match="at most 64 experts per call"):
+        _te_experts(monkeypatch, 128, single=False, sync_free=True)
+
+
+@pytest.mark.usefixtures("single_rank")
+def test_single_weight_opens_te_gate_only_while_building_and_leaves_the_config(monkeypatch):
+    """TE reads NVTE_GROUPED_LINEAR_SINGLE_PARAM in GroupedLinear.__init__ only: it is 1 while the linears
+    are built and as it was after (unset, or a user's value); the layer's config is not modified."""
+    import os
+
+    from mok_megatron.compat import TE_SINGLE_PARAM_ENV
+
+    for before in (None, "0"):
+        if before is None:
+            monkeypatch.delenv(TE_SINGLE_PARAM_ENV, raising=False)
+        else:
+            monkeypatch.setenv(TE_SINGLE_PARAM_ENV, before)
+        experts = _te_experts(monkeypatch, 8, single=True)
+        assert experts.linear_fc1.env_at_build == "1" and experts.linear_fc2.env_at_build == "1"
+        assert os.environ.get(TE_SINGLE_PARAM_ENV) == before
+        assert experts.linear_fc1.config.moe_single_grouped_weight
+        assert not experts.config.moe_single_grouped_weight
+
+
+@pytest.mark.usefixtures("single_rank")
+def test_single_weight_state_dict_is_the_per_expert_layout_both_ways(monkeypatch):
+    """A state dict of the single-weight layer has exactly the per-expert layer's keys and shapes
+    (``linear_fc{1,2}.weight{i}``); each loads into the other (strict) with the same weights; a stacked
+    ``linear_fc1.weight`` entry (TE's own single-weight state dict) loads too; ``stacked_fc*_weight`` are
+    ``[L, N, K]`` copies of the grouped weight."""
+    from mok_megatron.experts.checkpoint import convert_state_dict, detect_layout
+
+    on, off = _te_experts(monkeypatch, 8, single=True), _te_experts(monkeypatch, 8, single=False)
+    with torch.no_grad():
+        off.linear_fc1.weight3.mul_(-2)
+        off.linear_fc2.weight7.add_(1)
+    sd_on, sd_off = on.state_dict(), off.state_dict()
+    assert {k: tuple(v.shape) for k, v in sd_on.items()} == {k: tuple(v.shape) for k, v in sd_off.items()}
+    assert detect_layout(sd_on, "") == "te_grouped"
+    assert set(convert_state_dict(sd_on, "mok")) == {"fc1_weight", "fc2_weight"}
+    for i in range(8):  # views of the grouped storage, no copy
+        assert sd_on[f"linear_fc1.weight{i}"].data_ptr() == on.linear_fc1.weight[i].data_ptr()
+
+    on.load_state_dict(sd_off, strict=True)
+    torch.testing.assert_close(on.stacked_fc1_weight, off.stacked_fc1_weight, rtol=0, atol=0)
+    torch.testing.assert_close(on.stacked_fc2_weight, off.stacked_fc2_weight, rtol=0, atol=0)
+    assert on.stacked_fc1_weight.shape == (8, 16, 16)
+    assert on.stacked_fc1_weight.data_ptr() != on.linear_fc1.weight.data_ptr()  # read-only copy
+
+    fresh = _te_experts(monkeypatch, 8, single=False)
+    fresh.load_state_dict(on.state_dict(), strict=True)
+    torch.testing.assert_close(fresh.stacked_fc1_weight, off.stacked_fc1_weight, rtol=0, atol=0)
+
+    grouped = {
+        "linear_fc1.weight": off.stacked_fc1_weight,
+        "linear_fc2.weight": off.stacked_fc2_weight,
+        "linear_fc1._extra_state": None,
+        "linear_fc2._extra_state": None,
+    }
+    for target in (_te_experts(monkeypatch, 8, single=True), _te_experts(monkeypatch, 8, single=False)):
+        target.load_state_dict({k: v for k, v in grouped.items() if v is not None}, strict=False)
+        torch.testing.assert_close(target.stacked_fc2_weight, off.stacked_fc2_weight, rtol=0, atol=0)
+
+
+def _single_check(**over):
+    kw = dict(
+        supported=True,
+        route=te.GroupedRoute(True),
+        recipe="tensorwise",
+        env=None,
+        fp8_param=False,
+        te_version="2.20.2",
+    )
+    kw.update(over)
+    te.check_single_weight(**kw)
+
+
+def test_single_weight_refusals_name_the_value_and_the_fix_in_one_line():
+    from megatron.core.enums import Fp8Recipe
+
+    from mok_megatron.options import MoKOptions, MoKOptionsError
+
+    _single_check()
+    _single_check(recipe="mxfp8", fp8_param=True)
+    off = te.GroupedRoute(False)
+    cases = [
+        (
+            dict(supported=False, te_version="2.19.0"),
+            r"Transformer Engine 2\.19\.0 has no single grouped weight.*>=2\.20.*drop --mok-te-single-weight",
+        ),
+        (dict(route=off, env="0"), r"not run tensorwise here: NVTE_GROUPED_LINEAR_USE_FUSED_GROUPED_GEMM=0.*unset"),
+        (
+            dict(route=_route("blockwise", 130100), recipe="blockwise"),
+            r"not run blockwise here: .*cuBLASLt >= 13\.6 on sm_90.*nvidia-cublas.*or drop --mok-te-single-weight",
+        ),
+        (dict(route=off, recipe="delayed"), r"not run delayed here: TE's is_module_grouped_tensor_path_supported"),
+        (dict(fp8_param=True, recipe="blockwise"), r"--fp8-param-gather and --fp8-recipe blockwise.*mxfp8 / nvfp4"),
+    ]
+    for over, pattern in cases:
+        with pytest.raises(MoKConfigError, match=pattern) as err:
+            _single_check(**over)
+        msg = str(err.value)
+        assert "\n" not in msg and msg.startswith("--mok-te-single-weight"), msg
+    with pytest.raises(MoKOptionsError, match=r"--mok-te-single-weight with --mok-expert-backend torch-fp8"):
+        MoKOptions(expert_backend="torch-fp8", te_single_weight=True)
+    assert MoKOptions(expert_backend="te", te_single_weight=True).te_single_weight
+    # a TE that dropped single_grouped_weight (its env gate closed, an older TE) is caught at build
+    cfg = SimpleNamespace(init_model_with_meta_device=False, fp8_recipe=Fp8Recipe.tensorwise)
+    per_expert = SimpleNamespace(single_grouped_weight=False)
+    with pytest.raises(MoKConfigError, match=r"built SimpleNamespace with one weight per expert"):
+        te.check_grouped_weight_built(per_expert, cfg)
+    te.check_grouped_weight_built(SimpleNamespace(single_grouped_weight=True, weight=torch.zeros(1)), cfg)
+
+
+def test_single_weight_contract_takes_device_counts_at_any_expert_count(monkeypatch):
+    from megatron.core.enums import Fp8Recipe
+
+    from mok_megatron.options import MoKOptions
+
+    cfg = _cfg(Fp8Recipe.blockwise)
+    monkeypatch.setattr(te, "route_for", lambda config: te.GroupedRoute(True))
+    opts = MoKOptions(expert_backend="te", te_single_weight=True)
+    for n in (8, 128, 256):
+        c = te.MoKTEGroupedMLP.contract(cfg, SimpleNamespace(num_local_experts=n), opts)
+        assert c.alignment == 128 and c.device_counts and not c.host_counts, n
+
+
+def test_bench_layer_has_single_weight_rows():
+    from mok_megatron.bench.suite import FP8_IMPLS, check_impls
+    from mok_megatron.options import MoKOptions
+
+    check_impls(["mok", "mok-te-tensorwise-single", "mok-te-blockwise-single", "mok-torch-fp8"])
+    for name in ("mok-te-tensorwise-single", "mok-te-blockwise-single"):
+        backend, recipe, options = FP8_IMPLS[name]
+        assert MoKOptions(expert_backend=backend, **options).te_single_weight and recipe in name
+    assert not any(o for _, _, o in (FP8_IMPLS[n] for n in ("mok-te-tensorwise", "mok-torch-fp8")))

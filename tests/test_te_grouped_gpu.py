@@ -8,7 +8,9 @@ bf16 (SequentialMLP; the reference). Checked: output, input gradient and every e
 finite; grouped vs per-expert within ``SAME_REL`` (the same quantization of the same rows; the GEMMs differ in
 accumulation order only); each vs the bf16 reference within ``BF16_REL`` (bf16) or ``FP8_REL`` (FP8); TE's
 grouped GEMM ran and its per-expert GEMMs did not. 8 experts (one TE call) and 128 (two calls of 64);
-the sync-free pipeline with 64 (one call).
+the sync-free pipeline with 64 (one call). With ``--mok-te-single-weight`` (one TE grouped weight per
+projection): the same comparisons, one TE call per projection and pass at 8 and 128 experts, the sync-free
+pipeline at 128, and checkpoints (plain and dist_checkpointing) moving between the two layouts.
 
 Run on one Hopper GPU:
     LD_PRELOAD="<wheel>/nvidia/cu13/lib/libcublasLt.so.13 <wheel>/nvidia/cu13/lib/libcublas.so.13" \\
@@ -102,8 +104,23 @@ def _run(layer, cfg, x, dout, steps):
         with quantization_context(cfg):
             out, _ = layer(xi)
         out.backward(dout)
-    grads = {n: p.grad.float() for n, p in layer.named_parameters() if p.grad is not None and "experts" in n}
-    return out.detach().float(), xi.grad.float(), convert_state_dict(grads, "mok")
+    return out.detach().float(), xi.grad.float(), convert_state_dict(_expert_grads(layer), "mok")
+
+
+def _expert_grads(layer) -> dict:
+    """The experts' weight gradients by parameter name; a single grouped weight's (``linear_fc1.weight``,
+    ``[L, N, K]``) under MoK's stacked name (``fc1_weight``)."""
+    import re
+
+    grads = {}
+    for n, p in layer.named_parameters():
+        if p.grad is None or "experts" not in n:
+            continue
+        g = p.grad
+        g = g.rowwise_data.view(p.shape) if hasattr(g, "rowwise_data") else g  # a TE grouped gradient
+        m = re.fullmatch(r"(.*)linear_fc([12])\.weight", n)
+        grads[f"{m.group(1)}fc{m.group(2)}_weight" if m else n] = g.float()
+    return grads
 
 
 def _rel(a, b) -> float:
@@ -277,3 +294,178 @@ def test_grouped_route_sync_free_refuses_more_experts_than_one_call_with_that_re
     _grouped_or_skip(cfg, None)
     with pytest.raises(MoKConfigError, match="at most 64 experts per call"):
         _build("mok", cfg, monkeypatch, options=MoKOptions(expert_backend="te", sync_free=True))
+
+
+# ---- --mok-te-single-weight: one TE grouped weight per projection ---------------------------------
+
+
+def _single(**options):
+    """``MoKOptions`` of the te backend with --mok-te-single-weight (and ``options``)."""
+    from mok_megatron.options import MoKOptions
+
+    return MoKOptions(expert_backend="te", te_single_weight=True, **options)
+
+
+@pytest.mark.usefixtures("single_rank")
+@pytest.mark.parametrize("experts", [8, 128])
+@pytest.mark.parametrize("recipe", [None, "tensorwise", "blockwise"])
+def test_single_weight_matches_per_expert_route_and_megatron(recipe, experts, monkeypatch):
+    """One grouped weight per projection: one TE grouped GEMM call per projection and pass (forward,
+    dgrad, wgrad: 6 per step at any expert count), results within SAME_REL of the per-expert route (the
+    same per-expert quantization scales) and within the bf16 / FP8 bound of Megatron's bf16 layer."""
+    import os
+
+    from mok_megatron.compat import TE_SINGLE_PARAM_ENV
+    from mok_megatron.experts.checkpoint import convert_state_dict
+
+    cfg = _config(experts, recipe)
+    _grouped_or_skip(cfg, recipe)
+    ref_cfg = _config(experts, None)
+    ref = _build("megatron", ref_cfg)
+    state = convert_state_dict(ref.state_dict(), "mok")
+    x, dout = _inputs(experts)
+    want = _run(ref, ref_cfg, x, dout, 1)
+    per_expert = _build("mok", cfg, monkeypatch, per_expert=True)
+    monkeypatch.delenv(TE_SINGLE_PARAM_ENV, raising=False)
+    single = _build("mok", cfg, monkeypatch, options=_single())
+    assert TE_SINGLE_PARAM_ENV not in os.environ  # TE's gate open only while the linears were built
+    for layer in (per_expert, single):
+        layer.load_state_dict(state, strict=True)
+    fc1 = single.experts.linear_fc1
+    assert fc1.single_grouped_weight and fc1.use_grouped_tensor and single.experts._views is None
+    assert [n for n, _ in single.experts.named_parameters()] == ["linear_fc1.weight", "linear_fc2.weight"]
+    torch.testing.assert_close(single.experts.stacked_fc1_weight, per_expert.experts.stacked_fc1_weight)
+    steps = 3 if recipe else 1
+    old = _run(per_expert, cfg, x, dout, steps)
+    counter = _GemmCounter(monkeypatch)
+    new = _run(single, cfg, x, dout, steps)
+    assert counter.calls == {"grouped": 6 * steps, "per_expert": 0}, counter.calls
+    _finite(new, "single weight")
+    bound = BF16_REL if recipe is None else FP8_REL
+    vs_ref, vs_old = _errors(new, want), _errors(new, old)
+    assert max(vs_ref.values()) < bound, vs_ref
+    assert max(vs_old.values()) < SAME_REL, vs_old
+
+
+@pytest.mark.usefixtures("single_rank")
+@pytest.mark.parametrize("recipe", [None, "tensorwise", "blockwise"])
+def test_single_weight_sync_free_pipeline_at_128_experts(recipe, monkeypatch):
+    """--mok-sync-free with 128 local experts builds and runs with the single grouped weight (one TE call,
+    device counts), against the EP=1 per-expert TE layer and the bf16 reference."""
+    from mok_megatron.experts.checkpoint import convert_state_dict
+    from mok_megatron.transport.loopback import LoopbackLink, LoopbackTransport
+
+    cfg = _config(128, recipe)
+    _grouped_or_skip(cfg, recipe)
+    ref_cfg = _config(128, None)
+    ref = _build("megatron", ref_cfg)
+    state = convert_state_dict(ref.state_dict(), "mok")
+    x, dout = _inputs(128, seed=5)
+    want = _run(ref, ref_cfg, x, dout, 1)
+    ep1 = _build("mok", cfg, monkeypatch, per_expert=True)
+    link = LoopbackLink(ep=8, gbps=450.0)
+    opts = _single(minibatch_size=384, sync_free=True)
+    transport = LoopbackTransport(link, cfg.num_moe_experts, cfg.moe_router_topk)
+    pipe = _build("mok", cfg, monkeypatch, options=opts, transport=transport)
+    for layer in (ep1, pipe):
+        layer.load_state_dict(state, strict=True)
+    assert pipe.token_dispatcher.pipelined and pipe.experts.route.grouped and pipe.experts._views is None
+    assert pipe.experts_contract.device_counts and not pipe.experts_contract.host_counts
+    steps = 3 if recipe else 1
+    one, got = _run(ep1, cfg, x, dout, steps), _run(pipe, cfg, x, dout, steps)
+    _finite(got, "pipeline")
+    bound = BF16_REL if recipe is None else FP8_REL
+    assert max(_errors(got, want).values()) < bound
+    assert _rel(got[0], one[0]) < SAME_REL
+
+
+@pytest.mark.usefixtures("single_rank")
+@pytest.mark.parametrize("recipe", [None, "blockwise"])
+def test_single_weight_experts_read_nothing_back_at_128_experts(recipe, monkeypatch):
+    """128 experts, one TE call: the experts' forward and backward never synchronise."""
+    from mok_megatron.compat import quantization_context
+
+    cfg = _config(128, recipe)
+    _grouped_or_skip(cfg, recipe)
+    experts = _build("mok", cfg, monkeypatch, options=_single()).experts
+    experts.aligned_input = 1
+    counts = torch.randint(0, 40, (128,), generator=torch.Generator().manual_seed(3)).cuda()
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(int(counts.sum()), SHAPES[128]["hidden"], generator=g).to("cuda", torch.bfloat16)
+    probs = torch.rand(x.shape[0], generator=g).to("cuda")
+
+    def step():
+        xi = x.detach().requires_grad_(True)
+        with quantization_context(cfg):
+            y, _ = experts(xi, counts, probs)
+        y.float().square().sum().backward()
+        return xi.grad
+
+    assert torch.isfinite(step()).all()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
+@pytest.mark.usefixtures("single_rank")
+@pytest.mark.parametrize("experts", [8, 128])
+def test_single_weight_checkpoints_move_between_layouts(experts, monkeypatch, tmp_path):
+    """The single-weight layer's plain state dict and dist-checkpoint ShardedTensors have exactly the
+    per-expert layer's keys and shapes; each layout's checkpoint (plain and dist_checkpointing) loads into
+    the other bitwise."""
+    import torch.distributed as dist
+    from megatron.core import dist_checkpointing
+
+    from mok_megatron.experts.te import expert_weights
+
+    cfg = _config(experts, "blockwise")
+    _grouped_or_skip(cfg, "blockwise")
+
+    def build(single):
+        if single:
+            return _build("mok", cfg, monkeypatch, options=_single())
+        return _build("mok", cfg, monkeypatch)
+
+    def perturbed(single):
+        layer = build(single)
+        with torch.no_grad():
+            for linear in (layer.experts.linear_fc1, layer.experts.linear_fc2):
+                for w in expert_weights(linear, experts):
+                    w.add_(torch.randn_like(w) * 0.01)
+        return layer
+
+    def weights(layer):
+        return layer.experts.stacked_fc1_weight, layer.experts.stacked_fc2_weight
+
+    on, off = build(True), build(False)
+    sd_on, sd_off = on.state_dict(), off.state_dict()
+    assert {k: tuple(v.shape) for k, v in sd_on.items() if torch.is_tensor(v)} == {
+        k: tuple(v.shape) for k, v in sd_off.items() if torch.is_tensor(v)
+    }
+    sh_on, sh_off = on.sharded_state_dict(prefix="m."), off.sharded_state_dict(prefix="m.")
+    assert set(sh_on) == set(sh_off)
+    for k, v in sh_off.items():
+        if hasattr(v, "global_shape"):
+            assert (sh_on[k].key, sh_on[k].global_shape, sh_on[k].global_offset) == (
+                v.key,
+                v.global_shape,
+                v.global_offset,
+            ), k
+    for src, dst in ((True, False), (False, True)):
+        a = perturbed(src)
+        b = build(dst)
+        b.load_state_dict(a.state_dict(), strict=True)  # plain
+        for want, got in zip(weights(a), weights(b), strict=True):
+            assert torch.equal(want, got), ("plain", src, dst)
+        path = tmp_path / f"{src}-to-{dst}"
+        path.mkdir()
+        dist_checkpointing.save(a.sharded_state_dict(prefix="m."), str(path))
+        dist.barrier()
+        c = build(dst)
+        state = dist_checkpointing.load(c.sharded_state_dict(prefix="m."), str(path))
+        c.load_state_dict({k[2:]: v for k, v in state.items()}, strict=True)
+        for want, got in zip(weights(a), weights(c), strict=True):
+            assert torch.equal(want, got), ("dist", src, dst)

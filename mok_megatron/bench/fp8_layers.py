@@ -1,10 +1,11 @@
 """MoK MoE layers with an FP8 expert backend, built as training builds them (for benchmarks and tests).
 
-fp8_config(cfg, recipe)       ``cfg`` with Megatron's ``--fp8-format e4m3 --fp8-recipe recipe`` (nvfp4:
-                              ``--fp4-format e2m1 --fp4-recipe nvfp4``); None keeps bf16
-build_mok_layer(backend, cfg) the spec's MoK layer with ``--mok-expert-backend backend``
-InQuantContext(layer, cfg)    runs ``layer`` under Megatron's FP8 context, as ``TransformerBlock`` does
-unavailable(backend, recipe)  why that path cannot run here (None: it can)
+fp8_config(cfg, recipe)             ``cfg`` with Megatron's ``--fp8-format e4m3 --fp8-recipe recipe`` (nvfp4:
+                                    ``--fp4-format e2m1 --fp4-recipe nvfp4``); None keeps bf16
+build_mok_layer(backend, cfg, **o)  the spec's MoK layer with ``--mok-expert-backend backend`` (and
+                                    ``MoKOptions(**o)``'s other fields)
+InQuantContext(layer, cfg)          runs ``layer`` under Megatron's FP8 context, as ``TransformerBlock`` does
+unavailable(backend, recipe)        why that path cannot run here (None: it can)
 """
 
 from __future__ import annotations
@@ -26,12 +27,13 @@ def fp8_config(cfg, recipe: str | None):
     return dataclasses.replace(cfg, fp8="e4m3", fp8_recipe=Fp8Recipe(recipe))
 
 
-def build_mok_layer(backend: str, cfg):
-    """``mok_megatron.bench.layer.build('mok', cfg)`` with ``--mok-expert-backend backend``."""
+def build_mok_layer(backend: str, cfg, **options):
+    """``mok_megatron.bench.layer.build('mok', cfg)`` with ``--mok-expert-backend backend`` and the other
+    ``MoKOptions`` fields in ``options``."""
     from mok_megatron.bench.build import build
     from mok_megatron.options import MoKOptions
 
-    return build("mok", cfg, options=MoKOptions(expert_backend=backend))
+    return build("mok", cfg, options=MoKOptions(expert_backend=backend, **options))
 
 
 class InQuantContext(torch.nn.Module):

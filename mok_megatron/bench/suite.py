@@ -22,7 +22,8 @@ Implementations:
                    Hopper or Blackwell GPU, bf16, softmax routing
 
 FP8 rows (opt-in, ``--impl mok,mok-torch-fp8,...``; not in the default list): MoK's layer with an FP8 expert
-backend (``FP8_IMPLS``: --mok-expert-backend and Megatron's --fp8-recipe), and Megatron's TEGroupedMLP layer
+backend (``FP8_IMPLS``: --mok-expert-backend and Megatron's --fp8-recipe; the ``-single`` rows add
+--mok-te-single-weight), and Megatron's TEGroupedMLP layer
 under the same FP8 context (``MEGATRON_FP8_IMPLS``: ``megatron-te-blockwise``, ``megatron-te-tensorwise``),
 checked against the reference with the looser ``FP8_TOLERANCE``; a path this machine cannot run is skipped
 with the reason.
@@ -39,6 +40,7 @@ from mok_megatron.bench.routing import ROUTINGS, expert_load, routed_input, rout
 from mok_megatron.bench.timing import PHASES, SPREAD, peak_memory_mib, time_phases
 from mok_megatron.bench.torchtitan import PeerUnavailable
 from mok_megatron.bench.clocks import ClockSampler
+from mok_megatron.errors import MoKConfigError
 
 IMPLS = ("mok", "megatron", "megatron-te", "torchtitan", "plain-pytorch", "sonic")
 MEGATRON_IMPLS = ("mok", "megatron", "megatron-te")
@@ -48,12 +50,14 @@ BEST_EFFORT = ("torchtitan", "sonic")
 TOLERANCE = {"bf16": 5e-2, "fp32": 1e-4}
 # expert GEMM FLOPs per phase, in units of 2 * rows * 3 * H * F (forward: fc1 is 2F wide, fc2 F)
 PHASE_FLOP_FACTOR = {"fwd": 1, "bwd": 2, "fwd_bwd": 3, "steady": 3}
-# MoK with an FP8 expert backend: name -> (--mok-expert-backend, --fp8-recipe or None)
+# MoK with an FP8 expert backend: name -> (--mok-expert-backend, --fp8-recipe or None, other MoKOptions)
 FP8_IMPLS = {
-    "mok-torch-fp8": ("torch-fp8", None),
-    "mok-te-tensorwise": ("te", "tensorwise"),
-    "mok-te-blockwise": ("te", "blockwise"),
-    "mok-te-mxfp8": ("te", "mxfp8"),
+    "mok-torch-fp8": ("torch-fp8", None, {}),
+    "mok-te-tensorwise": ("te", "tensorwise", {}),
+    "mok-te-blockwise": ("te", "blockwise", {}),
+    "mok-te-mxfp8": ("te", "mxfp8", {}),
+    "mok-te-tensorwise-single": ("te", "tensorwise", {"te_single_weight": True}),
+    "mok-te-blockwise-single": ("te", "blockwise", {"te_single_weight": True}),
 }
 # Megatron's own layer (TEGroupedMLP) under the same FP8 context: name -> --fp8-recipe (with
 # --moe-router-padding-for-quantization, which Megatron requires of its FP8 grouped GEMM)
@@ -162,11 +166,14 @@ def _build_fp8(impl: str, shape: dict, dtype, device, ref_sd: dict, router_fusio
     from mok_megatron.experts.checkpoint import convert_state_dict
     from mok_megatron.bench.fp8_layers import InQuantContext, build_mok_layer, fp8_config, unavailable
 
-    backend, recipe = FP8_IMPLS[impl]
+    backend, recipe, options = FP8_IMPLS[impl]
     if reason := unavailable(backend, recipe):
         raise PeerUnavailable(f"--mok-expert-backend {backend} {recipe or ''}: {reason}")
     cfg = fp8_config(_bench_config(shape, dtype, "mok", router_fusion), recipe)
-    layer = build_mok_layer(backend, cfg).to(device)
+    try:
+        layer = build_mok_layer(backend, cfg, **options).to(device)
+    except MoKConfigError as e:  # an option this machine cannot run (e.g. TE's grouped GEMM absent)
+        raise PeerUnavailable(str(e)) from None
     layer.load_state_dict(convert_state_dict(ref_sd, "mok"), strict=True)
     return InQuantContext(layer, cfg)
 

@@ -34,14 +34,29 @@ Two GEMM routes, chosen once at build (``grouped_route``):
   outside the splits and nothing reads them (the fused activation skips them, combine gathers routed
   rows only).
   TE's grouped GEMM takes at most 64 per-expert weight tensors per call
-  (``compat.TE_GROUPED_GEMM_MAX_WEIGHTS``), and TE 2.20's single grouped weight (which has no such
-  limit) is experimental and, in Megatron 0.19, limited to bf16 / MXFP8 / NVFP4 weights under the op
-  fuser. So more local experts run as calls of at most 64 experts over contiguous expert and row
-  ranges (``TECallViews``: TE modules whose ``weight{i}`` are the layer's own Parameters, outside the
-  module tree, so parameters, state dicts, checkpoints and DDP hooks stay ``TEGroupedMLP``'s). The
+  (``compat.TE_GROUPED_GEMM_MAX_WEIGHTS``); TE 2.20's single grouped weight has no such limit but is
+  experimental (opt-in below). So by default more local experts run as calls of at most 64 experts
+  over contiguous expert and row ranges (``TECallViews``: TE modules whose ``weight{i}`` are the
+  layer's own Parameters, outside the module tree, so parameters, state dicts, checkpoints and DDP
+  hooks stay ``TEGroupedMLP``'s). The
   row boundaries between calls are host values: those layers read the counts on the host once per
   call (the contract's ``host_counts``: the plain engine then sizes the buffer exactly, no spare rows),
   which ``--mok-sync-free`` forbids (``check_grouped_calls``).
+  With ``--mok-te-single-weight`` (opt-in; TE labels ``single_grouped_weight`` experimental) fc1 and fc2
+  each hold their local experts as ONE TE grouped Parameter (``linear_fc1.weight``, ``[L, F1, H]``): TE
+  quantizes it in one ``group_quantize`` launch per pass (per-expert scales, the same numbers as one
+  quantization per expert, where per-expert weights cost ~4 launches each: ~1,000 per forward of a
+  128-expert Qwen3-30B-A3B layer, read off TE's source), and one grouped GEMM call takes every local
+  expert, so there is no 64-expert cap, no call views, no host read (``--mok-sync-free`` runs at any
+  expert count) and one weight gradient (with gradient accumulation fusion, one ``main_grad``) per
+  projection. Plain state dicts keep the per-expert
+  keys (``linear_fc1.weight{i}``, views of the grouped storage) and Megatron's wrapper splits the weight
+  into the same per-expert dist-checkpoint ShardedTensors and stacks per-expert keys on load, so
+  checkpoints move between the two layouts both ways. Megatron 0.19's own config refuses the mode outside
+  its op fuser and for tensorwise / blockwise weights (FP8 primary weights need a grouped partial cast);
+  MoK builds the linears with a copy of the config that asks for it, refuses FP8 primary weights
+  (``--fp8-param-gather``) except MXFP8 / NVFP4, and refuses the option where TE's grouped GEMM does not
+  run (``check_single_weight``).
 - per-expert: TE's default route (host ``m_splits`` list, one GEMM and quantization per expert), taken
   where the grouped one cannot run. When only an older cuBLASLt stands in the way, the build says so
   once, in one line, naming the wheel that enables it.
@@ -49,6 +64,7 @@ Two GEMM routes, chosen once at build (``grouped_route``):
 
 from __future__ import annotations
 
+import contextlib
 import os
 import warnings
 from dataclasses import dataclass
@@ -190,6 +206,47 @@ def check_grouped_calls(num_local_experts: int, sync_free: bool) -> None:
         )
 
 
+def check_single_weight(
+    *,
+    supported: bool,
+    route: GroupedRoute,
+    recipe: str | None,
+    env: str | None,
+    fp8_param: bool,
+    te_version: str | None,
+) -> None:
+    """Raise ``MoKConfigError`` (one line: the value, the constraint, the fix) where
+    ``--mok-te-single-weight`` cannot run: a TE without ``GroupedLinear(single_grouped_weight=...)`` on
+    its grouped GEMM (``supported`` False), a process where TE's grouped GEMM does not run ``recipe``
+    (None: bf16; ``env``: ``NVTE_GROUPED_LINEAR_USE_FUSED_GROUPED_GEMM``), or FP8 primary weights
+    (``fp8_param``) other than MXFP8 / NVFP4."""
+    flag = "--mok-te-single-weight"
+    if not supported:
+        raise MoKConfigError(
+            f"{flag}: Transformer Engine {te_version or '(not installed)'} has no single grouped weight on "
+            "its grouped GEMM (GroupedLinear's single_grouped_weight with use_grouped_tensor, TE >= 2.20); "
+            f"pip install 'transformer-engine[pytorch]>=2.20' or drop {flag}."
+        )
+    name = recipe or "bf16"
+    if not route.grouped:
+        if env == "0":
+            why = f"{GROUPED_ENV}=0 turns it off; unset it or drop {flag}"
+        elif route.note:
+            why = route.note.rstrip(".") + f"; or drop {flag}"
+        else:
+            why = (
+                f"TE's is_module_grouped_tensor_path_supported refuses {name} on this GPU (sm_90: bf16, "
+                f"tensorwise, blockwise; sm_100: bf16, tensorwise, mxfp8, nvfp4); drop {flag}"
+            )
+        raise MoKConfigError(f"{flag} needs TE's grouped GEMM, which does not run {name} here: {why}.")
+    if fp8_param and recipe not in ("mxfp8", "nvfp4"):
+        raise MoKConfigError(
+            f"{flag} with --fp8-param-gather and --fp8-recipe {name}: TE's single grouped weight keeps FP8 "
+            "primary weights only for mxfp8 / nvfp4 (the distributed optimizer's cast into a grouped FP8 "
+            f"weight exists for those alone); drop --fp8-param-gather or {flag}."
+        )
+
+
 def padded_counts_host(counts_L: torch.Tensor, alignment: int) -> list[int]:
     """Per-expert padded row counts on the host (TE's ``m_splits``): one device-to-host read."""
     from mok_megatron.compat import te_m_splits
@@ -302,6 +359,58 @@ def _te_calls_mlp(x_RH, probs_R, counts_L, calls, act, alignment):
     return y_PH if plan is None else unpad_rows(y_PH, plan)
 
 
+def single_config(config):
+    """A copy of ``config`` asking Megatron's TE wrapper for a single grouped weight
+    (``moe_single_grouped_weight``); no ``__post_init__``: ``config`` was validated when built, and
+    Megatron's rule against the mode outside its op fuser does not apply to MoK's own GEMM calls."""
+    import copy
+
+    out = copy.copy(config)
+    out.moe_single_grouped_weight = True
+    return out
+
+
+def check_grouped_weight_built(linear, config) -> None:
+    """Raise ``MoKConfigError`` unless TE built ``linear`` with its single grouped weight (a TE that drops
+    ``single_grouped_weight`` warns and falls back to per-expert weights). Weights on the meta device
+    are grouped when materialised (``reset_parameters``): only the flag is checked then."""
+    grouped = getattr(linear, "single_grouped_weight", False)
+    if grouped and not getattr(config, "init_model_with_meta_device", False):
+        grouped = getattr(linear, "weight", None) is not None
+    if not grouped:
+        raise MoKConfigError(
+            f"--mok-te-single-weight: Transformer Engine built {type(linear).__name__} with one weight per "
+            "expert (its single_grouped_weight was dropped; TE's warning above says why); drop "
+            "--mok-te-single-weight or use a TE whose GroupedLinear keeps it (>= 2.20)."
+        )
+
+
+def expert_weights(linear, num_local_experts: int) -> list[torch.Tensor]:
+    """The experts' weights of one TE GroupedLinear, expert order: its single grouped weight's members
+    (views of its storage) or its ``weight{i}`` Parameters."""
+    from mok_megatron.compat import te_grouped_weight_members
+
+    grouped = getattr(linear, "weight", None)
+    if grouped is not None and getattr(linear, "single_grouped_weight", False):
+        return te_grouped_weight_members(grouped)
+    return [getattr(linear, f"weight{i}") for i in range(num_local_experts)]
+
+
+def _per_expert_state_dict_keys(module, state_dict, prefix, local_metadata) -> None:
+    """State-dict post-hook: each single grouped weight (``linear_fc{1,2}.weight``) written as the
+    per-expert keys the per-expert layout has (``linear_fc{1,2}.weight{i}``, views of its storage), so a
+    state dict is the same whichever way the layer holds its weights (TE and Megatron's wrapper stack
+    the keys again on load)."""
+    from mok_megatron.compat import te_grouped_weight_members
+
+    for name in ("linear_fc1", "linear_fc2"):
+        value = state_dict.pop(f"{prefix}{name}.weight", None)
+        if value is None:
+            continue
+        for i, member in enumerate(te_grouped_weight_members(value)):
+            state_dict[f"{prefix}{name}.weight{i}"] = member
+
+
 def to_te_layout(sd: dict, prefix: str, num_local_experts: int) -> None:
     """In place: rewrite expert weights under ``prefix`` (MoK stacked or SequentialMLP layout) into TE
     GroupedLinear's (``linear_fc{1,2}.weight{i}``, one ``_extra_state`` per linear). TE-layout dicts are
@@ -401,7 +510,8 @@ class MoKTEGroupedMLP(MoKGroupedMLP):
     """Routed experts on TE GroupedLinear: ``forward(x, tokens_per_expert, permuted_probs) -> (out, None)``.
 
     ``MoKMoELayer`` builds it in place of ``MoKGroupedMLP`` when the options ask for ``expert_backend='te'``
-    (``experts.protocol.experts_class``). TE keeps one Parameter per expert (``linear_fc1.weight{i}``);
+    (``experts.protocol.experts_class``). TE keeps one Parameter per expert (``linear_fc1.weight{i}``), or
+    with ``--mok-te-single-weight`` one grouped Parameter per projection (``linear_fc1.weight``);
     ``stacked_fc1_weight`` / ``stacked_fc2_weight`` stack them read-only as the other backends do."""
 
     backend = ExpertBackend.TE
@@ -410,12 +520,14 @@ class MoKTEGroupedMLP(MoKGroupedMLP):
     def contract(cls, config, mok_config: MoKConfig, options) -> ExpertsContract:
         """TE's per-expert route reads the counts on the host (``m_splits``) and wants the recipe's row
         alignment; the grouped route takes them on the device (one call: no host read) padded to its own
-        alignment (``grouped_alignment``: 128 for FP8 blocks)."""
+        alignment (``grouped_alignment``: 128 for FP8 blocks); so does a single grouped weight at any
+        expert count."""
         route = route_for(config)
         if not route.grouped:
             alignment = expert_alignment(ExpertBackend.TE, config)
             return ExpertsContract(mok=True, alignment=alignment, host_counts=True)
-        several = len(expert_calls(mok_config.num_local_experts)) > 1
+        single = bool(getattr(options, "te_single_weight", False))
+        several = not single and len(expert_calls(mok_config.num_local_experts)) > 1
         return ExpertsContract(mok=True, alignment=grouped_alignment(config), host_counts=several)
 
     def __init__(
@@ -428,7 +540,14 @@ class MoKTEGroupedMLP(MoKGroupedMLP):
         options: MoKOptions | None = None,
         aligned_input: int = 1,
     ):
-        from mok_megatron.compat import cuda_capability, have_te, te_grouped_linear_classes
+        from mok_megatron.compat import (
+            cuda_capability,
+            have_te,
+            te_grouped_linear_classes,
+            te_single_grouped_weight_supported,
+            te_single_param_env,
+            te_version,
+        )
 
         MegatronModule.__init__(self, config=config)
         options = options if options is not None else MoKOptions(expert_backend=ExpertBackend.TE)
@@ -437,7 +556,17 @@ class MoKTEGroupedMLP(MoKGroupedMLP):
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
         contract = self.contract(config, cfg, self.options)
         route = route_for(config)
-        if route.grouped:  # its own reason first: more experts than one grouped call takes
+        single = self.options.te_single_weight
+        if single:
+            check_single_weight(
+                supported=te_single_grouped_weight_supported(),
+                route=route,
+                recipe=_fp8_recipe_name(config),
+                env=os.environ.get(GROUPED_ENV),
+                fp8_param=bool(getattr(config, "fp8_param", False) or getattr(config, "fp4_param", False)),
+                te_version=te_version(),
+            )
+        elif route.grouped:  # its own reason first: more experts than one grouped call takes
             check_grouped_calls(num_local_experts, self.options.sync_free)
         check_expert_backend(
             ExpertBackend.TE,
@@ -473,25 +602,34 @@ class MoKTEGroupedMLP(MoKGroupedMLP):
             is_expert=True,
             tp_comm_buffer_name="fc2",
         )
-        # Exactly TEGroupedMLP.__init__'s calls (megatron/core/transformer/moe/experts.py, 0.19).
-        self.linear_fc1 = fc1_cls(
-            num_local_experts,
-            fc1_in,
-            fc1_out,
-            config=config,
-            pg_collection=pg,
-            name=(name + ".linear_fc1") if name is not None else None,
-            **fc1_kwargs,
-        )
-        self.linear_fc2 = fc2_cls(
-            num_local_experts,
-            config.moe_ffn_hidden_size,
-            fc2_out,
-            config=config,
-            pg_collection=pg,
-            name=(name + ".linear_fc2") if name is not None else None,
-            **fc2_kwargs,
-        )
+        # Exactly TEGroupedMLP.__init__'s calls (megatron/core/transformer/moe/experts.py, 0.19); a single
+        # grouped weight through the config field Megatron's wrapper reads (``single_config``), with TE's
+        # environment gate open while TE constructs.
+        linear_config = single_config(config) if single else config
+        with te_single_param_env() if single else contextlib.nullcontext():
+            self.linear_fc1 = fc1_cls(
+                num_local_experts,
+                fc1_in,
+                fc1_out,
+                config=linear_config,
+                pg_collection=pg,
+                name=(name + ".linear_fc1") if name is not None else None,
+                **fc1_kwargs,
+            )
+            self.linear_fc2 = fc2_cls(
+                num_local_experts,
+                config.moe_ffn_hidden_size,
+                fc2_out,
+                config=linear_config,
+                pg_collection=pg,
+                name=(name + ".linear_fc2") if name is not None else None,
+                **fc2_kwargs,
+            )
+        self.single_weight = single
+        if single:
+            for linear in (self.linear_fc1, self.linear_fc2):
+                check_grouped_weight_built(linear, config)
+            self.register_state_dict_post_hook(_per_expert_state_dict_keys)
         # The route is MoK's decision (Megatron's wrappers leave TE to read NVTE_GROUPED_LINEAR_USE_FUSED_
         # GROUPED_GEMM at construction; TE reads the attribute at every forward).
         for linear in (self.linear_fc1, self.linear_fc2):
@@ -499,7 +637,7 @@ class MoKTEGroupedMLP(MoKGroupedMLP):
                 linear.use_grouped_tensor = route.grouped
         self._views = None  # (fc1 views, fc2 views): more local experts than one TE call takes
         ranges = expert_calls(num_local_experts)
-        if route.grouped and len(ranges) > 1:
+        if route.grouped and not single and len(ranges) > 1:
             self._views = (
                 TECallViews(
                     self.linear_fc1,
@@ -520,13 +658,14 @@ class MoKTEGroupedMLP(MoKGroupedMLP):
 
     @property
     def stacked_fc1_weight(self) -> torch.Tensor:
-        """fc1's weights ``[L, F1, H]`` (``linear_fc1.weight{l}`` at slice l), read-only (``read_only``)."""
-        return read_only([getattr(self.linear_fc1, f"weight{i}") for i in range(self.num_local_experts)])
+        """fc1's weights ``[L, F1, H]`` (``linear_fc1.weight{l}``, or the single grouped weight's member l,
+        at slice l), read-only (``read_only``)."""
+        return read_only(expert_weights(self.linear_fc1, self.num_local_experts))
 
     @property
     def stacked_fc2_weight(self) -> torch.Tensor:
-        """fc2's weights ``[L, H, F]`` (``linear_fc2.weight{l}`` at slice l), read-only (``read_only``)."""
-        return read_only([getattr(self.linear_fc2, f"weight{i}") for i in range(self.num_local_experts)])
+        """fc2's weights ``[L, H, F]`` (as ``stacked_fc1_weight``), read-only (``read_only``)."""
+        return read_only(expert_weights(self.linear_fc2, self.num_local_experts))
 
     def late_wgrad(self):
         return None
