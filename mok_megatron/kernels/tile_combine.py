@@ -67,7 +67,9 @@ def token_order(slot_TK: torch.Tensor, done_rank_S: torch.Tensor) -> torch.Tenso
         rank = torch.full(slot_TK.shape, -1, dtype=torch.int64, device=slot_TK.device)
     else:
         rank = done_rank_S[slot_TK.long().clamp(min=0)]
-    rank = torch.where(live, rank, -1).amax(1) if slot_TK.shape[1] else slot_TK.new_full((slot_TK.shape[0],), -1)
+    rank = (
+        torch.where(live, rank, -1).amax(1) if slot_TK.shape[1] else slot_TK.new_full((slot_TK.shape[0],), -1)
+    )
     return torch.argsort(rank, stable=True).to(torch.int32)
 
 
@@ -184,7 +186,9 @@ def _check(y_RH, meta, slot_TK, done_S, done_target_S, probs_TK, order_T, progra
         if t.dtype != torch.int32:
             raise ValueError(f"{op}: {name} is {t.dtype}; it must be int32")
     if probs_TK is not None and probs_TK.shape != meta.row_TK.shape:
-        raise ValueError(f"{op}: probs has shape {tuple(probs_TK.shape)}, expected {tuple(meta.row_TK.shape)}")
+        raise ValueError(
+            f"{op}: probs has shape {tuple(probs_TK.shape)}, expected {tuple(meta.row_TK.shape)}"
+        )
     num_tokens = meta.row_TK.shape[0]
     if order_T is not None and (order_T.shape != (num_tokens,) or order_T.dtype != torch.int32):
         raise ValueError(
