@@ -15,6 +15,7 @@ import dataclasses
 import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -25,7 +26,7 @@ import pytest
 import torch
 
 from mok_megatron.compat import have_triton
-from mok_megatron.kernels import Impl
+from mok_megatron.kernels import INTERPRETED, Impl
 from mok_megatron.kernels import tile_combine as tc
 from mok_megatron.kernels import tile_gemm as tg
 from mok_megatron.kernels.combine import combine, combine_reference
@@ -224,6 +225,43 @@ def interpreted_results():
 @pytest.mark.parametrize("case", list(CASES))
 def test_interpreted_kernel_bitwise_equals_the_combine(case, interpreted_results):
     assert interpreted_results[case] == "ok", interpreted_results[case]
+
+
+@pytest.mark.skipif(not have_triton() or INTERPRETED, reason="needs Triton, not in interpreter mode")
+def test_kernel_compiles_for_sm90_with_the_combines_arithmetic():
+    """What bitwise equality with the combine on the GPU rests on: the compiler treats both sums alike (each
+    weighted route one fused multiply-add into the fp32 accumulator, no separately rounded product); and the
+    wait: an acquire atomic at GPU scope, then a CTA barrier before the loads."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from mok_megatron.kernels.permute import _gather_sum_kernel
+
+    if not (Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas").exists():
+        pytest.skip("this Triton has no bundled ptxas")
+
+    def ptx(fn, pointers, constexprs):
+        signature = {n: "constexpr" if n in constexprs else pointers.get(n, "i32") for n in fn.arg_names}
+        src = ASTSource(fn=fn, signature=signature, constexprs=constexprs)
+        return triton.compile(src, target=GPUTarget("cuda", 90, 32)).asm["ptx"]
+
+    rows = dict(row_ptr="*i32", weight_ptr="*fp32", out_ptr="*fp32")
+    tile = ptx(
+        tc._tile_combine_kernel,
+        dict(rows, y_ptr="*bf16", slot_ptr="*i32", done_ptr="*i32", target_ptr="*i32", order_ptr="*i32"),
+        dict(K=4, K_P2=4, BLOCK_T=tc.BLOCK_T, BLOCK_H=tc.BLOCK_H_MAX, HAS_WEIGHT=True, HAS_ORDER=True),
+    )
+    gather = ptx(
+        _gather_sum_kernel,
+        dict(rows, src_ptr="*bf16", psrc_ptr="*fp32", pdst_ptr="*fp32"),
+        dict(K=4, K_P2=4, BLOCK_H=1024, HAS_WEIGHT=True, HAS_PROBS=False),
+    )
+    for text in (tile, gather):
+        assert "fma.rn.f32" in text and not re.search(r"\b(mul|add)(\.rn)?\.f32\b", text)
+    assert re.search(r"atom\.global\.gpu\.acquire\.add\.u32|atom\.acquire\.gpu\.global\.add\.u32", tile)
+    wait = tile.index("acquire")
+    assert "bar.sync" in tile[wait:]
 
 
 # ---- GPU ---------------------------------------------------------------------------------------------------
