@@ -19,7 +19,9 @@ Modules:
     tile_gemm    a grouped GEMM whose row tiles wait on arrival counters (QuACK's sm_90 kernel, CuTe DSL;
                  kernel in tile_gemm_sm90), its tile orders, counter targets and torch references; its
                  epilogue optionally releases per-row-tile done counters
-    tile_combine the combine driven by those done counters: each token summed once its rows are stored,
+    tile_pull    the dispatch that feeds it: K persistent programs pull (source, expert) chunks expert-major
+                 into the receive buffer and release each row tile's counter; its plan and torch reference
+    tile_combine the combine driven by tile_gemm's done counters: each token summed once its rows are stored,
                  bitwise the combine's sum
 
 Every public op takes ``impl``: ``Impl.AUTO`` runs Triton on CUDA tensors when Triton is installed and the

@@ -1,0 +1,224 @@
+"""The tile engine's pull beside its waiting GEMM: how much of the exchange does fc1 forward hide?
+
+One GPU stands in for an EP rank (loopback): every source rank's rows for this rank sit in a buffer of this
+GPU, and K programs (``kernels.tile_pull``) pull them expert by expert into the expert-major receive buffer,
+releasing each row tile's counter, while the waiting grouped GEMM (``kernels.tile_gemm``, QuACK's order,
+``132 - K`` SMs) runs fc1 forward on another stream, launched first.
+
+Timed, per slice and K, in one process:
+    pull alone            unpaced: achieved GB/s (received bytes / time)
+    torch._grouped_mm     fc1 on all SMs (the fully received buffer)
+    GEMM alone            the waiting GEMM, counters preset, K SMs held back
+    layer                 the counters zeroed (one small kernel), the GEMM launched first, then the pull (paced
+                          at each --gbps rate, 0: unpaced) on another stream; the time until both are done
+    exposed = layer - GEMM alone; link = the received bytes at the rate (unpaced: the pull alone's time);
+    hidden = 1 - exposed / link
+Every layer run's output is checked against the GEMM with counters preset (bit for bit) before it is timed.
+
+A waiting GEMM whose counters never reach their targets never ends: ``--case-timeout`` ends the process
+(status 3) after writing the JSON gathered so far (``tile_gemm_gate.CaseWatchdog``).
+
+Legend: P source ranks, G local experts, H hidden, F expert FFN width, M rows received.
+
+    python -m benchmarks.tile_pull --json pull.json       # sm_90 (QuACK needed: pip install quack-kernels)
+    python -m benchmarks.tile_pull --k 4,8 --gbps 900 --shapes qwen3-ep8
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import torch
+
+from benchmarks.tile_gemm_gate import SHAPE_CONFIG, SHAPES, CaseWatchdog, counts_by_source, parse_ks, time_ms
+
+CHUNK_ROWS = 64  # rows per pulled chunk (a chunk of DeepSeek-V3's 7168-wide bf16 rows: 0.9 MB)
+
+
+def problem(shape: dict, device, chunk_rows: int):
+    """Sources, receive buffer, fc1 weights and the pull plan of one slice (QuACK's tile order)."""
+    from mok_megatron.kernels import tile_gemm as tg
+    from mok_megatron.kernels import tile_pull as tp
+
+    cfg = getattr(tg, SHAPE_CONFIG[shape["name"]])
+    c_PG = counts_by_source(shape).to(device)
+    rows = int(c_PG.sum())
+    h, f, g = shape["hidden"], shape["ffn"], shape["local"]
+    bf = torch.bfloat16
+    bufs = [torch.randn(int(n), h, device=device, dtype=bf) for n in c_PG.sum(1).tolist()]
+    plan = tp.pull_plan(c_PG, rows, cfg, chunk_rows)
+    gemm = tg.tile_plan(plan.offs_G, rows, 2 * f, cfg)
+    return dict(
+        config=cfg,
+        rows=rows,
+        bytes=rows * h * 2,
+        bufs=bufs,
+        table=tp.source_table(bufs),
+        plan=plan,
+        gemm=gemm,
+        w=torch.randn(g, 2 * f, h, device=device, dtype=bf).mT,  # fc1: y = x @ w1[g].T
+        recv=torch.empty(rows, h, device=device, dtype=bf),
+        counters=torch.zeros(plan.slots, dtype=torch.int32, device=device),
+    )
+
+
+def sweep_shape(name, a, ks, rates, watchdog, side, rows_out) -> None:
+    """Times one slice at every K and rate, appending one row per (K, rate) to ``rows_out``."""
+    from mok_megatron.kernels import tile_gemm as tg
+    from mok_megatron.kernels import tile_pull as tp
+
+    dev = torch.device("cuda")
+    tuning = {}
+    if a.block_bytes:
+        tuning["block_bytes"] = a.block_bytes
+    if a.warps:
+        tuning["num_warps"] = a.warps
+    shape = dict(SHAPES[name], name=name)
+    pr = problem(shape, dev, a.chunk_rows)
+    plan, gemm, recv, counters, w = pr["plan"], pr["gemm"], pr["recv"], pr["counters"], pr["w"]
+    gb = pr["bytes"] / 1e9
+    # the received buffer and the GEMM's output with counters preset: what every layer run must give
+    tp.pull_reference(recv, pr["bufs"], plan, counters.zero_())
+    ref = torch._grouped_mm(recv, w, offs=plan.offs_G)
+    with watchdog.case(f"{name} torch._grouped_mm"):
+        torch_ms = time_ms(lambda: torch._grouped_mm(recv, w, offs=plan.offs_G), a.iters, a.rounds)
+    print(
+        f"{name}: {pr['rows']} rows, {gb:.3f} GB received; torch._grouped_mm fc1 {torch_ms:.3f} ms",
+        flush=True,
+    )
+    for k in ks:
+        out = torch.empty_like(ref)
+
+        def gemm_preset(k=k, out=out):
+            tg.tile_grouped_mm(recv, w, gemm, gemm.targets_S, sms_held_back=k, out=out)
+
+        gemm_preset()  # compiles
+        with watchdog.case(f"{name} k={k} GEMM alone"):
+            torch.cuda.synchronize()
+            preset = out.clone()
+            gemm_ms = time_ms(gemm_preset, a.iters, a.rounds)
+
+        def pull_alone(k=k):
+            tp.tile_pull(recv, pr["table"], plan, counters.zero_(), programs=k, **tuning)
+
+        pull_alone()
+        with watchdog.case(f"{name} k={k} pull alone"):
+            torch.cuda.synchronize()
+            pull_ms = time_ms(pull_alone, a.iters, a.rounds)
+        print(
+            f"  k={k:2d}: GEMM alone {gemm_ms:.3f} ms ({gemm_ms / torch_ms:.3f}x torch), pull alone "
+            f"{pull_ms:.3f} ms = {gb / pull_ms * 1e3:.0f} GB/s",
+            flush=True,
+        )
+        for gbps in rates:
+            rate = gbps * 1e9
+
+            def layer(k=k, out=out, rate=rate):
+                counters.zero_()
+                side.wait_stream(torch.cuda.current_stream())
+                tg.tile_grouped_mm(recv, w, gemm, counters, sms_held_back=k, out=out)  # first: it waits
+                with torch.cuda.stream(side):
+                    tp.tile_pull(recv, pr["table"], plan, counters, programs=k, rate=rate, **tuning)
+                torch.cuda.current_stream().wait_stream(side)
+
+            case = f"{name} k={k} layer at {gbps:g} GB/s"
+            with watchdog.case(case):
+                recv.fill_(float("nan"))
+                layer()
+                torch.cuda.synchronize()
+                same = bool(torch.equal(out, preset))
+                if not same:
+                    print(
+                        f"  {case}: output differs from the GEMM with counters preset; not timed",
+                        flush=True,
+                    )
+                    rows_out.append(dict(shape=name, k=k, gbps=gbps, error="output differs"))
+                    continue
+                layer_ms = time_ms(layer, a.iters, a.rounds)
+            link_ms = pr["bytes"] / rate * 1e3 if rate > 0 else pull_ms
+            exposed = layer_ms - gemm_ms
+            row = dict(
+                shape=name,
+                config=repr(pr["config"]),
+                rows=pr["rows"],
+                bytes=pr["bytes"],
+                k=k,
+                gbps=gbps,
+                chunk_rows=a.chunk_rows,
+                torch_ms=torch_ms,
+                gemm_ms=gemm_ms,
+                gemm_ratio=gemm_ms / torch_ms,
+                pull_ms=pull_ms,
+                pull_gbps=gb / pull_ms * 1e3,
+                layer_ms=layer_ms,
+                layer_ratio=layer_ms / torch_ms,
+                exposed_ms=exposed,
+                link_ms=link_ms,
+                hidden=1 - exposed / link_ms,
+            )
+            rows_out.append(row)
+            print(
+                f"  k={k:2d} {'unpaced' if rate == 0 else f'{gbps:g} GB/s':>9s}: layer {layer_ms:.3f} ms "
+                f"({layer_ms / torch_ms:.3f}x torch), exposed {exposed:.3f} ms of link {link_ms:.3f} ms: "
+                f"hidden {row['hidden']:.1%}",
+                flush=True,
+            )
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--shapes", default=",".join(SHAPES))
+    p.add_argument("--k", default="2,4,8,16", help="SMs that pull (held back from the GEMM), a comma list")
+    p.add_argument("--gbps", default="900,450,0", help="paced link rates in GB/s, a comma list; 0: unpaced")
+    p.add_argument("--chunk-rows", type=int, default=CHUNK_ROWS)
+    p.add_argument("--block-bytes", type=int, default=None, help="bytes one program moves per step")
+    p.add_argument("--warps", type=int, default=None, help="warps per pulling program")
+    p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--case-timeout", type=float, default=120.0, help="seconds per case; 0: no limit")
+    p.add_argument("--json", default=None)
+    a = p.parse_args(argv)
+    try:
+        ks = parse_ks(a.k)
+        rates = [float(x) for x in a.gbps.split(",") if x.strip()]
+    except ValueError as e:
+        print(f"tile_pull: {e}", file=sys.stderr)
+        return 2
+    shapes = a.shapes.split(",")
+    unknown = [s for s in shapes if s not in SHAPES]
+    if unknown:
+        print(f"tile_pull: --shapes {','.join(unknown)}; known: {','.join(SHAPES)}", file=sys.stderr)
+        return 2
+    if min(ks) < 1 or min(rates, default=0) < 0:
+        print(
+            f"tile_pull: --k {a.k} --gbps {a.gbps}; every K must be >= 1 and every rate >= 0", file=sys.stderr
+        )
+        return 2
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
+        print("tile_pull: needs an sm_90 GPU (QuACK's sm_90 kernels); none here", file=sys.stderr)
+        return 2
+    dev = torch.device("cuda")
+    rows_out: list[dict] = []
+    result = dict(device=torch.cuda.get_device_name(dev), argv=sys.argv[1:] if argv is None else argv)
+
+    def write(incomplete=None) -> str:
+        if not a.json:
+            return "no --json: nothing written"
+        with open(a.json, "w") as fh:
+            json.dump(dict(result, incomplete=incomplete, rows=rows_out), fh, indent=1)
+        return f"results so far in {a.json}"
+
+    watchdog = CaseWatchdog(a.case_timeout, lambda case: write(incomplete=f"timed out: {case}"))
+    side = torch.cuda.Stream()
+
+    for name in shapes:
+        sweep_shape(name, a, ks, rates, watchdog, side, rows_out)
+        torch.cuda.empty_cache()
+    write()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

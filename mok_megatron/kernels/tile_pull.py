@@ -1,0 +1,474 @@
+"""The tile engine's dispatch: K persistent programs pull the rows this rank receives, expert by expert, into
+the expert-major buffer that the waiting grouped GEMM (``tile_gemm``) reads, and release each row tile's
+counter as its rows land.
+
+Legend: P source ranks, G local experts, H row width (elements), M rows of the receive buffer (expert-major,
+all local experts), S counter slots (``tile_gemm``'s row tiles), C chunks (tasks) of the pull; ``_C8`` a
+table of C rows of eight int32.
+
+Layouts. Source ``p`` holds the rows it sends to this rank in its own buffer from row ``src_row0_P[p]`` on,
+grouped by local expert (expert 0's ``c_PG[p, 0]`` rows, then expert 1's, ...). The receive buffer is
+expert-major, and within one expert ordered by source rank:
+
+    recv[dst(p, g) + i] = source_p[src(p, g) + i]      for i < c_PG[p, g]
+    src(p, g) = src_row0_P[p] + sum(c_PG[p, :g])       dst(p, g) = sum(c_PG[:, :g]) + sum(c_PG[:p, g])
+
+so expert g's rows end at ``offs_G[g] = sum(c_PG[:, :g + 1])`` (what ``tile_gemm.tile_plan`` takes).
+
+Order. The tasks run expert-major: all sources of expert 0, then expert 1, ... (within an expert by source
+rank). That is the order QuACK's scheduler visits the GEMM's tiles in (``tile_gemm.quack_tile_order``);
+measured on one H200 (docs/results/2026-12-03-tile-gemm-gate), the waiting GEMM in QuACK's order with K SMs
+held back is within 3 % of ``torch._grouped_mm`` (DeepSeek-V3 EP=32 slice K <= 4, Qwen3 EP=8 slice K <= 8),
+while in ring arrival order (source by source) it takes 1.09-1.14x on DeepSeek: each expert's weights are
+read again for every source step.
+
+Chunks. Each (source, expert) segment is cut into chunks of at most ``chunk_rows`` rows; program ``k`` of K
+takes chunks ``k, k + K, k + 2K, ...``, so the K chunks in flight at a time are consecutive in the expert-major
+order. A chunk may cross row tiles: after its stores it adds, for every counter slot it overlaps, the number of
+its rows in that slot (``tl.atomic_add(..., sem="release", scope="gpu")`` after a CTA barrier), so each slot
+reaches its target (its rows, ``tile_gemm.counter_targets``) once all its rows are in, whichever programs
+wrote them. The table row carries the chunk's first slot and its first row's place in that slot's tile; the
+kernel walks the slots from there.
+
+Sources. The kernel reaches the sources through ``table_P``: an int64 tensor of their buffers' base
+addresses on the receive buffer's device, cast to pointers in the kernel (``source_table`` builds it from
+tensors of this GPU: the loopback; across GPUs it holds symmetric memory's peer addresses, as
+``transport.nvlink``'s row movers take them). A table rather than one stacked ``[P, rows, H]`` tensor: peers'
+buffers are separate mappings with no common base, and the loopback would otherwise copy its sources into
+one tensor; the same kernel serves both. Every source buffer must have the receive buffer's dtype and row
+width with contiguous rows, and must hold its rows before the launch (stream order, or a flag the caller
+waits on).
+
+Sync-free: ``pull_plan`` runs on the device of ``c_PG`` with shapes fixed by host ints (``rows``, P, G,
+``chunk_rows``): the table has ``chunk_capacity`` rows, those past the last chunk move 0 rows. The total of
+``c_PG`` must not exceed ``rows`` (as ``tile_gemm``'s plans assume); the kernel never stores past row M.
+
+Pacing (GPU only: the interpreter has no inline assembly). With ``rate`` bytes/s, each program paces its own
+share at ``rate / K``: before a chunk it spins on ``%globaltimer`` until ``t0 + (its bytes so far, this chunk
+included) * K / rate`` (``t0``: the program's start), so no chunk is released before an emulated link of that
+rate would have delivered it. ``rate`` 0 compiles the pacing out. ``delays_C`` (ns per chunk, GPU only) adds a
+spin before each chunk: the tests' random arrival times.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import torch
+
+from mok_megatron.kernels import INTERPRETED, next_pow2, tl, triton
+from mok_megatron.kernels.tile_gemm import TileConfig, slot_base, slot_capacity
+
+# one program's load-then-store step: 64 KiB in flight over 16 warps (32 registers of data per thread); an
+# SM's copy rate is bounded by its bytes in flight over the load latency (benchmarks.tile_pull --block-bytes
+# and --warps sweep both; not yet measured)
+BLOCK_BYTES = 65536
+NUM_WARPS = 16
+
+# the table's columns
+SOURCE, EXPERT, SRC_ROW, DST_ROW, ROWS, SLOT, SLOT_ROW = range(7)
+COLUMNS = 8  # the eighth is 0 (32-byte rows)
+
+
+@dataclasses.dataclass(frozen=True)
+class PullPlan:
+    """What the pull reads besides the buffers, all on ``c_PG``'s device.
+
+    tasks_C8   int32 [C, 8] per chunk, in pull order: source, expert, first source row, first receive row,
+               rows, counter slot of its first row, that row's place in the slot's tile (0 .. tile_m - 1),
+               0; rows past the last chunk are (0, G, 0, 0, 0, 0, 0, 0)
+    offs_G     int32 [G]: each expert's end row in the receive buffer (``tile_gemm.tile_plan``'s ``offs_G``)
+    """
+
+    config: TileConfig
+    rows: int
+    chunk_rows: int
+    sources: int
+    tasks_C8: torch.Tensor
+    offs_G: torch.Tensor
+
+    @property
+    def groups(self) -> int:
+        return self.offs_G.numel()
+
+    @property
+    def slots(self) -> int:
+        """Counter slots the pull releases into (``tile_gemm.slot_capacity``)."""
+        return slot_capacity(self.rows, self.groups, self.config)
+
+
+# ---- sizes (host ints) -------------------------------------------------------------------------------------
+
+
+def chunk_capacity(rows: int, sources: int, groups: int, chunk_rows: int) -> int:
+    """Most chunks for at most ``rows`` rows in ``sources * groups`` segments: each segment's last chunk is
+    the only one that may be short, so ``rows // chunk_rows`` full chunks plus one per segment."""
+    return rows // chunk_rows + sources * groups
+
+
+# ---- pure functions: layouts and the plan ------------------------------------------------------------------
+
+
+def _check_counts(c_PG: torch.Tensor, rows: int, chunk_rows: int, src_row0_P: torch.Tensor | None) -> None:
+    if c_PG.dim() != 2 or c_PG.dtype.is_floating_point or c_PG.dtype == torch.bool:
+        raise ValueError(
+            f"pull_plan: c_PG is {c_PG.dtype} {tuple(c_PG.shape)}; it must be an integer [P, G] tensor of the "
+            "rows each source sends for each local expert"
+        )
+    if chunk_rows < 1:
+        raise ValueError(f"pull_plan: chunk_rows={chunk_rows}; it must be >= 1 (rows per pulled chunk)")
+    if rows < 0:
+        raise ValueError(f"pull_plan: rows={rows}; it must be >= 0 (rows of the receive buffer)")
+    if src_row0_P is not None and src_row0_P.shape != (c_PG.shape[0],):
+        raise ValueError(
+            f"pull_plan: src_row0_P has shape {tuple(src_row0_P.shape)}; it must be ({c_PG.shape[0]},), one "
+            "first row per source"
+        )
+
+
+def receive_rows(c_PG: torch.Tensor) -> torch.Tensor:
+    """int64 [P, G]: the receive buffer's first row of each (source, expert) segment (expert-major, by source
+    within an expert)."""
+    c_GP = c_PG.long().t()
+    flat = c_GP.flatten()
+    return (torch.cumsum(flat, 0) - flat).view(c_GP.shape).t()
+
+
+def source_rows(c_PG: torch.Tensor, src_row0_P: torch.Tensor | None = None) -> torch.Tensor:
+    """int64 [P, G]: each segment's first row in its source's buffer (the source's rows for this rank from
+    ``src_row0_P[p]`` on, grouped by local expert; ``src_row0_P`` defaults to 0)."""
+    c = c_PG.long()
+    first = torch.cumsum(c, 1) - c
+    if src_row0_P is not None:
+        first = first + src_row0_P.to(device=c.device, dtype=torch.long)[:, None]
+    return first
+
+
+def pull_plan(
+    c_PG: torch.Tensor,
+    rows: int,
+    config: TileConfig,
+    chunk_rows: int,
+    src_row0_P: torch.Tensor | None = None,
+) -> PullPlan:
+    """The pull of ``c_PG[p, g]`` rows of expert ``g`` from every source ``p`` into a receive buffer of
+    ``rows`` rows, released into the counter slots of a ``tile_gemm`` plan of the same rows and ``config``,
+    in chunks of at most ``chunk_rows`` rows, expert-major. No host sync: every shape comes from host ints."""
+    _check_counts(c_PG, rows, chunk_rows, src_row0_P)
+    n_p, n_g = c_PG.shape
+    c = c_PG.long()
+    count_I = c.t().flatten()  # segments in pull order: I = g * P + p
+    dst_I = receive_rows(c).t().flatten()
+    src_I = source_rows(c, src_row0_P).t().flatten()
+    chunks_I = (count_I + chunk_rows - 1) // chunk_rows
+    end_I = torch.cumsum(chunks_I, 0)
+    t = torch.arange(chunk_capacity(rows, n_p, n_g, chunk_rows), device=c.device)
+    seg = torch.searchsorted(end_I, t, right=True)
+    valid = seg < count_I.numel()
+    segc = seg.clamp(max=max(count_I.numel() - 1, 0))
+    if count_I.numel() == 0:  # no source or no expert: every row is past the last chunk
+        zero = torch.zeros_like(t)
+        tasks = torch.stack([zero, zero + n_g] + [zero] * (COLUMNS - 2), 1)
+        return PullPlan(config, rows, chunk_rows, n_p, tasks.to(torch.int32).contiguous(), _offs(c))
+    r0 = (t - (end_I - chunks_I)[segc]) * chunk_rows
+    n = torch.where(valid, (count_I[segc] - r0).clamp(0, chunk_rows), 0)
+    p, g = segc % n_p, segc // n_p
+    dst = dst_I[segc] + r0
+    within = dst - receive_rows(c)[0][g]  # the row within its expert
+    slot = slot_base(_offs(c), config).long()[g] + within // config.tile_m
+    zero = torch.zeros_like(t)
+
+    def keep(x):
+        return torch.where(valid, x, zero)
+
+    tasks = torch.stack(
+        [
+            keep(p),
+            torch.where(valid, g, n_g),
+            keep(src_I[segc] + r0),
+            keep(dst),
+            n,
+            keep(slot),
+            keep(within % config.tile_m),
+            zero,
+        ],
+        1,
+    )
+    return PullPlan(config, rows, chunk_rows, n_p, tasks.to(torch.int32).contiguous(), _offs(c))
+
+
+def _offs(c_PG: torch.Tensor) -> torch.Tensor:
+    return torch.cumsum(c_PG.long().sum(0), 0).to(torch.int32)
+
+
+def slot_releases(plan: PullPlan) -> torch.Tensor:
+    """int32 [S]: what the whole pull adds to each counter slot (chunk by chunk, slot by slot, as the kernel
+    does); equal to ``tile_gemm.counter_targets`` of the same rows when the plan covers them all."""
+    out = torch.zeros(plan.slots + 1, dtype=torch.int64, device=plan.tasks_C8.device)
+    tasks = plan.tasks_C8.long()
+    tm = plan.config.tile_m
+    n, first, at = tasks[:, ROWS], tasks[:, SLOT], tasks[:, SLOT_ROW]
+    # a chunk touches at most ceil((tile_m - 1 + chunk_rows) / tile_m) slots
+    for j in range((tm - 1 + plan.chunk_rows + tm - 1) // tm):
+        lo = torch.clamp(j * tm - at, min=0)
+        hi = torch.clamp((j + 1) * tm - at, max=n)
+        add = (hi - lo).clamp(min=0)
+        slot = torch.where(add > 0, first + j, plan.slots).clamp(max=plan.slots)
+        out.index_add_(0, slot, add)
+    return out[: plan.slots].to(torch.int32)
+
+
+# ---- reference ---------------------------------------------------------------------------------------------
+
+
+def pull_reference(
+    recv_MH: torch.Tensor,
+    sources: Sequence[torch.Tensor],
+    plan: PullPlan,
+    counters_S: torch.Tensor,
+) -> torch.Tensor:
+    """The pull in torch, chunk by chunk in the plan's order (host loop): copies each chunk's rows and adds
+    its rows to every counter slot it overlaps. Returns ``recv_MH`` (written in place, as ``counters_S``)."""
+    _check_buffers("pull_reference", recv_MH, plan, counters_S, len(sources))
+    tm = plan.config.tile_m
+    for p, _, s0, d0, n, slot, at, _ in plan.tasks_C8.tolist():
+        if n == 0:
+            continue
+        recv_MH[d0 : d0 + n].copy_(sources[p][s0 : s0 + n])
+        left = n
+        while left:
+            k = min(tm - at, left)
+            counters_S[slot] += k
+            left, at, slot = left - k, 0, slot + 1
+    return recv_MH
+
+
+# ---- the kernel --------------------------------------------------------------------------------------------
+
+
+def _globaltimer():
+    return tl.inline_asm_elementwise(
+        "mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False, pack=1
+    )
+
+
+if triton is not None:
+    _globaltimer = triton.jit(_globaltimer)
+
+    def _jit(fn):
+        # one compiled kernel for every rate (Triton would specialise a float or int argument's value)
+        return triton.jit(do_not_specialize=["ns_per_byte"])(fn)
+else:
+
+    def _jit(fn):
+        return fn
+
+
+@_jit
+def _pull_kernel(
+    recv_ptr,  # [M, W] words: the receive buffer
+    table_ptr,  # [P] int64: the sources' base addresses
+    tasks_ptr,  # [C, 8] int32
+    counters_ptr,  # [S] int32
+    delays_ptr,  # [C] int64 ns (DELAY only)
+    M,  # rows of the receive buffer
+    W,  # words per row
+    C,  # chunks (table rows)
+    ns_per_byte,  # fp32: one program's share of the link, ns per byte (PACE only)
+    TILE_M: tl.constexpr,
+    ELEM: tl.constexpr,  # bytes per word
+    ALIGNED: tl.constexpr,  # sources, receive buffer and rows 16-byte aligned: hint the vector width
+    PACE: tl.constexpr,
+    DELAY: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_W: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    if ALIGNED:
+        W = tl.multiple_of(W, 16 // ELEM)
+    row_bytes = W.to(tl.int64) * ELEM
+    moved = row_bytes * 0  # this program's bytes so far (PACE)
+    if PACE:
+        t0 = _globaltimer()
+    for t in range(pid, C, nprog):
+        task = tasks_ptr + t * 8
+        n = tl.load(task + 4)
+        if n > 0:
+            p = tl.load(task + 0)
+            src0 = tl.load(task + 2).to(tl.int64)
+            dst0 = tl.load(task + 3).to(tl.int64)
+            if DELAY:
+                wait = tl.load(delays_ptr + t)
+                start = _globaltimer()
+                now = start
+                while now - start < wait:
+                    now = _globaltimer()
+            if PACE:
+                moved += n.to(tl.int64) * row_bytes
+                due = t0 + (moved.to(tl.float32) * ns_per_byte).to(tl.int64)
+                now = _globaltimer()
+                while now < due:
+                    now = _globaltimer()
+            base = tl.load(table_ptr + p)
+            if ALIGNED:
+                # the source as an element offset from the (16-byte aligned) receive pointer, so the
+                # alignment hint reaches the vectorizer (it does not look through an int-to-pointer cast)
+                delta = tl.multiple_of((base - recv_ptr.to(tl.int64)) // ELEM, 16 // ELEM)
+                src_ptr = recv_ptr + delta
+            else:
+                src_ptr = base.to(tl.pointer_type(recv_ptr.dtype.element_ty))
+            for r0 in range(0, n, BLOCK_R):
+                r = r0 + tl.arange(0, BLOCK_R)
+                ok = (r < n) & (dst0 + r < M)
+                src_row = (src0 + r) * W
+                dst_row = (dst0 + r) * W
+                for w0 in range(0, W, BLOCK_W):
+                    w = w0 + tl.arange(0, BLOCK_W)
+                    mask = ok[:, None] & (w < W)[None, :]
+                    v = tl.load(
+                        src_ptr + src_row[:, None] + w[None, :], mask=mask, eviction_policy="evict_first"
+                    )
+                    tl.store(recv_ptr + dst_row[:, None] + w[None, :], v, mask=mask)
+            # every thread's stores are done before one thread releases them (the release is cumulative)
+            tl.debug_barrier()
+            slot = tl.load(task + 5)
+            at = tl.load(task + 6)
+            left = n
+            while left > 0:
+                k = tl.minimum(TILE_M - at, left)
+                tl.atomic_add(counters_ptr + slot, k, sem="release", scope="gpu")
+                left -= k
+                at = at * 0
+                slot += 1
+
+
+# ---- the op ------------------------------------------------------------------------------------------------
+
+
+def source_table(sources: Sequence[torch.Tensor], device: torch.device | None = None) -> torch.Tensor:
+    """int64 [P]: the base addresses of ``sources`` (tensors of one GPU, or CPU tensors for the interpreter)
+    on ``device`` (the first source's by default). The tensors must outlive every pull that reads the
+    table."""
+    if not sources:
+        raise ValueError("source_table: no sources; pass one buffer per source rank")
+    dev = device if device is not None else sources[0].device
+    odd = [p for p, s in enumerate(sources) if s.data_ptr() % 16]
+    if odd:
+        raise ValueError(
+            f"source_table: sources {odd} start at addresses not a multiple of 16 bytes; the kernel reads rows "
+            "with 16-byte vectors: pass whole allocations (or .clone() the views)"
+        )
+    return torch.tensor([s.data_ptr() for s in sources], dtype=torch.int64, device=dev)
+
+
+def _check_buffers(op: str, recv_MH, plan: PullPlan, counters_S, sources: int) -> None:
+    if recv_MH.dim() != 2 or recv_MH.shape[0] != plan.rows:
+        raise ValueError(
+            f"{op}: recv has shape {tuple(recv_MH.shape)}, the plan {plan.rows} rows; the receive buffer must "
+            f"be [{plan.rows}, H] (pull_plan's rows)"
+        )
+    if recv_MH.shape[1] and (recv_MH.stride(1) != 1 or recv_MH.stride(0) != recv_MH.shape[1]):
+        raise ValueError(
+            f"{op}: recv has strides {recv_MH.stride()}; its rows must be contiguous and packed (strides "
+            f"({recv_MH.shape[1]}, 1)): pass recv.contiguous() and copy it back, or allocate it contiguous"
+        )
+    if counters_S.shape != (plan.slots,) or counters_S.dtype != torch.int32:
+        raise ValueError(
+            f"{op}: counters are {counters_S.dtype} {tuple(counters_S.shape)}; they must be int32 "
+            f"({plan.slots},): tile_gemm.slot_capacity(rows, G, config), as the GEMM's plan's targets"
+        )
+    if sources != plan.sources:
+        raise ValueError(f"{op}: {sources} sources for a plan of {plan.sources}; pass one per source rank")
+
+
+def tile_pull(
+    recv_MH: torch.Tensor,
+    table_P: torch.Tensor,
+    plan: PullPlan,
+    counters_S: torch.Tensor,
+    *,
+    programs: int,
+    rate: float = 0.0,
+    delays_C: torch.Tensor | None = None,
+    block_bytes: int = BLOCK_BYTES,
+    num_warps: int = NUM_WARPS,
+) -> torch.Tensor:
+    """Pull every chunk of ``plan`` into ``recv_MH`` with ``programs`` (K) persistent programs, one launch on
+    the current stream, releasing each chunk's rows into ``counters_S`` as it lands.
+
+    Inputs: recv_MH [M, H] any dtype, contiguous rows (written); table_P int64 [P] on recv's device: the
+    sources' base addresses (``source_table``), each a buffer of recv's dtype and row width whose rows the
+    plan reads; plan from ``pull_plan`` (M rows); counters_S int32 [S] (``PullPlan.slots``), added to, never
+    reset (a GEMM plan ``shifted`` by their value before the pull waits for this pull's rows); rate bytes/s
+    of an emulated link (0: as fast as the copy goes; GPU only); delays_C int64 [C] ns spun before each
+    chunk (GPU only); block_bytes the bytes one program loads before it stores them (its bytes in flight:
+    one SM's copy rate is about bytes in flight / memory latency), num_warps its warps. Output: recv_MH.
+
+    Concurrency: with a waiting GEMM on ``SMs - K`` SMs launched before it on another stream, the pull's K
+    programs (one CTA each) run on the SMs the GEMM leaves free, so the GEMM's waits always end."""
+    op = "tile_pull"
+    if programs < 1:
+        raise ValueError(f"{op}: programs={programs}; it must be >= 1 (K, the SMs that pull)")
+    if rate < 0:
+        raise ValueError(f"{op}: rate={rate}; it must be >= 0 bytes/s (0: unpaced)")
+    if table_P.dim() != 1 or table_P.dtype != torch.int64 or table_P.device != recv_MH.device:
+        raise ValueError(
+            f"{op}: table is {table_P.dtype} {tuple(table_P.shape)} on {table_P.device}; it must be int64 [P] "
+            f"on {recv_MH.device} (source_table(buffers))"
+        )
+    _check_buffers(op, recv_MH, plan, counters_S, table_P.numel())
+    for name, t in (("plan", plan.tasks_C8), ("counters", counters_S)):
+        if t.device != recv_MH.device:
+            raise ValueError(f"{op}: {name} on {t.device}; it must be on {recv_MH.device}, with recv")
+    chunks = plan.tasks_C8.shape[0]
+    if delays_C is not None and (delays_C.shape != (chunks,) or delays_C.dtype != torch.int64):
+        raise ValueError(
+            f"{op}: delays are {delays_C.dtype} {tuple(delays_C.shape)}; they must be int64 ({chunks},), "
+            "ns per chunk of the plan"
+        )
+    paced = rate > 0 or delays_C is not None
+    if paced and (recv_MH.device.type != "cuda" or INTERPRETED):
+        raise ValueError(
+            f"{op}: rate={rate:g}, delays {'given' if delays_C is not None else 'none'} on {recv_MH.device} "
+            f"(interpreted={INTERPRETED}); pacing and delays spin on the GPU's clock: pass rate=0 and no "
+            "delays on CPU"
+        )
+    if triton is None:
+        raise RuntimeError(f"{op}: Triton is not installed; pip install triton (or use pull_reference)")
+    m, h = recv_MH.shape
+    if chunks == 0 or m == 0 or h == 0:
+        return recv_MH
+    row_bytes = h * recv_MH.element_size()
+    word = next(
+        dt for dt in (torch.int64, torch.int32, torch.int16, torch.uint8) if row_bytes % dt.itemsize == 0
+    )
+    words = recv_MH.view(torch.uint8).view(m, row_bytes).view(word)
+    w = words.shape[1]
+    block_w = min(next_pow2(w), max(1, block_bytes // word.itemsize))
+    block_r = max(1, block_bytes // (block_w * word.itemsize))
+    block_r = min(next_pow2(block_r), next_pow2(plan.chunk_rows))
+    aligned = row_bytes % 16 == 0 and recv_MH.data_ptr() % 16 == 0
+    dummy = counters_S  # an unread pointer argument when DELAY is off
+    grid = (programs,)
+    _pull_kernel[grid](
+        words,
+        table_P,
+        plan.tasks_C8,
+        counters_S,
+        delays_C if delays_C is not None else dummy,
+        m,
+        w,
+        chunks,
+        float(programs * 1e9 / rate) if rate > 0 else 0.0,
+        TILE_M=plan.config.tile_m,
+        ELEM=word.itemsize,
+        ALIGNED=aligned,
+        PACE=rate > 0,
+        DELAY=delays_C is not None,
+        BLOCK_R=block_r,
+        BLOCK_W=block_w,
+        num_warps=num_warps,
+    )
+    return recv_MH

@@ -1,0 +1,387 @@
+"""kernels.tile_pull: the pull plan as pure functions (hand-worked and against brute force: layouts, expert-major
+order, chunks across counter slots, empty experts and sources, releases equal to the GEMM's targets, counters
+kept across steps); the reference feeding tile_gemm's tile-by-tile reference; the errors; the Triton kernel
+against the reference under the interpreter (atomics with ``sem`` included: the interpreter runs them); and
+on an sm_90 GPU the kernel alone, then beside the waiting GEMM launched first, with and without random
+per-chunk delays (marked gpu; a watchdog subprocess turns a hang into a failure)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from mok_megatron.compat import have_triton
+from mok_megatron.kernels import tile_gemm as tg
+from mok_megatron.kernels import tile_pull as tp
+from tests.interpret import interpreted
+from tests.tile_pull_cases import CPU_CASES, GPU_CONCURRENT, ONE, SMALL, sources_for
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def _c(rows):
+    return torch.tensor(rows, dtype=torch.int64)
+
+
+# ---- layouts and the plan, hand-worked ---------------------------------------------------------------------
+
+
+def test_hand_worked_plan():
+    # two sources, three experts: source 0 sends 3 rows of expert 0 and 5 of expert 2, source 1 sends 2 of
+    # expert 0 and 7 of expert 1; chunks of 3 rows; tiles of 4 rows in clusters of 2 (slots: expert 0 -> 0,
+    # 1; expert 1 -> 2, 3; expert 2 -> 4, 5)
+    c = _c([[3, 0, 5], [2, 7, 0]])
+    assert tp.receive_rows(c).tolist() == [[0, 5, 12], [3, 5, 17]]  # empty segments: where they would start
+    assert tp.source_rows(c).tolist() == [[0, 3, 3], [0, 2, 9]]
+    assert tp.source_rows(c, torch.tensor([10, 4])).tolist() == [[10, 13, 13], [4, 6, 13]]
+    plan = tp.pull_plan(c, 20, SMALL, chunk_rows=3)
+    assert plan.offs_G.tolist() == [5, 12, 17] and plan.slots == 10 and plan.sources == 2
+    # (source, expert, source row, receive row, rows, first slot, its row within that slot's tile, 0)
+    assert (
+        plan.tasks_C8.tolist()
+        == [
+            [0, 0, 0, 0, 3, 0, 0, 0],
+            [1, 0, 0, 3, 2, 0, 3, 0],  # rows 3, 4: one in slot 0, one in slot 1
+            [1, 1, 2, 5, 3, 2, 0, 0],
+            [1, 1, 5, 8, 3, 2, 3, 0],  # rows 8-10 of expert 1 (its rows 3-5): slot 2 then 3
+            [1, 1, 8, 11, 1, 3, 2, 0],
+            [0, 2, 3, 12, 3, 4, 0, 0],
+            [0, 2, 6, 15, 2, 4, 3, 0],
+        ]
+        + [[0, 3, 0, 0, 0, 0, 0, 0]] * 5
+    )  # 20 // 3 + 2 * 3 = 12 rows; past the last chunk: expert G, 0 rows
+    assert tp.slot_releases(plan).tolist() == [4, 1, 4, 3, 4, 1, 0, 0, 0, 0]
+    assert plan.tasks_C8.dtype == torch.int32 and plan.tasks_C8.is_contiguous()
+
+
+def _random_counts(p, g, seed, zero_frac=0.3, most=23):
+    gen = torch.Generator().manual_seed(seed)
+    c = torch.randint(0, most, (p, g), generator=gen)
+    return torch.where(torch.rand(p, g, generator=gen) < zero_frac, 0, c)
+
+
+COUNTS = [
+    _c([[3, 0, 5], [2, 7, 0]]),
+    _c([[0, 0, 0], [4, 0, 9], [0, 0, 0]]),  # empty sources, an empty expert
+    _c([[0, 0], [0, 0]]),  # nothing at all
+    torch.zeros(0, 3, dtype=torch.int64),  # no source
+    _c([[40]]),  # one source, one expert
+    _random_counts(5, 7, seed=1),
+    _random_counts(8, 3, seed=2, zero_frac=0.0, most=70),
+]
+
+
+@pytest.mark.parametrize("c", COUNTS, ids=[f"counts{i}" for i in range(len(COUNTS))])
+@pytest.mark.parametrize("chunk_rows", [1, 3, 4, 16, 1000])
+@pytest.mark.parametrize("cfg", [SMALL, ONE], ids=["tile4-cluster2", "tile8-cluster1"])
+def test_plan_covers_every_row_once_expert_major(c, chunk_rows, cfg):
+    p_, g_ = c.shape
+    rows = int(c.sum()) + 3
+    src0 = torch.arange(p_) * 5
+    plan = tp.pull_plan(c, rows, cfg, chunk_rows, src_row0_P=src0)
+    tasks = plan.tasks_C8.tolist()
+    assert len(tasks) == tp.chunk_capacity(rows, p_, g_, chunk_rows)
+    live = [t for t in tasks if t[tp.ROWS] > 0]
+    assert tasks[: len(live)] == live, "chunks that move rows come first"
+    assert all(t == [0, g_, 0, 0, 0, 0, 0, 0] for t in tasks[len(live) :])
+    assert all(t[tp.ROWS] <= chunk_rows for t in live)
+    # expert-major, by source within an expert, each segment front to back
+    assert [(t[1], t[0], t[2]) for t in live] == sorted((t[1], t[0], t[2]) for t in live)
+    # brute force: every (source, source row) -> receive row, once
+    want, row = {}, 0
+    for g in range(g_):
+        for p in range(p_):
+            first = int(src0[p]) + int(c[p, :g].sum())
+            for i in range(int(c[p, g])):
+                want[(p, first + i)] = row
+                row += 1
+    got = {}
+    for p, _, s0, d0, n, _, _, _ in live:
+        for i in range(n):
+            assert (p, s0 + i) not in got
+            got[(p, s0 + i)] = d0 + i
+    assert got == want
+    # each chunk's first slot and place: the GEMM's row_slots of its first row
+    slot_M = tg.row_slots(plan.offs_G, rows, cfg)
+    starts = (plan.offs_G.long() - c.sum(0)).tolist()
+    for _, g, _, d0, _, slot, at, _ in live:
+        assert slot == int(slot_M[d0]) and at == (d0 - starts[g]) % cfg.tile_m
+    # what the whole pull adds is what the GEMM waits for
+    assert torch.equal(tp.slot_releases(plan), tg.counter_targets(plan.offs_G, rows, cfg))
+
+
+def test_plan_is_sync_free_shapes_on_meta():
+    c = torch.empty(32, 8, dtype=torch.int64, device="meta")
+    plan = tp.pull_plan(c, 40_000, tg.DEEPSEEK, 64, src_row0_P=torch.empty(32, device="meta"))
+    assert plan.tasks_C8.shape == (tp.chunk_capacity(40_000, 32, 8, 64), 8)
+    assert plan.offs_G.shape == (8,) and plan.slots == tg.slot_capacity(40_000, 8, tg.DEEPSEEK)
+
+
+# ---- the reference feeds the waiting GEMM's reference ------------------------------------------------------
+
+
+@pytest.mark.parametrize("chunk_rows", [2, 5, 64])
+def test_reference_pull_then_tile_gemm_reference(chunk_rows):
+    c = _random_counts(4, 5, seed=3)
+    rows, k, n = int(c.sum()) + 2, 12, 40
+    plan = tp.pull_plan(c, rows, SMALL, chunk_rows)
+    bufs = sources_for(c, k, torch.float32, "cpu")
+    recv = torch.zeros(rows, k)
+    counters = torch.zeros(plan.slots, dtype=torch.int32)
+    tp.pull_reference(recv, bufs, plan, counters)
+    gemm = tg.tile_plan(plan.offs_G, rows, n, SMALL)
+    b = torch.randn(5, k, n, generator=torch.Generator().manual_seed(0))
+    out = tg.tile_gemm_reference(recv, b, plan.offs_G, gemm, counters)
+    # the received rows: expert by expert, each expert's rows source by source
+    want_rows = torch.cat(
+        [bufs[p][int(c[p, :g].sum()) : int(c[p, : g + 1].sum())] for g in range(5) for p in range(4)]
+    )
+    assert torch.equal(recv[: int(c.sum())], want_rows)
+    want = tg.grouped_mm_reference(want_rows, b, plan.offs_G)
+    torch.testing.assert_close(out[: int(c.sum())], want, rtol=1e-5, atol=1e-5)  # tiles: other sum order
+
+
+def test_counters_kept_across_steps():
+    # two steps of different counts into the same counters: the second GEMM plan, shifted by the counters'
+    # value before its pull, waits for exactly the second pull's rows
+    c1, c2 = _c([[5, 3], [2, 6]]), _c([[0, 9], [7, 1]])
+    rows = 20
+    counters = torch.zeros(tg.slot_capacity(rows, 2, SMALL), dtype=torch.int32)
+    for c in (c1, c2):
+        plan = tp.pull_plan(c, rows, SMALL, 3)
+        gemm = tg.tile_plan(plan.offs_G, rows, 16, SMALL).shifted(counters.clone())
+        recv = torch.zeros(rows, 8)
+        before = counters.clone()
+        tp.pull_reference(recv, sources_for(c, 8, torch.float32, "cpu"), plan, counters)
+        assert torch.equal(counters - before, gemm.targets_S - torch.where(gemm.targets_S > 0, before, 0))
+        real = gemm.targets_S > 0
+        assert torch.equal(counters[real], gemm.targets_S[real])
+        a, b = recv, torch.randn(2, 8, 16)
+        tg.tile_gemm_reference(a, b, plan.offs_G, gemm, counters)  # raises if a tile would wait
+
+
+# ---- errors ------------------------------------------------------------------------------------------------
+
+
+def _small():
+    c = _c([[3, 0, 5], [2, 7, 0]])
+    plan = tp.pull_plan(c, 20, SMALL, 3)
+    bufs = sources_for(c, 8, torch.bfloat16, "cpu")
+    recv = torch.zeros(20, 8, dtype=torch.bfloat16)
+    return plan, bufs, recv, torch.zeros(plan.slots, dtype=torch.int32)
+
+
+def test_plan_errors_name_the_value_and_fix():
+    with pytest.raises(ValueError, match=r"c_PG is torch.float32 \(2, 3\); it must be an integer \[P, G\]"):
+        tp.pull_plan(torch.zeros(2, 3), 20, SMALL, 3)
+    with pytest.raises(ValueError, match=r"c_PG is torch.int64 \(6,\); it must be an integer \[P, G\]"):
+        tp.pull_plan(torch.zeros(6, dtype=torch.int64), 20, SMALL, 3)
+    with pytest.raises(ValueError, match=r"chunk_rows=0; it must be >= 1"):
+        tp.pull_plan(_c([[1]]), 20, SMALL, 0)
+    with pytest.raises(
+        ValueError, match=r"src_row0_P has shape \(3,\); it must be \(2,\), one first row per"
+    ):
+        tp.pull_plan(_c([[1], [2]]), 20, SMALL, 4, src_row0_P=torch.zeros(3))
+
+
+def test_op_errors_name_the_value_and_fix():
+    plan, bufs, recv, counters = _small()
+    table = tp.source_table(bufs)
+    with pytest.raises(ValueError, match=r"programs=0; it must be >= 1 \(K, the SMs that pull\)"):
+        tp.tile_pull(recv, table, plan, counters, programs=0)
+    with pytest.raises(ValueError, match=r"rate=-1.0; it must be >= 0 bytes/s"):
+        tp.tile_pull(recv, table, plan, counters, programs=2, rate=-1.0)
+    with pytest.raises(ValueError, match=r"recv has shape \(19, 8\), the plan 20 rows; .* must be \[20, H\]"):
+        tp.tile_pull(recv[:19], table, plan, counters, programs=2)
+    wide = torch.zeros(20, 16, dtype=torch.bfloat16)
+    with pytest.raises(
+        ValueError, match=r"recv has strides \(16, 2\); its rows must be contiguous and packed"
+    ):
+        tp.tile_pull(wide[:, ::2], table, plan, counters, programs=2)
+    with pytest.raises(
+        ValueError, match=r"recv has strides \(16, 1\); its rows must be contiguous and packed"
+    ):
+        tp.pull_reference(wide[:, :8], bufs, plan, counters)
+    with pytest.raises(ValueError, match=r"counters are torch.int64 \(10,\); they must be int32 \(10,\)"):
+        tp.tile_pull(recv, table, plan, counters.long(), programs=2)
+    with pytest.raises(ValueError, match=r"counters are torch.int32 \(9,\); they must be int32 \(10,\)"):
+        tp.pull_reference(recv, bufs, plan, counters[:9])
+    with pytest.raises(ValueError, match=r"3 sources for a plan of 2; pass one per source rank"):
+        tp.pull_reference(recv, bufs + bufs[:1], plan, counters)
+    with pytest.raises(ValueError, match=r"table is torch.int32 \(2,\) on cpu; it must be int64 \[P\]"):
+        tp.tile_pull(recv, table.int(), plan, counters, programs=2)
+    with pytest.raises(
+        ValueError, match=r"rate=9e\+11, delays none on cpu .* pass rate=0 and no delays on CPU"
+    ):
+        tp.tile_pull(recv, table, plan, counters, programs=2, rate=9e11)
+    with pytest.raises(ValueError, match=r"delays are torch.int32 \(12,\); they must be int64 \(12,\)"):
+        tp.tile_pull(recv, table, plan, counters, programs=2, delays_C=torch.zeros(12, dtype=torch.int32))
+    with pytest.raises(ValueError, match=r"sources \[1\] start at addresses not a multiple of 16 bytes"):
+        tp.source_table([bufs[0], bufs[1].view(-1)[1:]])
+    with pytest.raises(ValueError, match=r"no sources; pass one buffer per source rank"):
+        tp.source_table([])
+
+
+# ---- the Triton kernel on CPU, interpreted (one subprocess: the interpreter is chosen at import) ----------
+
+INTERPRETED_RUN = ("-m", "tests.tile_pull_cases", "--json", "{json}")
+
+
+@pytest.fixture(scope="module")
+def interpreted_results():
+    if not have_triton():
+        pytest.skip("needs Triton")
+    return interpreted(list(INTERPRETED_RUN))
+
+
+@pytest.mark.parametrize("name", [c[0] for c in CPU_CASES])
+def test_triton_interpreted_pull_equals_reference(name, interpreted_results):
+    assert interpreted_results[name] == "ok", interpreted_results[name]
+
+
+# ---- the kernel compiles for sm_90 without a GPU ----------------------------------------------------------
+
+
+@pytest.mark.skipif(
+    not have_triton() or os.environ.get("TRITON_INTERPRET") == "1", reason="needs compiled Triton"
+)
+@pytest.mark.parametrize("aligned", [True, False])
+@pytest.mark.parametrize("paced", [False, True])
+def test_kernel_compiles_for_sm90_with_barrier_then_release(aligned, paced):
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    fn = tp._pull_kernel
+    if not (Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas").exists():
+        pytest.skip("this Triton has no bundled ptxas")
+    constexprs = dict(TILE_M=128, ELEM=8, ALIGNED=aligned, PACE=paced, DELAY=paced, BLOCK_R=2, BLOCK_W=1024)
+    ptrs = dict(recv_ptr="*i64", table_ptr="*i64", tasks_ptr="*i32", counters_ptr="*i32", delays_ptr="*i64")
+    sig = {
+        n: "constexpr" if n in constexprs else ptrs.get(n, "fp32" if n == "ns_per_byte" else "i32")
+        for n in fn.arg_names
+    }
+    div16 = [["tt.divisibility", 16]]  # what a launch specialises: 16-byte pointers, W % 16 == 0
+    names = ("recv_ptr", "table_ptr", "tasks_ptr", "counters_ptr", "delays_ptr", "W")
+    attrs = {(fn.arg_names.index(n),): div16 for n in names}
+    ptx = triton.compile(
+        ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs), target=GPUTarget("cuda", 90, 32)
+    ).asm["ptx"]
+    # stores everywhere vectorized; the source loads only with the alignment hint
+    assert "st.global.v2.b64" in ptx
+    assert ("ld.global.L1::evict_first.L2::cache_hint.v2.b64" in ptx) == aligned
+    # the CTA's stores, a barrier, then one thread's release at GPU scope for each slot
+    release = ptx.index("atom.global.gpu.release.add.u32")
+    assert "bar.sync" in ptx[:release]
+    assert ("%globaltimer" in ptx) == paced
+
+
+# ---- GPU ---------------------------------------------------------------------------------------------------
+
+
+def _sm90_with_quack() -> bool:
+    if not (torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9):
+        return False
+    try:
+        from mok_megatron.compat import require_quack_tile_gemm
+
+        require_quack_tile_gemm()
+    except ImportError:
+        return False
+    return True
+
+
+needs_cuda = pytest.mark.skipif(
+    not torch.cuda.is_available() or not have_triton() or os.environ.get("TRITON_INTERPRET") == "1",
+    reason="needs a CUDA GPU and compiled Triton",
+)
+needs_sm90 = pytest.mark.skipif(not _sm90_with_quack(), reason="needs an sm_90 GPU and quack-kernels 0.4.x")
+GPU_TIMEOUT_S = 300  # QuACK compiles its kernel once (tens of seconds); a hang ends here
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("programs", [1, 3, 8, 16])
+@pytest.mark.parametrize("width,dtype", [(7168, torch.bfloat16), (2048, torch.bfloat16), (36, torch.float32)])
+def test_pull_alone_equals_reference_gpu(programs, width, dtype):
+    c = _random_counts(8, 6, seed=programs, zero_frac=0.2, most=90)
+    rows = int(c.sum()) + 5
+    plan = tp.pull_plan(c.cuda(), rows, tg.DEEPSEEK, 48, src_row0_P=torch.arange(8, device="cuda") * 3)
+    bufs = sources_for(c, width, dtype, "cuda", src_row0_P=torch.arange(8) * 3)
+    recv = torch.full((rows, width), -1, dtype=dtype, device="cuda")
+    counters = torch.full((plan.slots,), 5, dtype=torch.int32, device="cuda")
+    want, want_counters = recv.clone(), counters.clone()
+    tp.pull_reference(want, bufs, plan, want_counters)
+    tp.tile_pull(recv, tp.source_table(bufs), plan, counters, programs=programs)
+    torch.cuda.synchronize()
+    assert torch.equal(recv, want)
+    assert torch.equal(counters, want_counters)
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_paced_pull_takes_the_link_time_gpu():
+    c = _random_counts(4, 4, seed=9, zero_frac=0.0, most=200)
+    rows, width = int(c.sum()), 2048
+    plan = tp.pull_plan(c.cuda(), rows, tg.QWEN3, 32)
+    bufs = sources_for(c, width, torch.bfloat16, "cuda")
+    recv = torch.zeros(rows, width, dtype=torch.bfloat16, device="cuda")
+    counters = torch.zeros(plan.slots, dtype=torch.int32, device="cuda")
+    table = tp.source_table(bufs)
+    rate = 50e9  # bytes/s: slow enough that the copy itself is a small part
+    tp.tile_pull(recv, table, plan, counters, programs=4, rate=rate)  # compiles
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    tp.tile_pull(recv, table, plan, counters, programs=4, rate=rate)
+    end.record()
+    torch.cuda.synchronize()
+    link_ms = rows * width * 2 / rate * 1e3
+    assert 0.99 * link_ms <= start.elapsed_time(end) <= 1.5 * link_ms + 0.05
+
+
+def _run_watched(name: str) -> None:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
+    try:
+        r = subprocess.run(
+            [sys.executable, "-m", "tests.tile_pull_cases", "--gpu-concurrent", name],
+            cwd=REPO,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=GPU_TIMEOUT_S,
+        )
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"{name}: pull + waiting GEMM still running after {GPU_TIMEOUT_S} s (a hang)")
+    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stdout[-2000:] + r.stderr[-4000:]
+
+
+@pytest.mark.gpu
+@needs_sm90
+@pytest.mark.parametrize("name", list(GPU_CONCURRENT))
+def test_pull_beside_waiting_gemm_launched_first_gpu(name):
+    # cases ending in -delays: a random spin (0-40 us) before each chunk, so chunks land out of order
+    _run_watched(name)
+
+
+# ---- the benchmark's arguments -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "argv, says",
+    [
+        (["--shapes", "gpt"], "--shapes gpt; known: deepseek-v3-ep32,qwen3-ep8"),
+        (["--k", "0,4"], "every K must be >= 1"),
+        (["--k", "x"], "it must be a comma list of integers"),
+        (["--gbps", "-1"], "every rate >= 0"),
+    ],
+)
+def test_benchmark_refuses_bad_arguments_in_one_line(argv, says, capsys):
+    from benchmarks import tile_pull as bench
+
+    assert bench.main(argv) == 2
+    assert says in capsys.readouterr().err

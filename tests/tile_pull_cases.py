@@ -1,0 +1,172 @@
+"""Named cases of the tile pull (``kernels.tile_pull``), shared by the CPU run under Triton's interpreter and the
+GPU runs that need a watchdog (a waiting GEMM whose counters never reach their targets never ends, so those
+run in a subprocess with a timeout).
+
+    python -m tests.tile_pull_cases --json OUT                  the kernel against pull_reference, CPU cases
+                                                               (under TRITON_INTERPRET=1: {name: "ok" | error})
+    python -m tests.tile_pull_cases --gpu-concurrent NAME       one pull + waiting GEMM case on the GPU; prints
+                                                               "ok" or raises
+
+Legend: P source ranks, G local experts, H row width, M received rows, S counter slots, C chunks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import traceback
+
+import torch
+
+from mok_megatron.kernels import tile_gemm as tg
+from mok_megatron.kernels import tile_pull as tp
+
+SMALL = tg.TileConfig(tile_m=4, tile_n=16, cluster_m=2, max_swizzle=2)
+ONE = tg.TileConfig(tile_m=8, tile_n=8, cluster_m=1, max_swizzle=8)
+
+
+def sources_for(c_PG, width, dtype, device, src_row0_P=None, seed=0, spare=3):
+    """One buffer per source holding its rows for this rank from ``src_row0_P[p]`` on (other rows around
+    them: the source's rows for other ranks), values distinct per source and row."""
+    gen = torch.Generator().manual_seed(seed)
+    first = [0] * c_PG.shape[0] if src_row0_P is None else src_row0_P.tolist()
+    bufs = []
+    for p, n in enumerate(c_PG.sum(1).tolist()):
+        t = torch.randn(first[p] + n + spare, width, generator=gen).to(dtype)
+        bufs.append(t.to(device))
+    return bufs
+
+
+def run_case(c, width, dtype, device, chunk_rows, config, programs, spare_rows=5, src_row0=None, start=0):
+    """The kernel and the reference on the same plan; returns (recv, counters, want recv, want counters,
+    plan)."""
+    c_PG = torch.tensor(c, dtype=torch.int64, device=device)
+    rows = int(c_PG.sum()) + spare_rows
+    s0 = None if src_row0 is None else torch.tensor(src_row0, device=device)
+    plan = tp.pull_plan(c_PG, rows, config, chunk_rows, src_row0_P=s0)
+    bufs = sources_for(c_PG.cpu(), width, dtype, device, None if s0 is None else s0.cpu())
+    recv = torch.full((rows, width), -7, dtype=dtype, device=device)
+    counters = torch.full((plan.slots,), start, dtype=torch.int32, device=device)
+    want, want_counters = recv.clone(), counters.clone()
+    tp.pull_reference(want, bufs, plan, want_counters)
+    tp.tile_pull(recv, tp.source_table(bufs), plan, counters, programs=programs)
+    return recv, counters, want, want_counters, plan
+
+
+# (name, counts [P][G], width, dtype, chunk_rows, config, programs, src_row0, counters' start)
+CPU_CASES = [
+    ("hand", [[3, 0, 5], [2, 7, 0]], 6, torch.bfloat16, 3, SMALL, 2, None, 0),
+    ("one-program", [[3, 0, 5], [2, 7, 0]], 8, torch.bfloat16, 3, SMALL, 1, None, 0),
+    ("more-programs-than-chunks", [[1, 2], [0, 1]], 8, torch.float32, 4, SMALL, 7, None, 0),
+    ("chunks-cross-tiles", [[9, 1, 0, 13], [0, 0, 0, 6], [5, 11, 2, 0]], 16, torch.bfloat16, 5, SMALL, 3,
+     [4, 0, 2], 0),
+    ("chunk-of-one-row", [[2, 3], [4, 0]], 4, torch.float32, 1, ONE, 3, None, 0),
+    ("chunk-wider-than-tiles", [[19, 0, 7], [6, 21, 1]], 8, torch.bfloat16, 16, SMALL, 2, None, 0),
+    ("odd-width-int16-words", [[3, 4], [5, 1]], 3, torch.bfloat16, 2, ONE, 2, None, 0),
+    ("empty-source-and-expert", [[0, 0, 0], [4, 0, 9], [0, 0, 0]], 8, torch.float32, 4, SMALL, 2, None, 0),
+    ("nothing-to-pull", [[0, 0], [0, 0]], 8, torch.bfloat16, 4, SMALL, 2, None, 0),
+    ("counters-kept-across-steps", [[5, 3], [2, 6]], 8, torch.bfloat16, 3, SMALL, 2, None, 40),
+]  # fmt: skip
+
+
+def check_cpu_case(name, c, width, dtype, chunk_rows, config, programs, src_row0, start):
+    recv, counters, want, want_counters, plan = run_case(
+        c, width, dtype, "cpu", chunk_rows, config, programs, src_row0=src_row0, start=start
+    )
+    assert torch.equal(recv, want), f"{name}: received rows differ from pull_reference"
+    assert torch.equal(counters, want_counters), (
+        f"{name}: counters {counters.tolist()}, reference {want_counters.tolist()}"
+    )
+    targets = tg.counter_targets(plan.offs_G, plan.rows, config)
+    assert torch.equal(counters - start, targets), f"{name}: counters {counters.tolist()} != start + targets"
+
+
+def run_cpu_cases() -> dict:
+    res = {}
+    for case in CPU_CASES:
+        try:
+            check_cpu_case(*case)
+            res[case[0]] = "ok"
+        except Exception as e:  # reported per case
+            res[case[0]] = f"{type(e).__name__}: {e}\n{traceback.format_exc()[-1500:]}"
+    return res
+
+
+# ---- GPU: pull + waiting GEMM concurrently -----------------------------------------------------------------
+
+# (counts [P][G], hidden, n, config name, K programs/SMs held back, chunk_rows, delays)
+GPU_CONCURRENT = {
+    "qwen3-k4": ([[70, 0, 1, 130, 33, 16], [200, 0, 0, 300, 2, 16], [30, 0, 0, 87, 94, 32]], 256, 448, "QWEN3",
+                 4, 48, False),
+    "deepseek-k8": ([[70, 0, 1, 130, 33, 16], [200, 0, 0, 300, 2, 16], [30, 0, 0, 87, 94, 32]], 512, 512,
+                    "DEEPSEEK", 8, 64, False),
+    "qwen3-k2-delays": ([[70, 0, 1, 130, 33, 16], [200, 0, 0, 300, 2, 16], [30, 0, 0, 87, 94, 32]], 256, 448,
+                        "QWEN3", 2, 32, True),
+    "deepseek-k8-delays": ([[17, 300, 0, 5], [260, 0, 40, 9], [1, 2, 3, 4], [90, 90, 90, 90]], 512, 512,
+                           "DEEPSEEK", 8, 40, True),
+}  # fmt: skip
+
+
+def gpu_concurrent(name: str) -> None:
+    """The waiting GEMM launched first (counters at 0, receive buffer NaN), then the pull on K programs on
+    another stream; the output must equal the same GEMM with counters preset on the fully received buffer
+    (bit for bit) and torch._grouped_mm (BF16 tolerance), with no NaN (no tile loaded before its rows)."""
+    from mok_megatron.kernels.link_delay import spin_ns
+
+    counts, hidden, n, config_name, k, chunk_rows, delays = GPU_CONCURRENT[name]
+    cfg = getattr(tg, config_name)
+    dev = torch.device("cuda")
+    c_PG = torch.tensor(counts, device=dev)
+    rows = int(c_PG.sum()) + 7
+    plan = tp.pull_plan(c_PG, rows, cfg, chunk_rows)
+    bufs = sources_for(c_PG.cpu(), hidden, torch.bfloat16, dev)
+    table = tp.source_table(bufs)
+    gen = torch.Generator().manual_seed(1)
+    w = (torch.randn(c_PG.shape[1], n, hidden, generator=gen) / hidden**0.5).to(dev, torch.bfloat16).mT
+    gemm = tg.tile_plan(plan.offs_G, rows, n, cfg)
+
+    full = torch.zeros(rows, hidden, dtype=torch.bfloat16, device=dev)
+    tp.pull_reference(full, bufs, plan, torch.zeros(plan.slots, dtype=torch.int32, device=dev))
+    preset = tg.tile_grouped_mm(full, w, gemm, gemm.targets_S.clone(), sms_held_back=k)  # compiles
+    torch.cuda.synchronize()
+
+    recv = torch.full((rows, hidden), float("nan"), dtype=torch.bfloat16, device=dev)
+    counters = torch.zeros(plan.slots, dtype=torch.int32, device=dev)
+    delay_C = None
+    if delays:
+        delay_C = torch.randint(0, 40_000, (plan.tasks_C8.shape[0],), generator=gen).to(dev)
+    out = torch.empty_like(preset)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    torch.cuda.synchronize()
+    tg.tile_grouped_mm(recv, w, gemm, counters, sms_held_back=k, out=out)  # first: it waits for the pull
+    with torch.cuda.stream(side):
+        spin_ns(1_000_000, dev)  # the GEMM is resident and waiting before the first row lands
+        tp.tile_pull(recv, table, plan, counters, programs=k, delays_C=delay_C)
+    torch.cuda.synchronize()
+    assert torch.equal(counters, gemm.targets_S), "final counters differ from the GEMM's targets"
+    end = int(plan.offs_G[-1])
+    assert torch.equal(recv[:end], full[:end]), "received rows differ from pull_reference"
+    assert not torch.isnan(out[:end]).any(), "a tile was loaded before its rows arrived"
+    assert torch.equal(out[:end], preset[:end]), "output differs from the same GEMM with counters preset"
+    want = torch._grouped_mm(full, w, offs=plan.offs_G)
+    torch.testing.assert_close(out[:end].float(), want[:end].float(), rtol=1.6e-2, atol=1e-2)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--json")
+    p.add_argument("--gpu-concurrent")
+    a = p.parse_args(argv)
+    if a.gpu_concurrent:
+        gpu_concurrent(a.gpu_concurrent)
+        print("ok", flush=True)
+        return 0
+    res = run_cpu_cases()
+    with open(a.json, "w") as f:
+        json.dump(res, f)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
