@@ -3,13 +3,16 @@ and against brute force); the GEMM's math with counters preset through the tile-
 CuTe DSL has no interpreter); the kernel compiled for sm_90a without a GPU at each configuration the gate
 sweeps (when QuACK and the CUTLASS DSL are installed); and on an sm_90 GPU the kernel against
 torch._grouped_mm with counters preset at each of those configurations, in a random tile order, and with
-counters released late from another stream (marked gpu)."""
+counters released late from another stream (marked gpu). The epilogue's done-counter release: its targets
+and completion ranks as pure functions, its variant compiled for sm_90a (the release after the TMA stores'
+full wait and the async-proxy fence, in the PTX), and on the GPU the counters one launch leaves."""
 
 from __future__ import annotations
 
 import dataclasses
 import importlib.util
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -92,6 +95,37 @@ def test_targets_count_the_rows_of_each_slot(counts, rows, cfg):
         n_slots = -(-c // cfg.block_m) * cfg.cluster_m
         want = [min(cfg.tile_m, max(0, c - t * cfg.tile_m)) for t in range(n_slots)]
         assert targets[int(base[e]) : int(base[e]) + n_slots].tolist() == want
+
+
+def test_done_targets_and_completion_ranks_hand_worked():
+    # the plan above: 3 column tiles; slots 0-9 belong to experts (expert 0: 0-1, expert 2: 2-5, expert 3:
+    # 6-9, slot 9 its cluster's padding, released too), 10-13 past the last expert
+    offs = _offs([5, 0, 16, 9])
+    plan = tg.tile_plan(offs, 32, 40, SMALL)
+    assert plan.base_G.tolist() == [0, 2, 2, 6]
+    assert plan.done_targets_S.tolist() == [3] * 10 + [0] * 4
+    # the last work item of each cluster row in QuACK's order (the table above): expert 0's row 0 at 2,
+    # expert 2's row 0 at 8 (the serpentine band comes back up), its row 1 at 7, expert 3's rows at 14, 13
+    assert tg.slot_done_rank(plan).tolist() == [2, 2, 8, 8, 7, 7, 14, 14, 13, 13, -1, -1, -1, -1]
+
+
+@pytest.mark.parametrize(
+    "counts,rows,n", [([5, 0, 16, 9], 32, 40), ([0, 200, 3], 210, 100), ([17] * 6, 102, 16), ([0, 0], 4, 8)]
+)
+@pytest.mark.parametrize("cfg", [SMALL, tg.TileConfig(tile_m=8, tile_n=8, cluster_m=1, max_swizzle=3)])
+def test_done_counters_of_one_launch_reach_the_targets_in_any_order(counts, rows, n, cfg):
+    offs = _offs(counts)
+    ready = torch.randint(0, 7, (rows,), generator=torch.Generator().manual_seed(rows))
+    quack = tg.tile_plan(offs, rows, n, cfg)
+    for plan in (quack, tg.tile_plan(offs, rows, n, cfg, ready_M=ready), _shuffled(quack, len(counts), 3)):
+        assert torch.equal(tg.done_counts_reference(plan), plan.done_targets_S)
+        rank = tg.slot_done_rank(plan)
+        valid = plan.tiles_W4[:, 0] < len(counts)
+        for s in range(plan.targets_S.numel()):  # brute force: the last item covering the slot
+            first = plan.tiles_W4[:, 3]
+            cover = (valid & (first <= s) & (s < first + cfg.cluster_m)).nonzero().flatten()
+            assert int(rank[s]) == (int(cover.max()) if cover.numel() else -1)
+            assert (plan.done_targets_S[s] > 0) == (cover.numel() > 0)
 
 
 # ---- tile orders -------------------------------------------------------------------------------------------
@@ -240,6 +274,18 @@ def test_kernel_refuses_a_table_it_cannot_read_in_16_byte_rows():
             tg.tile_grouped_mm(a, b, dataclasses.replace(plan, tiles_W4=tiles), plan.targets_S.clone())
 
 
+@pytest.mark.skipif(importlib.util.find_spec("quack") is None, reason="checked after QuACK's version check")
+def test_kernel_refuses_done_counters_of_another_size():
+    offs = _offs([4])
+    a, b = _operands(4, 8, 400, 1, dtype=torch.bfloat16)
+    plan = tg.tile_plan(offs, 4, 400, tg.QWEN3)
+    done = torch.zeros(plan.targets_S.numel() + 1, dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"done \(3,\), targets \(2,\); size the done counters like"):
+        tg.tile_grouped_mm(a, b, plan, plan.targets_S.clone(), done_S=done)
+    with pytest.raises(ValueError, match=r"done is torch.int64 on cpu; it must be int32"):
+        tg.tile_grouped_mm(a, b, plan, plan.targets_S.clone(), done_S=done[:-1].long())
+
+
 def _config_id(cfg) -> str:
     return f"{cfg.tile_m}x{cfg.tile_n}-{'pp' if cfg.pingpong else 'coop'}-c{cfg.cluster_m}"
 
@@ -271,9 +317,10 @@ _COMPILE = textwrap.dedent(
     compiler.Compiler.jit = lambda self, module, opt_level=2, shared_libs=(): Loaded()
     from mok_megatron.kernels import tile_gemm, tile_gemm_sm90
     config = tile_gemm.SM90_CONFIGS[int(sys.argv[2])]
-    for major in ("k", "n"):
+    release_done = sys.argv[3] == "release"
+    for major in sys.argv[4].split(","):
         try:
-            tile_gemm_sm90.compile_for(torch.bfloat16, major, config)
+            tile_gemm_sm90.compile_for(torch.bfloat16, major, config, release_done=release_done)
         except RuntimeError as e:
             if "compiled without a GPU" not in str(e):
                 raise
@@ -282,31 +329,56 @@ _COMPILE = textwrap.dedent(
 )
 
 
-@pytest.mark.skipif(
-    importlib.util.find_spec("quack") is None or importlib.util.find_spec("cutlass") is None,
-    reason="needs quack-kernels and nvidia-cutlass-dsl (no GPU)",
-)
-@pytest.mark.parametrize("index", range(len(tg.SM90_CONFIGS)), ids=[_config_id(c) for c in tg.SM90_CONFIGS])
-def test_kernel_compiles_for_sm90a_without_a_gpu(index, tmp_path):
+def _compile(tmp_path, index: int, variant: str, majors: str) -> list[str]:
+    """The PTX of the waiting GEMM compiled for sm_90a in a subprocess (one per dump name)."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
     r = subprocess.run(
-        [sys.executable, "-c", _COMPILE, str(tmp_path), str(index)],
+        [sys.executable, "-c", _COMPILE, str(tmp_path), str(index), variant, majors],
         capture_output=True,
         text=True,
         env=env,
         timeout=900,
     )
     assert r.returncode == 0, r.stdout + r.stderr[-4000:]
-    assert r.stdout.count("compiled") == 2, r.stdout
+    assert r.stdout.count("compiled") == len(majors.split(",")), r.stdout
     # the dump names are cut short, so variants that differ late in their names share a file
     ptx = list(tmp_path.glob("*TileWaitGemmSm90*.ptx"))
     assert ptx and len(list(tmp_path.glob("*TileWaitGemmSm90*.cubin"))) == len(ptx)
-    for p in ptx:
-        text = p.read_text(errors="replace")
+    return [p.read_text(errors="replace") for p in ptx]
+
+
+needs_cute_dsl = pytest.mark.skipif(
+    importlib.util.find_spec("quack") is None or importlib.util.find_spec("cutlass") is None,
+    reason="needs quack-kernels and nvidia-cutlass-dsl (no GPU)",
+)
+
+
+@needs_cute_dsl
+@pytest.mark.parametrize("index", range(len(tg.SM90_CONFIGS)), ids=[_config_id(c) for c in tg.SM90_CONFIGS])
+def test_kernel_compiles_for_sm90a_without_a_gpu(index, tmp_path):
+    for text in _compile(tmp_path, index, "plain", "k,n"):
         # the work item's table row in one 16-byte load; the producer's wait: an acquire spin, then the
         # async-proxy fence before the TMA loads
         assert "ld.global.v4.u32" in text or "ld.global.v4.b32" in text or "ld.global.v4.s32" in text
         assert "ld.acquire.gpu.global" in text and "fence.proxy.async.global" in text
+        # without done counters the epilogue is QuACK's: no full store wait, no release
+        assert "cp.async.bulk.wait_group 0;" not in text and "release.add" not in text
+
+
+@needs_cute_dsl
+@pytest.mark.parametrize("index,major", [(0, "k"), (1, "n")], ids=["qwen3-pingpong", "deepseek-cooperative"])
+def test_done_release_compiles_for_sm90a_without_a_gpu(index, major, tmp_path):
+    (text,) = _compile(tmp_path, index, "release", major)
+    # after the tile's last TMA store: the full wait (writes complete, not .read), the async-proxy fence,
+    # then one lane's +1 with release semantics (atom's default scope is .gpu), then QuACK's own tail
+    store = text.rindex("cp.async.bulk.tensor.3d.global.shared")
+    wait = text.index("cp.async.bulk.wait_group 0;", store)
+    fence = text.index("fence.proxy.async.global;", wait)
+    release = re.search(r"(atom|red)(\.global)?\.release(\.gpu)?(\.global)?\.add\.[us]32", text[fence:])
+    assert release, text[wait : wait + 2000]
+    between = text[wait : fence + release.start()]
+    assert "cp.async.bulk.tensor" not in between and "elect.sync" in between
+    assert text.count("cp.async.bulk.wait_group 0;") == 1 and len(re.findall(r"\.release.*\.add", text)) == 1
 
 
 # ---- GPU: the kernel against torch._grouped_mm -------------------------------------------------------------
@@ -375,6 +447,31 @@ def test_counters_preset_match_grouped_mm_gpu(cfg, b_major, held_back):
     again = tg.tile_grouped_mm(a, b, plan, plan.targets_S.clone(), sms_held_back=held_back)
     end = int(offs[-1])  # the spare rows past the last expert are not the GEMM's
     assert torch.equal(out[:end], again[:end])
+
+
+@pytest.mark.gpu
+@needs_sm90
+@pytest.mark.parametrize(
+    "cfg,b_major", [(tg.QWEN3, "k"), (tg.DEEPSEEK, "n")], ids=["qwen3-pingpong", "deepseek-cooperative"]
+)
+@pytest.mark.parametrize("held_back", [8, "few"])
+def test_done_counters_released_once_per_stored_tile_gpu(cfg, b_major, held_back):
+    # the release leaves the math alone (the same bits as without it); one launch from 0 adds each slot's
+    # column-tile count (cluster padding slots included); a second launch adds it again
+    offs, a, b, plan = _gpu_case(cfg, b_major, seed=6)
+    held_back = _held_back(cfg, held_back)
+    done = torch.zeros_like(plan.targets_S)
+    out = tg.tile_grouped_mm(a, b, plan, plan.targets_S.clone(), sms_held_back=held_back, done_S=done)
+    torch.cuda.synchronize()
+    _check(out, a, b, offs)
+    assert torch.equal(done, plan.done_targets_S)
+    assert torch.equal(done.cpu(), tg.done_counts_reference(plan))
+    plain = tg.tile_grouped_mm(a, b, plan, plan.targets_S.clone(), sms_held_back=held_back)
+    tg.tile_grouped_mm(a, b, plan, plan.targets_S.clone(), sms_held_back=held_back, done_S=done)
+    torch.cuda.synchronize()
+    end = int(offs[-1])
+    assert torch.equal(out[:end], plain[:end])
+    assert torch.equal(done, 2 * plan.done_targets_S)
 
 
 @pytest.mark.gpu

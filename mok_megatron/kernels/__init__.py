@@ -17,9 +17,12 @@ Modules:
     topk     the router's top-k selection, one pass per row (ties to the lower index)
     link_delay   the loopback transport's emulated link time: a one-warp wall-clock spin (GPU only)
     tile_gemm    a grouped GEMM whose row tiles wait on arrival counters (QuACK's sm_90 kernel, CuTe DSL;
-                 kernel in tile_gemm_sm90), its tile orders, counter targets and torch references
+                 kernel in tile_gemm_sm90), its tile orders, counter targets and torch references; its
+                 epilogue optionally releases per-row-tile done counters
     tile_pull    the dispatch that feeds it: K persistent programs pull (source, expert) chunks expert-major
                  into the receive buffer and release each row tile's counter; its plan and torch reference
+    tile_combine the combine driven by tile_gemm's done counters: each token summed once its rows are stored,
+                 bitwise the combine's sum
 
 Every public op takes ``impl``: ``Impl.AUTO`` runs Triton on CUDA tensors when Triton is installed and the
 torch reference otherwise; ``Impl.TRITON`` / ``Impl.TORCH`` force one (the tests hold them against each other).

@@ -17,7 +17,11 @@ one launch, with two changes (``tile_gemm_sm90``):
   counter slot itself: the producer's wait needs no second, dependent load to find it;
 - before the TMA producer warp loads a row tile's A rows it spins on an acquire load (``ld.acquire.gpu``)
   of that tile's counter until the counter reaches the tile's target, then fences the async proxy so the
-  TMA loads see the rows.
+  TMA loads see the rows;
+- given done counters (``done_S``), its epilogue releases each (row tile, column tile) once the tile's
+  output is in global memory: the TMA stores complete, an async-proxy fence, then ``+1`` with release
+  semantics on the row tile's done slot. A consumer of fc2's output (``kernels.tile_combine``) moves a row
+  block as soon as its slot reaches ``done_targets``.
 
 Counters. One int32 counter per (expert, row tile of ``tile_m`` rows): slot ``slot_base(offs_G)[g] + t`` for
 row tile ``t`` of expert ``g``; the CTA of rank ``r`` in a cluster waits on slot ``tiles_W4[w, 3] + r``.
@@ -30,6 +34,13 @@ gathers rows from several source ranks, each written by a different transfer. Th
 target``, so counters need no reset between steps when the targets move up by the rows of one step
 (``TilePlan.shifted``).
 Counters are read at GPU scope: the pulls that fill them run on this GPU (the K communication SMs).
+
+Done counters. One int32 per slot as well (the same slot numbering): every CTA of a work item adds 1 to
+its row tile's slot after its column tile is stored, so a slot is complete at ``done_targets``: the
+column-tile count ``ceil(N / tile_n)`` for every slot of an expert (a cluster's CTA past the expert's last
+row runs its epilogue too, storing nothing), 0 past the last expert's slots. One add per column tile
+rather than one per row tile because the column tiles of a row tile run on different clusters, in any
+order. Counters kept across steps: wait for ``done_targets + steps * ceil(N / tile_n)`` on real slots.
 
 Sync-free: the plan's functions and the launch run on the device of their inputs with shapes fixed by
 host-known sizes (rows M, groups G, width N), so none reads a device value back (the references do). Capacities (``work_capacity``,
@@ -113,6 +124,10 @@ class TilePlan:
                   row tile) per work item, in visiting order, contiguous (16-byte rows); rows past the last
                   work item hold (G, 0, 0, 0)
     targets_S     the counter value each slot waits for (rows of the slot; 0 for padding slots)
+    base_G        the slot of each expert's first row tile (``slot_base``); the epilogue's done slot of a
+                  tile is ``base_G[expert] + row tile``
+    done_targets_S  the done counter of each slot once every column tile of its row tile is stored
+                  (``done_targets``: ceil(N / tile_n) for an expert's slots, 0 past them)
     """
 
     config: TileConfig
@@ -121,6 +136,8 @@ class TilePlan:
     cu_G1: torch.Tensor
     tiles_W4: torch.Tensor
     targets_S: torch.Tensor
+    base_G: torch.Tensor
+    done_targets_S: torch.Tensor
 
     @property
     def groups(self) -> int:
@@ -184,6 +201,14 @@ def counter_targets(offs_G: torch.Tensor, rows: int, config: TileConfig) -> torc
     c = _counts(offs_G)[ec] if offs_G.numel() else torch.zeros_like(t)
     rows_S = (c - t * config.tile_m).clamp(0, config.tile_m)
     return torch.where(e < offs_G.numel(), rows_S, 0).to(torch.int32)
+
+
+def done_targets(offs_G: torch.Tensor, rows: int, n: int, config: TileConfig) -> torch.Tensor:
+    """int32 [S]: the done counter of each slot once its row tile is stored: one per column tile for every
+    slot of an expert (its cluster's padding slots included: their CTAs release too), 0 past the last
+    expert's slots."""
+    e, _, _ = _slot_owner(offs_G, rows, config)
+    return torch.where(e < offs_G.numel(), math.ceil(n / config.tile_n), 0).to(torch.int32)
 
 
 def row_slots(offs_G: torch.Tensor, rows: int, config: TileConfig) -> torch.Tensor:
@@ -276,7 +301,46 @@ def tile_plan(
         ready_S = slot_ready(offs_G, ready_M, config)
         tiles_W4 = arrival_tile_order(tiles_W4, offs_G.numel(), ready_S, config)
     cu_G1 = torch.nn.functional.pad(offs_G.to(torch.int32), (1, 0))
-    return TilePlan(config, rows, n, cu_G1, tiles_W4.contiguous(), counter_targets(offs_G, rows, config))
+    return TilePlan(
+        config,
+        rows,
+        n,
+        cu_G1,
+        tiles_W4.contiguous(),
+        counter_targets(offs_G, rows, config),
+        slot_base(offs_G, config),
+        done_targets(offs_G, rows, n, config),
+    )
+
+
+# ---- completion: which work item finishes each slot, the order tokens become complete ----------------------
+
+
+def slot_done_rank(plan: TilePlan) -> torch.Tensor:
+    """int64 [S]: the table position of the last work item that stores a column tile of each slot (-1 for a
+    slot no work item covers). The persistent grid takes the table in order, a wave of clusters at a time,
+    so a slot of lower rank completes no later than one of higher rank up to one wave of skew."""
+    cfg = plan.config
+    tiles = plan.tiles_W4
+    w = torch.arange(tiles.shape[0], device=tiles.device)
+    valid = tiles[:, 0] < plan.groups
+    slot = tiles[:, 3:4].long() + torch.arange(cfg.cluster_m, device=tiles.device)
+    slots = plan.targets_S.numel()
+    slot = torch.where(valid[:, None], slot, slots)  # the end markers: a dropped extra slot
+    w = torch.where(valid, w, -1)[:, None].expand_as(slot)
+    out = torch.full((slots + 1,), -1, dtype=torch.int64, device=tiles.device)
+    return out.scatter_reduce(0, slot.reshape(-1), w.reshape(-1), "amax", include_self=True)[:slots]
+
+
+def done_counts_reference(plan: TilePlan) -> torch.Tensor:
+    """int32 [S]: the done counters after one launch from zero, by the table: each valid work item adds 1
+    to each of its cluster's ``cluster_m`` slots (host loop; equals ``plan.done_targets_S``)."""
+    done = [0] * plan.targets_S.numel()
+    for e, _, _, first in plan.tiles_W4.tolist():
+        if e < plan.groups:
+            for b in range(plan.config.cluster_m):
+                done[first + b] += 1
+    return torch.tensor(done, dtype=torch.int32)
 
 
 # ---- references --------------------------------------------------------------------------------------------
@@ -376,10 +440,13 @@ def tile_grouped_mm(
     *,
     sms_held_back: int = 0,
     out: torch.Tensor | None = None,
+    done_S: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``out_MN`` = ``torch._grouped_mm(a_MK, b_GKN, offs=offs_G)`` for the ``offs_G`` the plan was built
     from, one launch on the current stream, each row tile loaded once ``counters_S`` reaches
-    ``plan.targets_S`` at its slot.
+    ``plan.targets_S`` at its slot; given ``done_S`` (int32 [S], like the counters), each stored (row tile,
+    column tile) adds 1 to ``done_S`` at its slot with release semantics (a slot is complete at
+    ``plan.done_targets_S`` more than it held before the launch).
 
     Inputs: a_MK bf16/fp16 [M, K] (K contiguous); b_GKN same dtype [G, K, N] (K or N contiguous); plan from
     ``tile_plan`` (same M, G and N, on a's device); counters_S int32 [S] (S = ``slot_capacity``), written
@@ -403,7 +470,15 @@ def tile_grouped_mm(
             f"tile_grouped_mm: counters {tuple(counters_S.shape)}, targets {tuple(plan.targets_S.shape)}; "
             "size the counters like the plan's targets (slot_capacity)"
         )
-    for name, t in (("counters", counters_S), ("cu", plan.cu_G1), ("tiles", plan.tiles_W4)):
+    if done_S is not None and done_S.shape != plan.targets_S.shape:
+        raise ValueError(
+            f"tile_grouped_mm: done {tuple(done_S.shape)}, targets {tuple(plan.targets_S.shape)}; "
+            "size the done counters like the plan's targets (slot_capacity)"
+        )
+    named = [("counters", counters_S), ("cu", plan.cu_G1), ("tiles", plan.tiles_W4)]
+    if done_S is not None:
+        named += [("done", done_S), ("base", plan.base_G)]
+    for name, t in named:
         if t.dtype != torch.int32 or t.device != a_MK.device:
             raise ValueError(
                 f"tile_grouped_mm: {name} is {t.dtype} on {t.device}; it must be int32 on {a_MK.device}"
@@ -423,5 +498,6 @@ def tile_grouped_mm(
         return out
     from mok_megatron.kernels import tile_gemm_sm90
 
-    tile_gemm_sm90.launch(a_MK, b_GKN, out, plan, counters_S, grid_clusters(a_MK.device, cfg, sms_held_back))
+    grid = grid_clusters(a_MK.device, cfg, sms_held_back)
+    tile_gemm_sm90.launch(a_MK, b_GKN, out, plan, counters_S, grid, done_S=done_S)
     return out

@@ -17,6 +17,14 @@ What changes against QuACK's ``GemmDefaultSm90`` with its ``VarlenMTileScheduler
   loads independent of each other), then ``fence.proxy.async.global`` (the rows were written through the
   generic proxy, TMA reads them through the async one). The MMA and epilogue warps take the tile from the
   scheduler's pipeline as before; they need no wait of their own.
+- ``epilogue`` (compiled in only when done counters are given): after QuACK's epilogue has issued a tile's
+  TMA stores, the warp that issued them waits for the stores to complete (``cp.async.bulk.wait_group 0``,
+  the writes done, not only the shared-memory reads that QuACK's ``.read`` wait covers), fences the async
+  proxy against the generic one (``fence.proxy.async.global``: the TMA writes went through the async proxy,
+  the release is a generic-proxy operation), and one lane adds 1 to ``done[base[expert] + pid_m]`` with
+  release semantics at GPU scope. A row tile's output is complete once its slot holds its column-tile count.
+  The wait is on the epilogue's TMA warp only: in pingpong the other warp group's MMA runs meanwhile; in
+  the cooperative schedule the next tile's MMA starts one store latency later.
 
 Everything else (TMA multicast of B across the cluster, pingpong or cooperative warp groups, the epilogue,
 PDL) is QuACK's. The grid is ``min(max_active_clusters, work items)`` clusters, as in QuACK.
@@ -59,6 +67,8 @@ class TileWaitOptions(NamedTuple):
     tiles: cute.Tensor  # int32 (W, 4), 16-byte rows: expert, cluster row, column tile, first counter slot
     counters: cute.Tensor  # int32 (S,)
     targets: cute.Tensor  # int32 (S,)
+    done: Optional[cute.Tensor] = None  # int32 (S,): +1 per finished (row tile, column tile); or None
+    base: Optional[cute.Tensor] = None  # int32 (G,): each expert's first counter slot (with ``done``)
 
 
 @dataclass
@@ -71,6 +81,8 @@ class ArrivalTileSchedulerArguments:
     tile_shape_mn: cutlass.Constexpr[cute.Shape]
     cluster_shape_mnk: cutlass.Constexpr[cute.Shape]
     producer_warp: cutlass.Constexpr[int]
+    done: Optional[cute.Tensor] = None
+    base: Optional[cute.Tensor] = None
 
 
 class SlotWorkTileInfo(cutlass.utils.WorkTileInfo):
@@ -114,6 +126,8 @@ class ArrivalTileScheduler(VarlenMTileScheduler):
         cluster_shape_mnk: cutlass.Constexpr[cute.Shape]
         producer_warp: cutlass.Constexpr[int]
         persistence_mode: cutlass.Constexpr[PersistenceMode]
+        done: Optional[cute.Tensor]  # read by the epilogue (TileWaitGemmSm90.epilogue), not the scheduler
+        base: Optional[cute.Tensor]
 
         @staticmethod
         @cute.jit
@@ -136,6 +150,8 @@ class ArrivalTileScheduler(VarlenMTileScheduler):
                 args.cluster_shape_mnk,
                 args.producer_warp,
                 PersistenceMode.STATIC,
+                args.done,
+                args.base,
             )
 
     @staticmethod
@@ -263,6 +279,75 @@ class TileWaitGemmSm90(GemmDefaultSm90):
         # compiled entry point only)
         GemmSm90.__call__(self, mA, mB, mD, mC, epilogue_args, scheduler_args, varlen_args, stream, trace_ptr)
 
+    @cute.jit
+    def epilogue(
+        self,
+        params,
+        epi_smem_tensors,
+        epi_pipeline,
+        epi_store_pipeline,
+        epi_read_state,
+        epi_producer_state,
+        epi_tile,
+        load_acc_subtile,
+        tRS_rD,
+        tRS_rC,
+        tiled_copy_t2r,
+        tiled_copy_r2s,
+        tRS_sD,
+        tiled_copy_s2r,
+        tSR_rC,
+        tSR_sC,
+        copy_D,
+        copy_C,
+        tile_coord_mnkl,
+        varlen_manager,
+        epilogue_barrier,
+        tile_scheduler,
+        tidx,
+        is_tma_warp,
+    ):
+        states = GemmDefaultSm90.epilogue(
+            self,
+            params,
+            epi_smem_tensors,
+            epi_pipeline,
+            epi_store_pipeline,
+            epi_read_state,
+            epi_producer_state,
+            epi_tile,
+            load_acc_subtile,
+            tRS_rD,
+            tRS_rC,
+            tiled_copy_t2r,
+            tiled_copy_r2s,
+            tRS_sD,
+            tiled_copy_s2r,
+            tSR_rC,
+            tSR_sC,
+            copy_D,
+            copy_C,
+            tile_coord_mnkl,
+            varlen_manager,
+            epilogue_barrier,
+            tile_scheduler,
+            tidx,
+            is_tma_warp,
+        )
+        sched = tile_scheduler.params
+        if const_expr(sched.done is not None):
+            if is_tma_warp:
+                # every lane waits for the bulk stores it issued (the TMA lane's wait is the one that
+                # blocks); the writes are then complete and, after the proxy fence, ordered before the
+                # generic-proxy release below
+                cute.arch.cp_async_bulk_wait_group(0, read=False)
+                cute.arch.fence_proxy("async.global")
+                cute.arch.sync_warp()
+                with cute.arch.elect_one():
+                    slot = sched.base[tile_coord_mnkl[3]] + tile_coord_mnkl[0]
+                    cute.arch.atomic_add(elem_pointer(sched.done, slot), Int32(1), sem="release", scope="gpu")
+        return states
+
     def get_scheduler_class(self, varlen_m: bool = False):
         assert varlen_m, "the waiting GEMM is varlen-M (cu_seqlens_m)"
         return ArrivalTileScheduler
@@ -282,24 +367,35 @@ class TileWaitGemmSm90(GemmDefaultSm90):
             tile_shape_mn=self.cta_tile_shape_mnk[:2],
             cluster_shape_mnk=self.cluster_shape_mnk,
             producer_warp=self.ab_load_warp_id,
+            done=scheduler_args.done,
+            base=scheduler_args.base,
         )
 
 
 @jit_cache
-def compile_tile_gemm(a_dtype, b_dtype, d_dtype, b_major, tile_shape_mn, cluster_m, pingpong, source_digest):
+def compile_tile_gemm(
+    a_dtype, b_dtype, d_dtype, b_major, tile_shape_mn, cluster_m, pingpong, release_done, source_digest
+):
     """One compiled variant (symbolic M, N, K, G, W, S): bf16/fp16 A K-major, B ``b_major`` ("k" or "n"),
-    D N-major. ``source_digest`` keys QuACK's disk cache on this file's contents."""
+    D N-major; ``release_done``: the epilogue releases done counters (a separate kernel: without it the
+    epilogue is QuACK's). ``source_digest`` keys QuACK's disk cache on this file's contents."""
     mA, mB, mD, _, _, _, _, _ = make_fake_gemm_tensors(
         a_dtype, b_dtype, d_dtype, None, "k", b_major, "n", None, varlen_m=True
     )
     epi_args = GemmDefaultSm90.EpilogueArguments(rounding_mode=RoundingMode.RN)
     num_slots = cute.sym_int()
+    done = base = None
+    if release_done:
+        done = make_fake_tensor(Int32, (num_slots,), leading_dim=0)
+        base = make_fake_tensor(Int32, (cute.sym_int(),), leading_dim=0)
     sched_args = TileWaitOptions(
         max_active_clusters=Int32(1),
         # rows of 16 bytes on a 16-byte boundary: one vector load per row (tile_grouped_mm checks it)
         tiles=cute.runtime.make_fake_tensor(Int32, (cute.sym_int(), 4), stride=(4, 1), assumed_align=16),
         counters=make_fake_tensor(Int32, (num_slots,), leading_dim=0),
         targets=make_fake_tensor(Int32, (num_slots,), leading_dim=0),
+        done=done,
+        base=base,
     )
     return compile_gemm_kernel(
         TileWaitGemmSm90,
@@ -331,17 +427,27 @@ def b_major_of(b_GKN: torch.Tensor) -> str:
     raise ValueError(f"tile_grouped_mm: b has strides {b_GKN.stride()}; K or N must be contiguous")
 
 
-def compile_for(a_dtype: torch.dtype, b_major: str, config) -> object:
-    """The compiled kernel for operands of ``a_dtype``, B ``b_major`` and a ``TileConfig``."""
+def compile_for(a_dtype: torch.dtype, b_major: str, config, release_done: bool = False) -> object:
+    """The compiled kernel for operands of ``a_dtype``, B ``b_major`` and a ``TileConfig``; with
+    ``release_done``, the variant whose epilogue releases done counters."""
     dt = torch2cute_dtype_map[a_dtype]
     return compile_tile_gemm(
-        dt, dt, dt, b_major, (config.tile_m, config.tile_n), config.cluster_m, config.pingpong, _SOURCE_DIGEST
+        dt,
+        dt,
+        dt,
+        b_major,
+        (config.tile_m, config.tile_n),
+        config.cluster_m,
+        config.pingpong,
+        release_done,
+        _SOURCE_DIGEST,
     )
 
 
-def launch(a_MK, b_GKN, out_MN, plan, counters_S, max_clusters: int) -> None:
-    """One launch on the current stream (inputs checked by ``tile_gemm.tile_grouped_mm``)."""
-    compiled = compile_for(a_MK.dtype, b_major_of(b_GKN), plan.config)
+def launch(a_MK, b_GKN, out_MN, plan, counters_S, max_clusters: int, done_S=None) -> None:
+    """One launch on the current stream (inputs checked by ``tile_gemm.tile_grouped_mm``); ``done_S``
+    int32 [S] or None: the counters the epilogue releases."""
+    compiled = compile_for(a_MK.dtype, b_major_of(b_GKN), plan.config, release_done=done_S is not None)
     b_NKG = b_GKN.mT.permute(1, 2, 0)  # QuACK's (N, K, L)
     epi_args = GemmDefaultEpiMixin.EpilogueArguments(
         alpha=None,
@@ -357,6 +463,8 @@ def launch(a_MK, b_GKN, out_MN, plan, counters_S, max_clusters: int) -> None:
         tiles=plan.tiles_W4,
         counters=counters_S,
         targets=plan.targets_S,
+        done=done_S,
+        base=None if done_S is None else plan.base_G,
     )
     varlen_args = VarlenArguments(mCuSeqlensM=plan.cu_G1, mCuSeqlensK=None, mAIdx=None)
     compiled(a_MK, b_NKG, out_MN, None, epi_args, sched_args, varlen_args, None)
