@@ -17,6 +17,7 @@ import torch
 from mok_megatron.compat import have_te
 from mok_megatron.engine.plan import RowLayout
 from tests.cases import with_engine
+from tests.harness.gpu import layer_steps, rel
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -42,24 +43,6 @@ def _build(backend: str, cfg, impl: str = "mok"):
     return (build_mok_layer(backend, cfg) if impl == "mok" else build(impl, cfg)).cuda()
 
 
-def _run(layer, cfg, x, dout, steps: int):
-    from mok_megatron.experts.checkpoint import convert_state_dict
-    from mok_megatron.compat import quantization_context
-
-    for _ in range(steps):
-        layer.zero_grad(set_to_none=True)
-        xi = x.detach().requires_grad_(True)
-        with quantization_context(cfg):
-            out, _ = layer(xi)
-        out.backward(dout)
-    grads = {n: p.grad.float() for n, p in layer.named_parameters() if p.grad is not None and "experts" in n}
-    return out.detach().float(), xi.grad.float(), convert_state_dict(grads, "mok")
-
-
-def _rel(a, b) -> float:
-    return float((a - b).norm() / b.norm().clamp_min(1e-30))
-
-
 def _compare(backend: str, recipe: str | None, bound: float):
     from mok_megatron.experts.checkpoint import convert_state_dict
 
@@ -68,13 +51,13 @@ def _compare(backend: str, recipe: str | None, bound: float):
     dout = torch.randn(SHAPE["tokens"], 1, SHAPE["hidden"], generator=g).to("cuda", torch.bfloat16)
     ref = _build("torch", layer_config(None))
     state = ref.state_dict()
-    want = _run(ref, layer_config(None), x, dout, 1)
+    want = layer_steps(ref, layer_config(None), x, dout, 1)
     cfg = layer_config(recipe)
     layer = _build(backend, cfg)
     layer.load_state_dict(convert_state_dict(state, "mok"), strict=True)
-    got = _run(layer, cfg, x, dout, 3 if (recipe or backend == "torch-fp8") else 1)
-    errs = {"out": _rel(got[0], want[0]), "dx": _rel(got[1], want[1])}
-    errs.update({k: _rel(got[2][k], want[2][k]) for k in want[2]})
+    got = layer_steps(layer, cfg, x, dout, 3 if (recipe or backend == "torch-fp8") else 1)
+    errs = {"out": rel(got[0], want[0]), "dx": rel(got[1], want[1])}
+    errs.update({k: rel(got[2][k], want[2][k]) for k in want[2]})
     assert set(got[2]) == set(want[2])
     assert max(errs.values()) < bound, errs
     if recipe is not None or backend == "torch-fp8":  # FP8 really ran: more than bf16's own rounding
@@ -232,13 +215,13 @@ def test_native_fp8_weight_cache_follows_weight_updates():
     x, w, dy, offs = _linear_inputs()
     first = _fwd_bwd(x, w, dy, offs, cache)
     again = _fwd_bwd(x, w, dy, offs, cache)  # cache hit
-    assert all(_rel(a.float(), b.float()) < SAME for a, b in zip(first, again, strict=True))
+    assert all(rel(a.float(), b.float()) < SAME for a, b in zip(first, again, strict=True))
     with torch.no_grad():
         w.mul_(-0.5)
     updated = _fwd_bwd(x, w, dy, offs, cache)
     cache.invalidate()
     fresh = _fwd_bwd(x, w, dy, offs, cache)
-    assert all(_rel(a.float(), b.float()) < SAME for a, b in zip(updated, fresh, strict=True))
+    assert all(rel(a.float(), b.float()) < SAME for a, b in zip(updated, fresh, strict=True))
     assert not torch.equal(updated[0], first[0])
     version = w._version
     w.data.copy_(w.detach() * 3)  # invisible to _version ...
@@ -249,7 +232,7 @@ def test_native_fp8_weight_cache_follows_weight_updates():
     stepped = _fwd_bwd(x, w, dy, offs, cache)
     cache.invalidate()
     fresh = _fwd_bwd(x, w, dy, offs, cache)
-    assert all(_rel(a.float(), b.float()) < SAME for a, b in zip(stepped, fresh, strict=True))
+    assert all(rel(a.float(), b.float()) < SAME for a, b in zip(stepped, fresh, strict=True))
     # FP8 close to bf16 (bound as the layer test)
     ref = torch.cat(
         [
@@ -257,7 +240,7 @@ def test_native_fp8_weight_cache_follows_weight_updates():
             for i, (s, e) in enumerate(((0, 48), (48, 48), (48, 160), (160, 256)))
         ]
     )
-    assert _rel(stepped[0].float(), ref) < FP8_REL
+    assert rel(stepped[0].float(), ref) < FP8_REL
 
 
 def test_fp8_wgrad_scales_from_rowwise_partials_change_nothing(monkeypatch):
@@ -277,7 +260,7 @@ def test_fp8_wgrad_scales_from_rowwise_partials_change_nothing(monkeypatch):
     assert len(calls) == 2, "x (forward) and dy (backward) must take the one-pass partials"
     monkeypatch.setattr(native, "quantize_rowwise_partials", lambda t: (*native.quantize_rowwise(t), None))
     plain = _fwd_bwd(x, w, dy, offs)
-    assert all(_rel(a.float(), b.float()) < SAME for a, b in zip(fused, plain, strict=True))
+    assert all(rel(a.float(), b.float()) < SAME for a, b in zip(fused, plain, strict=True))
 
 
 def test_native_fp8_linear_needs_no_host_sync():
@@ -333,7 +316,7 @@ def test_native_mlp_quantized_into_padding_matches_pad_path_on_gpu():
     want = run(old)
     got = run(lambda x, p, w1, w2: pe.native_expert_mlp(x, p, counts, w1, w2, act))
     errs = {
-        n: _rel(a.float(), b.float())
+        n: rel(a.float(), b.float())
         for n, a, b in zip(("y", "dx", "dp", "dw1", "dw2"), got, want, strict=True)
     }
     assert max(errs.values()) < SAME, errs
@@ -356,9 +339,9 @@ def test_torch_fp8_layer_runs_on_the_aligned_plan_and_matches_the_pad_path():
     g = torch.Generator().manual_seed(3)
     x = torch.randn(SHAPE["tokens"], 1, SHAPE["hidden"], generator=g).to("cuda", torch.bfloat16)
     dout = torch.randn(SHAPE["tokens"], 1, SHAPE["hidden"], generator=g).to("cuda", torch.bfloat16)
-    got, want = _run(aligned, cfg, x, dout, 2), _run(padding, cfg, x, dout, 2)
-    errs = {"out": _rel(got[0], want[0]), "dx": _rel(got[1], want[1])}
-    errs.update({k: _rel(got[2][k], want[2][k]) for k in want[2]})
+    got, want = layer_steps(aligned, cfg, x, dout, 2), layer_steps(padding, cfg, x, dout, 2)
+    errs = {"out": rel(got[0], want[0]), "dx": rel(got[1], want[1])}
+    errs.update({k: rel(got[2][k], want[2][k]) for k in want[2]})
     assert max(errs.values()) < 1e-2, errs
 
 
@@ -379,7 +362,7 @@ def test_torch_fp8_layer_fused_permute_equals_unfused_bitwise():
     g = torch.Generator().manual_seed(5)
     x = torch.randn(SHAPE["tokens"], 1, SHAPE["hidden"], generator=g).to("cuda", torch.bfloat16)
     dout = torch.randn(SHAPE["tokens"], 1, SHAPE["hidden"], generator=g).to("cuda", torch.bfloat16)
-    got, want = _run(fused, cfg, x, dout, 2), _run(unfused, cfg, x, dout, 2)
+    got, want = layer_steps(fused, cfg, x, dout, 2), layer_steps(unfused, cfg, x, dout, 2)
     diffs = {"out": (got[0] - want[0]).abs().max().item(), "dx": (got[1] - want[1]).abs().max().item()}
     diffs.update({k: (got[2][k] - want[2][k]).abs().max().item() for k in want[2]})
     assert set(got[2]) == set(want[2]) and max(diffs.values()) == 0, diffs
@@ -446,8 +429,8 @@ def test_torch_fp8_pipeline_expert_calls_take_padded_rows(sync_free):
     g = torch.Generator().manual_seed(5)
     x = torch.randn(SHAPE["tokens"], 1, SHAPE["hidden"], generator=g).to("cuda", torch.bfloat16)
     dout = torch.randn(SHAPE["tokens"], 1, SHAPE["hidden"], generator=g).to("cuda", torch.bfloat16)
-    want, one, got = (_run(m, cfg, x, dout, 1) for m in (ref, ep1, pipe))
-    assert _rel(got[0], one[0]) < 2e-2, _rel(got[0], one[0])
-    errs = {"out": _rel(got[0], want[0]), "dx": _rel(got[1], want[1])}
-    errs.update({k: _rel(got[2][k], want[2][k]) for k in want[2]})
+    want, one, got = (layer_steps(m, cfg, x, dout, 1) for m in (ref, ep1, pipe))
+    assert rel(got[0], one[0]) < 2e-2, rel(got[0], one[0])
+    errs = {"out": rel(got[0], want[0]), "dx": rel(got[1], want[1])}
+    errs.update({k: rel(got[2][k], want[2][k]) for k in want[2]})
     assert max(errs.values()) < FP8_REL and errs["out"] > FP8_RAN, errs

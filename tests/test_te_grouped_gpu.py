@@ -23,6 +23,7 @@ import pytest
 import torch
 
 from mok_megatron.compat import have_te
+from tests.harness.gpu import layer_steps, rel
 
 pytestmark = [
     pytest.mark.gpu,
@@ -94,19 +95,6 @@ class _GemmCounter:
             monkeypatch.setattr(gl, attr, counted)
 
 
-def _run(layer, cfg, x, dout, steps):
-    from mok_megatron.compat import quantization_context
-    from mok_megatron.experts.checkpoint import convert_state_dict
-
-    for _ in range(steps):
-        layer.zero_grad(set_to_none=True)
-        xi = x.detach().requires_grad_(True)
-        with quantization_context(cfg):
-            out, _ = layer(xi)
-        out.backward(dout)
-    return out.detach().float(), xi.grad.float(), convert_state_dict(_expert_grads(layer), "mok")
-
-
 def _expert_grads(layer) -> dict:
     """The experts' weight gradients by parameter name; a single grouped weight's (``linear_fc1.weight``,
     ``[L, N, K]``) under MoK's stacked name (``fc1_weight``)."""
@@ -123,14 +111,10 @@ def _expert_grads(layer) -> dict:
     return grads
 
 
-def _rel(a, b) -> float:
-    return float((a - b).norm() / b.norm().clamp_min(1e-30))
-
-
 def _errors(got, want):
-    errs = {"out": _rel(got[0], want[0]), "dx": _rel(got[1], want[1])}
+    errs = {"out": rel(got[0], want[0]), "dx": rel(got[1], want[1])}
     assert set(got[2]) == set(want[2])
-    errs.update({k: _rel(got[2][k], want[2][k]) for k in want[2]})
+    errs.update({k: rel(got[2][k], want[2][k]) for k in want[2]})
     return errs
 
 
@@ -160,7 +144,7 @@ def test_grouped_route_matches_per_expert_route_and_megatron(recipe, experts, mo
     ref = _build("megatron", ref_cfg)
     state = convert_state_dict(ref.state_dict(), "mok")
     x, dout = _inputs(experts)
-    want = _run(ref, ref_cfg, x, dout, 1)
+    want = layer_steps(ref, ref_cfg, x, dout, 1)
     per_expert = _build("mok", cfg, monkeypatch, per_expert=True)
     grouped = _build("mok", cfg, monkeypatch)
     for layer in (per_expert, grouped):
@@ -169,9 +153,9 @@ def test_grouped_route_matches_per_expert_route_and_megatron(recipe, experts, mo
     assert grouped.experts.linear_fc1.use_grouped_tensor
     assert (grouped.experts._views is not None) == (experts > 64)
     steps = 3 if recipe else 1
-    old = _run(per_expert, cfg, x, dout, steps)
+    old = layer_steps(per_expert, cfg, x, dout, steps)
     counter = _GemmCounter(monkeypatch)
-    new = _run(grouped, cfg, x, dout, steps)
+    new = layer_steps(grouped, cfg, x, dout, steps)
     assert counter.calls["grouped"] > 0 and counter.calls["per_expert"] == 0, counter.calls
     _finite(old, "per-expert")
     _finite(new, "grouped")
@@ -200,7 +184,7 @@ def test_grouped_route_sync_free_pipeline(recipe, monkeypatch):
     ref = _build("megatron", ref_cfg)
     state = convert_state_dict(ref.state_dict(), "mok")
     x, dout = _inputs(64, seed=5)
-    want = _run(ref, ref_cfg, x, dout, 1)
+    want = layer_steps(ref, ref_cfg, x, dout, 1)
     ep1 = _build("mok", cfg, monkeypatch, per_expert=True)
     link = LoopbackLink(ep=8, gbps=450.0)
     opts = MoKOptions(expert_backend="te", minibatch_size=384, sync_free=True)
@@ -211,11 +195,11 @@ def test_grouped_route_sync_free_pipeline(recipe, monkeypatch):
     assert pipe.token_dispatcher.pipelined and pipe.experts.route.grouped
     assert pipe.experts_contract.device_counts
     steps = 3 if recipe else 1
-    one, got = _run(ep1, cfg, x, dout, steps), _run(pipe, cfg, x, dout, steps)
+    one, got = layer_steps(ep1, cfg, x, dout, steps), layer_steps(pipe, cfg, x, dout, steps)
     _finite(got, "pipeline")
     bound = BF16_REL if recipe is None else FP8_REL
     assert max(_errors(got, want).values()) < bound
-    assert _rel(got[0], one[0]) < SAME_REL
+    assert rel(got[0], one[0]) < SAME_REL
 
 
 @pytest.mark.usefixtures("single_rank")
@@ -280,7 +264,7 @@ def test_grouped_calls_with_an_empty_call(recipe, monkeypatch):
     got, want = run(grouped), run(per_expert)
     assert torch.isfinite(got[0]).all() and torch.isfinite(got[1]).all()
     assert all(w is None or float(w.abs().max()) == 0 for w in got[2][64:])
-    assert _rel(got[0], want[0]) < SAME_REL and _rel(got[1], want[1]) < SAME_REL
+    assert rel(got[0], want[0]) < SAME_REL and rel(got[1], want[1]) < SAME_REL
 
 
 @pytest.mark.usefixtures("single_rank")
@@ -324,7 +308,7 @@ def test_single_weight_matches_per_expert_route_and_megatron(recipe, experts, mo
     ref = _build("megatron", ref_cfg)
     state = convert_state_dict(ref.state_dict(), "mok")
     x, dout = _inputs(experts)
-    want = _run(ref, ref_cfg, x, dout, 1)
+    want = layer_steps(ref, ref_cfg, x, dout, 1)
     per_expert = _build("mok", cfg, monkeypatch, per_expert=True)
     monkeypatch.delenv(TE_SINGLE_PARAM_ENV, raising=False)
     single = _build("mok", cfg, monkeypatch, options=_single())
@@ -336,9 +320,9 @@ def test_single_weight_matches_per_expert_route_and_megatron(recipe, experts, mo
     assert [n for n, _ in single.experts.named_parameters()] == ["linear_fc1.weight", "linear_fc2.weight"]
     torch.testing.assert_close(single.experts.stacked_fc1_weight, per_expert.experts.stacked_fc1_weight)
     steps = 3 if recipe else 1
-    old = _run(per_expert, cfg, x, dout, steps)
+    old = layer_steps(per_expert, cfg, x, dout, steps)
     counter = _GemmCounter(monkeypatch)
-    new = _run(single, cfg, x, dout, steps)
+    new = layer_steps(single, cfg, x, dout, steps)
     assert counter.calls == {"grouped": 6 * steps, "per_expert": 0}, counter.calls
     _finite(new, "single weight")
     bound = BF16_REL if recipe is None else FP8_REL
@@ -361,7 +345,7 @@ def test_single_weight_sync_free_pipeline_at_128_experts(recipe, monkeypatch):
     ref = _build("megatron", ref_cfg)
     state = convert_state_dict(ref.state_dict(), "mok")
     x, dout = _inputs(128, seed=5)
-    want = _run(ref, ref_cfg, x, dout, 1)
+    want = layer_steps(ref, ref_cfg, x, dout, 1)
     ep1 = _build("mok", cfg, monkeypatch, per_expert=True)
     link = LoopbackLink(ep=8, gbps=450.0)
     opts = _single(minibatch_size=384, sync_free=True)
@@ -372,11 +356,11 @@ def test_single_weight_sync_free_pipeline_at_128_experts(recipe, monkeypatch):
     assert pipe.token_dispatcher.pipelined and pipe.experts.route.grouped and pipe.experts._views is None
     assert pipe.experts_contract.device_counts and not pipe.experts_contract.host_counts
     steps = 3 if recipe else 1
-    one, got = _run(ep1, cfg, x, dout, steps), _run(pipe, cfg, x, dout, steps)
+    one, got = layer_steps(ep1, cfg, x, dout, steps), layer_steps(pipe, cfg, x, dout, steps)
     _finite(got, "pipeline")
     bound = BF16_REL if recipe is None else FP8_REL
     assert max(_errors(got, want).values()) < bound
-    assert _rel(got[0], one[0]) < SAME_REL
+    assert rel(got[0], one[0]) < SAME_REL
 
 
 @pytest.mark.usefixtures("single_rank")

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import importlib.util
 import json
 import os
 import re
@@ -32,6 +31,7 @@ from mok_megatron.kernels import tile_gemm as tg
 from mok_megatron.kernels.combine import combine, combine_reference
 from mok_megatron.kernels.routing import routing_metadata_reference
 from tests.interpret import interpreted
+from tests.harness.gpu import needs_sm90_quack
 
 REPO = Path(__file__).resolve().parent.parent
 SMALL = tg.TileConfig(tile_m=4, tile_n=16, cluster_m=2, max_swizzle=2)
@@ -267,25 +267,10 @@ def test_kernel_compiles_for_sm90_with_the_combines_arithmetic():
 # ---- GPU ---------------------------------------------------------------------------------------------------
 
 
-def _sm90_with_quack() -> bool:
-    if not (torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9):
-        return False
-    try:
-        from mok_megatron.compat import require_quack_tile_gemm
-
-        require_quack_tile_gemm()
-    except ImportError:
-        return False
-    return True
-
-
 needs_cuda = pytest.mark.skipif(
     not (torch.cuda.is_available() and have_triton()), reason="needs CUDA, Triton"
 )
-needs_sm90 = pytest.mark.skipif(
-    importlib.util.find_spec("quack") is None or not _sm90_with_quack(),
-    reason="needs an sm_90 GPU and quack-kernels 0.4.x",
-)
+needs_sm90 = needs_sm90_quack
 
 
 @pytest.mark.gpu

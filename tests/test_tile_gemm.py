@@ -22,6 +22,7 @@ import pytest
 import torch
 
 from mok_megatron.kernels import tile_gemm as tg
+from tests.harness.gpu import needs_sm90_quack
 
 REPO = Path(__file__).resolve().parent.parent
 SMALL = tg.TileConfig(tile_m=4, tile_n=16, cluster_m=2, max_swizzle=2)
@@ -384,19 +385,7 @@ def test_done_release_compiles_for_sm90a_without_a_gpu(index, major, tmp_path):
 # ---- GPU: the kernel against torch._grouped_mm -------------------------------------------------------------
 
 
-def _sm90_with_quack() -> bool:
-    if not (torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9):
-        return False
-    try:
-        from mok_megatron.compat import require_quack_tile_gemm
-
-        require_quack_tile_gemm()
-    except ImportError:
-        return False
-    return True
-
-
-needs_sm90 = pytest.mark.skipif(not _sm90_with_quack(), reason="needs an sm_90 GPU and quack-kernels 0.4.x")
+needs_sm90 = needs_sm90_quack
 # odd expert sizes, an empty expert, an expert of one row, rows past the last expert; K, N multiples of 8
 GPU_COUNTS, GPU_ROWS, GPU_K, GPU_N = [300, 0, 1, 517, 129, 64], 1040, 256, 448
 

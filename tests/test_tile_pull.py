@@ -20,6 +20,7 @@ from mok_megatron.kernels import tile_gemm as tg
 from mok_megatron.kernels import tile_pull as tp
 from tests.interpret import interpreted
 from tests.tile_pull_cases import CPU_CASES, GPU_CONCURRENT, ONE, SMALL, sources_for
+from tests.harness.gpu import needs_sm90_quack
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -284,23 +285,11 @@ def test_kernel_compiles_for_sm90_with_barrier_then_release(aligned, paced):
 # ---- GPU ---------------------------------------------------------------------------------------------------
 
 
-def _sm90_with_quack() -> bool:
-    if not (torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9):
-        return False
-    try:
-        from mok_megatron.compat import require_quack_tile_gemm
-
-        require_quack_tile_gemm()
-    except ImportError:
-        return False
-    return True
-
-
 needs_cuda = pytest.mark.skipif(
     not torch.cuda.is_available() or not have_triton() or os.environ.get("TRITON_INTERPRET") == "1",
     reason="needs a CUDA GPU and compiled Triton",
 )
-needs_sm90 = pytest.mark.skipif(not _sm90_with_quack(), reason="needs an sm_90 GPU and quack-kernels 0.4.x")
+needs_sm90 = needs_sm90_quack
 GPU_TIMEOUT_S = 300  # QuACK compiles its kernel once (tens of seconds); a hang ends here
 
 
