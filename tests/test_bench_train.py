@@ -270,8 +270,8 @@ def test_megatron_refusing_a_flag_is_one_line_before_any_launch(capsys, tmp_path
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 2 and len(err) == 1, err
     assert (
-        "Megatron refuses the init run's flags: argument --moe-router-topk: invalid int value: 'two'"
-        in err[0]
+        "the init run's flags are refused by their argument parser (Megatron's and MoK's): argument "
+        "--moe-router-topk: invalid int value: 'two'" in err[0]
     )
     assert not any(tmp_path.iterdir())  # nothing was started
 
@@ -791,7 +791,16 @@ _FP8_NEEDED = (
         ),
         (
             dict(preset="tiny", machine=CPU, runs="mok-bf16,alltoall", forwarded=FP8_FLAGS),
-            r"^--runs mok-bf16: FP8 needs GPUs; this machine runs in CPU mode\.$",
+            r"^--runs mok-bf16: FP8 comparisons run on GPUs; this machine runs in CPU mode \(use --runs "
+            r"mok,alltoall here\)\.$",
+        ),
+        (  # the CPU is named before the missing --fp8-format
+            dict(preset="tiny", machine=CPU, runs="mok-te,alltoall", forwarded=[]),
+            r"^--runs mok-te: FP8 comparisons run on GPUs",
+        ),
+        (  # mok-bf16 sets its own backend too
+            dict(runs="mok-bf16,alltoall", forwarded=FP8_FLAGS + ["--mok-expert-backend", "te"]),
+            r"^--mok-expert-backend te: --runs mok-bf16 sets its own expert backend",
         ),
     ],
 )
@@ -847,3 +856,13 @@ def test_fp8_report_reads_each_fp8_run_against_megatrons_fp8_run_and_its_bf16_st
     assert "mok-torch-fp8/mok-bf16: FP8 step 0.80x the bf16 step (80.0 vs 100.0 ms median)" in out
     assert "mok-te/alltoall: 2.00x tokens/s/GPU" in out and "mok-te/alltoall-bf16" not in out
     assert "loss agreement mok-te/alltoall: step 1" in out
+
+
+def test_te_only_flags_reach_only_the_te_run():
+    # --mok-te-single-weight belongs to the te backend: the runs that set another backend drop it, so one
+    # comparison can hold both MoK FP8 backends
+    plan = _plan(
+        runs="mok-torch-fp8,mok-te,mok-bf16,alltoall", forwarded=FP8_FLAGS + ["--mok-te-single-weight"]
+    )
+    has = {r.name: "--mok-te-single-weight" in r.argv for r in plan.runs}
+    assert has == {"mok-torch-fp8": False, "mok-te": True, "mok-bf16": False, "alltoall": False}

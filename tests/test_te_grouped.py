@@ -590,3 +590,13 @@ def test_bench_layer_has_single_weight_rows():
         backend, recipe, options = FP8_IMPLS[name]
         assert MoKOptions(expert_backend=backend, **options).te_single_weight and recipe in name
     assert not any(o for _, _, o in (FP8_IMPLS[n] for n in ("mok-te-tensorwise", "mok-torch-fp8")))
+
+
+def test_recipe_refusal_on_a_gpu_without_fp8_names_bf16():
+    from mok_megatron.errors import MoKConfigError
+    from mok_megatron.experts.backend import check_recipe_capability
+
+    with pytest.raises(MoKConfigError) as e:
+        check_recipe_capability("blockwise", (8, 0))
+    msg = str(e.value)
+    assert "sm_80" in msg and "drop --fp8-format" in msg and "--fp8-recipe  " not in msg, msg

@@ -209,6 +209,17 @@ def drop_fp8_flags(flags: list[str]) -> list[str]:
     return out
 
 
+def drop_te_flags(flags: list[str]) -> list[str]:
+    """``flags`` without the te backend's own ``--mok-te-*`` flags (for runs that set another backend)."""
+    out, dropping = [], False
+    for tok in flags:
+        if tok.startswith("--"):
+            dropping = tok.split("=", 1)[0].startswith("--mok-te-")
+        if not dropping:
+            out.append(tok)
+    return out
+
+
 def _last(flags: list[str], name: str, cast=int, default=None):
     """The value of the last ``name VALUE`` / ``name=VALUE`` in ``flags`` (argparse keeps the last one)."""
     value = default
@@ -275,9 +286,11 @@ def run_flags(
     if name in FP8_BACKEND_RUNS:
         backend = FP8_BACKEND_RUNS[name]
         what = "TE GroupedLinear" if backend == "te" else "MoK's FP8 grouped GEMM"
-        return f"MoK, {backend} experts ({what}), FP8", mok + mok_only + ["--mok-expert-backend", backend]
+        own = mok_only if backend == "te" else drop_te_flags(mok_only)
+        return f"MoK, {backend} experts ({what}), FP8", mok + own + ["--mok-expert-backend", backend]
     if name == "mok-bf16":
-        return "MoK, torch experts, bf16", mok + drop_fp8_flags(mok_only) + ["--mok-expert-backend", "torch"]
+        own = drop_te_flags(drop_fp8_flags(mok_only))
+        return "MoK, torch experts, bf16", mok + own + ["--mok-expert-backend", "torch"]
     if name in BF16_RUNS:
         label, flags = megatron_flags(BF16_RUNS[name], machine, sizes, fp8=False)
         return f"{label}, bf16", flags
@@ -328,6 +341,11 @@ def _check_fp8_runs(names: list[str], machine: Machine, fp8: bool, mok_only: lis
     if not named:
         return
     fp8_example = "-- --fp8-format e4m3 --fp8-recipe blockwise"
+    if not machine.cuda:
+        raise BenchTrainError(
+            f"--runs {','.join(named)}: FP8 comparisons run on GPUs; this machine runs in CPU mode (use "
+            "--runs mok,alltoall here)."
+        )
     for name in named:
         if not fp8 and name in FP8_BACKEND_RUNS:
             raise BenchTrainError(
@@ -339,15 +357,13 @@ def _check_fp8_runs(names: list[str], machine: Machine, fp8: bool, mok_only: lis
                 f"--runs {name}: the bf16 run of an FP8 comparison drops the FP8 flags, and none is given; add "
                 f"{fp8_example}, or use {BF16_RUNS[name]}."
             )
-        if not machine.cuda:
-            raise BenchTrainError(f"--runs {name}: FP8 needs GPUs; this machine runs in CPU mode.")
     if "mok-te" in names and not machine.te:
         raise BenchTrainError(
             "--runs mok-te: MoK's te expert backend runs Transformer Engine's GroupedLinear, which is not "
             "importable here; install it (pip install 'mok-megatron[te]') or drop mok-te."
         )
     backend = _last(mok_only, "--mok-expert-backend", cast=str)
-    owners = [n for n in names if n in FP8_BACKEND_RUNS]
+    owners = [n for n in names if n in FP8_BACKEND_RUNS or n == "mok-bf16"]
     if backend is not None and owners:
         raise BenchTrainError(
             f"--mok-expert-backend {backend}: --runs {','.join(owners)} "
@@ -527,7 +543,9 @@ def _parse_flags() -> int:
         except SystemExit:
             lines = [ln for ln in err.getvalue().splitlines() if ln.strip()]
             reason = lines[-1].split("error: ", 1)[-1] if lines else "refused"
-            print(f"Megatron refuses the {name} run's flags: {reason}")
+            print(
+                f"the {name} run's flags are refused by their argument parser (Megatron's and MoK's): {reason}"
+            )
             return 1
     return 0
 

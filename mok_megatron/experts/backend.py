@@ -93,7 +93,7 @@ def check_expert_backend(
         raise MoKConfigError(
             "--mok-expert-backend te reads the per-expert row counts on the host here (TE's per-expert "
             "GEMMs take m_splits as a list), which --mok-sync-free forbids. Drop --mok-sync-free, load a "
-            "cuBLASLt that runs TE's grouped GEMM (see the te backend's warning), or use "
+            "cuBLASLt that runs TE's grouped GEMM (the te backend's warning above names it), or use "
             "--mok-expert-backend torch-fp8 (device-only)."
         )
     if torch.device(device).type != "cuda":
@@ -117,7 +117,10 @@ def check_recipe_capability(recipe: str, capability: tuple[int, int]) -> None:
     flag = "--fp4-recipe" if recipe == "nvfp4" else "--fp8-recipe"
     why = " (Blackwell's hardware block scales)" if spec.min_capability >= (10, 0) else ""
     here = [r.name for r in RECIPES.values() if r.name != "nvfp4" and capability >= r.min_capability]
-    fix = f"--fp8-recipe {' / '.join(here)} with --mok-expert-backend te"
+    if here:
+        fix = f"--fp8-recipe {' / '.join(here)} with --mok-expert-backend te"
+    else:
+        fix = "bf16 (drop --fp8-format) or a GPU that runs FP8"
     if capability >= (9, 0):
         fix += ", or --mok-expert-backend torch-fp8"
     raise MoKConfigError(

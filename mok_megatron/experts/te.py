@@ -201,8 +201,9 @@ def check_grouped_calls(num_local_experts: int, sync_free: bool) -> None:
         raise MoKConfigError(
             f"--mok-sync-free with --mok-expert-backend te and {num_local_experts} local experts: TE's "
             f"grouped GEMM takes at most {cap} experts per call, and splitting the rows between calls "
-            f"reads their boundary on the host. Raise --expert-model-parallel-size to <= {cap} local "
-            "experts, or drop --mok-sync-free."
+            f"reads their boundary on the host. Raise --expert-model-parallel-size until each rank holds "
+            f"<= {cap} experts, add --mok-te-single-weight (one call at any expert count), or drop "
+            "--mok-sync-free."
         )
 
 
@@ -557,18 +558,11 @@ class MoKTEGroupedMLP(MoKGroupedMLP):
         contract = self.contract(config, cfg, self.options)
         route = route_for(config)
         single = self.options.te_single_weight
-        if single:
-            check_single_weight(
-                supported=te_single_grouped_weight_supported(),
-                route=route,
-                recipe=_fp8_recipe_name(config),
-                env=os.environ.get(GROUPED_ENV),
-                fp8_param=bool(getattr(config, "fp8_param", False) or getattr(config, "fp4_param", False)),
-                te_version=te_version(),
-            )
-        elif route.grouped:  # its own reason first: more experts than one grouped call takes
+        if route.grouped and not single:  # its own reason first: more experts than one grouped call takes
             check_grouped_calls(num_local_experts, self.options.sync_free)
-        check_expert_backend(
+        if not route.grouped and route.note:  # before the checks whose fixes point at it
+            warnings.warn(route.note, stacklevel=2)
+        check_expert_backend(  # the recipe against this GPU before the single weight's own conditions
             ExpertBackend.TE,
             config,
             device,
@@ -578,8 +572,15 @@ class MoKTEGroupedMLP(MoKGroupedMLP):
             recompute_activation=cfg.recompute_activation,
             capability=cuda_capability(),
         )
-        if not route.grouped and route.note:
-            warnings.warn(route.note, stacklevel=2)
+        if single:
+            check_single_weight(
+                supported=te_single_grouped_weight_supported(),
+                route=route,
+                recipe=_fp8_recipe_name(config),
+                env=os.environ.get(GROUPED_ENV),
+                fp8_param=bool(getattr(config, "fp8_param", False) or getattr(config, "fp4_param", False)),
+                te_version=te_version(),
+            )
         self.route = route
         self.expert_backend = ExpertBackend.TE
         self.expert_alignment = contract.alignment
