@@ -413,7 +413,7 @@ def train_table(runs) -> str:
     precision and MoK expert backend, tokens/s/GPU, MoK's speed-up over the comparison's Megatron run of
     the same precision, and an FP8 run's step over its layer's bf16 step."""
     lines = [
-        "| source | comparison | preset | GPUs | run | precision | experts | tokens/s/GPU | step ms "
+        "| source | comparison | preset | machine | run | precision | experts | tokens/s/GPU | step ms "
         "| vs Megatron | FP8 step / bf16 step |",
         "|---|---|---|---|---|---|---|---:|---:|---:|---:|",
     ]
