@@ -236,6 +236,17 @@ def test_tile_reference_names_the_tile_that_would_wait_forever():
         tg.tile_gemm_reference(a, b, offs, plan.shifted(plan.targets_S.max()), plan.targets_S)
 
 
+def test_shifted_plan_waits_for_one_more_step_of_both_counters():
+    offs = _offs([5, 0, 300])
+    plan = tg.tile_plan(offs, 320, 200, tg.QWEN3)
+    nxt = plan.shifted(plan.targets_S, plan.done_targets_S)
+    real, done = plan.targets_S > 0, plan.done_targets_S > 0
+    assert torch.equal(nxt.targets_S[real], 2 * plan.targets_S[real])
+    assert torch.equal(nxt.done_targets_S[done], 2 * plan.done_targets_S[done])
+    assert not nxt.targets_S[~real].any() and not nxt.done_targets_S[~done].any()
+    assert torch.equal(plan.shifted(plan.targets_S).done_targets_S, plan.done_targets_S)
+
+
 def test_tile_reference_rejects_a_table_that_misses_or_repeats_tiles():
     offs = _offs([9])
     a, b = _operands(9, 8, 16, 1)

@@ -143,10 +143,15 @@ class TilePlan:
     def groups(self) -> int:
         return self.cu_G1.numel() - 1
 
-    def shifted(self, base: int | torch.Tensor) -> TilePlan:
-        """The same plan waiting for ``base`` more on every real slot (counters kept across steps)."""
-        real = self.targets_S > 0
-        return dataclasses.replace(self, targets_S=torch.where(real, self.targets_S + base, self.targets_S))
+    def shifted(self, base: int | torch.Tensor, done_base: int | torch.Tensor = 0) -> TilePlan:
+        """The same plan waiting for ``base`` more arrivals and ``done_base`` more done releases on every real
+        slot (both kinds of counter kept across steps, never reset)."""
+        real, done = self.targets_S > 0, self.done_targets_S > 0
+        return dataclasses.replace(
+            self,
+            targets_S=torch.where(real, self.targets_S + base, self.targets_S),
+            done_targets_S=torch.where(done, self.done_targets_S + done_base, self.done_targets_S),
+        )
 
 
 # ---- sizes (host ints) -------------------------------------------------------------------------------------
