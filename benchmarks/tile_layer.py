@@ -350,8 +350,11 @@ def tiles_forward(
     Returns once both streams' work is queued; the result is ready on the current stream."""
     if combine not in COMBINES:
         raise ValueError(f"tiles_forward: combine={combine!r}; it must be one of {', '.join(COMBINES)}")
-    if ops.concurrent and side is None and pull:
-        raise ValueError("tiles_forward: concurrent kernels need a side stream (side=torch.cuda.Stream())")
+    if ops.concurrent and side is None:
+        raise ValueError(
+            "tiles_forward: concurrent kernels need a side stream (side=torch.cuda.Stream()); on one stream a "
+            "waiting kernel launched first waits forever"
+        )
     main = torch.cuda.current_stream() if side is not None else None
     on_side = (lambda: torch.cuda.stream(side)) if side is not None else contextlib.nullcontext
     buf.counters_S.copy_(plan.local_counts_S if pull else plan.fc1.targets_S)
