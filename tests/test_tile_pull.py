@@ -3,13 +3,16 @@ order, chunks across counter slots, empty experts and sources, releases equal to
 kept across steps); the reference feeding tile_gemm's tile-by-tile reference; the errors; the Triton kernel
 against the reference under the interpreter (atomics with ``sem`` included: the interpreter runs them); and
 on an sm_90 GPU the kernel alone, then beside the waiting GEMM launched first, with and without random
-per-chunk delays (marked gpu; a watchdog subprocess turns a hang into a failure)."""
+per-chunk delays (marked gpu; a watchdog subprocess turns a hang into a failure); on any CUDA GPU the kernel
+reading its sources through symmetric-memory peer addresses (a single-rank NCCL group, multicast off)."""
 
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -355,6 +358,86 @@ def _run_watched(name: str) -> None:
 def test_pull_beside_waiting_gemm_launched_first_gpu(name):
     # cases ending in -delays: a random spin (0-40 us) before each chunk, so chunks land out of order
     _run_watched(name)
+
+
+# the pull's sources as symmetric-memory peer buffers (torch.distributed._symmetric_memory) at world size 1:
+# the table holds peer addresses from the rendezvous handle, which here map this GPU's own buffers; a
+# single-rank NCCL group in a subprocess, multicast off (no multicast objects are created)
+_SYMMETRIC = textwrap.dedent(
+    """
+    import torch
+    import torch.distributed as dist
+    import torch.distributed._symmetric_memory as symm_mem
+
+    from mok_megatron.kernels import tile_gemm as tg
+    from mok_megatron.kernels import tile_pull as tp
+    from tests.tile_pull_cases import sources_for
+
+    dev = torch.device("cuda", 0)
+    torch.cuda.set_device(dev)
+    dist.init_process_group("nccl", rank=0, world_size=1, device_id=dev)
+    group = dist.group.WORLD.group_name
+    if hasattr(symm_mem, "enable_symm_mem_for_group"):
+        symm_mem.enable_symm_mem_for_group(group)
+    c = torch.tensor([[70, 0, 1, 130], [200, 3, 0, 30], [30, 0, 17, 87]])
+    width = 2048
+    local = sources_for(c, width, torch.bfloat16, dev, src_row0_P=torch.tensor([0, 5, 2]))
+    peers = []
+    for src in local:
+        buf = symm_mem.empty(tuple(src.shape), dtype=src.dtype, device=dev)
+        handle = symm_mem.rendezvous(buf, group)
+        assert handle.world_size == 1, handle.world_size
+        buf.copy_(src)
+        peers.append(handle.get_buffer(0, tuple(src.shape), src.dtype, 0))
+    rows = int(c.sum()) + 5
+    plan = tp.pull_plan(c.to(dev), rows, tg.DEEPSEEK, 48, src_row0_P=torch.tensor([0, 5, 2], device=dev))
+    recv = torch.full((rows, width), -1, dtype=torch.bfloat16, device=dev)
+    counters = torch.zeros(plan.slots, dtype=torch.int32, device=dev)
+    want, want_counters = recv.clone(), counters.clone()
+    tp.pull_reference(want, local, plan, want_counters)
+    torch.cuda.synchronize()
+    tp.tile_pull(recv, tp.source_table(peers), plan, counters, programs=4)
+    torch.cuda.synchronize()
+    assert torch.equal(recv, want), "received rows differ from pull_reference"
+    assert torch.equal(counters, want_counters), "counters differ from pull_reference"
+    dist.destroy_process_group()
+    print("ok", flush=True)
+    """
+)
+MULTICAST_OFF = dict(NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NVSHMEM_DISABLE_NVLS="1")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.skipif(
+    not torch.distributed.is_available() or not torch.distributed.is_nccl_available(), reason="needs NCCL"
+)
+def test_pull_from_symmetric_memory_peer_buffers_gpu():
+    env = dict(
+        os.environ,
+        PYTHONPATH=os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(_free_port()),
+        **MULTICAST_OFF,
+    )
+    try:
+        r = subprocess.run(
+            [sys.executable, "-c", _SYMMETRIC],
+            cwd=REPO,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=GPU_TIMEOUT_S,
+        )
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"the pull from symmetric memory still ran after {GPU_TIMEOUT_S} s")
+    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stdout[-2000:] + r.stderr[-4000:]
 
 
 # ---- the benchmark's arguments -----------------------------------------------------------------------------

@@ -1,0 +1,746 @@
+"""One MoE layer's expert forward on the tile kernels, against the plain layer without communication: how much
+of the dispatch does the tile engine hide, and what do its GEMMs and combine cost?
+
+One GPU stands in for an EP rank (loopback), one process, per slice of ``tile_gemm_gate.SHAPES``:
+
+    plain     the received rows already in place (expert-major): ``torch._grouped_mm`` fc1 -> SwiGLU x
+              probability (``kernels.swiglu``, the torch backend's) -> ``torch._grouped_mm`` fc2 -> the
+              per-token sum (``kernels.combine``); replayed from a CUDA graph (the loopback's baseline,
+              docs/performance.md), its eager time beside
+    tiles     the waiting fc1 GEMM (``kernels.tile_gemm``, ``SMs - K``, launched first) with the pull
+              (``kernels.tile_pull``, K programs, another stream) moving the remote sources' rows into the
+              receive buffer at a paced link rate (``--gbps``; 0: unpaced); SwiGLU; fc2 on the waiting GEMM
+              releasing done counters, with ``kernels.tile_combine`` (K programs, launched first, another
+              stream) summing each token once its row tiles are stored (``--combine beside``), or fc2 on all
+              SMs followed by ``kernels.combine`` (``after``)
+    preset    the tiles layer with every arrival counter preset and no pull: the GEMMs' and the combine's own
+              cost against plain, apart from any waiting
+
+Per slice, K, combine and rate: layer ms (median over rounds of the mean of back-to-back calls, CUDA events),
+exposed = layer - plain, link = remote bytes / rate (unpaced: the pull alone's time), hidden = 1 - exposed /
+link; ``slowdown`` = preset - plain and ``waiting`` = layer - preset split the exposed time.
+
+The rank's own rows. Source 0 is this rank. Its rows cross no link: in an engine the permute that builds the
+send buffers writes them straight into the receive buffer, and neither layer here includes the permute. So
+they are placed before the layer and the counters start from their rows (``LayerPlan.local_counts_S``); the
+pull moves sources 1..P-1 only, and only their bytes count as link bytes.
+
+Tokens. The T = ceil(M / top-k) tokens of the combine take rows ``t, t + T, t + 2T, ...`` of the M received
+rows (``strided_routes``): with the received rows about T x top-k, a token's routes fall in top-k different
+experts spread over all of them, as top-k routing over the EP group's experts does, so most tokens are
+complete only once fc2's last experts are.
+
+Checks before timing: the preset tiles layer against plain (``MATCH``: bf16 outputs of fp32 accumulations
+in QuACK's order against cuBLAS's, through two GEMMs and a sum of top-k rows) and bitwise against
+``kernels.combine`` of its own fc2 output; every pulled layer bitwise against the preset one, its remote rows
+NaN before the run (a tile loaded before its rows carries NaN out). A mismatch is reported and not timed.
+
+A waiting kernel whose counters never reach their targets never ends: ``--case-timeout`` ends the process
+(status 3) after writing the JSON gathered so far (``tile_gemm_gate.CaseWatchdog``); a CUDA error that loses
+the context ends it with status 4. Compilation (QuACK: fc1's and fc2's GEMM per slice, ~30-60 s each on first
+use; Triton: the pull, SwiGLU, the combines) happens in a warm-up of launches that wait on nothing.
+
+``tiles_forward`` and ``plain_forward`` are the compositions; given ``REFERENCES`` they run the kernels' torch
+references in order (the releasing step before the waiting one), which is how the CPU tests check them.
+
+Legend: P source ranks, G local experts, H hidden, F expert FFN width, M received rows (expert-major), T
+tokens, K routes per token (top-k), S counter slots.
+
+    python -m benchmarks.tile_layer --json layer.json      # sm_90 and quack-kernels 0.4.x
+    python -m benchmarks.tile_layer --shapes qwen3-ep8 --k 8 --gbps 900 --combine beside
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import json
+import sys
+from collections.abc import Callable
+
+import torch
+
+from benchmarks.tile_gemm_gate import SHAPE_CONFIG, SHAPES, CaseWatchdog, counts_by_source, parse_ks, time_ms
+from mok_megatron.kernels import tile_combine as tc
+from mok_megatron.kernels import tile_gemm as tg
+from mok_megatron.kernels import tile_pull as tp
+from mok_megatron.kernels.combine import combine, combine_reference
+from mok_megatron.kernels.routing import RoutingMeta
+from mok_megatron.kernels.swiglu import swiglu, swiglu_reference
+
+CHUNK_ROWS = 64  # rows per pulled chunk, as benchmarks.tile_pull
+LOCAL = 0  # the source that is this rank
+COMBINES = ("beside", "after")
+# the preset tiles layer against plain: bf16 outputs of fp32 accumulations in two orders (QuACK's tiles,
+# cuBLAS), through fc1, SwiGLU, fc2 and a sum of top-k rows of about unit size (the tile combine tests' BF16_SUM)
+MATCH = dict(rtol=1.6e-2, atol=3e-2)
+
+
+# ---- the plan --------------------------------------------------------------------------------------------
+
+
+def strided_routes(rows: int, topk: int, device=None) -> torch.Tensor:
+    """int32 [T, K], T = ceil(rows / K): route (t, k) reads row ``t + k * T`` (-1 past the last row)."""
+    if topk < 1 or rows < 0:
+        raise ValueError(f"strided_routes: rows={rows}, topk={topk}; rows must be >= 0 and topk >= 1")
+    t = -(-rows // topk)
+    row_TK = torch.arange(t, device=device)[:, None] + torch.arange(topk, device=device)[None, :] * t
+    return torch.where(row_TK < rows, row_TK, -1).to(torch.int32)
+
+
+def routing_of(c_G: torch.Tensor, topk: int) -> RoutingMeta:
+    """The routing metadata of ``strided_routes`` over the expert-major rows of ``c_G`` rows per expert."""
+    c = c_G.to(torch.int32)
+    offs = torch.cumsum(c, 0).to(torch.int32)
+    rows = int(c.sum())
+    row_TK = strided_routes(rows, topk, c_G.device)
+    return RoutingMeta(c, offs, offs, row_TK, rows, 1)
+
+
+def only_sources(plan: tp.PullPlan, keep_P: torch.Tensor) -> tp.PullPlan:
+    """``plan`` with the chunks of the sources ``keep_P`` (bool [P]) only, in their order, the others turned
+    into end rows (0, G, 0, ...) after them. Sync-free."""
+    t = plan.tasks_C8
+    live = t[:, tp.ROWS] > 0
+    keep = live & keep_P.to(t.device)[t[:, tp.SOURCE].long()]
+    end = torch.zeros_like(t[0])
+    end[tp.EXPERT] = plan.groups
+    t = torch.where(keep[:, None], t, end)
+    order = torch.argsort((~keep).to(torch.int8), stable=True)
+    return dataclasses.replace(plan, tasks_C8=t[order].contiguous())
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerPlan:
+    """What one forward reads besides its buffers, all on the counts' device.
+
+    pull            the remote sources' chunks (``only_sources``): what the K programs move
+    local           the local source's chunks: placed before the layer
+    local_counts_S  int32 [S]: the arrival counters once the local rows are placed (the pull adds the rest)
+    fc1, fc2        the waiting GEMMs' plans (QuACK's order, one configuration: one counter layout)
+    meta            the tokens' routes into the expert-major rows (``routing_of``)
+    slot_TK         int32 [T, K]: each route's done slot in fc2's output (``tile_combine.token_slots``)
+    order_T         int32 [T]: the combine's visiting order, as fc2's tiles complete (``token_order``)
+    remote_bytes    bytes the pull moves (host int): the link's bytes
+    """
+
+    pull: tp.PullPlan
+    local: tp.PullPlan
+    local_counts_S: torch.Tensor
+    fc1: tg.TilePlan
+    fc2: tg.TilePlan
+    meta: RoutingMeta
+    slot_TK: torch.Tensor
+    order_T: torch.Tensor
+    remote_bytes: int
+
+
+def layer_plan(
+    c_PG: torch.Tensor,
+    hidden: int,
+    ffn: int,
+    topk: int,
+    config: tg.TileConfig,
+    chunk_rows: int = CHUNK_ROWS,
+    elem_bytes: int = 2,
+    local: int = LOCAL,
+) -> LayerPlan:
+    """The plan of one forward over the rows ``c_PG[p, g]`` that each source sends each local expert, source
+    ``local`` being this rank; rows of ``hidden`` elements of ``elem_bytes``; fc1 ``2 * ffn`` wide."""
+    if c_PG.dim() != 2 or not 0 <= local < c_PG.shape[0]:
+        raise ValueError(
+            f"layer_plan: c_PG {tuple(c_PG.shape)}, local={local}; c_PG must be [P, G] and local a source in "
+            f"[0, P)"
+        )
+    rows = int(c_PG.sum())
+    full = tp.pull_plan(c_PG, rows, config, chunk_rows)
+    mine = torch.zeros(c_PG.shape[0], dtype=torch.bool, device=c_PG.device)
+    mine[local] = True
+    own = only_sources(full, mine)
+    fc2 = tg.tile_plan(full.offs_G, rows, hidden, config)
+    meta = routing_of(c_PG.sum(0), topk)
+    slot_TK = tc.token_slots(meta, fc2)
+    return LayerPlan(
+        pull=only_sources(full, ~mine),
+        local=own,
+        local_counts_S=tp.slot_releases(own),
+        fc1=tg.tile_plan(full.offs_G, rows, 2 * ffn, config),
+        fc2=fc2,
+        meta=meta,
+        slot_TK=slot_TK,
+        order_T=tc.token_order(slot_TK, tg.slot_done_rank(fc2)),
+        remote_bytes=(rows - int(c_PG[local].sum())) * hidden * elem_bytes,
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerInputs:
+    """sources   P send buffers: source p's rows for this rank grouped by local expert, [rows of p, H]
+    table_P   int64 [P] their base addresses (``tile_pull.source_table``; the GPU pull reads through it)
+    w1_G2FH   fc1 weights [G, 2F, H] (gate rows, then up rows: Megatron's layout)
+    w2_GHF    fc2 weights [G, H, F]
+    probs_M   fp32 [M] each received row's router probability (applied in SwiGLU, as the torch backend)"""
+
+    sources: tuple[torch.Tensor, ...]
+    table_P: torch.Tensor
+    w1_G2FH: torch.Tensor
+    w2_GHF: torch.Tensor
+    probs_M: torch.Tensor
+
+
+def layer_inputs(c_PG: torch.Tensor, hidden: int, ffn: int, dtype, device, seed: int = 0) -> LayerInputs:
+    """Random sources, weights scaled so each GEMM's outputs are about unit size, probabilities in [0, 1)."""
+    device = torch.device(device)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    n_p, n_g = c_PG.shape
+
+    def randn(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=gen, device=device) * scale).to(dtype)
+
+    sources = tuple(randn(int(n), hidden) for n in c_PG.sum(1).tolist())
+    return LayerInputs(
+        sources=sources,
+        table_P=tp.source_table(sources),
+        w1_G2FH=randn(n_g, 2 * ffn, hidden, scale=hidden**-0.5),
+        w2_GHF=randn(n_g, hidden, ffn, scale=ffn**-0.5),
+        probs_M=torch.rand(int(c_PG.sum()), generator=gen, device=device),
+    )
+
+
+def received_rows(x: LayerInputs, plan: LayerPlan) -> torch.Tensor:
+    """[M, H]: the receive buffer once every row is in (the plain layer's input)."""
+    recv = x.sources[0].new_zeros(plan.pull.rows, x.w1_G2FH.shape[2])
+    for part in (plan.local, plan.pull):
+        tp.pull_reference(recv, x.sources, part, torch.zeros_like(plan.local_counts_S))
+    return recv
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerBuffers:
+    """What a tiles forward writes: the receive buffer (local rows placed), fc1's output, fc2's output, the
+    arrival counters and fc2's done counters."""
+
+    recv_MH: torch.Tensor
+    h_M2F: torch.Tensor
+    y_MH: torch.Tensor
+    counters_S: torch.Tensor
+    done_S: torch.Tensor
+
+
+def layer_buffers(x: LayerInputs, plan: LayerPlan) -> LayerBuffers:
+    """Fresh buffers, the local rows placed (the remote rows NaN)."""
+    rows, hidden = plan.pull.rows, x.w1_G2FH.shape[2]
+    proto = x.sources[0]
+    recv = proto.new_full((rows, hidden), float("nan"))
+    tp.pull_reference(recv, x.sources, plan.local, torch.zeros_like(plan.local_counts_S))
+    return LayerBuffers(
+        recv_MH=recv,
+        h_M2F=proto.new_empty(rows, x.w1_G2FH.shape[1]),
+        y_MH=proto.new_empty(rows, hidden),
+        counters_S=plan.local_counts_S.clone(),
+        done_S=torch.zeros_like(plan.local_counts_S),
+    )
+
+
+# ---- the kernels, or their references ----------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Ops:
+    """The kernels one forward runs. ``concurrent``: a waiting kernel and the one releasing its counters
+    run at once (launched waiting first, the releasing one on the side stream); otherwise each runs to its end
+    in turn, the releasing one first (the references cannot wait)."""
+
+    concurrent: bool
+    grouped_mm: Callable  # (a_MK, b_GKN, offs_G) -> [M, N]
+    swiglu: Callable  # (h_M2F, probs_M) -> [M, F]
+    combine: Callable  # (y_MH, meta) -> [T, H]
+    tile_mm: Callable  # (a_MK, b_GKN, plan, counters_S, k, out, done_S) -> out
+    pull: Callable  # (recv_MH, inputs, pull plan, counters_S, k, rate) -> None
+    tile_combine: Callable  # (y_MH, meta, slot_TK, done_S, target_S, order_T, k) -> [T, H]
+
+
+def _tile_mm_reference(a, b, plan, counters, k, out, done=None):
+    out.copy_(tg.tile_gemm_reference(a, b, plan.cu_G1[1:], plan, counters))
+    if done is not None:
+        done += tg.done_counts_reference(plan).to(done.device)
+    return out
+
+
+def _pull_reference(recv, x, plan, counters, k, rate):
+    if rate:
+        raise ValueError(f"pull_reference: rate={rate:g}; the reference cannot pace: pass rate=0")
+    tp.pull_reference(recv, x.sources, plan, counters)
+
+
+REFERENCES = Ops(
+    concurrent=False,
+    grouped_mm=tg.grouped_mm_reference,
+    swiglu=swiglu_reference,
+    combine=combine_reference,
+    tile_mm=_tile_mm_reference,
+    pull=_pull_reference,
+    tile_combine=lambda y, meta, slot, done, target, order, k: tc.tile_combine_reference(
+        y, meta, slot, done, target
+    ),
+)
+
+KERNELS = Ops(
+    concurrent=True,
+    grouped_mm=lambda a, b, offs: torch._grouped_mm(a, b, offs=offs),
+    swiglu=swiglu,
+    combine=combine,
+    tile_mm=lambda a, b, plan, counters, k, out, done=None: tg.tile_grouped_mm(
+        a, b, plan, counters, sms_held_back=k, out=out, done_S=done
+    ),
+    pull=lambda recv, x, plan, counters, k, rate: tp.tile_pull(
+        recv, x.table_P, plan, counters, programs=k, rate=rate
+    ),
+    tile_combine=lambda y, meta, slot, done, target, order, k: tc.tile_combine(
+        y, meta, slot, done, target, order_T=order, programs=k
+    ),
+)
+
+
+# ---- the compositions --------------------------------------------------------------------------------------
+
+
+def plain_forward(recv_MH: torch.Tensor, x: LayerInputs, plan: LayerPlan, ops: Ops = KERNELS) -> torch.Tensor:
+    """[T, H]: the plain layer without communication over the received rows ``recv_MH``."""
+    offs = plan.fc1.cu_G1[1:]
+    h = ops.grouped_mm(recv_MH, x.w1_G2FH.mT, offs)
+    a = ops.swiglu(h, x.probs_M)
+    return ops.combine(ops.grouped_mm(a, x.w2_GHF.mT, offs), plan.meta)
+
+
+def _pair(ops: Ops, waiting: Callable, releasing: Callable | None) -> None:
+    if releasing is None:
+        waiting()
+    elif ops.concurrent:
+        waiting()
+        releasing()
+    else:
+        releasing()
+        waiting()
+
+
+def tiles_forward(
+    buf: LayerBuffers,
+    x: LayerInputs,
+    plan: LayerPlan,
+    ops: Ops = KERNELS,
+    *,
+    k: int,
+    rate: float = 0.0,
+    pull: bool = True,
+    combine: str = "beside",
+    side: torch.cuda.Stream | None = None,
+) -> torch.Tensor:
+    """[T, H]: the tiles layer, on the current stream and ``side`` (the concurrent ops' second stream).
+
+    1. arrival counters <- the local rows' counts (``pull``) or fc1's targets (``pull=False``: every row
+       must be in ``buf.recv_MH`` already); done <- 0
+    2. fc1 on the waiting GEMM (``SMs - k``), beside it the pull of the remote rows (k programs, ``rate``
+       bytes/s, 0: unpaced) on ``side``
+    3. SwiGLU x probability
+    4. ``combine="beside"``: fc2 on the waiting GEMM (``SMs - k``, its input complete) releasing done
+       counters, beside it the tile combine (k programs) on ``side``; ``"after"``: fc2 on all SMs, then the
+       combine
+    Returns once both streams' work is queued; the result is ready on the current stream."""
+    if combine not in COMBINES:
+        raise ValueError(f"tiles_forward: combine={combine!r}; it must be one of {', '.join(COMBINES)}")
+    if ops.concurrent and side is None:
+        raise ValueError(
+            "tiles_forward: concurrent kernels need a side stream (side=torch.cuda.Stream()); on one stream a "
+            "waiting kernel launched first waits forever"
+        )
+    main = torch.cuda.current_stream() if side is not None else None
+    on_side = (lambda: torch.cuda.stream(side)) if side is not None else contextlib.nullcontext
+    buf.counters_S.copy_(plan.local_counts_S if pull else plan.fc1.targets_S)
+    buf.done_S.zero_()
+    if side is not None:
+        side.wait_stream(main)
+
+    def fc1():
+        ops.tile_mm(buf.recv_MH, x.w1_G2FH.mT, plan.fc1, buf.counters_S, k, buf.h_M2F)
+
+    def pull_rows():
+        with on_side():
+            ops.pull(buf.recv_MH, x, plan.pull, buf.counters_S, k, rate)
+
+    _pair(ops, fc1, pull_rows if pull else None)
+    a = ops.swiglu(buf.h_M2F, x.probs_M)
+    arrived = plan.fc2.targets_S  # fc2's input is complete: SwiGLU ran to its end before it
+    if combine == "after":
+        ops.tile_mm(a, x.w2_GHF.mT, plan.fc2, arrived, 0, buf.y_MH)
+        out = ops.combine(buf.y_MH, plan.meta)
+    else:
+        if side is not None:
+            side.wait_stream(main)
+        done = {}
+
+        def sum_tokens():
+            with on_side():
+                done["out"] = ops.tile_combine(
+                    buf.y_MH, plan.meta, plan.slot_TK, buf.done_S, plan.fc2.done_targets_S, plan.order_T, k
+                )
+
+        def fc2():
+            ops.tile_mm(a, x.w2_GHF.mT, plan.fc2, arrived, k, buf.y_MH, buf.done_S)
+
+        _pair(ops, sum_tokens, fc2)
+        out = done["out"]
+    if side is not None:
+        main.wait_stream(side)
+        out.record_stream(main)
+    return out
+
+
+# ---- timing ------------------------------------------------------------------------------------------------
+
+
+def graphed(fn: Callable[[], torch.Tensor]) -> tuple[Callable[[], None], torch.Tensor]:
+    """``fn`` captured in a CUDA graph after two warm-up calls: (replay, the graph's output tensor)."""
+    warm = torch.cuda.Stream()
+    warm.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(warm):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(warm)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn()
+    return graph.replay, out
+
+
+def hidden_row(layer_ms: float, plain_ms: float, preset_ms: float, link_ms: float) -> dict:
+    """exposed = layer - plain; hidden = 1 - exposed / link; slowdown = preset - plain; waiting = layer -
+    preset."""
+    exposed = layer_ms - plain_ms
+    return dict(
+        layer_ms=layer_ms,
+        exposed_ms=exposed,
+        link_ms=link_ms,
+        hidden=1 - exposed / link_ms if link_ms > 0 else None,
+        slowdown_ms=preset_ms - plain_ms,
+        waiting_ms=layer_ms - preset_ms,
+    )
+
+
+class ContextLost(Exception):
+    pass
+
+
+def _context_error() -> BaseException | None:
+    try:
+        torch.cuda.synchronize()
+    except Exception as e:  # torch.AcceleratorError / RuntimeError, by torch version
+        return e
+    return None
+
+
+def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((out.float() - ref.float()).norm() / ref.float().norm().clamp_min(1e-30))
+
+
+def sweep_shape(name: str, a, ks, rates, combines, watchdog, side, res) -> None:
+    """Builds one slice, checks and times plain and the tiles layer at every K, combine and rate, appending
+    rows to ``res["rows"]`` (refusals to ``res["refused"]``, errors to ``res["skipped"]``)."""
+    dev = torch.device("cuda")
+    shape = SHAPES[name]
+    cfg = getattr(tg, SHAPE_CONFIG[name])
+    c_PG = counts_by_source(shape, a.seed).to(dev)
+    h, f = shape["hidden"], shape["ffn"]
+    plan = layer_plan(c_PG, h, f, shape["topk"], cfg, a.chunk_rows)
+    x = layer_inputs(c_PG, h, f, torch.bfloat16, dev, a.seed)
+    recv = received_rows(x, plan)
+    buf = layer_buffers(x, plan)
+    rows = plan.pull.rows
+
+    plain_eager = plain_forward(recv, x, plan)  # compiles SwiGLU and the combine
+    replay, plain_out = graphed(lambda: plain_forward(recv, x, plan))
+    with watchdog.case(f"{name} plain"):
+        replay()
+        torch.cuda.synchronize()
+        if not torch.equal(plain_out, plain_eager):
+            raise RuntimeError(f"{name}: the graphed plain layer differs from the eager one")
+        plain_ms = time_ms(replay, a.iters, a.rounds)
+        plain_eager_ms = time_ms(lambda: plain_forward(recv, x, plan), a.iters, a.rounds)
+    info = dict(
+        shape=name,
+        config=repr(cfg),
+        rows=rows,
+        tokens=plan.meta.row_TK.shape[0],
+        remote_bytes=plan.remote_bytes,
+        plain_ms=plain_ms,
+        plain_eager_ms=plain_eager_ms,
+    )
+    res["shapes"][name] = info
+    print(
+        f"{name}: {rows} rows ({plan.remote_bytes / 1e9:.3f} GB remote), plain layer {plain_ms:.3f} ms graphed "
+        f"({plain_eager_ms:.3f} eager)",
+        flush=True,
+    )
+
+    warm_up(name, x, plan, buf, max(ks), rates, watchdog)
+
+    for k in ks:
+        case = f"{name} k={k}"
+        try:
+            _sweep_k(name, a, k, rates, combines, watchdog, side, res, info, x, plan, buf, recv, plain_out)
+        except ContextLost:
+            raise
+        except Exception as e:
+            lost = _context_error()
+            if lost is not None:
+                raise ContextLost(f"{case}: {type(e).__name__}: {e}".splitlines()[0][:300]) from e
+            res["skipped"].append(dict(shape=name, k=k, error=f"{type(e).__name__}: {e}"[:300]))
+            print(f"  {case} skipped: {type(e).__name__}: {e}"[:200], flush=True)
+    torch.cuda.synchronize()
+
+
+def warm_up(name: str, x: LayerInputs, plan: LayerPlan, buf: LayerBuffers, k: int, rates, watchdog) -> None:
+    """Compiles every kernel of the tiles layer by launches that wait on nothing (arrival and done counters
+    preset); compilation runs on the host before each launch, outside the watched synchronize."""
+    targets = plan.fc1.targets_S
+    steps = [
+        ("fc1", lambda: KERNELS.tile_mm(buf.recv_MH, x.w1_G2FH.mT, plan.fc1, targets, k, buf.h_M2F)),
+        ("fc2", lambda: KERNELS.tile_mm(
+            KERNELS.swiglu(buf.h_M2F, x.probs_M), x.w2_GHF.mT, plan.fc2, plan.fc2.targets_S, k, buf.y_MH,
+            torch.zeros_like(buf.done_S),
+        )),
+        ("tile combine", lambda: KERNELS.tile_combine(
+            buf.y_MH, plan.meta, plan.slot_TK, plan.fc2.done_targets_S.clone(), plan.fc2.done_targets_S,
+            plan.order_T, k,
+        )),
+    ]  # fmt: skip
+    for rate in sorted({0.0, *(r * 1e9 for r in rates if r > 0)})[:2]:  # unpaced, and one paced variant
+        steps.append((f"pull at {rate:g} B/s", lambda rate=rate: _pull_alone(x, plan, buf, k, rate)))
+    for what, launch in steps:
+        launch()
+        with watchdog.case(f"{name} warm-up {what}"):
+            torch.cuda.synchronize()
+
+
+def _pull_alone(x: LayerInputs, plan: LayerPlan, buf: LayerBuffers, k: int, rate: float = 0.0) -> None:
+    buf.counters_S.copy_(plan.local_counts_S)
+    KERNELS.pull(buf.recv_MH, x, plan.pull, buf.counters_S, k, rate)
+
+
+def _nan_remote_rows(x: LayerInputs, plan: LayerPlan, buf: LayerBuffers) -> None:
+    buf.recv_MH.fill_(float("nan"))
+    tp.pull_reference(buf.recv_MH, x.sources, plan.local, torch.zeros_like(plan.local_counts_S))
+
+
+def _sweep_k(name, a, k, rates, combines, watchdog, side, res, info, x, plan, buf, recv_full, plain_out):
+    plain_ms = info["plain_ms"]
+    with watchdog.case(f"{name} k={k} pull alone"):
+        pull_ms = time_ms(lambda: _pull_alone(x, plan, buf, k), a.iters, a.rounds)
+    print(
+        f"  k={k:2d}: pull alone {pull_ms:.3f} ms = {plan.remote_bytes / pull_ms / 1e6:.0f} GB/s", flush=True
+    )
+    base = dict(shape=name, k=k, plain_ms=plain_ms, pull_ms=pull_ms, remote_bytes=plan.remote_bytes)
+    for comb in combines:
+
+        def layer(rate, pull, comb=comb):
+            return tiles_forward(buf, x, plan, k=k, rate=rate, pull=pull, combine=comb, side=side)
+
+        case = f"{name} k={k} combine {comb}"
+        with watchdog.case(f"{case} preset check"):
+            buf.recv_MH.copy_(recv_full)
+            out = layer(0.0, False)
+            torch.cuda.synchronize()
+            err = _rel_err(out, plain_out)
+            close = not bool(torch.isnan(out).any()) and bool(
+                torch.allclose(out.float(), plain_out.float(), **MATCH)
+            )
+            own = bool(torch.equal(out, combine(buf.y_MH, plan.meta)))
+        if not (close and own):
+            why = "differs from plain" if not close else "not bitwise kernels.combine of its fc2 output"
+            res["refused"].append(dict(base, combine=comb, kind="preset", rel_err=err, why=why))
+            print(f"  {case} preset: {why} (relative error {err:.1e}; {MATCH}); not timed", flush=True)
+            continue
+        preset = out.clone()
+        with watchdog.case(f"{case} preset"):
+            preset_ms = time_ms(lambda: layer(0.0, False), a.iters, a.rounds)
+        res["rows"].append(
+            dict(base, combine=comb, kind="preset", gbps=None, rel_err=err, preset_ms=preset_ms,
+                 **hidden_row(preset_ms, plain_ms, preset_ms, 0.0))
+        )  # fmt: skip
+        print(
+            f"  k={k:2d} {comb:6s} preset   : layer {preset_ms:.3f} ms ({preset_ms - plain_ms:+.3f} ms over "
+            f"plain; relative error {err:.1e})",
+            flush=True,
+        )
+        for gbps in rates:
+            rate = gbps * 1e9
+            label = "unpaced" if rate == 0 else f"{gbps:g} GB/s"
+            with watchdog.case(f"{case} at {label} check"):
+                _nan_remote_rows(x, plan, buf)
+                out = layer(rate, True)
+                torch.cuda.synchronize()
+                same = bool(torch.equal(out, preset))
+            if not same:
+                why = "differs from the preset layer (a row tile read before its rows?)"
+                res["refused"].append(dict(base, combine=comb, kind="pull", gbps=gbps, why=why))
+                print(f"  {case} at {label}: {why}; not timed", flush=True)
+                continue
+            with watchdog.case(f"{case} at {label}"):
+                ms = time_ms(lambda rate=rate: layer(rate, True), a.iters, a.rounds)
+            link_ms = plan.remote_bytes / rate * 1e3 if rate > 0 else pull_ms
+            row = dict(base, combine=comb, kind="pull", gbps=gbps, preset_ms=preset_ms,
+                       **hidden_row(ms, plain_ms, preset_ms, link_ms))  # fmt: skip
+            res["rows"].append(row)
+            print(
+                f"  k={k:2d} {comb:6s} {label:9s}: layer {ms:.3f} ms, exposed {row['exposed_ms']:.3f} of link "
+                f"{link_ms:.3f} ms: hidden {row['hidden']:.1%} (slowdown {row['slowdown_ms']:+.3f}, waiting "
+                f"{row['waiting_ms']:+.3f})",
+                flush=True,
+            )
+
+
+def print_table(res: dict) -> None:
+    print(
+        f"\n{'slice':18s} {'k':>3s} {'combine':7s} {'link':>9s} {'plain':>7s} {'preset':>7s} {'layer':>7s} "
+        f"{'exposed':>8s} {'link ms':>8s} {'hidden':>7s}"
+    )
+    for r in res["rows"]:
+        link = "preset" if r["kind"] == "preset" else ("unpaced" if not r["gbps"] else f"{r['gbps']:g} GB/s")
+        hidden = "" if r["hidden"] is None else f"{r['hidden']:.1%}"
+        link_ms = "" if r["kind"] == "preset" else f"{r['link_ms']:.3f}"
+        print(
+            f"{r['shape']:18s} {r['k']:3d} {r['combine']:7s} {link:>9s} {r['plain_ms']:7.3f} "
+            f"{r['preset_ms']:7.3f} {r['layer_ms']:7.3f} {r['exposed_ms']:8.3f} {link_ms:>8s} {hidden:>7s}"
+        )
+
+
+def _parse_rates(text: str) -> list[float]:
+    try:
+        rates = [float(r) for r in text.split(",") if r.strip()]
+    except ValueError:
+        raise ValueError(f"--gbps {text!r}; it must be a comma list of GB/s, e.g. 900,450,0") from None
+    if not rates or min(rates) < 0:
+        raise ValueError(f"--gbps {text!r}; it must name at least one rate, every rate >= 0 (0: unpaced)")
+    return list(dict.fromkeys(rates))
+
+
+def _parse_combines(text: str) -> list[str]:
+    names = [c.strip() for c in text.split(",") if c.strip()]
+    bad = [c for c in names if c not in COMBINES]
+    if bad or not names:
+        raise ValueError(f"--combine {text!r}; it must be a comma list of {', '.join(COMBINES)}")
+    return list(dict.fromkeys(names))
+
+
+def _no_device() -> str | None:
+    """Why this machine cannot run the tiles layer, or None."""
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
+        return "needs an sm_90 GPU (QuACK's sm_90 kernels); none here"
+    try:
+        from mok_megatron.compat import require_quack_tile_gemm
+
+        require_quack_tile_gemm()
+    except ImportError as e:
+        return f"needs QuACK: {e}"
+    return None
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--shapes", default=",".join(SHAPES))
+    p.add_argument(
+        "--k", default="2,4,8", help="SMs that communicate (held back from the GEMMs), a comma list"
+    )
+    p.add_argument("--gbps", default="900,450,0", help="paced link rates in GB/s, a comma list; 0: unpaced")
+    p.add_argument(
+        "--combine", default="beside,after", help="the combine beside fc2 (tile_combine) or after it"
+    )
+    p.add_argument("--chunk-rows", type=int, default=CHUNK_ROWS)
+    p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--case-timeout",
+        type=float,
+        default=120.0,
+        help="seconds one check or timing may take (compilation not counted); past it the JSON gathered so "
+        "far is written and the process exits with status 3; 0: no limit",
+    )
+    p.add_argument("--json", default=None)
+    a = p.parse_args(argv)
+    try:
+        ks = parse_ks(a.k)
+        rates = _parse_rates(a.gbps)
+        combines = _parse_combines(a.combine)
+    except ValueError as e:
+        print(f"tile_layer: {e}", file=sys.stderr)
+        return 2
+    shapes = a.shapes.split(",")
+    unknown = [s for s in shapes if s not in SHAPES]
+    if unknown:
+        print(f"tile_layer: --shapes {','.join(unknown)}; known: {','.join(SHAPES)}", file=sys.stderr)
+        return 2
+    if min(ks) < 1:
+        print(
+            f"tile_layer: --k {a.k}; every K must be >= 1 (the pull's and the combine's programs)",
+            file=sys.stderr,
+        )
+        return 2
+    small = [
+        f"--{n.replace('_', '-')} {getattr(a, n)}"
+        for n in ("chunk_rows", "iters", "rounds")
+        if getattr(a, n) < 1
+    ]
+    if small:
+        print(f"tile_layer: {', '.join(small)}; each must be >= 1", file=sys.stderr)
+        return 2
+    why = _no_device()
+    if why is not None:
+        print(f"tile_layer: {why}", file=sys.stderr)
+        return 2
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    for name in shapes:
+        cfg = getattr(tg, SHAPE_CONFIG[name])
+        for k in ks:
+            bad = tg.sms_held_back_error(k, sms, cfg)
+            if bad is not None:
+                print(f"tile_layer: --k {k} for {name}: {bad}; drop it from --k", file=sys.stderr)
+                return 2
+
+    dev = torch.device("cuda")
+    res = dict(
+        device=torch.cuda.get_device_name(dev),
+        argv=sys.argv[1:] if argv is None else argv,
+        incomplete=None,
+        shapes={},
+        rows=[],
+        refused=[],
+        skipped=[],
+    )
+
+    def write(incomplete=None) -> str:
+        if not a.json:
+            return "no --json: nothing written"
+        with open(a.json, "w") as fh:
+            json.dump(dict(res, incomplete=incomplete), fh, indent=1)
+        return f"results so far in {a.json}"
+
+    watchdog = CaseWatchdog(a.case_timeout, lambda case: write(incomplete=f"timed out: {case}"))
+    side = torch.cuda.Stream()
+    try:
+        with torch.no_grad():
+            for name in shapes:
+                sweep_shape(name, a, ks, rates, combines, watchdog, side, res)
+                torch.cuda.empty_cache()
+    except ContextLost as e:
+        where = write(incomplete=f"CUDA context lost: {e}")
+        print(f"tile_layer: CUDA error, the context is lost ({e}); {where}", file=sys.stderr)
+        return 4
+    print_table(res)
+    write()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

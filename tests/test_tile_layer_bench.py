@@ -1,0 +1,148 @@
+"""benchmarks/tile_layer.py as documented, on CPU through the kernels' references: the tokens' routes, the pull
+split into the local and the remote sources, the composed tiles forward equal to the plain forward (pulled or
+preset, the combine beside fc2 or after it), a forward whose pull misses rows named instead of hanging, and
+one-line refusals of bad arguments and of a machine without an sm_90 GPU.
+
+Legend: P source ranks, G local experts, H hidden, F expert FFN width, M received rows, T tokens, K routes per
+token, S counter slots."""
+
+from __future__ import annotations
+
+import dataclasses
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from benchmarks import tile_layer as bench
+from mok_megatron.kernels import tile_gemm as tg
+from mok_megatron.kernels import tile_pull as tp
+
+ROOT = Path(__file__).resolve().parent.parent
+SMALL = tg.TileConfig(tile_m=4, tile_n=16, cluster_m=2, max_swizzle=2)
+ONE = tg.TileConfig(tile_m=8, tile_n=8, cluster_m=1, max_swizzle=8)
+
+# (c_PG, H, F, K, config, chunk_rows): rows each source sends each local expert, source 0 being this rank
+CASES = {
+    "three-sources": ([[3, 0, 5, 2], [2, 7, 0, 4], [6, 1, 3, 0]], 24, 16, 3, SMALL, 3),
+    "nothing-local": ([[0, 0, 0], [4, 9, 2], [5, 0, 7]], 16, 8, 2, ONE, 4),
+    "only-local": ([[5, 3], [0, 0]], 16, 8, 2, SMALL, 2),
+    "empty-expert-chunks-across-tiles": ([[9, 0, 13], [1, 0, 6], [5, 0, 11], [2, 0, 3]], 32, 24, 4, SMALL, 5),
+}
+
+
+def _problem(name, dtype=torch.float32):
+    c, h, f, k, cfg, chunk = CASES[name]
+    c_PG = torch.tensor(c)
+    plan = bench.layer_plan(c_PG, h, f, k, cfg, chunk, elem_bytes=dtype.itemsize)
+    x = bench.layer_inputs(c_PG, h, f, dtype, "cpu", seed=1)
+    return c_PG, plan, x
+
+
+def test_strided_routes_hand_worked():
+    # 10 rows, top-3: T = 4 tokens, token t reads rows t, t + 4, t + 8
+    assert bench.strided_routes(10, 3).tolist() == [[0, 4, 8], [1, 5, 9], [2, 6, -1], [3, 7, -1]]
+    assert bench.strided_routes(0, 2).shape == (0, 2)
+    with pytest.raises(ValueError, match=r"rows=5, topk=0; rows must be >= 0 and topk >= 1"):
+        bench.strided_routes(5, 0)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_plan_splits_the_pull_into_local_and_remote_sources(name):
+    c_PG, plan, _ = _problem(name)
+    rows, slots = int(c_PG.sum()), plan.pull.slots
+    full = tp.pull_plan(c_PG, rows, plan.pull.config, plan.pull.chunk_rows)
+    live = {tuple(t) for t in full.tasks_C8.tolist() if t[tp.ROWS] > 0}
+    for part, want in ((plan.local, lambda p: p == 0), (plan.pull, lambda p: p != 0)):
+        tasks = part.tasks_C8.tolist()
+        mine = [t for t in tasks if t[tp.ROWS] > 0]
+        assert tasks[: len(mine)] == mine, "chunks that move rows first"
+        assert all(t == [0, c_PG.shape[1], 0, 0, 0, 0, 0, 0] for t in tasks[len(mine) :])
+        assert {tuple(t) for t in mine} == {t for t in live if want(t[tp.SOURCE])}
+        assert [t[tp.DST_ROW] for t in mine] == sorted(t[tp.DST_ROW] for t in mine), "expert-major order kept"
+    # the local rows' counts plus what the pull releases: what fc1 waits for
+    assert plan.local_counts_S.shape == (slots,)
+    assert torch.equal(plan.local_counts_S + tp.slot_releases(plan.pull), plan.fc1.targets_S)
+    assert plan.remote_bytes == int(c_PG[1:].sum()) * plan.fc2.n * 4
+    # every received row is read by exactly one route
+    rows_read = plan.meta.row_TK[plan.meta.row_TK >= 0]
+    assert sorted(rows_read.tolist()) == list(range(rows))
+
+
+@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("combine", bench.COMBINES)
+@pytest.mark.parametrize("pull", [True, False], ids=["pulled", "preset"])
+def test_tiles_forward_equals_the_plain_forward(name, combine, pull):
+    _, plan, x = _problem(name)
+    recv = bench.received_rows(x, plan)
+    want = bench.plain_forward(recv, x, plan, bench.REFERENCES)
+    buf = bench.layer_buffers(x, plan)
+    if pull:
+        assert torch.isnan(buf.recv_MH).any() == bool(plan.remote_bytes), "remote rows start NaN"
+    else:
+        buf.recv_MH.copy_(recv)
+    out = bench.tiles_forward(buf, x, plan, bench.REFERENCES, k=2, pull=pull, combine=combine)
+    # fp32: the tiles' matmuls cut the groups' by columns; the same products and sums up to the last bit
+    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
+    assert torch.equal(buf.recv_MH, recv)
+    assert torch.equal(buf.counters_S, plan.fc1.targets_S)
+    if combine == "beside":
+        assert torch.equal(buf.done_S, plan.fc2.done_targets_S)
+
+
+def test_tiles_forward_in_bf16_within_the_benchmarks_tolerance():
+    _, plan, x = _problem("empty-expert-chunks-across-tiles", torch.bfloat16)
+    want = bench.plain_forward(bench.received_rows(x, plan), x, plan, bench.REFERENCES)
+    out = bench.tiles_forward(bench.layer_buffers(x, plan), x, plan, bench.REFERENCES, k=4)
+    torch.testing.assert_close(out.float(), want.float(), **bench.MATCH)
+
+
+def test_a_pull_that_misses_rows_names_the_slot_fc1_would_wait_on():
+    _, plan, x = _problem("three-sources")
+    short = dataclasses.replace(plan, pull=plan.local)  # the remote rows never arrive
+    with pytest.raises(RuntimeError, match=r"waits for counter slot \d+ to reach \d+; it holds \d+"):
+        bench.tiles_forward(bench.layer_buffers(x, plan), x, short, bench.REFERENCES, k=2)
+
+
+def test_composition_errors_in_one_line():
+    _, plan, x = _problem("three-sources")
+    buf = bench.layer_buffers(x, plan)
+    with pytest.raises(ValueError, match=r"combine='before'; it must be one of beside, after"):
+        bench.tiles_forward(buf, x, plan, bench.REFERENCES, k=2, combine="before")
+    with pytest.raises(ValueError, match=r"rate=9e\+11; the reference cannot pace: pass rate=0"):
+        bench.tiles_forward(buf, x, plan, bench.REFERENCES, k=2, rate=9e11)
+    with pytest.raises(ValueError, match=r"concurrent kernels need a side stream"):
+        bench.tiles_forward(buf, x, plan, bench.KERNELS, k=2)
+    with pytest.raises(ValueError, match=r"c_PG \(4,\), local=0; c_PG must be \[P, G\]"):
+        bench.layer_plan(torch.ones(4, dtype=torch.int64), 8, 8, 2, SMALL)
+
+
+@pytest.mark.parametrize(
+    "argv, says",
+    [
+        (["--shapes", "gpt"], "tile_layer: --shapes gpt; known: deepseek-v3-ep32,qwen3-ep8"),
+        (["--k", "0,4"], "tile_layer: --k 0,4; every K must be >= 1"),
+        (["--k", "x"], "it must be a comma list of integers"),
+        (["--gbps", "-1"], "tile_layer: --gbps '-1'; it must name at least one rate, every rate >= 0"),
+        (["--gbps", "fast"], "tile_layer: --gbps 'fast'; it must be a comma list of GB/s"),
+        (["--combine", "before"], "tile_layer: --combine 'before'; it must be a comma list of beside, after"),
+        (["--iters", "0", "--chunk-rows", "0"], "tile_layer: --chunk-rows 0, --iters 0; each must be >= 1"),
+    ],
+)
+def test_benchmark_refuses_bad_arguments_in_one_line(argv, says, capsys):
+    assert bench.main(argv) == 2
+    err = capsys.readouterr().err
+    assert says in err and len(err.strip().splitlines()) == 1, err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without a GPU")
+def test_refuses_without_an_sm90_gpu_in_one_line():
+    r = subprocess.run(
+        [sys.executable, "-m", "benchmarks.tile_layer"], capture_output=True, text=True, cwd=ROOT, timeout=120
+    )
+    assert r.returncode == 2 and r.stdout == "", r.stdout + r.stderr
+    assert r.stderr.strip().splitlines() == [
+        "tile_layer: needs an sm_90 GPU (QuACK's sm_90 kernels); none here"
+    ]
