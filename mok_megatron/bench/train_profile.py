@@ -54,6 +54,8 @@ MOK_KERNELS = {
     "_rows_kernel": "communication",  # transport/nvlink: the rows moved between GPUs
     "_publish_kernel": "communication",
     "_wait_kernel": "communication",
+    "_pull_kernel": "communication",  # kernels/tile_pull.py: rows pulled into the expert-sorted buffer
+    "_tile_combine_kernel": "moe",  # kernels/tile_combine.py: the combine driven by completion
 }
 
 # (category, what it holds (docs/bench-train.md's table), pattern on the lower-cased kernel name). The
