@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU side of the project in phases that each fit one 10-minute call, from the project root with
 # megatron-core (+TE, torchtitan) importable:
-#   bash benchmarks/gpu.sh tests|layer|overlap|ep [outdir]
+#   bash benchmarks/gpu.sh tests|layer|overlap|ep|wgrad|split|gather|tiles|tiles-layer|te [outdir]
 #   tests    every GPU test (skips cleanly what this machine cannot run)
 #   layer    mok bench layer, every shape (uniform / zipf / one-hot routing), one process per shape
 #   overlap  benchmarks/overlap.sh;  ep  benchmarks/ep.sh (2+ GPUs)
@@ -10,6 +10,12 @@
 #   split    the loopback sweep with minibatches split by tokens and by experts (--mok-minibatch-split),
 #            with the emulated copies and link time only, against the graphed no-communication layer
 #   gather   benchmarks.gather (fc1 over gathered rows, QuACK, vs the permuted copy + torch's grouped GEMM)
+#   tiles    the tile kernels' GPU tests (waiting GEMM, pull, completion-driven combine; QuACK needed), then
+#            their gate sweep at K 0/2/4/8 over the five tile configurations
+#   tiles-layer  benchmarks.tile_pull and benchmarks.tile_layer: the pull's GB/s per K, and the forward's
+#            exposed and hidden time at 900 / 450 GB/s against the graphed layer without communication
+#   te       the te backend's GPU tests (TE, cuBLASLt 13.6+ preloaded for the grouped route) and the Qwen3 layer
+#            with every FP8 expert path, the single grouped weight included
 # Each phase leaves its logs in outdir and, with OUT set, one tarball $OUT/<phase>.tgz.
 set -u
 phase=${1:?phase: tests, ep, layer, overlap or wgrad}
@@ -53,6 +59,23 @@ case "$phase" in
   gather)
     timeout 240 $py -m benchmarks.gather --shape deepseek-v3-ep32,qwen3-30b-a3b \
       --json "$out/gather.json" 2>&1 | grep -v -i warn | tee "$out/gather.txt"
+    ;;
+  tiles)
+    timeout 300 $py -m pytest -q -m gpu -p no:cacheprovider -o addopts="" -rs tests/test_tile_gemm.py \
+      tests/test_tile_pull.py tests/test_tile_combine.py 2>&1 | tail -40 | tee "$out/tile_gpu_tests.txt"
+    timeout 280 $py -m benchmarks.tile_gemm_gate --all-configs --k 0,2,4,8 --rounds 7 --case-timeout 60 \
+      --json "$out/gate.json" 2>&1 | tail -30 | tee "$out/gate.txt"
+    ;;
+  tiles-layer)
+    timeout 200 $py -m benchmarks.tile_pull --json "$out/pull.json" 2>&1 | tail -30 | tee "$out/pull.txt"
+    timeout 380 $py -m benchmarks.tile_layer --json "$out/layer.json" 2>&1 | tail -40 | tee "$out/layer.txt"
+    ;;
+  te)
+    timeout 300 $py -m pytest -q -p no:cacheprovider -o addopts="" -rs tests/test_te_grouped_gpu.py \
+      tests/test_fp8_gpu.py 2>&1 | grep -v "DEBUG\|dcp_logger" | tail -40 | tee "$out/te_gpu_tests.txt"
+    timeout 280 $py -m mok_megatron.cli bench layer --shape qwen3-30b-a3b --iters 10 --warmup 2 --impl \
+      mok,mok-torch-fp8,mok-te-tensorwise,mok-te-blockwise,mok-te-tensorwise-single,mok-te-blockwise-single \
+      --json "$out/te-layer.json" 2>&1 | grep "^|" | tee "$out/te-layer.txt"
     ;;
   *) echo "unknown phase $phase"; exit 2 ;;
 esac
