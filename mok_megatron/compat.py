@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib.metadata
 import importlib.util
 from contextlib import contextmanager
+from dataclasses import dataclass
 from functools import cache
 
 import torch
@@ -277,6 +278,38 @@ def te_cublaslt_version() -> int | None:
     import transformer_engine_torch as tex
 
     return int(tex.get_cublasLt_version())
+
+
+#: The CUDA 13 cuBLAS wheel on PyPI and where it puts its libraries under site-packages.
+CUBLAS_WHEEL = "nvidia-cublas"
+CUBLAS_WHEEL_LIB = ("nvidia", "cu13", "lib")
+
+
+@dataclass(frozen=True)
+class CublasWheel:
+    """The ``nvidia-cublas`` wheel (CUDA 13) of this environment.
+
+    version  the installed version ("13.10.0.20"); None: not installed
+    lib_dir  the folder holding (or, not installed, where pip puts) ``libcublasLt.so.13``
+    """
+
+    version: str | None
+    lib_dir: str
+
+
+@cache
+def cublas_wheel() -> CublasWheel:
+    """The ``nvidia-cublas`` wheel: its version and its ``nvidia/cu13/lib`` folder, read from the wheel's
+    file list (``nvidia.cu13`` is a namespace the CUDA runtime and NVRTC wheels share); not installed, the
+    folder pip would install it to in this environment's site-packages."""
+    import os
+    import sysconfig
+
+    version = dist_version(CUBLAS_WHEEL)
+    for f in (importlib.metadata.files(CUBLAS_WHEEL) or ()) if version else ():
+        if f.name == "libcublasLt.so.13":
+            return CublasWheel(version, os.path.dirname(os.path.abspath(str(f.locate()))))
+    return CublasWheel(version, os.path.join(sysconfig.get_paths()["purelib"], *CUBLAS_WHEEL_LIB))
 
 
 def te_grouped_tensor_predicate():

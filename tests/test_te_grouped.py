@@ -12,6 +12,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from mok_megatron import compat
 from mok_megatron.errors import MoKConfigError
 from mok_megatron.experts import te
 from mok_megatron.ops.activation import Activation, ActivationSpec
@@ -22,28 +23,99 @@ _TOLIST = torch.Tensor.tolist  # the fakes read their splits (TE reads them on t
 ACT = ActivationSpec(kind=Activation.SILU, gated=True)
 
 
-def _route(recipe, cublaslt, capability=HOPPER, supports=False, env=None):
+def _route(recipe, cublaslt, capability=HOPPER, supports=False, env=None, wheel=None):
     return te.grouped_route(
-        env=env, te_supports=supports, capability=capability, cublaslt=cublaslt, recipe=recipe
+        env=env, te_supports=supports, capability=capability, cublaslt=cublaslt, recipe=recipe, wheel=wheel
     )
 
 
-def test_grouped_route_follows_te_and_names_the_wheel_once_in_one_line():
+LIB = "/venv/lib/python3.12/site-packages/nvidia/cu13/lib"
+
+
+def test_grouped_route_follows_te_and_says_why_not():
     assert _route("blockwise", 131000, supports=True) == te.GroupedRoute(True)
-    assert _route("blockwise", 131000, supports=True, env="0") == te.GroupedRoute(False)  # the user said no
-    assert _route(None, 131000, supports=None) == te.GroupedRoute(False)  # a TE without the route
-    for recipe, need in ((None, "13.4"), ("tensorwise", "13.5"), ("blockwise", "13.6")):
-        note = _route(recipe, 130100).note
-        assert note is not None and "\n" not in note, recipe
-        assert f"cuBLASLt >= {need} on sm_90, this process loaded 13.1" in note
-        assert "pip install 'nvidia-cublas>=13.6'" in note and "LD_PRELOAD" in note
-        assert "libcublasLt.so.13" in note
-    # nothing a cuBLAS wheel would change: no note
-    assert _route("delayed", 130100) == te.GroupedRoute(False)
-    assert _route("mxfp8", 130100) == te.GroupedRoute(False)
-    assert _route("blockwise", 130100, capability=BLACKWELL) == te.GroupedRoute(False)
-    assert _route("blockwise", 130600) == te.GroupedRoute(False)  # new enough; TE says no for another reason
+    assert _route("blockwise", 131000, supports=True, env="0") == te.GroupedRoute(
+        False, reason="NVTE_GROUPED_LINEAR_USE_FUSED_GROUPED_GEMM=0"
+    )  # the user said no
+    no_route = _route(None, 131000, supports=None)  # a TE without the route
+    assert not no_route.grouped and no_route.note is None and "TE >= 2.20" in no_route.reason
+    # nothing a cuBLAS wheel would change: no note, a reason
+    for recipe, capability, reason in (
+        ("delayed", HOPPER, "TE's grouped GEMM does not take delayed on sm_90"),
+        ("mxfp8", HOPPER, "TE's grouped GEMM does not take mxfp8 on sm_90"),
+        ("blockwise", BLACKWELL, "TE's grouped GEMM does not take blockwise on sm_100"),
+    ):
+        assert _route(recipe, 130100, capability=capability) == te.GroupedRoute(False, reason=reason)
+    new_enough = _route("blockwise", 130600)  # TE says no for another reason
+    assert new_enough.note is None and "is_module_grouped_tensor_path_supported refuses" in new_enough.reason
     assert te.required_cublaslt(BLACKWELL, "mxfp8") == 130300 and te.required_cublaslt((8, 9), None) is None
+
+
+@pytest.mark.parametrize(
+    "recipe, capability, need",
+    [
+        (None, HOPPER, "13.4"),
+        ("tensorwise", HOPPER, "13.5"),
+        ("blockwise", HOPPER, "13.6"),
+        ("mxfp8", BLACKWELL, "13.3"),
+    ],
+)
+def test_cublas_note_pins_the_version_the_recipe_needs_in_one_line(recipe, capability, need):
+    route = _route(recipe, 130100, capability=capability, wheel=compat.CublasWheel(None, LIB))
+    note, arch = route.note, f"sm_{capability[0]}{capability[1]}"
+    assert note is not None and "\n" not in note
+    assert note.startswith(f"--mok-expert-backend te runs {recipe or 'bf16'} on TE's per-expert GEMMs: ")
+    assert f"cuBLASLt >= {need} on {arch}, this process loaded 13.1;" in note
+    assert f"pip install 'nvidia-cublas>={need}' and start with " in note and "13.6'" not in note.replace(
+        need, ""
+    )
+    assert f'LD_PRELOAD="{LIB}/libcublasLt.so.13 {LIB}/libcublas.so.13"' in note
+    assert route.reason == f"needs cuBLASLt >= {need} on {arch}, this process loaded 13.1"
+
+
+def test_cublas_note_names_the_installed_wheel_at_its_path():
+    old = _route("blockwise", 130100, wheel=compat.CublasWheel("13.1.1.3", LIB)).note
+    assert "nvidia-cublas 13.1.1.3 is installed: pip install -U 'nvidia-cublas>=13.6' and start with" in old
+    new = _route("tensorwise", 130100, wheel=compat.CublasWheel("13.10.0.20", LIB)).note
+    assert new.endswith(
+        f"cuBLASLt >= 13.5 on sm_90, this process loaded 13.1; nvidia-cublas 13.10.0.20 is installed but not "
+        f'loaded: start with LD_PRELOAD="{LIB}/libcublasLt.so.13 {LIB}/libcublas.so.13".'
+    )
+    assert "pip" not in new and "<site-packages>" not in old + new
+
+
+def test_cublas_note_in_a_cuda_12_process_asks_for_cuda_13_builds():
+    note = _route(None, 120905, wheel=compat.CublasWheel("13.10.0.20", LIB)).note
+    assert "cuBLASLt >= 13.4 on sm_90, this process loaded 12.9; this is a CUDA 12 build of torch" in note
+    assert "no CUDA 13 cuBLASLt can be preloaded; install CUDA 13 builds of both" in note
+    assert "core_cu13" in note and "LD_PRELOAD" not in note and "nvidia-cublas" not in note
+    assert "\n" not in note
+
+
+def test_cublas_wheel_is_read_from_the_wheels_file_list(tmp_path, monkeypatch):
+    import importlib.metadata
+    import pathlib
+
+    lib = tmp_path / "nvidia" / "cu13" / "lib"
+
+    class _File(pathlib.PurePosixPath):
+        def locate(self):
+            return tmp_path / self
+
+    files = [_File("nvidia/cu13/include/cublasLt.h"), _File("nvidia/cu13/lib/libcublasLt.so.13")]
+    monkeypatch.setattr(
+        compat, "dist_version", lambda name: "13.10.0.20" if name == "nvidia-cublas" else None
+    )
+    monkeypatch.setattr(importlib.metadata, "files", lambda name: files if name == "nvidia-cublas" else None)
+    compat.cublas_wheel.cache_clear()
+    try:
+        assert compat.cublas_wheel() == compat.CublasWheel("13.10.0.20", str(lib))
+        monkeypatch.setattr(compat, "dist_version", lambda name: None)  # not installed: where pip puts it
+        compat.cublas_wheel.cache_clear()
+        absent = compat.cublas_wheel()
+        assert absent.version is None and absent.lib_dir.endswith("site-packages/nvidia/cu13/lib")
+    finally:
+        compat.cublas_wheel.cache_clear()
 
 
 def _cfg(recipe=None, op_fuser=False):
@@ -263,9 +335,7 @@ def test_grouped_route_more_than_64_experts_runs_calls_of_at_most_64(alignment, 
         return tuple(out)
 
     got = _run(
-        lambda x, p: te.te_expert_mlp(
-            x, p, counts, None, None, ACT, alignment, grouped=True, calls=calls()
-        ),
+        lambda x, p: te.te_expert_mlp(x, p, counts, None, None, ACT, alignment, grouped=True, calls=calls()),
         x0,
         p0,
         w1,
@@ -276,7 +346,7 @@ def test_grouped_route_more_than_64_experts_runs_calls_of_at_most_64(alignment, 
     assert [hi - lo for lo, hi, _, _ in fakes] == [64, 64, 2]
     padded = ((counts + alignment - 1) // alignment * alignment).tolist()
     for lo, hi, f1, _ in fakes:
-        (sizes, rows), = f1.seen
+        ((sizes, rows),) = f1.seen
         assert sizes == padded[lo:hi] and rows == sum(sizes)  # exact rows: nothing TE leaves unwritten
 
 
@@ -350,9 +420,9 @@ class FakeTELinear(torch.nn.Module):
         super().__init__()
         self.config, self.num_gemms, self.calls = config, num_gemms, []
         self.env_at_build = os.environ.get("NVTE_GROUPED_LINEAR_SINGLE_PARAM")
-        self.single_grouped_weight = bool(getattr(config, "moe_single_grouped_weight", False)) and int(
-            self.env_at_build or 0
-        ) > 0
+        self.single_grouped_weight = (
+            bool(getattr(config, "moe_single_grouped_weight", False)) and int(self.env_at_build or 0) > 0
+        )
         self.use_grouped_tensor = False
         g = torch.Generator().manual_seed(31 * out_size + in_size)
         w = torch.randn(num_gemms, out_size, in_size, generator=g, dtype=torch.float64) / 4
@@ -544,13 +614,22 @@ def test_single_weight_refusals_name_the_value_and_the_fix_in_one_line():
             dict(supported=False, te_version="2.19.0"),
             r"Transformer Engine 2\.19\.0 has no single grouped weight.*>=2\.20.*drop --mok-te-single-weight",
         ),
-        (dict(route=off, env="0"), r"not run tensorwise here: NVTE_GROUPED_LINEAR_USE_FUSED_GROUPED_GEMM=0.*unset"),
+        (
+            dict(route=off, env="0"),
+            r"not run tensorwise here: NVTE_GROUPED_LINEAR_USE_FUSED_GROUPED_GEMM=0.*unset",
+        ),
         (
             dict(route=_route("blockwise", 130100), recipe="blockwise"),
             r"not run blockwise here: .*cuBLASLt >= 13\.6 on sm_90.*nvidia-cublas.*or drop --mok-te-single-weight",
         ),
-        (dict(route=off, recipe="delayed"), r"not run delayed here: TE's is_module_grouped_tensor_path_supported"),
-        (dict(fp8_param=True, recipe="blockwise"), r"--fp8-param-gather and --fp8-recipe blockwise.*mxfp8 / nvfp4"),
+        (
+            dict(route=off, recipe="delayed"),
+            r"not run delayed here: TE's is_module_grouped_tensor_path_supported",
+        ),
+        (
+            dict(fp8_param=True, recipe="blockwise"),
+            r"--fp8-param-gather and --fp8-recipe blockwise.*mxfp8 / nvfp4",
+        ),
     ]
     for over, pattern in cases:
         with pytest.raises(MoKConfigError, match=pattern) as err:

@@ -58,8 +58,9 @@ Two GEMM routes, chosen once at build (``grouped_route``):
   (``--fp8-param-gather``) except MXFP8 / NVFP4, and refuses the option where TE's grouped GEMM does not
   run (``check_single_weight``).
 - per-expert: TE's default route (host ``m_splits`` list, one GEMM and quantization per expert), taken
-  where the grouped one cannot run. When only an older cuBLASLt stands in the way, the build says so
-  once, in one line, naming the wheel that enables it.
+  where the grouped one cannot run. When only the cuBLASLt loaded stands in the way, the build says so
+  once, in one line: the version the recipe needs and how to load it here (the ``nvidia-cublas`` wheel
+  at its path; in a CUDA 12 build, CUDA 13 builds of torch and TE). ``mok env`` lists each recipe's route.
 """
 
 from __future__ import annotations
@@ -117,11 +118,35 @@ class GroupedRoute:
     """How the TE backend calls TE, decided once at build.
 
     grouped  TE's device-driven grouped GEMM (device splits); False: TE's per-expert route
-    note     the one line said at build when only an older cuBLASLt keeps the grouped route off
+    note     the one line said at build when only the cuBLASLt loaded keeps the grouped route off
+    reason   why the per-expert route, in a few words ("" on the grouped route)
     """
 
     grouped: bool
     note: str | None = None
+    reason: str = ""
+
+
+def _cublas_fix(need: int, cublaslt: int, wheel) -> str:
+    """How to load a cuBLASLt >= ``need`` into this process, which loaded ``cublaslt``; ``wheel``: this
+    environment's ``compat.CublasWheel`` (None: unknown)."""
+    from packaging.version import Version
+
+    major = cublaslt // 10000
+    if major < 13:  # the wheel's libcublasLt.so.13 is another soname, which a CUDA 12 build never loads
+        return (
+            f"this is a CUDA {major} build of torch / Transformer Engine, into which no CUDA 13 cuBLASLt "
+            "can be preloaded; install CUDA 13 builds of both (torch from "
+            "https://download.pytorch.org/whl/cu130, pip install 'transformer_engine[pytorch,core_cu13]')"
+        )
+    lib = wheel.lib_dir if wheel is not None else "<site-packages>/nvidia/cu13/lib"
+    preload = f'start with LD_PRELOAD="{lib}/libcublasLt.so.13 {lib}/libcublas.so.13"'
+    pin = f"'nvidia-cublas>={_cublas(need)}'"
+    if wheel is None or wheel.version is None:
+        return f"pip install {pin} and {preload}"
+    if Version(wheel.version) < Version(_cublas(need)):
+        return f"nvidia-cublas {wheel.version} is installed: pip install -U {pin} and {preload}"
+    return f"nvidia-cublas {wheel.version} is installed but not loaded: {preload}"
 
 
 def grouped_route(
@@ -131,30 +156,38 @@ def grouped_route(
     capability: tuple[int, int] | None,
     cublaslt: int | None,
     recipe: str | None,
+    wheel=None,
 ) -> GroupedRoute:
     """The route for this GPU, cuBLASLt and recipe (None: bf16). ``env``: the value of
     ``NVTE_GROUPED_LINEAR_USE_FUSED_GROUPED_GEMM`` ("0" keeps the per-expert route); ``te_supports``: TE's
-    own predicate for this recipe here (None: this TE has no grouped route)."""
-    if env == "0" or te_supports is None:
-        return GroupedRoute(False)
+    own predicate for this recipe here (None: this TE has no grouped route); ``wheel``: this environment's
+    ``compat.CublasWheel``, named in the note's fix (None: unknown)."""
+    name = recipe or "bf16"
+    if env == "0":
+        return GroupedRoute(False, reason=f"{GROUPED_ENV}=0")
+    if te_supports is None:
+        return GroupedRoute(False, reason="this Transformer Engine has no grouped GEMM route (TE >= 2.20)")
     if te_supports:
         return GroupedRoute(True)
+    cap = f"sm_{capability[0]}{capability[1]}" if capability is not None else "this GPU"
     need = required_cublaslt(capability, recipe)
-    if need is None or cublaslt is None or cublaslt >= need:
-        return GroupedRoute(False)  # nothing a newer cuBLASLt would change
-    cap = f"sm_{capability[0]}{capability[1]}"
+    if need is None:
+        return GroupedRoute(False, reason=f"TE's grouped GEMM does not take {name} on {cap}")
+    if cublaslt is None or cublaslt >= need:  # nothing a newer cuBLASLt would change
+        return GroupedRoute(False, reason=f"TE's is_module_grouped_tensor_path_supported refuses {name} here")
+    why = f"needs cuBLASLt >= {_cublas(need)} on {cap}, this process loaded {_cublas(cublaslt)}"
+    fix = _cublas_fix(need, cublaslt, wheel)
     return GroupedRoute(
         False,
-        f"--mok-expert-backend te runs {recipe or 'bf16'} on TE's per-expert GEMMs: its grouped GEMM needs "
-        f"cuBLASLt >= {_cublas(need)} on {cap}, this process loaded {_cublas(cublaslt)}; pip install "
-        "'nvidia-cublas>=13.6' and start with LD_PRELOAD=\"<site-packages>/nvidia/cu13/lib/libcublasLt.so.13 "
-        "<site-packages>/nvidia/cu13/lib/libcublas.so.13\".",
+        f"--mok-expert-backend te runs {name} on TE's per-expert GEMMs: its grouped GEMM {why}; {fix}.",
+        why,
     )
 
 
 def route_for(config) -> GroupedRoute:
     """``grouped_route`` for ``config`` on this process's GPU, TE and cuBLASLt."""
     from mok_megatron.compat import (
+        cublas_wheel,
         cuda_capability,
         quantization_recipe,
         te_cublaslt_version,
@@ -163,8 +196,10 @@ def route_for(config) -> GroupedRoute:
 
     predicate = te_grouped_tensor_predicate()
     capability = cuda_capability()
-    if predicate is None or capability is None:
-        return GroupedRoute(False)
+    if capability is None:
+        return GroupedRoute(False, reason="no CUDA GPU")
+    if predicate is None:
+        return grouped_route(env=None, te_supports=None, capability=capability, cublaslt=None, recipe=None)
     dtype = torch.float32
     if getattr(config, "bf16", False) or getattr(config, "fp16", False):
         dtype = torch.bfloat16 if getattr(config, "bf16", False) else torch.float16
@@ -174,6 +209,7 @@ def route_for(config) -> GroupedRoute:
         capability=capability,
         cublaslt=te_cublaslt_version(),
         recipe=_fp8_recipe_name(config),
+        wheel=cublas_wheel(),
     )
 
 
