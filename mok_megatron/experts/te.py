@@ -119,7 +119,7 @@ class GroupedRoute:
 
     grouped  TE's device-driven grouped GEMM (device splits); False: TE's per-expert route
     note     the one line said at build when only the cuBLASLt loaded keeps the grouped route off
-    reason   why the per-expert route, in a few words ("" on the grouped route)
+    reason   why the per-expert route ("" on the grouped route), with the fix where a cuBLASLt is the reason
     """
 
     grouped: bool
@@ -175,12 +175,12 @@ def grouped_route(
         return GroupedRoute(False, reason=f"TE's grouped GEMM does not take {name} on {cap}")
     if cublaslt is None or cublaslt >= need:  # nothing a newer cuBLASLt would change
         return GroupedRoute(False, reason=f"TE's is_module_grouped_tensor_path_supported refuses {name} here")
-    why = f"needs cuBLASLt >= {_cublas(need)} on {cap}, this process loaded {_cublas(cublaslt)}"
-    fix = _cublas_fix(need, cublaslt, wheel)
+    why = (
+        f"needs cuBLASLt >= {_cublas(need)} on {cap}, this process loaded {_cublas(cublaslt)}; "
+        + _cublas_fix(need, cublaslt, wheel)
+    )
     return GroupedRoute(
-        False,
-        f"--mok-expert-backend te runs {name} on TE's per-expert GEMMs: its grouped GEMM {why}; {fix}.",
-        why,
+        False, f"--mok-expert-backend te runs {name} on TE's per-expert GEMMs: its grouped GEMM {why}.", why
     )
 
 
@@ -211,6 +211,34 @@ def route_for(config) -> GroupedRoute:
         recipe=_fp8_recipe_name(config),
         wheel=cublas_wheel(),
     )
+
+
+def _recipe_config(recipe: str | None):
+    """A bf16 ``TransformerConfig`` under Megatron's ``recipe`` (None: bf16 alone), for ``route_for``."""
+    from megatron.core.enums import Fp4Recipe, Fp8Recipe
+    from megatron.core.transformer import TransformerConfig
+
+    quant = {}
+    if recipe == "nvfp4":
+        quant = dict(fp4="e2m1", fp4_recipe=Fp4Recipe.nvfp4)
+    elif recipe is not None:
+        quant = dict(fp8="e4m3", fp8_recipe=Fp8Recipe(recipe))
+    with warnings.catch_warnings():  # Megatron's notes on options a one-layer config leaves at their defaults
+        warnings.simplefilter("ignore")
+        return TransformerConfig(
+            num_layers=1,
+            hidden_size=64,
+            num_attention_heads=1,
+            bf16=True,
+            params_dtype=torch.bfloat16,
+            **quant,
+        )
+
+
+def recipe_routes(recipes) -> dict[str, GroupedRoute]:
+    """``route_for`` each of ``recipes`` (Megatron's names; None: bf16) on this process's GPU, TE and
+    cuBLASLt, keyed by name ("bf16" for None): the routes ``mok env`` lists."""
+    return {recipe or "bf16": route_for(_recipe_config(recipe)) for recipe in recipes}
 
 
 def grouped_alignment(config) -> int:
