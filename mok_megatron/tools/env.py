@@ -17,6 +17,8 @@ from mok_megatron.compat import (
     have_te,
     have_triton,
     mcore_version,
+    te_cublaslt_version,
+    te_single_grouped_weight_supported,
     te_version,
 )
 
@@ -29,6 +31,29 @@ def _native_fp8_status() -> str:
 
     reason = unavailable_reason("cuda:0" if torch.cuda.is_available() else "cpu")
     return "yes" if reason is None else f"no: {reason}"
+
+
+def _te_backend(cap, te: bool, fp8: dict) -> dict | None:
+    """What ``--mok-expert-backend te`` does here: the cuBLASLt TE loaded, the GEMM route of bf16 and of each
+    FP8 recipe TE runs on this GPU ("grouped", or "per-expert: " and why), and whether TE holds the experts
+    as one grouped weight (``--mok-te-single-weight``). None without TE or a GPU (``missing`` says so)."""
+    if not te or cap is None:
+        return None
+    from mok_megatron.experts.te import recipe_routes
+
+    recipes = [None] + [name for name, status in fp8.items() if status == "yes"]
+    cublaslt = te_cublaslt_version()
+    out = {
+        "cublaslt": f"{cublaslt // 10000}.{cublaslt % 10000 // 100}" if cublaslt else None,
+        "routes": {},
+        "single_grouped_weight": te_single_grouped_weight_supported(),
+    }
+    try:
+        for name, r in recipe_routes(recipes).items():
+            out["routes"][name] = "grouped" if r.grouped else f"per-expert: {r.reason}"
+    except Exception as e:  # a report, not a build: say what TE raised and print the rest
+        out["error"] = f"asking TE for the routes raised {type(e).__name__}: {e}"
+    return out
 
 
 def report() -> dict:
@@ -62,8 +87,8 @@ def report() -> dict:
         missing.append(f"megatron-core {mcore}: outside the supported range >={MCORE_MIN},<{MCORE_MAX}")
     if not te:
         missing.append(
-            "transformer-engine: TE layer specs (gpt_layer_te*, use_te=True) and every FP8 recipe are "
-            "unavailable; the Megatron-Core (local) specs work"
+            "transformer-engine: TE layer specs (gpt_layer_te*, use_te=True), --mok-expert-backend te and "
+            "every FP8 recipe are unavailable; the Megatron-Core (local) specs work"
         )
     if not have_apex():
         missing.append(
@@ -74,7 +99,8 @@ def report() -> dict:
         missing.append("triton: megatron-core itself imports it; Triton kernels are unavailable")
     if cap is None:
         missing.append(
-            "CUDA GPU: none -- use CPU mode (mok_megatron.training.cpu.enable(), gloo); no NCCL, no FP8"
+            "CUDA GPU: none -- use CPU mode (mok_megatron.training.cpu.enable(), gloo); no NCCL, no FP8, "
+            "no --mok-expert-backend te"
         )
     elif cap < (9, 0):
         missing.append(
@@ -94,6 +120,7 @@ def report() -> dict:
         "gpus": gpus,
         "fp8_recipes": fp8,
         "fp8_native": _native_fp8_status(),
+        "te_backend": _te_backend(cap, te, fp8),
         "missing": missing,
     }
 
@@ -129,9 +156,32 @@ def format_report(r: dict) -> str:
         f"    {'torch-fp8':<12} {NATIVE_ALIGNMENT:>4}  {r['fp8_native']}  (--mok-expert-backend torch-fp8, no TE)"
     )
     lines.append("")
+    if r["te_backend"]:
+        lines.extend(_format_te_backend(r["te_backend"]))
+        lines.append("")
     if r["missing"]:
         lines.append("  missing, and what that disables:")
         lines.extend(f"    - {m}" for m in r["missing"])
     else:
         lines.append("  nothing missing")
     return "\n".join(lines)
+
+
+def _format_te_backend(t: dict) -> list[str]:
+    """The te backend's lines: one head, then the recipes on each route (per-expert grouped by reason)."""
+    single = "yes" if t["single_grouped_weight"] else "no (TE >= 2.20)"
+    lines = [
+        f"  --mok-expert-backend te: cuBLASLt {t['cublaslt'] or '-'}, "
+        f"one grouped weight (--mok-te-single-weight): {single}"
+    ]
+    grouped = [n for n, route in t["routes"].items() if route == "grouped"]
+    if grouped:
+        lines.append(f"    {'grouped GEMM':<16} {', '.join(grouped)}")
+    reasons: dict[str, list[str]] = {}
+    for name, route in t["routes"].items():
+        if route != "grouped":
+            reasons.setdefault(route.removeprefix("per-expert: "), []).append(name)
+    lines.extend(f"    {'per-expert GEMMs':<16} {', '.join(names)}: {why}" for why, names in reasons.items())
+    if t.get("error"):
+        lines.append(f"    {'routes':<16} {t['error']}")
+    return lines
