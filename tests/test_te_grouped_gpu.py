@@ -57,7 +57,7 @@ def _grouped_or_skip(cfg, recipe):
         pytest.skip(f"{recipe}: {why}")
     route = route_for(cfg)
     if not route.grouped:
-        pytest.skip(route.note or f"TE's grouped GEMM does not run {recipe or 'bf16'} here")
+        pytest.skip(route.note or f"{recipe or 'bf16'} on TE's per-expert GEMMs: {route.reason}")
 
 
 def _build(impl, cfg, monkeypatch=None, per_expert=False, options=None, transport=None):
