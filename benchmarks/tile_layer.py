@@ -67,14 +67,20 @@ from mok_megatron.kernels import tile_gemm as tg
 from mok_megatron.kernels import tile_pull as tp
 from mok_megatron.kernels.combine import combine, combine_reference
 from mok_megatron.kernels.routing import RoutingMeta
-from mok_megatron.kernels.swiglu import swiglu, swiglu_reference
+from mok_megatron.kernels.swiglu import swiglu, swiglu_backward, swiglu_backward_reference, swiglu_reference
 
 CHUNK_ROWS = 64  # rows per pulled chunk, as benchmarks.tile_pull
 LOCAL = 0  # the source that is this rank
 COMBINES = ("beside", "after")
+PHASES = ("forward", "backward", "both")
+WGRADS = ("beside", "after")
 # the preset tiles layer against plain: bf16 outputs of fp32 accumulations in two orders (QuACK's tiles,
 # cuBLAS), through fc1, SwiGLU, fc2 and a sum of top-k rows of about unit size (the tile combine tests' BF16_SUM)
 MATCH = dict(rtol=1.6e-2, atol=3e-2)
+# the preset tiles backward's probability and weight gradients against plain's, as relative error norms: each
+# element a sum over F (dprobs) or over an expert's rows (weights) of products whose bf16 inputs differ by an
+# ulp between the two GEMM orders, so single elements near zero cancel and an elementwise bound would not hold
+GRAD_REL = 1e-2
 
 
 # ---- the plan --------------------------------------------------------------------------------------------
@@ -118,7 +124,11 @@ class LayerPlan:
     pull            the remote sources' chunks (``only_sources``): what the K programs move
     local           the local source's chunks: placed before the layer
     local_counts_S  int32 [S]: the arrival counters once the local rows are placed (the pull adds the rest)
-    fc1, fc2        the waiting GEMMs' plans (QuACK's order, one configuration: one counter layout)
+    fc1, fc2        the waiting GEMMs' plans (QuACK's order, one configuration: one counter layout); fc2's
+                    (N = H) is also fc1's input gradient's, whose done counters the backward's tile combine
+                    reads (the same row tiles, the same column tiles)
+    dgrad2          fc2's input gradient's waiting GEMM (``dy_MH @ w2``, N = F): the backward's first GEMM,
+                    on the same counters as fc1 (the output gradient's rows arrive as the forward's did)
     meta            the tokens' routes into the expert-major rows (``routing_of``)
     slot_TK         int32 [T, K]: each route's done slot in fc2's output (``tile_combine.token_slots``)
     order_T         int32 [T]: the combine's visiting order, as fc2's tiles complete (``token_order``)
@@ -130,6 +140,7 @@ class LayerPlan:
     local_counts_S: torch.Tensor
     fc1: tg.TilePlan
     fc2: tg.TilePlan
+    dgrad2: tg.TilePlan
     meta: RoutingMeta
     slot_TK: torch.Tensor
     order_T: torch.Tensor
@@ -167,6 +178,7 @@ def layer_plan(
         local_counts_S=tp.slot_releases(own),
         fc1=tg.tile_plan(full.offs_G, rows, 2 * ffn, config),
         fc2=fc2,
+        dgrad2=tg.tile_plan(full.offs_G, rows, ffn, config),
         meta=meta,
         slot_TK=slot_TK,
         order_T=tc.token_order(slot_TK, tg.slot_done_rank(fc2)),
@@ -243,6 +255,119 @@ def layer_buffers(x: LayerInputs, plan: LayerPlan) -> LayerBuffers:
     )
 
 
+def source_of_rows(c_PG: torch.Tensor) -> torch.Tensor:
+    """int64 [M]: the source of each expert-major received row (each expert's rows by source)."""
+    n_p, n_g = c_PG.shape
+    return torch.arange(n_p, device=c_PG.device).repeat(n_g).repeat_interleave(c_PG.t().flatten().long())
+
+
+def split_by_source(rows_MH: torch.Tensor, c_PG: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The send buffers that a pull of ``c_PG`` turns into the expert-major ``rows_MH``: source p's rows, grouped
+    by local expert (a source's rows keep their expert-major order)."""
+    src_M = source_of_rows(c_PG).to(rows_MH.device)
+    return tuple(rows_MH[src_M == p].contiguous() for p in range(c_PG.shape[0]))
+
+
+def route_rows(rows_TH: torch.Tensor, meta: RoutingMeta) -> torch.Tensor:
+    """[M, H]: each expert-major row its token's row (the dispatch; the unweighted combine's adjoint); rows no
+    route reads are zero. Differentiable in ``rows_TH``."""
+    rows_TK = meta.row_TK.long()
+    live = rows_TK >= 0
+    token_TK = torch.arange(rows_TK.shape[0], device=rows_TK.device)[:, None].expand_as(rows_TK)
+    out = rows_TH.new_zeros(meta.num_rows, rows_TH.shape[1])
+    return out.index_put((rows_TK[live],), rows_TH[token_TK[live]])
+
+
+@dataclasses.dataclass(frozen=True)
+class BackwardInputs:
+    """What one backward reads besides the weights and probabilities of ``LayerInputs``.
+
+    dy_TH     the output gradient [T, H] (the tokens of ``LayerPlan.meta``)
+    sources   P send buffers of the output-gradient exchange: each route's copy of its token's dy row
+              (probabilities apply inside SwiGLU, so the row is dy itself), source p's rows for this rank
+              grouped by local expert (the forward's layout: the same pull plan moves them)
+    table_P   int64 [P] their base addresses
+    x_MH      the forward's received rows (saved: fc1's weight gradient)
+    h_M2F     fc1's output (saved: SwiGLU's backward)
+    a_MF      SwiGLU's output (saved: fc2's weight gradient)"""
+
+    dy_TH: torch.Tensor
+    sources: tuple[torch.Tensor, ...]
+    table_P: torch.Tensor
+    x_MH: torch.Tensor
+    h_M2F: torch.Tensor
+    a_MF: torch.Tensor
+
+
+def backward_inputs(
+    c_PG: torch.Tensor, x: LayerInputs, plan: LayerPlan, ops: Ops, seed: int = 0
+) -> BackwardInputs:
+    """A unit-size random output gradient and the forward's saved tensors (the plain forward's, by ``ops``)."""
+    x_MH = received_rows(x, plan)
+    h_M2F = ops.grouped_mm(x_MH, x.w1_G2FH.mT, plan.fc1.cu_G1[1:])
+    gen = torch.Generator(device=x_MH.device).manual_seed(seed + 1)
+    dy_TH = torch.randn(plan.meta.row_TK.shape[0], x_MH.shape[1], generator=gen, device=x_MH.device)
+    dy_TH = dy_TH.to(x_MH.dtype)
+    sources = split_by_source(route_rows(dy_TH, plan.meta), c_PG)
+    return BackwardInputs(
+        dy_TH=dy_TH,
+        sources=sources,
+        table_P=tp.source_table(sources),
+        x_MH=x_MH,
+        h_M2F=h_M2F,
+        a_MF=ops.swiglu(h_M2F, x.probs_M),
+    )
+
+
+def received_gradient(bx: BackwardInputs, plan: LayerPlan) -> torch.Tensor:
+    """[M, H]: the output gradient's receive buffer once every row is in (the plain backward's input)."""
+    dy = bx.dy_TH.new_zeros(plan.pull.rows, bx.dy_TH.shape[1])
+    for part in (plan.local, plan.pull):
+        tp.pull_reference(dy, bx.sources, part, torch.zeros_like(plan.local_counts_S))
+    return dy
+
+
+@dataclasses.dataclass(frozen=True)
+class BackwardBuffers:
+    """What a tiles backward writes: the output gradient's receive buffer (local rows placed), fc2's input
+    gradient, fc1's input gradient (expert-major rows), the arrival counters and fc1 dgrad's done counters."""
+
+    dy_MH: torch.Tensor
+    da_MF: torch.Tensor
+    dx_MH: torch.Tensor
+    counters_S: torch.Tensor
+    done_S: torch.Tensor
+
+
+def backward_buffers(bx: BackwardInputs, x: LayerInputs, plan: LayerPlan) -> BackwardBuffers:
+    """Fresh buffers, the local rows of the output gradient placed (the remote rows NaN)."""
+    rows, hidden = plan.pull.rows, x.w1_G2FH.shape[2]
+    proto = bx.dy_TH
+    dy = proto.new_full((rows, hidden), float("nan"))
+    tp.pull_reference(dy, bx.sources, plan.local, torch.zeros_like(plan.local_counts_S))
+    return BackwardBuffers(
+        dy_MH=dy,
+        da_MF=proto.new_empty(rows, x.w2_GHF.shape[2]),
+        dx_MH=proto.new_empty(rows, hidden),
+        counters_S=plan.local_counts_S.clone(),
+        done_S=torch.zeros_like(plan.local_counts_S),
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class Gradients:
+    """One backward's results: dx_TH [T, H] (each token's sum over its routes: the dispatch's adjoint),
+    dprobs_M fp32 [M] (each received row's probability), dw1_G2FH and dw2_GHF (the weights' gradients)."""
+
+    dx_TH: torch.Tensor
+    dprobs_M: torch.Tensor
+    dw1_G2FH: torch.Tensor
+    dw2_GHF: torch.Tensor
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+
 # ---- the kernels, or their references ----------------------------------------------------------------------
 
 
@@ -259,6 +384,8 @@ class Ops:
     tile_mm: Callable  # (a_MK, b_GKN, plan, counters_S, k, out, done_S) -> out
     pull: Callable  # (recv_MH, inputs, pull plan, counters_S, k, rate) -> None
     tile_combine: Callable  # (y_MH, meta, slot_TK, done_S, target_S, order_T, k) -> [T, H]
+    swiglu_backward: Callable  # (h_M2F, probs_M, da_MF) -> (dh_M2F, dprobs_M)
+    wgrad: Callable  # (dy_MN, x_MK, offs_G) -> [G, N, K]: each group's dy^T x (grouped along the rows)
 
 
 def _tile_mm_reference(a, b, plan, counters, k, out, done=None):
@@ -266,6 +393,17 @@ def _tile_mm_reference(a, b, plan, counters, k, out, done=None):
     if done is not None:
         done += tg.done_counts_reference(plan).to(done.device)
     return out
+
+
+def wgrad_reference(dy_MN: torch.Tensor, x_MK: torch.Tensor, offs_G: torch.Tensor) -> torch.Tensor:
+    """``torch._grouped_mm(dy_MN.t(), x_MK, offs=offs_G)`` in fp32 matmuls per group, cast to dy's dtype
+    (groups without rows: zeros)."""
+    out = torch.zeros(offs_G.numel(), dy_MN.shape[1], x_MK.shape[1], dtype=torch.float32, device=dy_MN.device)
+    start = 0
+    for g, end in enumerate(offs_G.tolist()):
+        out[g] = dy_MN[start:end].float().t() @ x_MK[start:end].float()
+        start = end
+    return out.to(dy_MN.dtype)
 
 
 def _pull_reference(recv, x, plan, counters, k, rate):
@@ -284,6 +422,8 @@ REFERENCES = Ops(
     tile_combine=lambda y, meta, slot, done, target, order, k: tc.tile_combine_reference(
         y, meta, slot, done, target
     ),
+    swiglu_backward=swiglu_backward_reference,
+    wgrad=wgrad_reference,
 )
 
 KERNELS = Ops(
@@ -300,6 +440,8 @@ KERNELS = Ops(
     tile_combine=lambda y, meta, slot, done, target, order, k: tc.tile_combine(
         y, meta, slot, done, target, order_T=order, programs=k
     ),
+    swiglu_backward=swiglu_backward,
+    wgrad=lambda dy, x, offs: torch._grouped_mm(dy.t(), x, offs=offs),
 )
 
 
@@ -395,6 +537,142 @@ def tiles_forward(
         main.wait_stream(side)
         out.record_stream(main)
     return out
+
+
+def plain_backward(
+    dy_MH: torch.Tensor, bx: BackwardInputs, x: LayerInputs, plan: LayerPlan, ops: Ops = KERNELS
+) -> Gradients:
+    """The plain backward without communication over the received output gradient ``dy_MH``, in autograd's
+    order: fc2's input gradient, fc2's weight gradient, SwiGLU's backward, fc1's input gradient, fc1's weight
+    gradient, the per-token sum."""
+    offs = plan.fc1.cu_G1[1:]
+    da = ops.grouped_mm(dy_MH, x.w2_GHF, offs)
+    dw2 = ops.wgrad(dy_MH, bx.a_MF, offs)
+    dh, dprobs = ops.swiglu_backward(bx.h_M2F, x.probs_M, da)
+    dx = ops.grouped_mm(dh, x.w1_G2FH, offs)
+    dw1 = ops.wgrad(dh, bx.x_MH, offs)
+    return Gradients(ops.combine(dx, plan.meta), dprobs, dw1, dw2)
+
+
+def tiles_backward(
+    buf: BackwardBuffers,
+    bx: BackwardInputs,
+    x: LayerInputs,
+    plan: LayerPlan,
+    ops: Ops = KERNELS,
+    *,
+    k: int,
+    rate: float = 0.0,
+    pull: bool = True,
+    combine: str = "beside",
+    wgrad: str = "beside",
+    side: torch.cuda.Stream | None = None,
+    wgrad_stream: torch.cuda.Stream | None = None,
+) -> Gradients:
+    """The tiles backward, on the current stream, ``side`` (the concurrent ops' second stream) and
+    ``wgrad_stream`` (the weight gradients', ``wgrad="beside"``).
+
+    1. arrival counters <- the local rows' counts (``pull``) or their targets (``pull=False``: every row of
+       the output gradient must be in ``buf.dy_MH`` already); done <- 0
+    2. fc2's input gradient ``dy_MH @ w2`` on the waiting GEMM (``SMs - k``, B N-major), beside it the pull
+       of the output gradient's remote rows (k programs, ``rate`` bytes/s, 0: unpaced) on ``side``
+    3. ``wgrad="beside"``: fc2's weight gradient ``dy^T a`` (``torch._grouped_mm``) on ``wgrad_stream`` once
+       the pull has ended: it reads every row, nothing else
+    4. SwiGLU's backward (with the probabilities: the probability gradient too); ``"beside"``: fc1's weight
+       gradient ``dh^T x`` on ``wgrad_stream`` after it
+    5. ``combine="beside"``: fc1's input gradient ``dh @ w1`` on the tile GEMM (``SMs - k``, nothing to wait
+       on) releasing done counters, beside it the tile combine (k programs) on ``side``: each token's sum over
+       its routes; ``"after"``: fc1's input gradient on all SMs, then the combine
+    6. ``wgrad="after"``: both weight gradients, in turn, on the current stream
+    Returns once every stream's work is queued; the results are ready on the current stream."""
+    if combine not in COMBINES:
+        raise ValueError(f"tiles_backward: combine={combine!r}; it must be one of {', '.join(COMBINES)}")
+    if wgrad not in WGRADS:
+        raise ValueError(f"tiles_backward: wgrad={wgrad!r}; it must be one of {', '.join(WGRADS)}")
+    if ops.concurrent and (side is None or (wgrad == "beside" and wgrad_stream is None)):
+        raise ValueError(
+            "tiles_backward: concurrent kernels need a side stream and, with wgrad='beside', a weight-gradient "
+            "stream (side=torch.cuda.Stream(), wgrad_stream=torch.cuda.Stream()); on one stream a waiting "
+            "kernel launched first waits forever"
+        )
+    offs = plan.fc1.cu_G1[1:]
+    main = torch.cuda.current_stream() if side is not None else None
+    on_side = (lambda: torch.cuda.stream(side)) if side is not None else contextlib.nullcontext
+    aside = wgrad == "beside" and wgrad_stream is not None
+    on_wgrad = (lambda: torch.cuda.stream(wgrad_stream)) if aside else contextlib.nullcontext
+    buf.counters_S.copy_(plan.local_counts_S if pull else plan.dgrad2.targets_S)
+    buf.done_S.zero_()
+    if side is not None:
+        side.wait_stream(main)
+
+    def dgrad2():
+        ops.tile_mm(buf.dy_MH, x.w2_GHF, plan.dgrad2, buf.counters_S, k, buf.da_MF)
+
+    def pull_rows():
+        with on_side():
+            ops.pull(buf.dy_MH, bx, plan.pull, buf.counters_S, k, rate)
+
+    _pair(ops, dgrad2, pull_rows if pull else None)
+    grads = {}
+    if wgrad == "beside":
+        if aside:
+            wgrad_stream.wait_stream(side if pull else main)
+        with on_wgrad():
+            grads["dw2"] = ops.wgrad(buf.dy_MH, bx.a_MF, offs)
+    dh, dprobs = ops.swiglu_backward(bx.h_M2F, x.probs_M, buf.da_MF)
+    if wgrad == "beside":
+        if aside:
+            wgrad_stream.wait_stream(main)
+            dh.record_stream(wgrad_stream)
+        with on_wgrad():
+            grads["dw1"] = ops.wgrad(dh, bx.x_MH, offs)
+    if combine == "after":
+        ops.tile_mm(dh, x.w1_G2FH, plan.fc2, plan.fc2.targets_S, 0, buf.dx_MH)
+        dx = ops.combine(buf.dx_MH, plan.meta)
+    else:
+        if side is not None:
+            side.wait_stream(main)
+        done = {}
+
+        def sum_tokens():
+            with on_side():
+                done["out"] = ops.tile_combine(
+                    buf.dx_MH, plan.meta, plan.slot_TK, buf.done_S, plan.fc2.done_targets_S, plan.order_T, k
+                )
+
+        def dgrad1():  # its rows are all there: SwiGLU's backward ran to its end before it
+            ops.tile_mm(dh, x.w1_G2FH, plan.fc2, plan.fc2.targets_S, k, buf.dx_MH, buf.done_S)
+
+        _pair(ops, sum_tokens, dgrad1)
+        dx = done["out"]
+    if wgrad == "after":
+        grads["dw2"] = ops.wgrad(buf.dy_MH, bx.a_MF, offs)
+        grads["dw1"] = ops.wgrad(dh, bx.x_MH, offs)
+    if side is not None:
+        main.wait_stream(side)
+        dx.record_stream(main)
+    if aside:
+        main.wait_stream(wgrad_stream)
+        for g in grads.values():
+            g.record_stream(main)
+    return Gradients(dx, dprobs, grads["dw1"], grads["dw2"])
+
+
+def backward_errors(out: Gradients, ref: Gradients) -> list[str]:
+    """How a backward's results miss the plain backward's (empty: within the tolerances): NaN anywhere; the
+    input gradient past ``MATCH`` elementwise; the probability and weight gradients past ``GRAD_REL`` in
+    relative error norm."""
+    bad = []
+    for name, got in out.tensors().items():
+        want = getattr(ref, name)
+        if bool(torch.isnan(got).any()):
+            bad.append(f"{name} has NaN")
+        elif name == "dx_TH":
+            if not torch.allclose(got.float(), want.float(), **MATCH):
+                bad.append(f"{name} past {MATCH} (relative error {_rel_err(got, want):.1e})")
+        elif _rel_err(got, want) > GRAD_REL:
+            bad.append(f"{name} relative error {_rel_err(got, want):.1e} > {GRAD_REL:g}")
+    return bad
 
 
 # ---- timing ------------------------------------------------------------------------------------------------
