@@ -722,9 +722,10 @@ def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return float((out.float() - ref.float()).norm() / ref.float().norm().clamp_min(1e-30))
 
 
-def sweep_shape(name: str, a, ks, rates, combines, watchdog, side, res) -> None:
-    """Builds one slice, checks and times plain and the tiles layer at every K, combine and rate, appending
-    rows to ``res["rows"]`` (refusals to ``res["refused"]``, errors to ``res["skipped"]``)."""
+def sweep_shape(name: str, a, ks, rates, combines, phases, wgrads, watchdog, streams, res) -> None:
+    """Builds one slice, checks and times the plain layer and the tiles layer of each phase at every K,
+    combine (and weight-gradient placement) and rate, appending rows to ``res["rows"]`` (refusals to
+    ``res["refused"]``, errors to ``res["skipped"]``)."""
     dev = torch.device("cuda")
     shape = SHAPES[name]
     cfg = getattr(tg, SHAPE_CONFIG[name])
@@ -732,41 +733,34 @@ def sweep_shape(name: str, a, ks, rates, combines, watchdog, side, res) -> None:
     h, f = shape["hidden"], shape["ffn"]
     plan = layer_plan(c_PG, h, f, shape["topk"], cfg, a.chunk_rows)
     x = layer_inputs(c_PG, h, f, torch.bfloat16, dev, a.seed)
-    recv = received_rows(x, plan)
     buf = layer_buffers(x, plan)
     rows = plan.pull.rows
-
-    plain_eager = plain_forward(recv, x, plan)  # compiles SwiGLU and the combine
-    replay, plain_out = graphed(lambda: plain_forward(recv, x, plan))
-    with watchdog.case(f"{name} plain"):
-        replay()
-        torch.cuda.synchronize()
-        if not torch.equal(plain_out, plain_eager):
-            raise RuntimeError(f"{name}: the graphed plain layer differs from the eager one")
-        plain_ms = time_ms(replay, a.iters, a.rounds)
-        plain_eager_ms = time_ms(lambda: plain_forward(recv, x, plan), a.iters, a.rounds)
     info = dict(
         shape=name,
         config=repr(cfg),
         rows=rows,
         tokens=plan.meta.row_TK.shape[0],
         remote_bytes=plan.remote_bytes,
-        plain_ms=plain_ms,
-        plain_eager_ms=plain_eager_ms,
     )
     res["shapes"][name] = info
-    print(
-        f"{name}: {rows} rows ({plan.remote_bytes / 1e9:.3f} GB remote), plain layer {plain_ms:.3f} ms graphed "
-        f"({plain_eager_ms:.3f} eager)",
-        flush=True,
-    )
-
-    warm_up(name, x, plan, buf, max(ks), rates, watchdog)
+    cases = []
+    if "forward" in phases:
+        cases.append(_forward_phase(name, a, combines, watchdog, streams, info, x, plan, buf))
+    if "backward" in phases:
+        cases.append(_backward_phase(name, a, c_PG, combines, wgrads, watchdog, streams, info, x, plan))
+    warm_up(name, x, plan, buf, cases, max(ks), rates, watchdog)
 
     for k in ks:
         case = f"{name} k={k}"
         try:
-            _sweep_k(name, a, k, rates, combines, watchdog, side, res, info, x, plan, buf, recv, plain_out)
+            with watchdog.case(f"{case} pull alone"):
+                pull_ms = time_ms(lambda k=k: _pull_alone(x, plan, buf, k), a.iters, a.rounds)
+            print(
+                f"  k={k:2d}: pull alone {pull_ms:.3f} ms = {plan.remote_bytes / pull_ms / 1e6:.0f} GB/s",
+                flush=True,
+            )
+            for ph in cases:
+                _sweep_phase(name, a, k, rates, ph, watchdog, res, plan.remote_bytes, pull_ms)
         except ContextLost:
             raise
         except Exception as e:
@@ -778,25 +772,154 @@ def sweep_shape(name: str, a, ks, rates, combines, watchdog, side, res) -> None:
     torch.cuda.synchronize()
 
 
-def warm_up(name: str, x: LayerInputs, plan: LayerPlan, buf: LayerBuffers, k: int, rates, watchdog) -> None:
-    """Compiles every kernel of the tiles layer by launches that wait on nothing (arrival and done counters
-    preset); compilation runs on the host before each launch, outside the watched synchronize."""
+@dataclasses.dataclass(frozen=True)
+class _Phase:
+    """One phase's cases at one slice: its plain time, its variants (each a dict of the tiles layer's keyword
+    arguments, the rows' columns too) and how to run, reset and check its tiles layer."""
+
+    name: str
+    plain_ms: float
+    variants: list[dict]
+    run: Callable  # (variant, rate, pull) -> output
+    fill: Callable  # (): every received row in place
+    poison: Callable  # (): the remote rows NaN, the local ones in place
+    refuse: Callable  # (preset output) -> why it may not be timed, or None
+    err: Callable  # (output) -> relative error of its main output against plain's
+    same: Callable  # (output, preset output) -> bitwise equal
+    clone: Callable
+    warm: list  # (what, launch(k)) pairs compiling its kernels
+
+
+def _label(variant: dict) -> str:
+    return " ".join(f"{v}" if n == "combine" else f"{n} {v}" for n, v in variant.items())
+
+
+def _forward_phase(name, a, combines, watchdog, streams, info, x, plan, buf) -> _Phase:
+    recv = received_rows(x, plan)
+    plain_eager = plain_forward(recv, x, plan)  # compiles SwiGLU and the combine
+    replay, plain_out = graphed(lambda: plain_forward(recv, x, plan))
+    with watchdog.case(f"{name} plain forward"):
+        replay()
+        torch.cuda.synchronize()
+        if not torch.equal(plain_out, plain_eager):
+            raise RuntimeError(f"{name}: the graphed plain layer differs from the eager one")
+        plain_ms = time_ms(replay, a.iters, a.rounds)
+        plain_eager_ms = time_ms(lambda: plain_forward(recv, x, plan), a.iters, a.rounds)
+    info.update(plain_ms=plain_ms, plain_eager_ms=plain_eager_ms)
+    print(
+        f"{name}: {plan.pull.rows} rows ({plan.remote_bytes / 1e9:.3f} GB remote), plain forward "
+        f"{plain_ms:.3f} ms graphed ({plain_eager_ms:.3f} eager)",
+        flush=True,
+    )
+
+    def refuse(out):
+        if torch.isnan(out).any() or not torch.allclose(out.float(), plain_out.float(), **MATCH):
+            return f"differs from plain ({MATCH})"
+        if not torch.equal(out, combine(buf.y_MH, plan.meta)):
+            return "not bitwise kernels.combine of its fc2 output"
+        return None
+
     targets = plan.fc1.targets_S
-    steps = [
-        ("fc1", lambda: KERNELS.tile_mm(buf.recv_MH, x.w1_G2FH.mT, plan.fc1, targets, k, buf.h_M2F)),
-        ("fc2", lambda: KERNELS.tile_mm(
+    warm = [
+        ("fc1", lambda k: KERNELS.tile_mm(buf.recv_MH, x.w1_G2FH.mT, plan.fc1, targets, k, buf.h_M2F)),
+        ("fc2", lambda k: KERNELS.tile_mm(
             KERNELS.swiglu(buf.h_M2F, x.probs_M), x.w2_GHF.mT, plan.fc2, plan.fc2.targets_S, k, buf.y_MH,
             torch.zeros_like(buf.done_S),
         )),
-        ("tile combine", lambda: KERNELS.tile_combine(
+        ("tile combine", lambda k: KERNELS.tile_combine(
             buf.y_MH, plan.meta, plan.slot_TK, plan.fc2.done_targets_S.clone(), plan.fc2.done_targets_S,
             plan.order_T, k,
         )),
     ]  # fmt: skip
+    return _Phase(
+        name="forward",
+        plain_ms=plain_ms,
+        variants=[dict(combine=c) for c in combines],
+        run=lambda v, k, rate, pull: tiles_forward(
+            buf, x, plan, k=k, rate=rate, pull=pull, side=streams[0], **v
+        ),
+        fill=lambda: buf.recv_MH.copy_(recv),
+        poison=lambda: _place_local(buf.recv_MH, x.sources, plan),
+        refuse=refuse,
+        err=lambda out: _rel_err(out, plain_out),
+        same=torch.equal,
+        clone=torch.clone,
+        warm=warm,
+    )
+
+
+def _backward_phase(name, a, c_PG, combines, wgrads, watchdog, streams, info, x, plan) -> _Phase:
+    bx = backward_inputs(c_PG, x, plan, KERNELS, a.seed)
+    dy = received_gradient(bx, plan)
+    buf = backward_buffers(bx, x, plan)
+    offs = plan.fc1.cu_G1[1:]
+    plain_eager = plain_backward(dy, bx, x, plan)
+    replay, plain_out = graphed(lambda: plain_backward(dy, bx, x, plan))
+    dh = swiglu_backward(bx.h_M2F, x.probs_M, torch._grouped_mm(dy, x.w2_GHF, offs=offs))[0]  # plain's
+    wgrad_replay, _ = graphed(lambda: (KERNELS.wgrad(dy, bx.a_MF, offs), KERNELS.wgrad(dh, bx.x_MH, offs)))
+    with watchdog.case(f"{name} plain backward"):
+        replay()
+        torch.cuda.synchronize()
+        for what, t in plain_out.tensors().items():
+            if not torch.equal(t, getattr(plain_eager, what)):
+                raise RuntimeError(f"{name}: the graphed plain backward's {what} differs from the eager one")
+        plain_ms = time_ms(replay, a.iters, a.rounds)
+        eager_ms = time_ms(lambda: plain_backward(dy, bx, x, plan), a.iters, a.rounds)
+        wgrad_ms = time_ms(wgrad_replay, a.iters, a.rounds)
+    info.update(plain_backward_ms=plain_ms, plain_backward_eager_ms=eager_ms, wgrad_ms=wgrad_ms)
+    print(
+        f"{name}: plain backward {plain_ms:.3f} ms graphed ({eager_ms:.3f} eager), its two weight gradients "
+        f"{wgrad_ms:.3f} ms",
+        flush=True,
+    )
+
+    def refuse(out):
+        bad = backward_errors(out, plain_out)
+        if bad:
+            return "differs from plain: " + "; ".join(bad)
+        if not torch.equal(out.dx_TH, combine(buf.dx_MH, plan.meta)):
+            return "not bitwise kernels.combine of its fc1 input gradient"
+        return None
+
+    def same(out, preset):
+        return all(torch.equal(t, getattr(preset, n)) for n, t in out.tensors().items())
+
+    warm = [
+        (
+            "fc2 dgrad",
+            lambda k: KERNELS.tile_mm(dy, x.w2_GHF, plan.dgrad2, plan.dgrad2.targets_S, k, buf.da_MF),
+        ),
+        ("swiglu backward", lambda k: KERNELS.swiglu_backward(bx.h_M2F, x.probs_M, buf.da_MF)),
+    ]
+    if "beside" in combines:
+        warm.append(("fc1 dgrad releasing", lambda k: KERNELS.tile_mm(
+            dh, x.w1_G2FH, plan.fc2, plan.fc2.targets_S, k, buf.dx_MH, torch.zeros_like(buf.done_S)
+        )))  # fmt: skip
+    return _Phase(
+        name="backward",
+        plain_ms=plain_ms,
+        variants=[dict(combine=c, wgrad=w) for c in combines for w in wgrads],
+        run=lambda v, k, rate, pull: tiles_backward(
+            buf, bx, x, plan, k=k, rate=rate, pull=pull, side=streams[0], wgrad_stream=streams[1], **v
+        ),
+        fill=lambda: buf.dy_MH.copy_(dy),
+        poison=lambda: _place_local(buf.dy_MH, bx.sources, plan),
+        refuse=refuse,
+        err=lambda out: _rel_err(out.dx_TH, plain_out.dx_TH),
+        same=same,
+        clone=lambda out: Gradients(**{n: t.clone() for n, t in out.tensors().items()}),
+        warm=warm,
+    )
+
+
+def warm_up(name: str, x: LayerInputs, plan: LayerPlan, buf: LayerBuffers, cases, k: int, rates, watchdog):
+    """Compiles every kernel of the phases' tiles layers by launches that wait on nothing (arrival and done
+    counters preset); compilation runs on the host before each launch, outside the watched synchronize."""
+    steps = [step for ph in cases for step in ph.warm]
     for rate in sorted({0.0, *(r * 1e9 for r in rates if r > 0)})[:2]:  # unpaced, and one paced variant
-        steps.append((f"pull at {rate:g} B/s", lambda rate=rate: _pull_alone(x, plan, buf, k, rate)))
+        steps.append((f"pull at {rate:g} B/s", lambda k, rate=rate: _pull_alone(x, plan, buf, k, rate)))
     for what, launch in steps:
-        launch()
+        launch(k)
         with watchdog.case(f"{name} warm-up {what}"):
             torch.cuda.synchronize()
 
@@ -806,90 +929,105 @@ def _pull_alone(x: LayerInputs, plan: LayerPlan, buf: LayerBuffers, k: int, rate
     KERNELS.pull(buf.recv_MH, x, plan.pull, buf.counters_S, k, rate)
 
 
-def _nan_remote_rows(x: LayerInputs, plan: LayerPlan, buf: LayerBuffers) -> None:
-    buf.recv_MH.fill_(float("nan"))
-    tp.pull_reference(buf.recv_MH, x.sources, plan.local, torch.zeros_like(plan.local_counts_S))
+def _place_local(recv_MH: torch.Tensor, sources, plan: LayerPlan) -> None:
+    recv_MH.fill_(float("nan"))
+    tp.pull_reference(recv_MH, sources, plan.local, torch.zeros_like(plan.local_counts_S))
 
 
-def _sweep_k(name, a, k, rates, combines, watchdog, side, res, info, x, plan, buf, recv_full, plain_out):
-    plain_ms = info["plain_ms"]
-    with watchdog.case(f"{name} k={k} pull alone"):
-        pull_ms = time_ms(lambda: _pull_alone(x, plan, buf, k), a.iters, a.rounds)
-    print(
-        f"  k={k:2d}: pull alone {pull_ms:.3f} ms = {plan.remote_bytes / pull_ms / 1e6:.0f} GB/s", flush=True
-    )
-    base = dict(shape=name, k=k, plain_ms=plain_ms, pull_ms=pull_ms, remote_bytes=plan.remote_bytes)
-    for comb in combines:
-
-        def layer(rate, pull, comb=comb):
-            return tiles_forward(buf, x, plan, k=k, rate=rate, pull=pull, combine=comb, side=side)
-
-        case = f"{name} k={k} combine {comb}"
+def _sweep_phase(name, a, k, rates, ph: _Phase, watchdog, res, remote_bytes: int, pull_ms: float) -> None:
+    plain_ms = ph.plain_ms
+    base = dict(phase=ph.name, shape=name, k=k, plain_ms=plain_ms, pull_ms=pull_ms, remote_bytes=remote_bytes)
+    for v in ph.variants:
+        label = _label(v)
+        case = f"{name} {ph.name} k={k} {label}"
         with watchdog.case(f"{case} preset check"):
-            buf.recv_MH.copy_(recv_full)
-            out = layer(0.0, False)
+            ph.fill()
+            out = ph.run(v, k, 0.0, False)
             torch.cuda.synchronize()
-            err = _rel_err(out, plain_out)
-            close = not bool(torch.isnan(out).any()) and bool(
-                torch.allclose(out.float(), plain_out.float(), **MATCH)
-            )
-            own = bool(torch.equal(out, combine(buf.y_MH, plan.meta)))
-        if not (close and own):
-            why = "differs from plain" if not close else "not bitwise kernels.combine of its fc2 output"
-            res["refused"].append(dict(base, combine=comb, kind="preset", rel_err=err, why=why))
-            print(f"  {case} preset: {why} (relative error {err:.1e}; {MATCH}); not timed", flush=True)
+            err = ph.err(out)
+            why = ph.refuse(out)
+        if why is not None:
+            res["refused"].append(dict(base, **v, kind="preset", rel_err=err, why=why))
+            print(f"  {case} preset: {why} (relative error {err:.1e}); not timed", flush=True)
             continue
-        preset = out.clone()
+        preset = ph.clone(out)
         with watchdog.case(f"{case} preset"):
-            preset_ms = time_ms(lambda: layer(0.0, False), a.iters, a.rounds)
+            preset_ms = time_ms(lambda v=v: ph.run(v, k, 0.0, False), a.iters, a.rounds)
         res["rows"].append(
-            dict(base, combine=comb, kind="preset", gbps=None, rel_err=err, preset_ms=preset_ms,
+            dict(base, **v, kind="preset", gbps=None, rel_err=err, preset_ms=preset_ms,
                  **hidden_row(preset_ms, plain_ms, preset_ms, 0.0))
         )  # fmt: skip
         print(
-            f"  k={k:2d} {comb:6s} preset   : layer {preset_ms:.3f} ms ({preset_ms - plain_ms:+.3f} ms over "
-            f"plain; relative error {err:.1e})",
+            f"  {ph.name:8s} k={k:2d} {label:19s} preset   : layer {preset_ms:.3f} ms ({preset_ms - plain_ms:+.3f} "
+            f"ms over plain; relative error {err:.1e})",
             flush=True,
         )
         for gbps in rates:
             rate = gbps * 1e9
-            label = "unpaced" if rate == 0 else f"{gbps:g} GB/s"
-            with watchdog.case(f"{case} at {label} check"):
-                _nan_remote_rows(x, plan, buf)
-                out = layer(rate, True)
+            link = "unpaced" if rate == 0 else f"{gbps:g} GB/s"
+            with watchdog.case(f"{case} at {link} check"):
+                ph.poison()
+                out = ph.run(v, k, rate, True)
                 torch.cuda.synchronize()
-                same = bool(torch.equal(out, preset))
+                same = ph.same(out, preset)
             if not same:
                 why = "differs from the preset layer (a row tile read before its rows?)"
-                res["refused"].append(dict(base, combine=comb, kind="pull", gbps=gbps, why=why))
-                print(f"  {case} at {label}: {why}; not timed", flush=True)
+                res["refused"].append(dict(base, **v, kind="pull", gbps=gbps, why=why))
+                print(f"  {case} at {link}: {why}; not timed", flush=True)
                 continue
-            with watchdog.case(f"{case} at {label}"):
-                ms = time_ms(lambda rate=rate: layer(rate, True), a.iters, a.rounds)
-            link_ms = plan.remote_bytes / rate * 1e3 if rate > 0 else pull_ms
-            row = dict(base, combine=comb, kind="pull", gbps=gbps, preset_ms=preset_ms,
+            with watchdog.case(f"{case} at {link}"):
+                ms = time_ms(lambda v=v, rate=rate: ph.run(v, k, rate, True), a.iters, a.rounds)
+            link_ms = remote_bytes / rate * 1e3 if rate > 0 else pull_ms
+            row = dict(base, **v, kind="pull", gbps=gbps, preset_ms=preset_ms,
                        **hidden_row(ms, plain_ms, preset_ms, link_ms))  # fmt: skip
             res["rows"].append(row)
             print(
-                f"  k={k:2d} {comb:6s} {label:9s}: layer {ms:.3f} ms, exposed {row['exposed_ms']:.3f} of link "
-                f"{link_ms:.3f} ms: hidden {row['hidden']:.1%} (slowdown {row['slowdown_ms']:+.3f}, waiting "
-                f"{row['waiting_ms']:+.3f})",
+                f"  {ph.name:8s} k={k:2d} {label:19s} {link:9s}: layer {ms:.3f} ms, exposed {row['exposed_ms']:.3f} "
+                f"of link {link_ms:.3f} ms: hidden {row['hidden']:.1%} (slowdown {row['slowdown_ms']:+.3f}, "
+                f"waiting {row['waiting_ms']:+.3f})",
                 flush=True,
             )
 
 
+def both_rows(rows: list[dict]) -> list[dict]:
+    """Forward plus backward: per backward row, the forward row of the same slice, K, combine, kind and
+    rate; times, exposed and link times summed, hidden = 1 - exposed / link of the sums."""
+    key = ("shape", "k", "combine", "kind", "gbps")
+    fwd = {tuple(r[n] for n in key): r for r in rows if r["phase"] == "forward"}
+    out = []
+    for b in rows:
+        f = fwd.get(tuple(b[n] for n in key)) if b["phase"] == "backward" else None
+        if f is None:
+            continue
+        link = f["link_ms"] + b["link_ms"]
+        out.append(
+            dict(
+                {n: b[n] for n in key},
+                phase="both",
+                wgrad=b["wgrad"],
+                plain_ms=f["plain_ms"] + b["plain_ms"],
+                remote_bytes=f["remote_bytes"] + b["remote_bytes"],
+                preset_ms=f["preset_ms"] + b["preset_ms"],
+                **hidden_row(f["layer_ms"] + b["layer_ms"], f["plain_ms"] + b["plain_ms"],
+                             f["preset_ms"] + b["preset_ms"], link),
+            )
+        )  # fmt: skip
+    return out
+
+
 def print_table(res: dict) -> None:
     print(
-        f"\n{'slice':18s} {'k':>3s} {'combine':7s} {'link':>9s} {'plain':>7s} {'preset':>7s} {'layer':>7s} "
-        f"{'exposed':>8s} {'link ms':>8s} {'hidden':>7s}"
+        f"\n{'slice':18s} {'phase':8s} {'k':>3s} {'combine':7s} {'wgrad':6s} {'link':>9s} {'plain':>7s} "
+        f"{'preset':>7s} {'layer':>7s} {'exposed':>8s} {'link ms':>8s} {'hidden':>7s}"
     )
     for r in res["rows"]:
         link = "preset" if r["kind"] == "preset" else ("unpaced" if not r["gbps"] else f"{r['gbps']:g} GB/s")
         hidden = "" if r["hidden"] is None else f"{r['hidden']:.1%}"
         link_ms = "" if r["kind"] == "preset" else f"{r['link_ms']:.3f}"
         print(
-            f"{r['shape']:18s} {r['k']:3d} {r['combine']:7s} {link:>9s} {r['plain_ms']:7.3f} "
-            f"{r['preset_ms']:7.3f} {r['layer_ms']:7.3f} {r['exposed_ms']:8.3f} {link_ms:>8s} {hidden:>7s}"
+            f"{r['shape']:18s} {r['phase']:8s} {r['k']:3d} {r['combine']:7s} {r.get('wgrad', ''):6s} {link:>9s} "
+            f"{r['plain_ms']:7.3f} {r['preset_ms']:7.3f} {r['layer_ms']:7.3f} {r['exposed_ms']:8.3f} "
+            f"{link_ms:>8s} {hidden:>7s}"
         )
 
 
@@ -908,6 +1046,19 @@ def _parse_combines(text: str) -> list[str]:
     bad = [c for c in names if c not in COMBINES]
     if bad or not names:
         raise ValueError(f"--combine {text!r}; it must be a comma list of {', '.join(COMBINES)}")
+    return list(dict.fromkeys(names))
+
+
+def _parse_phase(text: str) -> tuple[str, ...]:
+    if text not in PHASES:
+        raise ValueError(f"--phase {text!r}; it must be one of {', '.join(PHASES)}")
+    return ("forward", "backward") if text == "both" else (text,)
+
+
+def _parse_wgrads(text: str) -> list[str]:
+    names = [w.strip() for w in text.split(",") if w.strip()]
+    if not names or any(w not in WGRADS for w in names):
+        raise ValueError(f"--wgrad {text!r}; it must be a comma list of {', '.join(WGRADS)}")
     return list(dict.fromkeys(names))
 
 
@@ -934,6 +1085,17 @@ def main(argv=None) -> int:
     p.add_argument(
         "--combine", default="beside,after", help="the combine beside fc2 (tile_combine) or after it"
     )
+    p.add_argument(
+        "--phase",
+        default="both",
+        help="forward, backward, or both (each timed on its own, then their sums per K, combine and rate)",
+    )
+    p.add_argument(
+        "--wgrad",
+        default="beside",
+        help="the backward's weight gradients beside the rest on their own stream, or after it on the main "
+        "stream, a comma list",
+    )
     p.add_argument("--chunk-rows", type=int, default=CHUNK_ROWS)
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--rounds", type=int, default=5)
@@ -951,6 +1113,8 @@ def main(argv=None) -> int:
         ks = parse_ks(a.k)
         rates = _parse_rates(a.gbps)
         combines = _parse_combines(a.combine)
+        phases = _parse_phase(a.phase)
+        wgrads = _parse_wgrads(a.wgrad)
     except ValueError as e:
         print(f"tile_layer: {e}", file=sys.stderr)
         return 2
@@ -1005,16 +1169,17 @@ def main(argv=None) -> int:
         return f"results so far in {a.json}"
 
     watchdog = CaseWatchdog(a.case_timeout, lambda case: write(incomplete=f"timed out: {case}"))
-    side = torch.cuda.Stream()
+    streams = (torch.cuda.Stream(), torch.cuda.Stream())  # the concurrent kernels', the weight gradients'
     try:
         with torch.no_grad():
             for name in shapes:
-                sweep_shape(name, a, ks, rates, combines, watchdog, side, res)
+                sweep_shape(name, a, ks, rates, combines, phases, wgrads, watchdog, streams, res)
                 torch.cuda.empty_cache()
     except ContextLost as e:
         where = write(incomplete=f"CUDA context lost: {e}")
         print(f"tile_layer: CUDA error, the context is lost ({e}); {where}", file=sys.stderr)
         return 4
+    res["rows"] += both_rows(res["rows"])
     print_table(res)
     write()
     return 0

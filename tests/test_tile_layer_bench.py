@@ -234,6 +234,8 @@ def test_backward_composition_errors_in_one_line():
         (["--gbps", "-1"], "tile_layer: --gbps '-1'; it must name at least one rate, every rate >= 0"),
         (["--gbps", "fast"], "tile_layer: --gbps 'fast'; it must be a comma list of GB/s"),
         (["--combine", "before"], "tile_layer: --combine 'before'; it must be a comma list of beside, after"),
+        (["--phase", "fwd"], "tile_layer: --phase 'fwd'; it must be one of forward, backward, both"),
+        (["--wgrad", "later"], "tile_layer: --wgrad 'later'; it must be a comma list of beside, after"),
         (["--iters", "0", "--chunk-rows", "0"], "tile_layer: --chunk-rows 0, --iters 0; each must be >= 1"),
     ],
 )
