@@ -1,5 +1,6 @@
-"""One MoE layer's expert forward on the tile kernels, against the plain layer without communication: how much
-of the dispatch does the tile engine hide, and what do its GEMMs and combine cost?
+"""One MoE layer's expert forward and backward on the tile kernels, against the plain layer without
+communication: how much of the dispatch and of the output gradient's exchange does the tile engine hide, and
+what do its GEMMs and combines cost?
 
 One GPU stands in for an EP rank (loopback), one process, per slice of ``tile_gemm_gate.SHAPES``:
 
@@ -16,9 +17,34 @@ One GPU stands in for an EP rank (loopback), one process, per slice of ``tile_ge
     preset    the tiles layer with every arrival counter preset and no pull: the GEMMs' and the combine's own
               cost against plain, apart from any waiting
 
-Per slice, K, combine and rate: layer ms (median over rounds of the mean of back-to-back calls, CUDA events),
-exposed = layer - plain, link = remote bytes / rate (unpaced: the pull alone's time), hidden = 1 - exposed /
-link; ``slowdown`` = preset - plain and ``waiting`` = layer - preset split the exposed time.
+The backward (``--phase backward``; ``both``, the default, runs both and sums them), from the output gradient
+dy_TH and the forward's saved rows, fc1 output and activation:
+
+    plain     the received output gradient already in place: ``torch._grouped_mm`` fc2 input gradient
+              ``dy @ w2`` and weight gradient ``dy^T a``, SwiGLU's backward with the probabilities
+              (``kernels.swiglu.swiglu_backward``: the probability gradient too), fc1's input gradient
+              ``dh @ w1`` and weight gradient ``dh^T x``, the per-token sum over each token's routes (the
+              dispatch's adjoint: ``kernels.combine`` without probabilities); CUDA-graphed
+    tiles     the output-gradient exchange: each route's dy row (the combine's adjoint; the probabilities
+              apply inside SwiGLU, so it is dy itself), sent as the forward's rows were, pulled by the K
+              programs beside fc2's input gradient on the waiting GEMM (B N-major); SwiGLU's backward; fc1's
+              input gradient on the tile GEMM (nothing to wait on) releasing done counters with the tile
+              combine beside it (``--combine beside``), or on all SMs followed by the combine (``after``);
+              the weight gradients (``--wgrad beside``) on a third stream, fc2's once the pull has ended and
+              fc1's once SwiGLU's backward has, overlapping the GEMMs, or (``after``) on the main stream at
+              the end
+    preset    as for the forward
+
+The backward's link bytes are the output gradient's remote rows (as many as the dispatch's); the input
+gradient's return to the source ranks is not modelled as an exchange: the per-token sum stands in for it,
+as the forward's combine does for the combine's exchange.
+
+Per phase, slice, K, combine (backward: and weight-gradient placement) and rate: layer ms (median over rounds
+of the mean of back-to-back calls, CUDA events), exposed = layer - plain, link = remote bytes / rate
+(unpaced: the pull alone's time), hidden = 1 - exposed / link; ``slowdown`` = preset - plain and ``waiting``
+= layer - preset split the exposed time. ``both`` rows sum a backward row and the forward row of the same
+slice, K, combine and rate (hidden from the summed exposed and link times). Per slice, the plain backward's
+two weight gradients alone (``wgrad_ms``): what an overlap can take off.
 
 The rank's own rows. Source 0 is this rank. Its rows cross no link: in an engine the permute that builds the
 send buffers writes them straight into the receive buffer, and neither layer here includes the permute. So
@@ -33,21 +59,30 @@ complete only once fc2's last experts are.
 Checks before timing: the preset tiles layer against plain (``MATCH``: bf16 outputs of fp32 accumulations
 in QuACK's order against cuBLAS's, through two GEMMs and a sum of top-k rows) and bitwise against
 ``kernels.combine`` of its own fc2 output; every pulled layer bitwise against the preset one, its remote rows
-NaN before the run (a tile loaded before its rows carries NaN out). A mismatch is reported and not timed.
+NaN before the run (a tile loaded before its rows carries NaN out). The backward the same way: the preset
+one's input gradient against plain's within ``MATCH``, its probability and weight gradients within
+``GRAD_REL`` relative error norm, its input gradient bitwise ``kernels.combine`` of its own expert rows;
+every pulled one bitwise the preset one in all four, the output gradient's remote rows NaN before the run. A
+mismatch is reported and not timed.
 
 A waiting kernel whose counters never reach their targets never ends: ``--case-timeout`` ends the process
 (status 3) after writing the JSON gathered so far (``tile_gemm_gate.CaseWatchdog``); a CUDA error that loses
-the context ends it with status 4. Compilation (QuACK: fc1's and fc2's GEMM per slice, ~30-60 s each on first
-use; Triton: the pull, SwiGLU, the combines) happens in a warm-up of launches that wait on nothing.
+the context ends it with status 4. Compilation happens in a warm-up of launches that wait on nothing: QuACK,
+~30-60 s each on first use, one variant per (slice configuration, B's major mode, done release): fc1 (B
+K-major), fc2 (K-major, releasing), fc2's input gradient (N-major), fc1's input gradient (N-major,
+releasing; only with ``--combine beside``), so 4 per slice and 8 in the default run (the ``after`` GEMMs on
+all SMs reuse the non-releasing variants); Triton: the pull, SwiGLU forward and backward, the combines.
 
-``tiles_forward`` and ``plain_forward`` are the compositions; given ``REFERENCES`` they run the kernels' torch
-references in order (the releasing step before the waiting one), which is how the CPU tests check them.
+``tiles_forward`` / ``plain_forward`` and ``tiles_backward`` / ``plain_backward`` are the compositions; given
+``REFERENCES`` they run the kernels' torch references in order (the releasing step before the waiting one),
+which is how the CPU tests check them (and the plain backward against autograd of the plain forward).
 
 Legend: P source ranks, G local experts, H hidden, F expert FFN width, M received rows (expert-major), T
 tokens, K routes per token (top-k), S counter slots.
 
     python -m benchmarks.tile_layer --json layer.json      # sm_90 and quack-kernels 0.4.x
     python -m benchmarks.tile_layer --shapes qwen3-ep8 --k 8 --gbps 900 --combine beside
+    python -m benchmarks.tile_layer --phase backward --wgrad beside,after --json layer-backward.json
 """
 
 from __future__ import annotations
