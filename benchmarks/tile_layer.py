@@ -1,5 +1,6 @@
-"""One MoE layer's expert forward on the tile kernels, against the plain layer without communication: how much
-of the dispatch does the tile engine hide, and what do its GEMMs and combine cost?
+"""One MoE layer's expert forward and backward on the tile kernels, against the plain layer without
+communication: how much of the dispatch and of the output gradient's exchange does the tile engine hide, and
+what do its GEMMs and combines cost?
 
 One GPU stands in for an EP rank (loopback), one process, per slice of ``tile_gemm_gate.SHAPES``:
 
@@ -16,9 +17,34 @@ One GPU stands in for an EP rank (loopback), one process, per slice of ``tile_ge
     preset    the tiles layer with every arrival counter preset and no pull: the GEMMs' and the combine's own
               cost against plain, apart from any waiting
 
-Per slice, K, combine and rate: layer ms (median over rounds of the mean of back-to-back calls, CUDA events),
-exposed = layer - plain, link = remote bytes / rate (unpaced: the pull alone's time), hidden = 1 - exposed /
-link; ``slowdown`` = preset - plain and ``waiting`` = layer - preset split the exposed time.
+The backward (``--phase backward``; ``both``, the default, runs both and sums them), from the output gradient
+dy_TH and the forward's saved rows, fc1 output and activation:
+
+    plain     the received output gradient already in place: ``torch._grouped_mm`` fc2 input gradient
+              ``dy @ w2`` and weight gradient ``dy^T a``, SwiGLU's backward with the probabilities
+              (``kernels.swiglu.swiglu_backward``: the probability gradient too), fc1's input gradient
+              ``dh @ w1`` and weight gradient ``dh^T x``, the per-token sum over each token's routes (the
+              dispatch's adjoint: ``kernels.combine`` without probabilities); CUDA-graphed
+    tiles     the output-gradient exchange: each route's dy row (the combine's adjoint; the probabilities
+              apply inside SwiGLU, so it is dy itself), sent as the forward's rows were, pulled by the K
+              programs beside fc2's input gradient on the waiting GEMM (B N-major); SwiGLU's backward; fc1's
+              input gradient on the tile GEMM (nothing to wait on) releasing done counters with the tile
+              combine beside it (``--combine beside``), or on all SMs followed by the combine (``after``);
+              the weight gradients (``--wgrad beside``) on a third stream, fc2's once the pull has ended and
+              fc1's once SwiGLU's backward has, overlapping the GEMMs, or (``after``) on the main stream at
+              the end
+    preset    as for the forward
+
+The backward's link bytes are the output gradient's remote rows (as many as the dispatch's); the input
+gradient's return to the source ranks is not modelled as an exchange: the per-token sum stands in for it,
+as the forward's combine does for the combine's exchange.
+
+Per phase, slice, K, combine (backward: and weight-gradient placement) and rate: layer ms (median over rounds
+of the mean of back-to-back calls, CUDA events), exposed = layer - plain, link = remote bytes / rate
+(unpaced: the pull alone's time), hidden = 1 - exposed / link; ``slowdown`` = preset - plain and ``waiting``
+= layer - preset split the exposed time. ``both`` rows sum a backward row and the forward row of the same
+slice, K, combine and rate (hidden from the summed exposed and link times). Per slice, the plain backward's
+two weight gradients alone (``wgrad_ms``): what an overlap can take off.
 
 The rank's own rows. Source 0 is this rank. Its rows cross no link: in an engine the permute that builds the
 send buffers writes them straight into the receive buffer, and neither layer here includes the permute. So
@@ -33,21 +59,30 @@ complete only once fc2's last experts are.
 Checks before timing: the preset tiles layer against plain (``MATCH``: bf16 outputs of fp32 accumulations
 in QuACK's order against cuBLAS's, through two GEMMs and a sum of top-k rows) and bitwise against
 ``kernels.combine`` of its own fc2 output; every pulled layer bitwise against the preset one, its remote rows
-NaN before the run (a tile loaded before its rows carries NaN out). A mismatch is reported and not timed.
+NaN before the run (a tile loaded before its rows carries NaN out). The backward the same way: the preset
+one's input gradient against plain's within ``MATCH``, its probability and weight gradients within
+``GRAD_REL`` relative error norm, its input gradient bitwise ``kernels.combine`` of its own expert rows;
+every pulled one bitwise the preset one in all four, the output gradient's remote rows NaN before the run. A
+mismatch is reported and not timed.
 
 A waiting kernel whose counters never reach their targets never ends: ``--case-timeout`` ends the process
 (status 3) after writing the JSON gathered so far (``tile_gemm_gate.CaseWatchdog``); a CUDA error that loses
-the context ends it with status 4. Compilation (QuACK: fc1's and fc2's GEMM per slice, ~30-60 s each on first
-use; Triton: the pull, SwiGLU, the combines) happens in a warm-up of launches that wait on nothing.
+the context ends it with status 4. Compilation happens in a warm-up of launches that wait on nothing: QuACK,
+~30-60 s each on first use, one variant per (slice configuration, B's major mode, done release): fc1 (B
+K-major), fc2 (K-major, releasing), fc2's input gradient (N-major), fc1's input gradient (N-major,
+releasing; only with ``--combine beside``), so 4 per slice and 8 in the default run (the ``after`` GEMMs on
+all SMs reuse the non-releasing variants); Triton: the pull, SwiGLU forward and backward, the combines.
 
-``tiles_forward`` and ``plain_forward`` are the compositions; given ``REFERENCES`` they run the kernels' torch
-references in order (the releasing step before the waiting one), which is how the CPU tests check them.
+``tiles_forward`` / ``plain_forward`` and ``tiles_backward`` / ``plain_backward`` are the compositions; given
+``REFERENCES`` they run the kernels' torch references in order (the releasing step before the waiting one),
+which is how the CPU tests check them (and the plain backward against autograd of the plain forward).
 
 Legend: P source ranks, G local experts, H hidden, F expert FFN width, M received rows (expert-major), T
 tokens, K routes per token (top-k), S counter slots.
 
     python -m benchmarks.tile_layer --json layer.json      # sm_90 and quack-kernels 0.4.x
     python -m benchmarks.tile_layer --shapes qwen3-ep8 --k 8 --gbps 900 --combine beside
+    python -m benchmarks.tile_layer --phase backward --wgrad beside,after --json layer-backward.json
 """
 
 from __future__ import annotations
@@ -67,14 +102,20 @@ from mok_megatron.kernels import tile_gemm as tg
 from mok_megatron.kernels import tile_pull as tp
 from mok_megatron.kernels.combine import combine, combine_reference
 from mok_megatron.kernels.routing import RoutingMeta
-from mok_megatron.kernels.swiglu import swiglu, swiglu_reference
+from mok_megatron.kernels.swiglu import swiglu, swiglu_backward, swiglu_backward_reference, swiglu_reference
 
 CHUNK_ROWS = 64  # rows per pulled chunk, as benchmarks.tile_pull
 LOCAL = 0  # the source that is this rank
 COMBINES = ("beside", "after")
+PHASES = ("forward", "backward", "both")
+WGRADS = ("beside", "after")
 # the preset tiles layer against plain: bf16 outputs of fp32 accumulations in two orders (QuACK's tiles,
 # cuBLAS), through fc1, SwiGLU, fc2 and a sum of top-k rows of about unit size (the tile combine tests' BF16_SUM)
 MATCH = dict(rtol=1.6e-2, atol=3e-2)
+# the preset tiles backward's probability and weight gradients against plain's, as relative error norms: each
+# element a sum over F (dprobs) or over an expert's rows (weights) of products whose bf16 inputs differ by an
+# ulp between the two GEMM orders, so single elements near zero cancel and an elementwise bound would not hold
+GRAD_REL = 1e-2
 
 
 # ---- the plan --------------------------------------------------------------------------------------------
@@ -118,7 +159,11 @@ class LayerPlan:
     pull            the remote sources' chunks (``only_sources``): what the K programs move
     local           the local source's chunks: placed before the layer
     local_counts_S  int32 [S]: the arrival counters once the local rows are placed (the pull adds the rest)
-    fc1, fc2        the waiting GEMMs' plans (QuACK's order, one configuration: one counter layout)
+    fc1, fc2        the waiting GEMMs' plans (QuACK's order, one configuration: one counter layout); fc2's
+                    (N = H) is also fc1's input gradient's, whose done counters the backward's tile combine
+                    reads (the same row tiles, the same column tiles)
+    dgrad2          fc2's input gradient's waiting GEMM (``dy_MH @ w2``, N = F): the backward's first GEMM,
+                    on the same counters as fc1 (the output gradient's rows arrive as the forward's did)
     meta            the tokens' routes into the expert-major rows (``routing_of``)
     slot_TK         int32 [T, K]: each route's done slot in fc2's output (``tile_combine.token_slots``)
     order_T         int32 [T]: the combine's visiting order, as fc2's tiles complete (``token_order``)
@@ -130,6 +175,7 @@ class LayerPlan:
     local_counts_S: torch.Tensor
     fc1: tg.TilePlan
     fc2: tg.TilePlan
+    dgrad2: tg.TilePlan
     meta: RoutingMeta
     slot_TK: torch.Tensor
     order_T: torch.Tensor
@@ -167,6 +213,7 @@ def layer_plan(
         local_counts_S=tp.slot_releases(own),
         fc1=tg.tile_plan(full.offs_G, rows, 2 * ffn, config),
         fc2=fc2,
+        dgrad2=tg.tile_plan(full.offs_G, rows, ffn, config),
         meta=meta,
         slot_TK=slot_TK,
         order_T=tc.token_order(slot_TK, tg.slot_done_rank(fc2)),
@@ -243,6 +290,119 @@ def layer_buffers(x: LayerInputs, plan: LayerPlan) -> LayerBuffers:
     )
 
 
+def source_of_rows(c_PG: torch.Tensor) -> torch.Tensor:
+    """int64 [M]: the source of each expert-major received row (each expert's rows by source)."""
+    n_p, n_g = c_PG.shape
+    return torch.arange(n_p, device=c_PG.device).repeat(n_g).repeat_interleave(c_PG.t().flatten().long())
+
+
+def split_by_source(rows_MH: torch.Tensor, c_PG: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The send buffers that a pull of ``c_PG`` turns into the expert-major ``rows_MH``: source p's rows, grouped
+    by local expert (a source's rows keep their expert-major order)."""
+    src_M = source_of_rows(c_PG).to(rows_MH.device)
+    return tuple(rows_MH[src_M == p].contiguous() for p in range(c_PG.shape[0]))
+
+
+def route_rows(rows_TH: torch.Tensor, meta: RoutingMeta) -> torch.Tensor:
+    """[M, H]: each expert-major row its token's row (the dispatch; the unweighted combine's adjoint); rows no
+    route reads are zero. Differentiable in ``rows_TH``."""
+    rows_TK = meta.row_TK.long()
+    live = rows_TK >= 0
+    token_TK = torch.arange(rows_TK.shape[0], device=rows_TK.device)[:, None].expand_as(rows_TK)
+    out = rows_TH.new_zeros(meta.num_rows, rows_TH.shape[1])
+    return out.index_put((rows_TK[live],), rows_TH[token_TK[live]])
+
+
+@dataclasses.dataclass(frozen=True)
+class BackwardInputs:
+    """What one backward reads besides the weights and probabilities of ``LayerInputs``.
+
+    dy_TH     the output gradient [T, H] (the tokens of ``LayerPlan.meta``)
+    sources   P send buffers of the output-gradient exchange: each route's copy of its token's dy row
+              (probabilities apply inside SwiGLU, so the row is dy itself), source p's rows for this rank
+              grouped by local expert (the forward's layout: the same pull plan moves them)
+    table_P   int64 [P] their base addresses
+    x_MH      the forward's received rows (saved: fc1's weight gradient)
+    h_M2F     fc1's output (saved: SwiGLU's backward)
+    a_MF      SwiGLU's output (saved: fc2's weight gradient)"""
+
+    dy_TH: torch.Tensor
+    sources: tuple[torch.Tensor, ...]
+    table_P: torch.Tensor
+    x_MH: torch.Tensor
+    h_M2F: torch.Tensor
+    a_MF: torch.Tensor
+
+
+def backward_inputs(
+    c_PG: torch.Tensor, x: LayerInputs, plan: LayerPlan, ops: Ops, seed: int = 0
+) -> BackwardInputs:
+    """A unit-size random output gradient and the forward's saved tensors (the plain forward's, by ``ops``)."""
+    x_MH = received_rows(x, plan)
+    h_M2F = ops.grouped_mm(x_MH, x.w1_G2FH.mT, plan.fc1.cu_G1[1:])
+    gen = torch.Generator(device=x_MH.device).manual_seed(seed + 1)
+    dy_TH = torch.randn(plan.meta.row_TK.shape[0], x_MH.shape[1], generator=gen, device=x_MH.device)
+    dy_TH = dy_TH.to(x_MH.dtype)
+    sources = split_by_source(route_rows(dy_TH, plan.meta), c_PG)
+    return BackwardInputs(
+        dy_TH=dy_TH,
+        sources=sources,
+        table_P=tp.source_table(sources),
+        x_MH=x_MH,
+        h_M2F=h_M2F,
+        a_MF=ops.swiglu(h_M2F, x.probs_M),
+    )
+
+
+def received_gradient(bx: BackwardInputs, plan: LayerPlan) -> torch.Tensor:
+    """[M, H]: the output gradient's receive buffer once every row is in (the plain backward's input)."""
+    dy = bx.dy_TH.new_zeros(plan.pull.rows, bx.dy_TH.shape[1])
+    for part in (plan.local, plan.pull):
+        tp.pull_reference(dy, bx.sources, part, torch.zeros_like(plan.local_counts_S))
+    return dy
+
+
+@dataclasses.dataclass(frozen=True)
+class BackwardBuffers:
+    """What a tiles backward writes: the output gradient's receive buffer (local rows placed), fc2's input
+    gradient, fc1's input gradient (expert-major rows), the arrival counters and fc1 dgrad's done counters."""
+
+    dy_MH: torch.Tensor
+    da_MF: torch.Tensor
+    dx_MH: torch.Tensor
+    counters_S: torch.Tensor
+    done_S: torch.Tensor
+
+
+def backward_buffers(bx: BackwardInputs, x: LayerInputs, plan: LayerPlan) -> BackwardBuffers:
+    """Fresh buffers, the local rows of the output gradient placed (the remote rows NaN)."""
+    rows, hidden = plan.pull.rows, x.w1_G2FH.shape[2]
+    proto = bx.dy_TH
+    dy = proto.new_full((rows, hidden), float("nan"))
+    tp.pull_reference(dy, bx.sources, plan.local, torch.zeros_like(plan.local_counts_S))
+    return BackwardBuffers(
+        dy_MH=dy,
+        da_MF=proto.new_empty(rows, x.w2_GHF.shape[2]),
+        dx_MH=proto.new_empty(rows, hidden),
+        counters_S=plan.local_counts_S.clone(),
+        done_S=torch.zeros_like(plan.local_counts_S),
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class Gradients:
+    """One backward's results: dx_TH [T, H] (each token's sum over its routes: the dispatch's adjoint),
+    dprobs_M fp32 [M] (each received row's probability), dw1_G2FH and dw2_GHF (the weights' gradients)."""
+
+    dx_TH: torch.Tensor
+    dprobs_M: torch.Tensor
+    dw1_G2FH: torch.Tensor
+    dw2_GHF: torch.Tensor
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+
 # ---- the kernels, or their references ----------------------------------------------------------------------
 
 
@@ -259,6 +419,8 @@ class Ops:
     tile_mm: Callable  # (a_MK, b_GKN, plan, counters_S, k, out, done_S) -> out
     pull: Callable  # (recv_MH, inputs, pull plan, counters_S, k, rate) -> None
     tile_combine: Callable  # (y_MH, meta, slot_TK, done_S, target_S, order_T, k) -> [T, H]
+    swiglu_backward: Callable  # (h_M2F, probs_M, da_MF) -> (dh_M2F, dprobs_M)
+    wgrad: Callable  # (dy_MN, x_MK, offs_G) -> [G, N, K]: each group's dy^T x (grouped along the rows)
 
 
 def _tile_mm_reference(a, b, plan, counters, k, out, done=None):
@@ -266,6 +428,17 @@ def _tile_mm_reference(a, b, plan, counters, k, out, done=None):
     if done is not None:
         done += tg.done_counts_reference(plan).to(done.device)
     return out
+
+
+def wgrad_reference(dy_MN: torch.Tensor, x_MK: torch.Tensor, offs_G: torch.Tensor) -> torch.Tensor:
+    """``torch._grouped_mm(dy_MN.t(), x_MK, offs=offs_G)`` in fp32 matmuls per group, cast to dy's dtype
+    (groups without rows: zeros)."""
+    out = torch.zeros(offs_G.numel(), dy_MN.shape[1], x_MK.shape[1], dtype=torch.float32, device=dy_MN.device)
+    start = 0
+    for g, end in enumerate(offs_G.tolist()):
+        out[g] = dy_MN[start:end].float().t() @ x_MK[start:end].float()
+        start = end
+    return out.to(dy_MN.dtype)
 
 
 def _pull_reference(recv, x, plan, counters, k, rate):
@@ -284,6 +457,8 @@ REFERENCES = Ops(
     tile_combine=lambda y, meta, slot, done, target, order, k: tc.tile_combine_reference(
         y, meta, slot, done, target
     ),
+    swiglu_backward=swiglu_backward_reference,
+    wgrad=wgrad_reference,
 )
 
 KERNELS = Ops(
@@ -300,6 +475,8 @@ KERNELS = Ops(
     tile_combine=lambda y, meta, slot, done, target, order, k: tc.tile_combine(
         y, meta, slot, done, target, order_T=order, programs=k
     ),
+    swiglu_backward=swiglu_backward,
+    wgrad=lambda dy, x, offs: torch._grouped_mm(dy.t(), x, offs=offs),
 )
 
 
@@ -397,6 +574,142 @@ def tiles_forward(
     return out
 
 
+def plain_backward(
+    dy_MH: torch.Tensor, bx: BackwardInputs, x: LayerInputs, plan: LayerPlan, ops: Ops = KERNELS
+) -> Gradients:
+    """The plain backward without communication over the received output gradient ``dy_MH``, in autograd's
+    order: fc2's input gradient, fc2's weight gradient, SwiGLU's backward, fc1's input gradient, fc1's weight
+    gradient, the per-token sum."""
+    offs = plan.fc1.cu_G1[1:]
+    da = ops.grouped_mm(dy_MH, x.w2_GHF, offs)
+    dw2 = ops.wgrad(dy_MH, bx.a_MF, offs)
+    dh, dprobs = ops.swiglu_backward(bx.h_M2F, x.probs_M, da)
+    dx = ops.grouped_mm(dh, x.w1_G2FH, offs)
+    dw1 = ops.wgrad(dh, bx.x_MH, offs)
+    return Gradients(ops.combine(dx, plan.meta), dprobs, dw1, dw2)
+
+
+def tiles_backward(
+    buf: BackwardBuffers,
+    bx: BackwardInputs,
+    x: LayerInputs,
+    plan: LayerPlan,
+    ops: Ops = KERNELS,
+    *,
+    k: int,
+    rate: float = 0.0,
+    pull: bool = True,
+    combine: str = "beside",
+    wgrad: str = "beside",
+    side: torch.cuda.Stream | None = None,
+    wgrad_stream: torch.cuda.Stream | None = None,
+) -> Gradients:
+    """The tiles backward, on the current stream, ``side`` (the concurrent ops' second stream) and
+    ``wgrad_stream`` (the weight gradients', ``wgrad="beside"``).
+
+    1. arrival counters <- the local rows' counts (``pull``) or their targets (``pull=False``: every row of
+       the output gradient must be in ``buf.dy_MH`` already); done <- 0
+    2. fc2's input gradient ``dy_MH @ w2`` on the waiting GEMM (``SMs - k``, B N-major), beside it the pull
+       of the output gradient's remote rows (k programs, ``rate`` bytes/s, 0: unpaced) on ``side``
+    3. ``wgrad="beside"``: fc2's weight gradient ``dy^T a`` (``torch._grouped_mm``) on ``wgrad_stream`` once
+       the pull has ended: it reads every row, nothing else
+    4. SwiGLU's backward (with the probabilities: the probability gradient too); ``"beside"``: fc1's weight
+       gradient ``dh^T x`` on ``wgrad_stream`` after it
+    5. ``combine="beside"``: fc1's input gradient ``dh @ w1`` on the tile GEMM (``SMs - k``, nothing to wait
+       on) releasing done counters, beside it the tile combine (k programs) on ``side``: each token's sum over
+       its routes; ``"after"``: fc1's input gradient on all SMs, then the combine
+    6. ``wgrad="after"``: both weight gradients, in turn, on the current stream
+    Returns once every stream's work is queued; the results are ready on the current stream."""
+    if combine not in COMBINES:
+        raise ValueError(f"tiles_backward: combine={combine!r}; it must be one of {', '.join(COMBINES)}")
+    if wgrad not in WGRADS:
+        raise ValueError(f"tiles_backward: wgrad={wgrad!r}; it must be one of {', '.join(WGRADS)}")
+    if ops.concurrent and (side is None or (wgrad == "beside" and wgrad_stream is None)):
+        raise ValueError(
+            "tiles_backward: concurrent kernels need a side stream and, with wgrad='beside', a weight-gradient "
+            "stream (side=torch.cuda.Stream(), wgrad_stream=torch.cuda.Stream()); on one stream a waiting "
+            "kernel launched first waits forever"
+        )
+    offs = plan.fc1.cu_G1[1:]
+    main = torch.cuda.current_stream() if side is not None else None
+    on_side = (lambda: torch.cuda.stream(side)) if side is not None else contextlib.nullcontext
+    aside = wgrad == "beside" and wgrad_stream is not None
+    on_wgrad = (lambda: torch.cuda.stream(wgrad_stream)) if aside else contextlib.nullcontext
+    buf.counters_S.copy_(plan.local_counts_S if pull else plan.dgrad2.targets_S)
+    buf.done_S.zero_()
+    if side is not None:
+        side.wait_stream(main)
+
+    def dgrad2():
+        ops.tile_mm(buf.dy_MH, x.w2_GHF, plan.dgrad2, buf.counters_S, k, buf.da_MF)
+
+    def pull_rows():
+        with on_side():
+            ops.pull(buf.dy_MH, bx, plan.pull, buf.counters_S, k, rate)
+
+    _pair(ops, dgrad2, pull_rows if pull else None)
+    grads = {}
+    if wgrad == "beside":
+        if aside:
+            wgrad_stream.wait_stream(side if pull else main)
+        with on_wgrad():
+            grads["dw2"] = ops.wgrad(buf.dy_MH, bx.a_MF, offs)
+    dh, dprobs = ops.swiglu_backward(bx.h_M2F, x.probs_M, buf.da_MF)
+    if wgrad == "beside":
+        if aside:
+            wgrad_stream.wait_stream(main)
+            dh.record_stream(wgrad_stream)
+        with on_wgrad():
+            grads["dw1"] = ops.wgrad(dh, bx.x_MH, offs)
+    if combine == "after":
+        ops.tile_mm(dh, x.w1_G2FH, plan.fc2, plan.fc2.targets_S, 0, buf.dx_MH)
+        dx = ops.combine(buf.dx_MH, plan.meta)
+    else:
+        if side is not None:
+            side.wait_stream(main)
+        done = {}
+
+        def sum_tokens():
+            with on_side():
+                done["out"] = ops.tile_combine(
+                    buf.dx_MH, plan.meta, plan.slot_TK, buf.done_S, plan.fc2.done_targets_S, plan.order_T, k
+                )
+
+        def dgrad1():  # its rows are all there: SwiGLU's backward ran to its end before it
+            ops.tile_mm(dh, x.w1_G2FH, plan.fc2, plan.fc2.targets_S, k, buf.dx_MH, buf.done_S)
+
+        _pair(ops, sum_tokens, dgrad1)
+        dx = done["out"]
+    if wgrad == "after":
+        grads["dw2"] = ops.wgrad(buf.dy_MH, bx.a_MF, offs)
+        grads["dw1"] = ops.wgrad(dh, bx.x_MH, offs)
+    if side is not None:
+        main.wait_stream(side)
+        dx.record_stream(main)
+    if aside:
+        main.wait_stream(wgrad_stream)
+        for g in grads.values():
+            g.record_stream(main)
+    return Gradients(dx, dprobs, grads["dw1"], grads["dw2"])
+
+
+def backward_errors(out: Gradients, ref: Gradients) -> list[str]:
+    """How a backward's results miss the plain backward's (empty: within the tolerances): NaN anywhere; the
+    input gradient past ``MATCH`` elementwise; the probability and weight gradients past ``GRAD_REL`` in
+    relative error norm."""
+    bad = []
+    for name, got in out.tensors().items():
+        want = getattr(ref, name)
+        if bool(torch.isnan(got).any()):
+            bad.append(f"{name} has NaN")
+        elif name == "dx_TH":
+            if not torch.allclose(got.float(), want.float(), **MATCH):
+                bad.append(f"{name} past {MATCH} (relative error {_rel_err(got, want):.1e})")
+        elif _rel_err(got, want) > GRAD_REL:
+            bad.append(f"{name} relative error {_rel_err(got, want):.1e} > {GRAD_REL:g}")
+    return bad
+
+
 # ---- timing ------------------------------------------------------------------------------------------------
 
 
@@ -444,9 +757,10 @@ def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return float((out.float() - ref.float()).norm() / ref.float().norm().clamp_min(1e-30))
 
 
-def sweep_shape(name: str, a, ks, rates, combines, watchdog, side, res) -> None:
-    """Builds one slice, checks and times plain and the tiles layer at every K, combine and rate, appending
-    rows to ``res["rows"]`` (refusals to ``res["refused"]``, errors to ``res["skipped"]``)."""
+def sweep_shape(name: str, a, ks, rates, combines, phases, wgrads, watchdog, streams, res) -> None:
+    """Builds one slice, checks and times the plain layer and the tiles layer of each phase at every K,
+    combine (and weight-gradient placement) and rate, appending rows to ``res["rows"]`` (refusals to
+    ``res["refused"]``, errors to ``res["skipped"]``)."""
     dev = torch.device("cuda")
     shape = SHAPES[name]
     cfg = getattr(tg, SHAPE_CONFIG[name])
@@ -454,41 +768,34 @@ def sweep_shape(name: str, a, ks, rates, combines, watchdog, side, res) -> None:
     h, f = shape["hidden"], shape["ffn"]
     plan = layer_plan(c_PG, h, f, shape["topk"], cfg, a.chunk_rows)
     x = layer_inputs(c_PG, h, f, torch.bfloat16, dev, a.seed)
-    recv = received_rows(x, plan)
     buf = layer_buffers(x, plan)
     rows = plan.pull.rows
-
-    plain_eager = plain_forward(recv, x, plan)  # compiles SwiGLU and the combine
-    replay, plain_out = graphed(lambda: plain_forward(recv, x, plan))
-    with watchdog.case(f"{name} plain"):
-        replay()
-        torch.cuda.synchronize()
-        if not torch.equal(plain_out, plain_eager):
-            raise RuntimeError(f"{name}: the graphed plain layer differs from the eager one")
-        plain_ms = time_ms(replay, a.iters, a.rounds)
-        plain_eager_ms = time_ms(lambda: plain_forward(recv, x, plan), a.iters, a.rounds)
     info = dict(
         shape=name,
         config=repr(cfg),
         rows=rows,
         tokens=plan.meta.row_TK.shape[0],
         remote_bytes=plan.remote_bytes,
-        plain_ms=plain_ms,
-        plain_eager_ms=plain_eager_ms,
     )
     res["shapes"][name] = info
-    print(
-        f"{name}: {rows} rows ({plan.remote_bytes / 1e9:.3f} GB remote), plain layer {plain_ms:.3f} ms graphed "
-        f"({plain_eager_ms:.3f} eager)",
-        flush=True,
-    )
-
-    warm_up(name, x, plan, buf, max(ks), rates, watchdog)
+    cases = []
+    if "forward" in phases:
+        cases.append(_forward_phase(name, a, combines, watchdog, streams, info, x, plan, buf))
+    if "backward" in phases:
+        cases.append(_backward_phase(name, a, c_PG, combines, wgrads, watchdog, streams, info, x, plan))
+    warm_up(name, x, plan, buf, cases, max(ks), rates, watchdog)
 
     for k in ks:
         case = f"{name} k={k}"
         try:
-            _sweep_k(name, a, k, rates, combines, watchdog, side, res, info, x, plan, buf, recv, plain_out)
+            with watchdog.case(f"{case} pull alone"):
+                pull_ms = time_ms(lambda k=k: _pull_alone(x, plan, buf, k), a.iters, a.rounds)
+            print(
+                f"  k={k:2d}: pull alone {pull_ms:.3f} ms = {plan.remote_bytes / pull_ms / 1e6:.0f} GB/s",
+                flush=True,
+            )
+            for ph in cases:
+                _sweep_phase(name, a, k, rates, ph, watchdog, res, plan.remote_bytes, pull_ms)
         except ContextLost:
             raise
         except Exception as e:
@@ -500,25 +807,154 @@ def sweep_shape(name: str, a, ks, rates, combines, watchdog, side, res) -> None:
     torch.cuda.synchronize()
 
 
-def warm_up(name: str, x: LayerInputs, plan: LayerPlan, buf: LayerBuffers, k: int, rates, watchdog) -> None:
-    """Compiles every kernel of the tiles layer by launches that wait on nothing (arrival and done counters
-    preset); compilation runs on the host before each launch, outside the watched synchronize."""
+@dataclasses.dataclass(frozen=True)
+class _Phase:
+    """One phase's cases at one slice: its plain time, its variants (each a dict of the tiles layer's keyword
+    arguments, the rows' columns too) and how to run, reset and check its tiles layer."""
+
+    name: str
+    plain_ms: float
+    variants: list[dict]
+    run: Callable  # (variant, rate, pull) -> output
+    fill: Callable  # (): every received row in place
+    poison: Callable  # (): the remote rows NaN, the local ones in place
+    refuse: Callable  # (preset output) -> why it may not be timed, or None
+    err: Callable  # (output) -> relative error of its main output against plain's
+    same: Callable  # (output, preset output) -> bitwise equal
+    clone: Callable
+    warm: list  # (what, launch(k)) pairs compiling its kernels
+
+
+def _label(variant: dict) -> str:
+    return " ".join(f"{v}" if n == "combine" else f"{n} {v}" for n, v in variant.items())
+
+
+def _forward_phase(name, a, combines, watchdog, streams, info, x, plan, buf) -> _Phase:
+    recv = received_rows(x, plan)
+    plain_eager = plain_forward(recv, x, plan)  # compiles SwiGLU and the combine
+    replay, plain_out = graphed(lambda: plain_forward(recv, x, plan))
+    with watchdog.case(f"{name} plain forward"):
+        replay()
+        torch.cuda.synchronize()
+        if not torch.equal(plain_out, plain_eager):
+            raise RuntimeError(f"{name}: the graphed plain layer differs from the eager one")
+        plain_ms = time_ms(replay, a.iters, a.rounds)
+        plain_eager_ms = time_ms(lambda: plain_forward(recv, x, plan), a.iters, a.rounds)
+    info.update(plain_ms=plain_ms, plain_eager_ms=plain_eager_ms)
+    print(
+        f"{name}: {plan.pull.rows} rows ({plan.remote_bytes / 1e9:.3f} GB remote), plain forward "
+        f"{plain_ms:.3f} ms graphed ({plain_eager_ms:.3f} eager)",
+        flush=True,
+    )
+
+    def refuse(out):
+        if torch.isnan(out).any() or not torch.allclose(out.float(), plain_out.float(), **MATCH):
+            return f"differs from plain ({MATCH})"
+        if not torch.equal(out, combine(buf.y_MH, plan.meta)):
+            return "not bitwise kernels.combine of its fc2 output"
+        return None
+
     targets = plan.fc1.targets_S
-    steps = [
-        ("fc1", lambda: KERNELS.tile_mm(buf.recv_MH, x.w1_G2FH.mT, plan.fc1, targets, k, buf.h_M2F)),
-        ("fc2", lambda: KERNELS.tile_mm(
+    warm = [
+        ("fc1", lambda k: KERNELS.tile_mm(buf.recv_MH, x.w1_G2FH.mT, plan.fc1, targets, k, buf.h_M2F)),
+        ("fc2", lambda k: KERNELS.tile_mm(
             KERNELS.swiglu(buf.h_M2F, x.probs_M), x.w2_GHF.mT, plan.fc2, plan.fc2.targets_S, k, buf.y_MH,
             torch.zeros_like(buf.done_S),
         )),
-        ("tile combine", lambda: KERNELS.tile_combine(
+        ("tile combine", lambda k: KERNELS.tile_combine(
             buf.y_MH, plan.meta, plan.slot_TK, plan.fc2.done_targets_S.clone(), plan.fc2.done_targets_S,
             plan.order_T, k,
         )),
     ]  # fmt: skip
+    return _Phase(
+        name="forward",
+        plain_ms=plain_ms,
+        variants=[dict(combine=c) for c in combines],
+        run=lambda v, k, rate, pull: tiles_forward(
+            buf, x, plan, k=k, rate=rate, pull=pull, side=streams[0], **v
+        ),
+        fill=lambda: buf.recv_MH.copy_(recv),
+        poison=lambda: _place_local(buf.recv_MH, x.sources, plan),
+        refuse=refuse,
+        err=lambda out: _rel_err(out, plain_out),
+        same=torch.equal,
+        clone=torch.clone,
+        warm=warm,
+    )
+
+
+def _backward_phase(name, a, c_PG, combines, wgrads, watchdog, streams, info, x, plan) -> _Phase:
+    bx = backward_inputs(c_PG, x, plan, KERNELS, a.seed)
+    dy = received_gradient(bx, plan)
+    buf = backward_buffers(bx, x, plan)
+    offs = plan.fc1.cu_G1[1:]
+    plain_eager = plain_backward(dy, bx, x, plan)
+    replay, plain_out = graphed(lambda: plain_backward(dy, bx, x, plan))
+    dh = swiglu_backward(bx.h_M2F, x.probs_M, torch._grouped_mm(dy, x.w2_GHF, offs=offs))[0]  # plain's
+    wgrad_replay, _ = graphed(lambda: (KERNELS.wgrad(dy, bx.a_MF, offs), KERNELS.wgrad(dh, bx.x_MH, offs)))
+    with watchdog.case(f"{name} plain backward"):
+        replay()
+        torch.cuda.synchronize()
+        for what, t in plain_out.tensors().items():
+            if not torch.equal(t, getattr(plain_eager, what)):
+                raise RuntimeError(f"{name}: the graphed plain backward's {what} differs from the eager one")
+        plain_ms = time_ms(replay, a.iters, a.rounds)
+        eager_ms = time_ms(lambda: plain_backward(dy, bx, x, plan), a.iters, a.rounds)
+        wgrad_ms = time_ms(wgrad_replay, a.iters, a.rounds)
+    info.update(plain_backward_ms=plain_ms, plain_backward_eager_ms=eager_ms, wgrad_ms=wgrad_ms)
+    print(
+        f"{name}: plain backward {plain_ms:.3f} ms graphed ({eager_ms:.3f} eager), its two weight gradients "
+        f"{wgrad_ms:.3f} ms",
+        flush=True,
+    )
+
+    def refuse(out):
+        bad = backward_errors(out, plain_out)
+        if bad:
+            return "differs from plain: " + "; ".join(bad)
+        if not torch.equal(out.dx_TH, combine(buf.dx_MH, plan.meta)):
+            return "not bitwise kernels.combine of its fc1 input gradient"
+        return None
+
+    def same(out, preset):
+        return all(torch.equal(t, getattr(preset, n)) for n, t in out.tensors().items())
+
+    warm = [
+        (
+            "fc2 dgrad",
+            lambda k: KERNELS.tile_mm(dy, x.w2_GHF, plan.dgrad2, plan.dgrad2.targets_S, k, buf.da_MF),
+        ),
+        ("swiglu backward", lambda k: KERNELS.swiglu_backward(bx.h_M2F, x.probs_M, buf.da_MF)),
+    ]
+    if "beside" in combines:
+        warm.append(("fc1 dgrad releasing", lambda k: KERNELS.tile_mm(
+            dh, x.w1_G2FH, plan.fc2, plan.fc2.targets_S, k, buf.dx_MH, torch.zeros_like(buf.done_S)
+        )))  # fmt: skip
+    return _Phase(
+        name="backward",
+        plain_ms=plain_ms,
+        variants=[dict(combine=c, wgrad=w) for c in combines for w in wgrads],
+        run=lambda v, k, rate, pull: tiles_backward(
+            buf, bx, x, plan, k=k, rate=rate, pull=pull, side=streams[0], wgrad_stream=streams[1], **v
+        ),
+        fill=lambda: buf.dy_MH.copy_(dy),
+        poison=lambda: _place_local(buf.dy_MH, bx.sources, plan),
+        refuse=refuse,
+        err=lambda out: _rel_err(out.dx_TH, plain_out.dx_TH),
+        same=same,
+        clone=lambda out: Gradients(**{n: t.clone() for n, t in out.tensors().items()}),
+        warm=warm,
+    )
+
+
+def warm_up(name: str, x: LayerInputs, plan: LayerPlan, buf: LayerBuffers, cases, k: int, rates, watchdog):
+    """Compiles every kernel of the phases' tiles layers by launches that wait on nothing (arrival and done
+    counters preset); compilation runs on the host before each launch, outside the watched synchronize."""
+    steps = [step for ph in cases for step in ph.warm]
     for rate in sorted({0.0, *(r * 1e9 for r in rates if r > 0)})[:2]:  # unpaced, and one paced variant
-        steps.append((f"pull at {rate:g} B/s", lambda rate=rate: _pull_alone(x, plan, buf, k, rate)))
+        steps.append((f"pull at {rate:g} B/s", lambda k, rate=rate: _pull_alone(x, plan, buf, k, rate)))
     for what, launch in steps:
-        launch()
+        launch(k)
         with watchdog.case(f"{name} warm-up {what}"):
             torch.cuda.synchronize()
 
@@ -528,90 +964,105 @@ def _pull_alone(x: LayerInputs, plan: LayerPlan, buf: LayerBuffers, k: int, rate
     KERNELS.pull(buf.recv_MH, x, plan.pull, buf.counters_S, k, rate)
 
 
-def _nan_remote_rows(x: LayerInputs, plan: LayerPlan, buf: LayerBuffers) -> None:
-    buf.recv_MH.fill_(float("nan"))
-    tp.pull_reference(buf.recv_MH, x.sources, plan.local, torch.zeros_like(plan.local_counts_S))
+def _place_local(recv_MH: torch.Tensor, sources, plan: LayerPlan) -> None:
+    recv_MH.fill_(float("nan"))
+    tp.pull_reference(recv_MH, sources, plan.local, torch.zeros_like(plan.local_counts_S))
 
 
-def _sweep_k(name, a, k, rates, combines, watchdog, side, res, info, x, plan, buf, recv_full, plain_out):
-    plain_ms = info["plain_ms"]
-    with watchdog.case(f"{name} k={k} pull alone"):
-        pull_ms = time_ms(lambda: _pull_alone(x, plan, buf, k), a.iters, a.rounds)
-    print(
-        f"  k={k:2d}: pull alone {pull_ms:.3f} ms = {plan.remote_bytes / pull_ms / 1e6:.0f} GB/s", flush=True
-    )
-    base = dict(shape=name, k=k, plain_ms=plain_ms, pull_ms=pull_ms, remote_bytes=plan.remote_bytes)
-    for comb in combines:
-
-        def layer(rate, pull, comb=comb):
-            return tiles_forward(buf, x, plan, k=k, rate=rate, pull=pull, combine=comb, side=side)
-
-        case = f"{name} k={k} combine {comb}"
+def _sweep_phase(name, a, k, rates, ph: _Phase, watchdog, res, remote_bytes: int, pull_ms: float) -> None:
+    plain_ms = ph.plain_ms
+    base = dict(phase=ph.name, shape=name, k=k, plain_ms=plain_ms, pull_ms=pull_ms, remote_bytes=remote_bytes)
+    for v in ph.variants:
+        label = _label(v)
+        case = f"{name} {ph.name} k={k} {label}"
         with watchdog.case(f"{case} preset check"):
-            buf.recv_MH.copy_(recv_full)
-            out = layer(0.0, False)
+            ph.fill()
+            out = ph.run(v, k, 0.0, False)
             torch.cuda.synchronize()
-            err = _rel_err(out, plain_out)
-            close = not bool(torch.isnan(out).any()) and bool(
-                torch.allclose(out.float(), plain_out.float(), **MATCH)
-            )
-            own = bool(torch.equal(out, combine(buf.y_MH, plan.meta)))
-        if not (close and own):
-            why = "differs from plain" if not close else "not bitwise kernels.combine of its fc2 output"
-            res["refused"].append(dict(base, combine=comb, kind="preset", rel_err=err, why=why))
-            print(f"  {case} preset: {why} (relative error {err:.1e}; {MATCH}); not timed", flush=True)
+            err = ph.err(out)
+            why = ph.refuse(out)
+        if why is not None:
+            res["refused"].append(dict(base, **v, kind="preset", rel_err=err, why=why))
+            print(f"  {case} preset: {why} (relative error {err:.1e}); not timed", flush=True)
             continue
-        preset = out.clone()
+        preset = ph.clone(out)
         with watchdog.case(f"{case} preset"):
-            preset_ms = time_ms(lambda: layer(0.0, False), a.iters, a.rounds)
+            preset_ms = time_ms(lambda v=v: ph.run(v, k, 0.0, False), a.iters, a.rounds)
         res["rows"].append(
-            dict(base, combine=comb, kind="preset", gbps=None, rel_err=err, preset_ms=preset_ms,
+            dict(base, **v, kind="preset", gbps=None, rel_err=err, preset_ms=preset_ms,
                  **hidden_row(preset_ms, plain_ms, preset_ms, 0.0))
         )  # fmt: skip
         print(
-            f"  k={k:2d} {comb:6s} preset   : layer {preset_ms:.3f} ms ({preset_ms - plain_ms:+.3f} ms over "
-            f"plain; relative error {err:.1e})",
+            f"  {ph.name:8s} k={k:2d} {label:19s} preset   : layer {preset_ms:.3f} ms ({preset_ms - plain_ms:+.3f} "
+            f"ms over plain; relative error {err:.1e})",
             flush=True,
         )
         for gbps in rates:
             rate = gbps * 1e9
-            label = "unpaced" if rate == 0 else f"{gbps:g} GB/s"
-            with watchdog.case(f"{case} at {label} check"):
-                _nan_remote_rows(x, plan, buf)
-                out = layer(rate, True)
+            link = "unpaced" if rate == 0 else f"{gbps:g} GB/s"
+            with watchdog.case(f"{case} at {link} check"):
+                ph.poison()
+                out = ph.run(v, k, rate, True)
                 torch.cuda.synchronize()
-                same = bool(torch.equal(out, preset))
+                same = ph.same(out, preset)
             if not same:
                 why = "differs from the preset layer (a row tile read before its rows?)"
-                res["refused"].append(dict(base, combine=comb, kind="pull", gbps=gbps, why=why))
-                print(f"  {case} at {label}: {why}; not timed", flush=True)
+                res["refused"].append(dict(base, **v, kind="pull", gbps=gbps, why=why))
+                print(f"  {case} at {link}: {why}; not timed", flush=True)
                 continue
-            with watchdog.case(f"{case} at {label}"):
-                ms = time_ms(lambda rate=rate: layer(rate, True), a.iters, a.rounds)
-            link_ms = plan.remote_bytes / rate * 1e3 if rate > 0 else pull_ms
-            row = dict(base, combine=comb, kind="pull", gbps=gbps, preset_ms=preset_ms,
+            with watchdog.case(f"{case} at {link}"):
+                ms = time_ms(lambda v=v, rate=rate: ph.run(v, k, rate, True), a.iters, a.rounds)
+            link_ms = remote_bytes / rate * 1e3 if rate > 0 else pull_ms
+            row = dict(base, **v, kind="pull", gbps=gbps, preset_ms=preset_ms,
                        **hidden_row(ms, plain_ms, preset_ms, link_ms))  # fmt: skip
             res["rows"].append(row)
             print(
-                f"  k={k:2d} {comb:6s} {label:9s}: layer {ms:.3f} ms, exposed {row['exposed_ms']:.3f} of link "
-                f"{link_ms:.3f} ms: hidden {row['hidden']:.1%} (slowdown {row['slowdown_ms']:+.3f}, waiting "
-                f"{row['waiting_ms']:+.3f})",
+                f"  {ph.name:8s} k={k:2d} {label:19s} {link:9s}: layer {ms:.3f} ms, exposed {row['exposed_ms']:.3f} "
+                f"of link {link_ms:.3f} ms: hidden {row['hidden']:.1%} (slowdown {row['slowdown_ms']:+.3f}, "
+                f"waiting {row['waiting_ms']:+.3f})",
                 flush=True,
             )
 
 
+def both_rows(rows: list[dict]) -> list[dict]:
+    """Forward plus backward: per backward row, the forward row of the same slice, K, combine, kind and
+    rate; times, exposed and link times summed, hidden = 1 - exposed / link of the sums."""
+    key = ("shape", "k", "combine", "kind", "gbps")
+    fwd = {tuple(r[n] for n in key): r for r in rows if r["phase"] == "forward"}
+    out = []
+    for b in rows:
+        f = fwd.get(tuple(b[n] for n in key)) if b["phase"] == "backward" else None
+        if f is None:
+            continue
+        link = f["link_ms"] + b["link_ms"]
+        out.append(
+            dict(
+                {n: b[n] for n in key},
+                phase="both",
+                wgrad=b["wgrad"],
+                plain_ms=f["plain_ms"] + b["plain_ms"],
+                remote_bytes=f["remote_bytes"] + b["remote_bytes"],
+                preset_ms=f["preset_ms"] + b["preset_ms"],
+                **hidden_row(f["layer_ms"] + b["layer_ms"], f["plain_ms"] + b["plain_ms"],
+                             f["preset_ms"] + b["preset_ms"], link),
+            )
+        )  # fmt: skip
+    return out
+
+
 def print_table(res: dict) -> None:
     print(
-        f"\n{'slice':18s} {'k':>3s} {'combine':7s} {'link':>9s} {'plain':>7s} {'preset':>7s} {'layer':>7s} "
-        f"{'exposed':>8s} {'link ms':>8s} {'hidden':>7s}"
+        f"\n{'slice':18s} {'phase':8s} {'k':>3s} {'combine':7s} {'wgrad':6s} {'link':>9s} {'plain':>7s} "
+        f"{'preset':>7s} {'layer':>7s} {'exposed':>8s} {'link ms':>8s} {'hidden':>7s}"
     )
     for r in res["rows"]:
         link = "preset" if r["kind"] == "preset" else ("unpaced" if not r["gbps"] else f"{r['gbps']:g} GB/s")
         hidden = "" if r["hidden"] is None else f"{r['hidden']:.1%}"
         link_ms = "" if r["kind"] == "preset" else f"{r['link_ms']:.3f}"
         print(
-            f"{r['shape']:18s} {r['k']:3d} {r['combine']:7s} {link:>9s} {r['plain_ms']:7.3f} "
-            f"{r['preset_ms']:7.3f} {r['layer_ms']:7.3f} {r['exposed_ms']:8.3f} {link_ms:>8s} {hidden:>7s}"
+            f"{r['shape']:18s} {r['phase']:8s} {r['k']:3d} {r['combine']:7s} {r.get('wgrad', ''):6s} {link:>9s} "
+            f"{r['plain_ms']:7.3f} {r['preset_ms']:7.3f} {r['layer_ms']:7.3f} {r['exposed_ms']:8.3f} "
+            f"{link_ms:>8s} {hidden:>7s}"
         )
 
 
@@ -630,6 +1081,19 @@ def _parse_combines(text: str) -> list[str]:
     bad = [c for c in names if c not in COMBINES]
     if bad or not names:
         raise ValueError(f"--combine {text!r}; it must be a comma list of {', '.join(COMBINES)}")
+    return list(dict.fromkeys(names))
+
+
+def _parse_phase(text: str) -> tuple[str, ...]:
+    if text not in PHASES:
+        raise ValueError(f"--phase {text!r}; it must be one of {', '.join(PHASES)}")
+    return ("forward", "backward") if text == "both" else (text,)
+
+
+def _parse_wgrads(text: str) -> list[str]:
+    names = [w.strip() for w in text.split(",") if w.strip()]
+    if not names or any(w not in WGRADS for w in names):
+        raise ValueError(f"--wgrad {text!r}; it must be a comma list of {', '.join(WGRADS)}")
     return list(dict.fromkeys(names))
 
 
@@ -656,6 +1120,17 @@ def main(argv=None) -> int:
     p.add_argument(
         "--combine", default="beside,after", help="the combine beside fc2 (tile_combine) or after it"
     )
+    p.add_argument(
+        "--phase",
+        default="both",
+        help="forward, backward, or both (each timed on its own, then their sums per K, combine and rate)",
+    )
+    p.add_argument(
+        "--wgrad",
+        default="beside",
+        help="the backward's weight gradients beside the rest on their own stream, or after it on the main "
+        "stream, a comma list",
+    )
     p.add_argument("--chunk-rows", type=int, default=CHUNK_ROWS)
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--rounds", type=int, default=5)
@@ -673,6 +1148,8 @@ def main(argv=None) -> int:
         ks = parse_ks(a.k)
         rates = _parse_rates(a.gbps)
         combines = _parse_combines(a.combine)
+        phases = _parse_phase(a.phase)
+        wgrads = _parse_wgrads(a.wgrad)
     except ValueError as e:
         print(f"tile_layer: {e}", file=sys.stderr)
         return 2
@@ -727,16 +1204,17 @@ def main(argv=None) -> int:
         return f"results so far in {a.json}"
 
     watchdog = CaseWatchdog(a.case_timeout, lambda case: write(incomplete=f"timed out: {case}"))
-    side = torch.cuda.Stream()
+    streams = (torch.cuda.Stream(), torch.cuda.Stream())  # the concurrent kernels', the weight gradients'
     try:
         with torch.no_grad():
             for name in shapes:
-                sweep_shape(name, a, ks, rates, combines, watchdog, side, res)
+                sweep_shape(name, a, ks, rates, combines, phases, wgrads, watchdog, streams, res)
                 torch.cuda.empty_cache()
     except ContextLost as e:
         where = write(incomplete=f"CUDA context lost: {e}")
         print(f"tile_layer: CUDA error, the context is lost ({e}); {where}", file=sys.stderr)
         return 4
+    res["rows"] += both_rows(res["rows"])
     print_table(res)
     write()
     return 0

@@ -15,7 +15,7 @@ from mok_megatron.kernels import INTERPRETED, Impl
 from mok_megatron.kernels.combine import combine, combine_reference
 from mok_megatron.kernels.permute import permute, permute_reference
 from mok_megatron.kernels.routing import RoutingMeta, routing_metadata, routing_metadata_reference
-from mok_megatron.kernels.swiglu import swiglu, swiglu_reference
+from mok_megatron.kernels.swiglu import swiglu, swiglu_backward, swiglu_backward_reference, swiglu_reference
 from mok_megatron.ops.activation import Activation, ActivationSpec, apply_activation
 from mok_megatron.ops.permute import combine_tokens_reference, permute_tokens_reference
 from mok_megatron.ops.routing import dropless_order, slot_map
@@ -124,6 +124,23 @@ def test_swiglu_reference_matches_ops_activation(dtype):
     # ops rounds silu(gate) * up to bf16 before the probability multiply; the kernels round once.
     torch.testing.assert_close(got, want, **TOL[dtype])
     torch.testing.assert_close(swiglu_reference(h), apply_activation(h, spec, None), **TOL[dtype])
+
+
+@pytest.mark.parametrize("with_probs", [True, False], ids=["probs", "no-probs"])
+def test_swiglu_backward_reference_is_the_forwards_autograd(with_probs):
+    h = torch.randn(29, 2 * 12)
+    probs = torch.rand(29) if with_probs else None
+    da = torch.randn(29, 12)
+    leaves = [h.requires_grad_()] + ([probs.requires_grad_()] if with_probs else [])
+    want = torch.autograd.grad(swiglu_reference(h, probs), leaves, da)
+    dh, dp = swiglu_backward_reference(h.detach(), None if probs is None else probs.detach(), da)
+    torch.testing.assert_close(dh, want[0])
+    if with_probs:
+        torch.testing.assert_close(dp, want[1])
+    else:
+        assert dp is None
+    with pytest.raises(ValueError, match=r"swiglu_backward: da has shape \(29, 11\), expected \(29, 12\)"):
+        swiglu_backward(h.detach(), None, da[:, :11])
 
 
 # ---- errors ----------------------------------------------------------------------------------------------------

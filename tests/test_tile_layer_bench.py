@@ -1,7 +1,10 @@
 """benchmarks/tile_layer.py as documented, on CPU through the kernels' references: the tokens' routes, the pull
 split into the local and the remote sources, the composed tiles forward equal to the plain forward (pulled or
-preset, the combine beside fc2 or after it), a forward whose pull misses rows named instead of hanging, and
-one-line refusals of bad arguments and of a machine without an sm_90 GPU.
+preset, the combine beside fc2 or after it), the composed tiles backward equal to the plain backward (the
+output gradient pulled or preset, the per-token sum beside fc1's input gradient or after it, the weight
+gradients beside or after) and the plain backward equal to torch autograd of the plain forward, a forward or
+backward whose pull misses rows named instead of hanging, and one-line refusals of bad arguments and of a
+machine without an sm_90 GPU.
 
 Legend: P source ranks, G local experts, H hidden, F expert FFN width, M received rows, T tokens, K routes per
 token, S counter slots."""
@@ -119,6 +122,109 @@ def test_composition_errors_in_one_line():
         bench.layer_plan(torch.ones(4, dtype=torch.int64), 8, 8, 2, SMALL)
 
 
+def _backward_problem(name, dtype=torch.float32):
+    c_PG, plan, x = _problem(name, dtype)
+    return c_PG, plan, x, bench.backward_inputs(c_PG, x, plan, bench.REFERENCES, seed=1)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_split_by_source_is_what_the_pull_gathers(name):
+    c_PG, plan, x = _problem(name)
+    parts = bench.split_by_source(bench.received_rows(x, plan), c_PG)
+    assert len(parts) == len(x.sources)
+    for got, want in zip(parts, x.sources, strict=True):
+        assert torch.equal(got, want)
+
+
+def test_route_rows_hand_worked():
+    # 5 rows, top-2: T = 3 tokens; token t's routes read rows t and t + 3 (token 2's second route dropped)
+    meta = bench.routing_of(torch.tensor([2, 3]), 2)
+    assert meta.row_TK.tolist() == [[0, 3], [1, 4], [2, -1]]
+    rows = bench.route_rows(torch.tensor([[1.0], [2.0], [3.0]]), meta)
+    assert rows.flatten().tolist() == [1.0, 2.0, 3.0, 1.0, 2.0]
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_plain_backward_is_autograd_of_the_plain_forward(name):
+    # the forward from tokens: each token's row dispatched to its routes, the plain forward over them; the
+    # gradient of the tokens' rows is the per-token sum over their routes (the dispatch's adjoint)
+    c_PG, plan, x = _problem(name)
+    gen = torch.Generator().manual_seed(3)
+    x_TH = torch.randn(plan.meta.row_TK.shape[0], plan.fc2.n, generator=gen, requires_grad=True)
+    probs = x.probs_M.clone().requires_grad_()
+    w1, w2 = x.w1_G2FH.clone().requires_grad_(), x.w2_GHF.clone().requires_grad_()
+    leaves = dataclasses.replace(x, probs_M=probs, w1_G2FH=w1, w2_GHF=w2)
+    recv = bench.route_rows(x_TH, plan.meta)
+    out = bench.plain_forward(recv, leaves, plan, bench.REFERENCES)
+    dy_TH = torch.randn(out.shape, generator=gen)
+    want = torch.autograd.grad(out, (x_TH, probs, w1, w2), dy_TH)
+
+    offs = plan.fc1.cu_G1[1:]
+    with torch.no_grad():
+        h = bench.REFERENCES.grouped_mm(recv, x.w1_G2FH.mT, offs)
+        saved = bench.BackwardInputs(
+            dy_TH=dy_TH, sources=(), table_P=torch.zeros(0, dtype=torch.int64), x_MH=recv.detach(), h_M2F=h,
+            a_MF=bench.REFERENCES.swiglu(h, x.probs_M),
+        )  # fmt: skip
+        got = bench.plain_backward(bench.route_rows(dy_TH, plan.meta), saved, x, plan, bench.REFERENCES)
+    for what, g, w in zip(("dx", "dprobs", "dw1", "dw2"), got.tensors().values(), want, strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5, msg=lambda m, what=what: f"{what}: {m}")
+
+
+@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("combine", bench.COMBINES)
+@pytest.mark.parametrize("wgrad", bench.WGRADS)
+@pytest.mark.parametrize("pull", [True, False], ids=["pulled", "preset"])
+def test_tiles_backward_equals_the_plain_backward(name, combine, wgrad, pull):
+    _, plan, x, bx = _backward_problem(name)
+    dy = bench.received_gradient(bx, plan)
+    assert torch.equal(dy, bench.route_rows(bx.dy_TH, plan.meta)), "the exchange delivers each route dy"
+    want = bench.plain_backward(dy, bx, x, plan, bench.REFERENCES)
+    buf = bench.backward_buffers(bx, x, plan)
+    if pull:
+        assert torch.isnan(buf.dy_MH).any() == bool(plan.remote_bytes), "remote rows start NaN"
+    else:
+        buf.dy_MH.copy_(dy)
+    out = bench.tiles_backward(
+        buf, bx, x, plan, bench.REFERENCES, k=2, pull=pull, combine=combine, wgrad=wgrad
+    )
+    for what, g, w in zip(
+        ("dx", "dprobs", "dw1", "dw2"), out.tensors().values(), want.tensors().values(), strict=True
+    ):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5, msg=lambda m, what=what: f"{what}: {m}")
+    assert torch.equal(buf.dy_MH, dy)
+    assert torch.equal(buf.counters_S, plan.dgrad2.targets_S)
+    if combine == "beside":
+        assert torch.equal(buf.done_S, plan.fc2.done_targets_S)
+
+
+def test_tiles_backward_in_bf16_within_the_benchmarks_tolerance():
+    _, plan, x, bx = _backward_problem("empty-expert-chunks-across-tiles", torch.bfloat16)
+    want = bench.plain_backward(bench.received_gradient(bx, plan), bx, x, plan, bench.REFERENCES)
+    out = bench.tiles_backward(bench.backward_buffers(bx, x, plan), bx, x, plan, bench.REFERENCES, k=4)
+    assert bench.backward_errors(out, want) == [], bench.backward_errors(out, want)
+
+
+def test_a_backward_pull_that_misses_rows_names_the_slot_fc2_dgrad_would_wait_on():
+    _, plan, x, bx = _backward_problem("three-sources")
+    short = dataclasses.replace(plan, pull=plan.local)  # the remote rows never arrive
+    with pytest.raises(RuntimeError, match=r"waits for counter slot \d+ to reach \d+; it holds \d+"):
+        bench.tiles_backward(bench.backward_buffers(bx, x, plan), bx, x, short, bench.REFERENCES, k=2)
+
+
+def test_backward_composition_errors_in_one_line():
+    _, plan, x, bx = _backward_problem("three-sources")
+    buf = bench.backward_buffers(bx, x, plan)
+    with pytest.raises(ValueError, match=r"combine='before'; it must be one of beside, after"):
+        bench.tiles_backward(buf, bx, x, plan, bench.REFERENCES, k=2, combine="before")
+    with pytest.raises(ValueError, match=r"wgrad='later'; it must be one of beside, after"):
+        bench.tiles_backward(buf, bx, x, plan, bench.REFERENCES, k=2, wgrad="later")
+    with pytest.raises(
+        ValueError, match=r"need a side stream and, with wgrad='beside', a weight-gradient stream"
+    ):
+        bench.tiles_backward(buf, bx, x, plan, bench.KERNELS, k=2)
+
+
 @pytest.mark.parametrize(
     "argv, says",
     [
@@ -128,6 +234,8 @@ def test_composition_errors_in_one_line():
         (["--gbps", "-1"], "tile_layer: --gbps '-1'; it must name at least one rate, every rate >= 0"),
         (["--gbps", "fast"], "tile_layer: --gbps 'fast'; it must be a comma list of GB/s"),
         (["--combine", "before"], "tile_layer: --combine 'before'; it must be a comma list of beside, after"),
+        (["--phase", "fwd"], "tile_layer: --phase 'fwd'; it must be one of forward, backward, both"),
+        (["--wgrad", "later"], "tile_layer: --wgrad 'later'; it must be a comma list of beside, after"),
         (["--iters", "0", "--chunk-rows", "0"], "tile_layer: --chunk-rows 0, --iters 0; each must be >= 1"),
     ],
 )

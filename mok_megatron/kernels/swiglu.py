@@ -4,7 +4,8 @@ Legend: M rows (routed tokens, grouped by expert), F expert FFN width; fc1's out
 ``[gate | up]`` (Megatron's layout: ``MoKGroupedMLP.fc1_weight`` holds the gate rows, then the up rows).
 
 Forward:  ``a_MF = silu(gate) * up * p_M`` (p = 1 without probabilities), computed in fp32, rounded once.
-Backward: from ``h_M2F`` and ``p_M`` (nothing else saved) and ``da_MF``:
+Backward (autograd, or ``swiglu_backward`` on its own): from ``h_M2F`` and ``p_M`` (nothing else saved)
+and ``da_MF``:
     ``dgate = da * p * up * silu'(gate)``, ``dup = da * p * silu(gate)``, ``dp_M = sum_f da * silu(gate) * up``.
 
 Megatron rounds ``silu(gate) * up`` to the activation dtype before the probability multiply; this kernel
@@ -131,27 +132,32 @@ class _SwiGLU(torch.autograd.Function):
     @staticmethod
     def backward(ctx, da_MF):
         h_M2F, probs_M, live_rows = ctx.saved_tensors
-        num_rows, ffn = h_M2F.shape[0], h_M2F.shape[1] // 2
-        dh_M2F = torch.empty_like(h_M2F)
-        dp_M = None if probs_M is None else torch.empty_like(probs_M)  # every live row is written
-        if num_rows and ffn:
-            block_m, block_f = _blocks(ffn)
-            p = probs_M.contiguous() if probs_M is not None else h_M2F
-            _swiglu_bwd_kernel[(-(-num_rows // block_m),)](
-                h_M2F,
-                p,
-                da_MF.contiguous(),
-                dh_M2F,
-                dh_M2F if dp_M is None else dp_M,
-                live_rows if live_rows is not None else h_M2F,
-                num_rows,
-                ffn,
-                block_m,
-                block_f,
-                HAS_PROBS=probs_M is not None,
-                HAS_LIVE=live_rows is not None,
-            )
+        dh_M2F, dp_M = _swiglu_backward(h_M2F, probs_M, da_MF, live_rows)
         return dh_M2F, dp_M, None
+
+
+def _swiglu_backward(h_M2F, probs_M, da_MF, live_rows):
+    num_rows, ffn = h_M2F.shape[0], h_M2F.shape[1] // 2
+    dh_M2F = torch.empty_like(h_M2F)
+    dp_M = None if probs_M is None else torch.empty_like(probs_M)  # every live row is written
+    if num_rows and ffn:
+        block_m, block_f = _blocks(ffn)
+        p = probs_M.contiguous() if probs_M is not None else h_M2F
+        _swiglu_bwd_kernel[(-(-num_rows // block_m),)](
+            h_M2F,
+            p,
+            da_MF.contiguous(),
+            dh_M2F,
+            dh_M2F if dp_M is None else dp_M,
+            live_rows if live_rows is not None else h_M2F,
+            num_rows,
+            ffn,
+            block_m,
+            block_f,
+            HAS_PROBS=probs_M is not None,
+            HAS_LIVE=live_rows is not None,
+        )
+    return dh_M2F, dp_M
 
 
 def swiglu(
@@ -183,3 +189,46 @@ def swiglu_reference(h_M2F: torch.Tensor, probs_M: torch.Tensor | None = None) -
     if probs_M is not None:
         a = a * probs_M.float().unsqueeze(-1)
     return a.to(h_M2F.dtype)
+
+
+def swiglu_backward(
+    h_M2F: torch.Tensor,
+    probs_M: torch.Tensor | None,
+    da_MF: torch.Tensor,
+    impl: Impl = Impl.AUTO,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The backward of ``swiglu`` on its own, for callers that keep fc1's output rather than an autograd
+    graph (the same kernel autograd runs). Inputs: h_M2F [M, 2F] (fc1's output, saved by the forward);
+    probs_M [M] or None; da_MF [M, F] (the gradient of the activation). Outputs: dh_M2F [M, 2F] in h's
+    dtype; dp_M [M] in probs' dtype (None without probabilities)."""
+    if h_M2F.dim() != 2 or h_M2F.shape[1] % 2:
+        raise ValueError(
+            f"swiglu_backward: h has shape {tuple(h_M2F.shape)}, expected [M, 2F] ([gate | up] halves)"
+        )
+    want = (h_M2F.shape[0], h_M2F.shape[1] // 2)
+    if da_MF.shape != want:
+        raise ValueError(f"swiglu_backward: da has shape {tuple(da_MF.shape)}, expected {want}")
+    if probs_M is not None and probs_M.shape != (h_M2F.shape[0],):
+        raise ValueError(
+            f"swiglu_backward: probs has shape {tuple(probs_M.shape)}, expected ({h_M2F.shape[0]},)"
+        )
+    if not use_triton(impl, h_M2F, "swiglu_backward"):
+        return swiglu_backward_reference(h_M2F, probs_M, da_MF)
+    return _swiglu_backward(h_M2F.contiguous(), probs_M, da_MF, None)
+
+
+def swiglu_backward_reference(
+    h_M2F: torch.Tensor, probs_M: torch.Tensor | None, da_MF: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Pure torch, in fp32 and rounded once (the backward kernel's numerics, the formulas at the top)."""
+    gate, up = h_M2F.float().chunk(2, dim=-1)
+    da = da_MF.float()
+    sig = torch.sigmoid(gate)
+    silu = gate * sig
+    dp = None
+    if probs_M is not None:
+        dp = (da * silu * up).sum(-1).to(probs_M.dtype)
+        da = da * probs_M.float().unsqueeze(-1)
+    dgate = da * up * (sig + silu * (1.0 - sig))
+    dh = torch.cat([dgate, da * silu], dim=-1).to(h_M2F.dtype)
+    return dh, dp
