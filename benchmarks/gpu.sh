@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU side of the project in phases that each fit one 10-minute call, from the project root with
 # megatron-core (+TE, torchtitan) importable:
-#   bash benchmarks/gpu.sh tests|layer|overlap|ep|wgrad|split|gather|tiles|tiles-layer|te [outdir]
+#   bash benchmarks/gpu.sh tests|layer|overlap|ep|wgrad|split|gather|tiles|tiles-layer|tiles-layer-backward|te [outdir]
 #   tests    every GPU test (skips cleanly what this machine cannot run)
 #   layer    mok bench layer, every shape (uniform / zipf / one-hot routing), one process per shape
 #   overlap  benchmarks/overlap.sh;  ep  benchmarks/ep.sh (2+ GPUs)
@@ -14,6 +14,7 @@
 #            their gate sweep at K 0/2/4/8 over the five tile configurations
 #   tiles-layer  benchmarks.tile_pull and benchmarks.tile_layer: the pull's GB/s per K, and the forward's
 #            exposed and hidden time at 900 / 450 GB/s against the graphed layer without communication
+#   tiles-layer-backward  benchmarks.tile_layer forward and backward (8 CuTe compiles: give it its own call)
 #   te       the te backend's GPU tests (TE, cuBLASLt 13.6+ preloaded for the grouped route) and the Qwen3 layer
 #            with every FP8 expert path, the single grouped weight included
 # Each phase leaves its logs in outdir and, with OUT set, one tarball $OUT/<phase>.tgz.
@@ -68,7 +69,12 @@ case "$phase" in
     ;;
   tiles-layer)
     timeout 200 $py -m benchmarks.tile_pull --json "$out/pull.json" 2>&1 | tail -30 | tee "$out/pull.txt"
-    timeout 380 $py -m benchmarks.tile_layer --json "$out/layer.json" 2>&1 | tail -40 | tee "$out/layer.txt"
+    timeout 380 $py -m benchmarks.tile_layer --phase forward --json "$out/layer-fwd.json" 2>&1 | tail -40 \
+      | tee "$out/layer-fwd.txt"
+    ;;
+  tiles-layer-backward)
+    timeout 560 $py -m benchmarks.tile_layer --phase both --json "$out/layer.json" 2>&1 | tail -60 \
+      | tee "$out/layer.txt"
     ;;
   te)
     timeout 300 $py -m pytest -q -p no:cacheprovider -o addopts="" -rs tests/test_te_grouped_gpu.py \
