@@ -9,4 +9,6 @@ pipeline_plan.py  ``MinibatchPolicy`` (one per layer) and ``PipelinePlan`` (one 
                   regions, send splits (exact or sync-free)
 pipeline.py       the overlap engine: deduplicated dispatch -> experts -> combine over minibatches,
                   forward and backward, on the communication stream of the layer's ``PipelineRuntime``
+tile_compose.py   one layer's expert forward and backward composed on the tile-level overlap kernels (or
+                  their references): the tiles engine's and benchmarks/tile_layer.py's
 """
