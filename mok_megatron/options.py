@@ -33,6 +33,7 @@ class Engine(StrEnum):
     AUTO = "auto"
     PIPELINE = "pipeline"
     PLAIN = "plain"
+    TILES = "tiles"
 
 
 class TransportKind(StrEnum):
@@ -121,9 +122,11 @@ def _coerce(obj, name: str, enum: type[StrEnum]) -> None:
 class MoKOptions:
     engine: Engine = option(
         Engine.AUTO,
-        help="pipeline: the minibatched overlap engine; plain: one dispatch / experts / combine per call; "
-        "auto: pipeline when EP > 1 and routing allows",
-        detail="plain keeps Megatron's row layout; auto follows engine.select.select_engine",
+        help="pipeline: minibatched overlap; plain: Megatron's six phases; tiles: tile kernels; "
+        "auto: pipeline at EP > 1 if routing allows",
+        detail="plain keeps Megatron's row layout; auto follows engine.select.select_engine and never picks "
+        "tiles; tiles runs the experts on the tile kernels (engine.tiles: sm_90 with QuACK at EP = 1, their "
+        "torch references elsewhere, correct but not fast)",
     )
     minibatch_size: int | None = option(
         None,
@@ -145,8 +148,8 @@ class MoKOptions:
     )
     capacity_multiplier: float = option(
         1.0,
-        help="sync-free receive buffer per source rank, a fraction of its tokens in (0, 1]; overflow is "
-        "redone, never dropped",
+        help="sync-free receive buffer per source, a fraction of its tokens in (0, 1]; overflow redone, not "
+        "dropped",
         detail="1.0 can never overflow; smaller saves memory; an overflow is detected and the call's "
         "exchange redone with exact sizes",
         metavar="F",
@@ -168,7 +171,7 @@ class MoKOptions:
     expert_backend: ExpertBackend = option(
         ExpertBackend.TORCH,
         help="expert GEMMs: bf16 grouped GEMM, native rowwise FP8 (sm_90+, no TE), or TE GroupedLinear "
-        "under --fp8-format / --fp8-recipe",
+        "(--fp8-format / --fp8-recipe)",
         detail="torch: bf16 torch._grouped_mm; torch-fp8: native rowwise FP8 on Hopper or newer GPUs, "
         "without TE; te: Transformer Engine GroupedLinear under Megatron's --fp8-format / --fp8-recipe",
     )
@@ -197,12 +200,12 @@ class MoKOptions:
     )
     nvlink_sync: NVLinkSync = option(
         NVLinkSync.BARRIER,
-        help="nvlink transport: one device barrier per exchange, or per-peer ready flags",
+        help="nvlink: one device barrier per exchange, or per-peer ready flags",
         detail="flags: a destination reads each source as soon as that source has staged",
     )
     local_rows: LocalRows = option(
         LocalRows.AUTO,
-        help="local rows: hidden behind dispatch and combine, or in the received rows' expert call",
+        help="hidden behind dispatch and combine, or in the received rows' expert call",
         detail="pipeline: rows whose expert is on this rank. overlap: computed in two halves while the "
         "dispatch and the combine fly; fused: in the received rows' expert call (one grouped GEMM per "
         "weight); auto: fused inside one NVLink domain, overlap across nodes",
@@ -226,6 +229,20 @@ class MoKOptions:
         "that moves fewer bytes than the sums (the per-call sums up to the order of additions; more "
         "activation memory held; on one GPU it gained 0.2-0.5 ms only at 4 minibatches)",
         negatable=True,
+    )
+    tile_sms: int = option(
+        4,
+        help="tiles: SMs held back for communication",
+        detail="forward: the pull and the tile combine run on them, the waiting GEMMs on the rest; on one H200 "
+        "the GEMM gate is met with up to 4 held back on DeepSeek-V3's EP=32 slice and 8 on Qwen3's",
+        metavar="K",
+    )
+    tile_sms_backward: int | None = option(
+        None,
+        help="the same in the backward",
+        detail="the output gradient's pull and the input gradient's tile combine",
+        default_text="as --mok-tile-sms",
+        metavar="K",
     )
 
     def __post_init__(self):
@@ -267,6 +284,20 @@ class MoKOptions:
                 "--mok-engine plain runs no pipeline: drop --mok-minibatch-size / --mok-minibatch-split / "
                 "--mok-sync-free / --mok-fp8-dispatch / --mok-fp8-combine, or use --mok-engine pipeline."
             )
+        for name in ("tile_sms", "tile_sms_backward"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or int(value) < 1):
+                raise MoKOptionsError(
+                    f"{flag_name(name)}={value}: must be >= 1 (SMs held back for communication beside the "
+                    "tile GEMMs)" + ("." if name == "tile_sms" else ", or omitted to use --mok-tile-sms.")
+                )
+        if self.engine is Engine.TILES:
+            pipeline = [f for f in self.pipeline_only() if f != "--mok-engine tiles"]
+            if pipeline:
+                raise MoKOptionsError(
+                    f"--mok-engine tiles with {', '.join(pipeline)}: those are the overlap pipeline's; the tiles "
+                    "engine overlaps inside its GEMMs. Drop them, or use --mok-engine pipeline."
+                )
         if self.te_single_weight and self.expert_backend is not ExpertBackend.TE:
             raise MoKOptionsError(
                 f"--mok-te-single-weight with --mok-expert-backend {self.expert_backend.value}: the single "
@@ -294,6 +325,11 @@ class MoKOptions:
                 f"--mok-nvlink-programs-backward={self.nvlink_programs_backward}: must be >= 1 (CTAs that "
                 "communicate in the backward), or omitted to use --mok-nvlink-programs."
             )
+
+    @property
+    def tile_sms_bwd(self) -> int:
+        """SMs the tiles engine holds back in the backward."""
+        return self.tile_sms if self.tile_sms_backward is None else self.tile_sms_backward
 
     def replace(self, **changes) -> MoKOptions:
         """A copy with ``changes`` (validated like a new one)."""

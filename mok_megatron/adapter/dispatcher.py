@@ -63,6 +63,7 @@ class MoKTokenDispatcher(MoETokenDispatcher):
         self.engine = engine
         self._plan: DispatchPlan | PipelineCall | None = None
         self.runtime = PipelineRuntime()  # the pipeline's stream, caches and counters (this layer's)
+        self._tile_streams: dict = {}  # the tiles engine's CUDA streams, per device index
         self.profile: profiling.PhaseProfile | None = None  # set inside profiling.record(model)
 
     @property
@@ -194,6 +195,38 @@ class MoKTokenDispatcher(MoETokenDispatcher):
             probs_TK = probs.gather(1, plan.ids_TK)
             return experts_fn(hidden_states, probs_TK, plan.meta, plan.tokens_per_expert_L)
 
+    def run_tiles(self, hidden_states: torch.Tensor, probs: torch.Tensor, experts) -> torch.Tensor:
+        """The tiles engine on the call in flight (``engine.tiles``): ``[T, H]``. At EP = 1 the routing
+        kernels' plan places the tokens' rows; otherwise the plain engine's dispatch and combine move them
+        and each received row is its own token."""
+        from mok_megatron.engine.tiles import row_routes, tile_experts
+
+        plan = self.plan
+        weights = (experts.fc1_weight, experts.fc2_weight)
+        owners = experts.main_grad_owners()
+        streams = None
+        if self.engine.tiles.kernels:  # the concurrent kernels' side stream, the weight gradients' stream
+            dev = hidden_states.device
+            if dev.index not in self._tile_streams:
+                self._tile_streams[dev.index] = (torch.cuda.Stream(dev), torch.cuda.Stream(dev))
+            streams = self._tile_streams[dev.index]
+        with profiling.phase(self.profile, "experts", hidden_states.device):
+            if plan.meta is not None:
+                meta = plan.meta
+                probs_TK = probs.gather(1, plan.ids_TK)
+                counts = plan.tokens_per_expert_L
+                return tile_experts(
+                    hidden_states, probs_TK, meta, counts, *weights, self.engine.tiles, owners, streams
+                )
+            x_RH, counts, probs_R = F.dispatch(hidden_states, probs, plan)
+            meta = row_routes(counts)
+            y_RH = tile_experts(
+                x_RH, probs_R[:, None], meta, counts, *weights, self.engine.tiles, owners, streams
+            )
+            return F.combine_postprocess(F.token_combine(F.combine_preprocess(y_RH, plan), plan), plan).view(
+                -1, hidden_states.shape[-1]
+            )
+
     def token_dispatch(self, hidden_states: torch.Tensor, probs: torch.Tensor):
         with profiling.phase(self.profile, "dispatch", hidden_states.device):
             if self.shared_experts is not None:
@@ -253,7 +286,7 @@ class MoKTokenDispatcher(MoETokenDispatcher):
             plan = self.plan
             if self.pipelined:
                 out = hidden_states.view(plan.plan.hidden_shape)
-            elif self.engine.rows is RowLayout.FUSED:
+            elif self.engine.rows is RowLayout.FUSED or self.engine.tiles is not None:
                 out = hidden_states.view(plan.hidden_shape)
             else:
                 out = F.combine_postprocess(hidden_states, plan)

@@ -131,6 +131,8 @@ class MoKMoELayer(MoELayer):
 
     def routed_experts_compute(self, hidden_states, probs):
         engine = self.token_dispatcher.engine
+        if engine.tiles is not None:
+            return self.token_dispatcher.run_tiles(hidden_states, probs, self.experts), None
         if not engine.pipelined and engine.rows is RowLayout.FUSED:
             return self.token_dispatcher.run_fused(
                 hidden_states, probs, self.experts.token_rows_forward

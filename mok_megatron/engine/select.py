@@ -45,6 +45,7 @@ from mok_megatron.errors import MoKConfigError
 from mok_megatron.engine.pipeline import PipelineConfig
 from mok_megatron.engine.pipeline_plan import MinibatchPolicy
 from mok_megatron.engine.plan import RowLayout, aligned_plan_applies
+from mok_megatron.engine.tiles import TilesConfig, kernels_unavailable, tile_config
 from mok_megatron.experts_contract import ExpertsContract
 from mok_megatron.options import Engine, MinibatchSplit, MoKOptions, TransportKind
 
@@ -56,6 +57,7 @@ class EngineChoice:
     pipeline: PipelineConfig | None  # the overlap pipeline's config; None: the plain engine
     rows: RowLayout = RowLayout.SORTED  # how the expert calls get their rows
     row_alignment: int = 1  # > 1: the permute writes every expert's rows padded to this
+    tiles: TilesConfig | None = None  # the tiles engine's config (``--mok-engine tiles``)
 
     @property
     def transport(self):
@@ -71,7 +73,7 @@ class EngineChoice:
         """The one phase dispatch, experts and combine run in (``pipeline`` / ``experts``), or None."""
         if self.pipelined:
             return "pipeline"
-        return "experts" if self.rows is RowLayout.FUSED else None
+        return "experts" if self.rows is RowLayout.FUSED or self.tiles is not None else None
 
 
 def pipeline_blockers(capacity_factor: float | None, router_padding: bool, etp_size: int) -> list[str]:
@@ -100,6 +102,11 @@ def check_options(
     explicit = options.pipeline_only()
     if options.engine is Engine.PLAIN:
         return
+    if options.engine is Engine.TILES and megatron_overlap_flags:
+        raise MoKConfigError(
+            f"--mok-engine tiles with {', '.join(megatron_overlap_flags)}: Megatron's combined 1F1B schedule "
+            "drives the six phases itself, which the tiles engine folds into its experts phase. Drop one of them."
+        )
     if megatron_overlap_flags and explicit:
         flags = ", ".join(megatron_overlap_flags)
         raise MoKConfigError(
@@ -176,11 +183,66 @@ def select_transport(cfg: MoKConfig, options: MoKOptions, ep_group, transport=No
     return CollectiveTransport(ep_group)
 
 
+def tiles_blockers(
+    cfg: MoKConfig, options: MoKOptions, experts: ExpertsContract, transport=None
+) -> list[str]:
+    """The settings of a layer that the tiles engine cannot run (empty: it can)."""
+    why = pipeline_blockers(cfg.capacity_factor, bool(cfg.router_pad_multiple), cfg.etp_size)
+    if cfg.pad_to_capacity:
+        why.append("moe_pad_expert_input_to_capacity=True")
+    if (
+        options.expert_backend.value != "torch"
+        or not experts.mok
+        or experts.fuses_permute
+        or experts.host_counts
+    ):
+        why.append(
+            f"--mok-expert-backend {options.expert_backend.value}" if experts.mok else "Megatron's experts"
+        )
+    act = cfg.activation
+    if (
+        not (act.kind.value == "silu" and act.gated and act.clamp is None and act.glu_linear_offset == 0.0)
+        or act.glu_interleave is not None
+    ):
+        why.append("an activation other than SwiGLU (gated silu, no clamp, offset or interleave)")
+    if cfg.apply_probs_on_input:
+        why.append("moe_apply_probs_on_input=True")
+    if cfg.delay_wgrad:
+        why.append("--delay-wgrad-compute")
+    why.extend(cfg.megatron_overlap_flags)
+    if transport is not None:
+        why.append(f"a {transport.name} transport given to the layer")
+    return why
+
+
+def select_tiles(
+    cfg: MoKConfig, options: MoKOptions, experts: ExpertsContract, transport=None
+) -> EngineChoice:
+    """The tiles engine's choice, or ``MoKConfigError`` naming what this layer has that it cannot run."""
+    why = tiles_blockers(cfg, options, experts, transport)
+    if why:
+        raise MoKConfigError(
+            f"--mok-engine tiles runs dropless SwiGLU layers on MoK's torch experts without expert-TP; this "
+            f"layer has {', '.join(why)}. Change those settings, or use --mok-engine auto."
+        )
+    device = (
+        torch.device("cuda", torch.cuda.current_device())
+        if torch.cuda.is_available()
+        else torch.device("cpu")
+    )
+    kernels = kernels_unavailable(device, cfg.params_dtype, cfg.ep_size) is None
+    config = TilesConfig(options.tile_sms, options.tile_sms_bwd, kernels, tile_config(cfg.hidden_size))
+    rows = RowLayout.ALIGNED if aligned_plan_applies(cfg) else RowLayout.SORTED
+    return EngineChoice(None, rows, 1, tiles=config)
+
+
 def select_engine(
     cfg: MoKConfig, options: MoKOptions, ep_group, experts: ExpertsContract, transport=None
 ) -> EngineChoice:
     """The engine of one layer: transport (or the plain engine) and the experts' row layout. ``transport``:
     one given to the layer (``select_transport``)."""
+    if options.engine is Engine.TILES:
+        return select_tiles(cfg, options, experts, transport)
     transport = select_transport(cfg, options, ep_group, transport)
     if options.sync_free and transport is not None and not experts.mok:
         raise MoKConfigError(

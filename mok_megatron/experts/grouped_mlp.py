@@ -200,6 +200,12 @@ class MoKGroupedMLP(MegatronModule):
         owners = (main_grad_owner(self.fc1_weight, fusion), main_grad_owner(self.fc2_weight, fusion))
         return ExpertGroups((self.fc1_weight, self.fc2_weight), bounds, owners)
 
+    def main_grad_owners(self) -> tuple:
+        """(fc1's, fc2's) ``main_grad`` owner for this forward, or None each (``experts.main_grad``): whose
+        weight gradients a caller computing them itself (the tiles engine) adds into ``main_grad``."""
+        fusion = self.gradient_accumulation_fusion and self.expert_backend is ExpertBackend.TORCH
+        return (main_grad_owner(self.fc1_weight, fusion), main_grad_owner(self.fc2_weight, fusion))
+
     @property
     def stacked_fc1_weight(self) -> torch.Tensor:
         """fc1's weights ``[L, F1, H]``, read-only (``read_only``); slice l is expert l's

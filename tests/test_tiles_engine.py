@@ -1,0 +1,196 @@
+"""The tiles engine (``--mok-engine tiles``, ``engine.tiles``): Megatron's alltoall layer's output, input gradient
+and weight gradients at EP 1, 2 and 4 (CPU, gloo, fp32: the kernels' references), the torch backend's
+gradient-accumulation-fusion contract, the one-line refusals (before any collective), and on an sm_90 GPU
+with QuACK the kernels against the plain engine.
+
+Legend: T tokens, H hidden."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mok_megatron.errors import MoKConfigError
+from mok_megatron.options import MoKOptions, MoKOptionsError
+from tests.test_parity import check
+
+
+@pytest.mark.parametrize("ep", [1, 2, 4])
+@pytest.mark.parametrize("topk", [1, 2, 8])
+def test_tiles_engine_matches_megatron(pool, ep, topk):
+    results = pool.run(
+        "tests.tiles_cases:parity_case", ep=ep, topk=topk, score="sigmoid" if topk == 8 else "softmax"
+    )
+    for rank, res in enumerate(results):
+        assert res.pop("calls") == 1, "the layer call ran the tiles engine's node once"
+        check(res, f"rank {rank}")
+        assert res["out_scale"] > 0.1
+
+
+def test_tiles_engine_with_shared_experts_and_two_steps(pool):
+    results = pool.run("tests.tiles_cases:parity_case", ep=2, topk=2, shared=True, steps=2)
+    for rank, res in enumerate(results):
+        assert res.pop("calls") == 2
+        check(res, f"rank {rank}")
+
+
+@pytest.mark.parametrize(
+    "opts,says",
+    [
+        (dict(tile_sms=0), r"--mok-tile-sms=0: must be >= 1"),
+        (dict(tile_sms_backward=-2), r"--mok-tile-sms-backward=-2: must be >= 1 .*or omitted"),
+        (dict(engine="tiles", fp8_dispatch=True), r"--mok-engine tiles with --mok-fp8-dispatch: .*Drop them"),
+        (dict(engine="tiles", minibatch_size=64), r"--mok-engine tiles with --mok-minibatch-size"),
+        (dict(engine="tiles", transport="nvlink"), r"--mok-engine tiles with --mok-transport nvlink"),
+    ],
+)
+def test_option_refusals_in_one_line(opts, says):
+    with pytest.raises(MoKOptionsError, match=says) as e:
+        MoKOptions(**opts)
+    assert "\n" not in str(e.value)
+
+
+def test_backward_sms_default_to_the_forwards():
+    assert MoKOptions(engine="tiles", tile_sms=6).tile_sms_bwd == 6
+    assert MoKOptions(engine="tiles", tile_sms=6, tile_sms_backward=2).tile_sms_bwd == 2
+    assert MoKOptions().engine.value == "auto" and MoKOptions().tile_sms == 4
+
+
+@pytest.mark.parametrize(
+    "cfg_kw,says",
+    [
+        (dict(mode="drop_probs"), r"moe_expert_capacity_factor=0.75 \(token dropping\)"),
+        (dict(mode="pad_probs"), r"moe_pad_expert_input_to_capacity=True"),
+        (dict(mode="rpad16"), r"moe_router_padding_for_quantization=True"),
+        (dict(act="geglu"), r"an activation other than SwiGLU"),
+        (dict(act="quick_geglu_clamp"), r"an activation other than SwiGLU"),
+        (dict(act="relu"), r"an activation other than SwiGLU"),
+        (dict(topk=1, moe_apply_probs_on_input=True), r"moe_apply_probs_on_input=True"),
+    ],
+)
+def test_layer_refusals_in_one_line_before_any_collective(single_rank, cfg_kw, says):
+    from tests.cases import build_mok_only, make_config
+
+    with pytest.raises(MoKConfigError, match=says) as e:
+        build_mok_only(make_config(**cfg_kw), dict(engine="tiles"))
+    text = str(e.value)
+    assert "\n" not in text and text.startswith("--mok-engine tiles runs dropless SwiGLU layers")
+    assert text.endswith("Change those settings, or use --mok-engine auto.")
+
+
+def test_expert_tp_is_refused():
+    from mok_megatron.config import MoKConfig
+    from mok_megatron.engine.select import tiles_blockers
+    from mok_megatron.experts_contract import ExpertsContract
+    from tests.cases import make_config
+
+    cfg = MoKConfig.from_megatron(make_config(tp=2, etp=2), ep_size=1, etp_size=2)
+    assert tiles_blockers(cfg, MoKOptions(engine="tiles"), ExpertsContract(mok=True)) == [
+        "expert_tensor_parallel_size=2"
+    ]
+
+
+def test_other_expert_backends_and_megatron_overlap_are_refused():
+    from mok_megatron.engine.select import check_options, tiles_blockers
+    from mok_megatron.experts_contract import ExpertsContract
+    from tests.cases import make_config
+    from mok_megatron.config import MoKConfig
+
+    cfg = MoKConfig.from_megatron(make_config(), ep_size=1, etp_size=1)
+    te = ExpertsContract(mok=True, host_counts=True)
+    assert tiles_blockers(cfg, MoKOptions(engine="tiles", expert_backend="te"), te) == [
+        "--mok-expert-backend te"
+    ]
+    fp8 = ExpertsContract(mok=True, alignment=16, fuses_permute=True)
+    opts = MoKOptions(engine="tiles", expert_backend="torch-fp8")
+    assert tiles_blockers(cfg, opts, fp8) == ["--mok-expert-backend torch-fp8"]
+    flag = "--overlap-moe-expert-parallel-comm"
+    with pytest.raises(MoKConfigError, match=rf"^--mok-engine tiles with {flag}: .*Drop one of them\.$"):
+        check_options(MoKOptions(engine="tiles"), ep_size=2, blockers=[], megatron_overlap_flags=(flag,))
+
+
+def test_auto_never_picks_tiles(single_rank):
+    from tests.cases import build_mok_only, make_config
+
+    layer = build_mok_only(make_config(), None)
+    assert layer.token_dispatcher.engine.tiles is None
+    tiles = build_mok_only(make_config(), dict(engine="tiles", tile_sms=3)).token_dispatcher.engine.tiles
+    assert (tiles.sms, tiles.sms_backward, tiles.kernels) == (3, 3, False)  # CPU: the references
+
+
+def test_weight_gradients_into_main_grad_as_the_torch_backend(single_rank):
+    """Gradient accumulation fusion: the weight gradients are added into ``main_grad`` (on top of what it
+    holds) and autograd gets Megatron's dummy, as the torch experts do."""
+    from tests.cases import build_mok_only, make_config
+
+    cfg = make_config(gradient_accumulation_fusion=True)
+    plain = build_mok_only(cfg, dict(engine="plain"))
+    tiles = build_mok_only(cfg, dict(engine="tiles"))
+    tiles.load_state_dict(plain.state_dict())
+    for layer in (plain, tiles):
+        layer.set_layer_number(1)
+    x = torch.randn(16, 2, cfg.hidden_size)
+    dout = torch.randn_like(x)
+    got = {}
+    for name, layer in (("plain", plain), ("tiles", tiles)):
+        for p in (layer.experts.fc1_weight, layer.experts.fc2_weight):
+            p.main_grad = torch.full(p.shape, 0.5)
+            p.grad_added_to_main_grad = False
+        out, _ = layer(x.clone().requires_grad_(True))
+        out.backward(dout)
+        got[name] = [
+            (p.main_grad.clone(), p.grad_added_to_main_grad)
+            for p in (layer.experts.fc1_weight, layer.experts.fc2_weight)
+        ]
+    for (mg_t, added_t), (mg_p, added_p) in zip(got["tiles"], got["plain"], strict=True):
+        assert added_t and added_p
+        torch.testing.assert_close(mg_t, mg_p, rtol=1e-5, atol=1e-6)
+        assert not torch.equal(mg_t, torch.full_like(mg_t, 0.5))
+
+
+def _gpu_why() -> str | None:
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
+        return "needs an sm_90 GPU"
+    try:
+        from mok_megatron.compat import require_quack_tile_gemm
+
+        require_quack_tile_gemm()
+    except ImportError as e:
+        return f"needs QuACK: {e}"
+    return None
+
+
+@pytest.mark.skipif(_gpu_why() is not None, reason=str(_gpu_why()))
+@pytest.mark.parametrize("topk", [2, 8])
+def test_kernels_match_the_plain_engine_on_gpu(single_rank, topk):
+    """bf16, EP = 1: the tile kernels against the plain engine (cuBLAS), QuACK's accumulation order within the
+    tile layer benchmark's tolerances; repeated calls bitwise equal; no NaN."""
+    from benchmarks.tile_layer import GRAD_REL, MATCH
+    from tests.cases import build_layers, make_config
+
+    cfg = make_config(topk=topk, num_experts=16, hidden=512, ffn=256, params_dtype=torch.bfloat16, bf16=True)
+    layers = {}
+    for engine in ("plain", "tiles"):
+        torch.manual_seed(0)
+        layers[engine] = build_layers(cfg, opts=dict(engine=engine))[1].cuda()
+    assert layers["tiles"].token_dispatcher.engine.tiles.kernels
+    x = torch.randn(256, 2, cfg.hidden_size, device="cuda", dtype=torch.bfloat16)
+    dout = torch.randn_like(x)
+    res = {}
+    for engine, layer in layers.items():
+        for rep in range(2):
+            layer.zero_grad(set_to_none=True)
+            xi = x.clone().requires_grad_(True)
+            out, _ = layer(xi)
+            out.backward(dout)
+            got = [out, xi.grad, layer.experts.fc1_weight.grad, layer.experts.fc2_weight.grad]
+            if rep:
+                assert all(torch.equal(a, b) for a, b in zip(got, res[engine], strict=True)), engine
+            res[engine] = [t.detach().clone() for t in got]
+    for t in res["tiles"]:
+        assert not torch.isnan(t).any()
+    (o_t, dx_t, *w_t), (o_p, dx_p, *w_p) = res["tiles"], res["plain"]
+    torch.testing.assert_close(o_t.float(), o_p.float(), **MATCH)
+    torch.testing.assert_close(dx_t.float(), dx_p.float(), **MATCH)
+    for a, b in zip(w_t, w_p, strict=True):
+        assert float((a.float() - b.float()).norm() / b.float().norm()) < GRAD_REL
