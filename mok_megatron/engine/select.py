@@ -24,6 +24,10 @@ backward_dw after each backward of the layer). Tested on CPU at EP 2 and 4 (test
 bitwise the plain schedule, and Megatron's alltoall layer under the same schedule within 1e-6 relative in
 fp32 (measured: bitwise).
 
+The tiles engine (``engine.tiles``) runs only when asked for (``--mok-engine tiles``; ``auto`` never picks
+it): ``select_tiles`` refuses in one line a layer it cannot run (``tiles_blockers``) and decides whether its
+kernels or their references run.
+
 What the experts take decides how both engines lay out their rows (``RowLayout``, from the experts'
 ``ExpertsContract``, known from their class before they are built): MoK's experts take per-expert counts
 on the device, so the routing kernels plan the rows without a sort (``ALIGNED``; the plain engine at
