@@ -194,3 +194,24 @@ def test_kernels_match_the_plain_engine_on_gpu(single_rank, topk):
     torch.testing.assert_close(dx_t.float(), dx_p.float(), **MATCH)
     for a, b in zip(w_t, w_p, strict=True):
         assert float((a.float() - b.float()).norm() / b.float().norm()) < GRAD_REL
+
+
+def test_a_gpu_without_the_kernels_is_refused_not_run_on_the_references(monkeypatch):
+    # on a GPU the references would be a silently slow layer: one line naming why the kernels cannot run
+    from mok_megatron.config import MoKConfig
+    from mok_megatron.engine import select
+    from mok_megatron.experts_contract import ExpertsContract
+    from tests.cases import make_config
+
+    monkeypatch.setattr(select.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(select.torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(select, "kernels_unavailable", lambda *a: "EP=2: no pull yet")
+    cfg = MoKConfig.from_megatron(make_config(), ep_size=1, etp_size=1)
+    with pytest.raises(MoKConfigError) as e:
+        select.select_tiles(cfg, MoKOptions(engine="tiles"), ExpertsContract(mok=True))
+    text = str(e.value)
+    assert (
+        "\n" not in text
+        and "here EP=2: no pull yet" in text
+        and text.endswith("--mok-engine auto on this machine.")
+    )

@@ -234,8 +234,15 @@ def select_tiles(
         if torch.cuda.is_available()
         else torch.device("cpu")
     )
-    kernels = kernels_unavailable(device, cfg.params_dtype, cfg.ep_size) is None
-    config = TilesConfig(options.tile_sms, options.tile_sms_bwd, kernels, tile_config(cfg.hidden_size))
+    why_not = kernels_unavailable(device, cfg.params_dtype, cfg.ep_size)
+    if why_not is not None and device.type == "cuda":  # the references would be a silently slow layer
+        raise MoKConfigError(
+            f"--mok-engine tiles on a GPU runs its kernels, and here {why_not}; its pure-torch references run "
+            "on CPU (gloo) only. Use --mok-engine auto on this machine."
+        )
+    config = TilesConfig(
+        options.tile_sms, options.tile_sms_bwd, why_not is None, tile_config(cfg.hidden_size)
+    )
     rows = RowLayout.ALIGNED if aligned_plan_applies(cfg) else RowLayout.SORTED
     return EngineChoice(None, rows, 1, tiles=config)
 
