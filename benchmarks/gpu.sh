@@ -10,7 +10,7 @@
 #   split    the loopback sweep with minibatches split by tokens and by experts (--mok-minibatch-split),
 #            with the emulated copies and link time only, against the graphed no-communication layer
 #   gather   benchmarks.gather (fc1 over gathered rows, QuACK, vs the permuted copy + torch's grouped GEMM)
-#   tiles    the tile kernels' GPU tests (waiting GEMM, pull, completion-driven combine; QuACK needed), then
+#   tiles    the tile kernels' and the tiles engine's GPU tests (waiting GEMM, pull, completion-driven combine; QuACK needed), then
 #            their gate sweep at K 0/2/4/8 over the five tile configurations
 #   tiles-layer  benchmarks.tile_pull and benchmarks.tile_layer: the pull's GB/s per K, and the forward's
 #            exposed and hidden time at 900 / 450 GB/s against the graphed layer without communication
@@ -63,7 +63,8 @@ case "$phase" in
     ;;
   tiles)
     timeout 300 $py -m pytest -q -m gpu -p no:cacheprovider -o addopts="" -rs tests/test_tile_gemm.py \
-      tests/test_tile_pull.py tests/test_tile_combine.py 2>&1 | tail -40 | tee "$out/tile_gpu_tests.txt"
+      tests/test_tile_pull.py tests/test_tile_combine.py tests/test_tiles_engine.py 2>&1 | tail -40 \
+      | tee "$out/tile_gpu_tests.txt"
     timeout 280 $py -m benchmarks.tile_gemm_gate --all-configs --k 0,2,4,8 --rounds 7 --case-timeout 60 \
       --json "$out/gate.json" 2>&1 | tail -30 | tee "$out/gate.txt"
     ;;
