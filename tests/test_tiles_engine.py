@@ -37,8 +37,9 @@ def test_tiles_engine_with_shared_experts_and_two_steps(pool):
 @pytest.mark.parametrize(
     "opts,says",
     [
-        (dict(tile_sms=0), r"--mok-tile-sms=0: must be >= 1"),
-        (dict(tile_sms_backward=-2), r"--mok-tile-sms-backward=-2: must be >= 1 .*or omitted"),
+        (dict(tile_sms=0), r"--mok-tile-sms=0: must be in \[1, 32\]"),
+        (dict(tile_sms=33), r"--mok-tile-sms=33: must be in \[1, 32\] .*keep the rest\)\.$"),
+        (dict(tile_sms_backward=-2), r"--mok-tile-sms-backward=-2: must be in \[1, 32\] .*or omitted"),
         (dict(engine="tiles", fp8_dispatch=True), r"--mok-engine tiles with --mok-fp8-dispatch: .*Drop them"),
         (dict(engine="tiles", minibatch_size=64), r"--mok-engine tiles with --mok-minibatch-size"),
         (dict(engine="tiles", transport="nvlink"), r"--mok-engine tiles with --mok-transport nvlink"),

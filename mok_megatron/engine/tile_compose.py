@@ -21,8 +21,9 @@ and the arrival counters start from their rows (``LayerPlan.local_counts_S``); t
 sources' rows. ``pull=False``: every row is in place and the counters start at their targets, so nothing
 waits.
 
-Every step runs on the kernels (``KERNELS``: sm_90 with QuACK; the waiting kernel launched first on the
-current stream, the one releasing its counters after it on a side stream) or on their pure-torch
+Every step runs on the kernels (``KERNELS``: sm_90 with QuACK; the GEMM launched first on the current stream
+and the pull or the combine after it on a side stream, on the K SMs the GEMM leaves free: fc1 waits on the
+pull, the combine on fc2, and a GEMM that waits on nothing goes first so it holds its SMs) or on their pure-torch
 references (``REFERENCES``: in turn, the releasing step first; CPU and any device), which is how the CPU
 tests check the composition.
 """
@@ -242,9 +243,9 @@ class Gradients:
 
 @dataclasses.dataclass(frozen=True)
 class Ops:
-    """The kernels one forward runs. ``concurrent``: a waiting kernel and the one releasing its counters
-    run at once (launched waiting first, the releasing one on the side stream); otherwise each runs to its end
-    in turn, the releasing one first (the references cannot wait)."""
+    """The kernels one forward runs. ``concurrent``: a GEMM and the pull or combine beside it run at once
+    (the GEMM launched first, the other on the side stream); otherwise each runs to its end in turn, the
+    releasing one first (the references cannot wait)."""
 
     concurrent: bool
     grouped_mm: Callable  # (a_MK, b_GKN, offs_G) -> [M, N]
@@ -373,8 +374,8 @@ def tiles_forward(
     if side is not None:
         side.wait_stream(main)
 
-    def fc1():
-        ops.tile_mm(buf.recv_MH, x.w1_G2FH.mT, plan.fc1, buf.counters_S, k, buf.h_M2F)
+    def fc1():  # K SMs held back only for a pull beside it
+        ops.tile_mm(buf.recv_MH, x.w1_G2FH.mT, plan.fc1, buf.counters_S, k if pull else 0, buf.h_M2F)
 
     def pull_rows():
         with on_side():
@@ -400,7 +401,8 @@ def tiles_forward(
         def fc2():
             ops.tile_mm(a, x.w2_GHF.mT, plan.fc2, arrived, k, buf.y_MH, buf.done_S)
 
-        _pair(ops, sum_tokens, fc2)
+        fc2()  # the GEMM waits on nothing: first, so it holds its SMs and the combine takes the K it leaves
+        sum_tokens()
         out = done["out"]
     if side is not None:
         main.wait_stream(side)
@@ -474,8 +476,8 @@ def tiles_backward(
     if side is not None:
         side.wait_stream(main)
 
-    def dgrad2():
-        ops.tile_mm(buf.dy_MH, x.w2_GHF, plan.dgrad2, buf.counters_S, k, buf.da_MF)
+    def dgrad2():  # K SMs held back only for a pull beside it
+        ops.tile_mm(buf.dy_MH, x.w2_GHF, plan.dgrad2, buf.counters_S, k if pull else 0, buf.da_MF)
 
     def pull_rows():
         with on_side():
@@ -512,7 +514,8 @@ def tiles_backward(
         def dgrad1():  # its rows are all there: SwiGLU's backward ran to its end before it
             ops.tile_mm(dh, x.w1_G2FH, plan.fc2, plan.fc2.targets_S, k, buf.dx_MH, buf.done_S)
 
-        _pair(ops, sum_tokens, dgrad1)
+        dgrad1()  # as fc2 in the forward: the GEMM first, the combine on the SMs it leaves
+        sum_tokens()
         dx = done["out"]
     if wgrad == "after":
         grads["dw2"] = ops.wgrad(buf.dy_MH, bx.a_MF, offs)
