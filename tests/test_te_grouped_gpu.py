@@ -167,6 +167,35 @@ def test_grouped_route_matches_per_expert_route_and_megatron(recipe, experts, mo
         assert vs_ref["out"] > 5e-3, vs_ref
 
 
+def _sync_free_pipeline_case(experts, recipe, options, monkeypatch):
+    """The overlap pipeline (loopback emulating EP=8's traffic) with ``options`` against the EP=1 per-expert TE
+    layer and Megatron's bf16 layer, same weights and input: finite, within the recipe's bound of the
+    reference, within ``SAME_REL`` of the EP=1 layer. Returns the pipeline layer."""
+    from mok_megatron.experts.checkpoint import convert_state_dict
+    from mok_megatron.transport.loopback import LoopbackLink, LoopbackTransport
+
+    cfg = _config(experts, recipe)
+    _grouped_or_skip(cfg, recipe)
+    ref_cfg = _config(experts, None)
+    ref = _build("megatron", ref_cfg)
+    state = convert_state_dict(ref.state_dict(), "mok")
+    x, dout = _inputs(experts, seed=5)
+    want = layer_steps(ref, ref_cfg, x, dout, 1)
+    ep1 = _build("mok", cfg, monkeypatch, per_expert=True)
+    link = LoopbackLink(ep=8, gbps=450.0)
+    transport = LoopbackTransport(link, cfg.num_moe_experts, cfg.moe_router_topk)
+    pipe = _build("mok", cfg, monkeypatch, options=options, transport=transport)
+    for layer in (ep1, pipe):
+        layer.load_state_dict(state, strict=True)
+    steps = 3 if recipe else 1
+    one, got = layer_steps(ep1, cfg, x, dout, steps), layer_steps(pipe, cfg, x, dout, steps)
+    _finite(got, "pipeline")
+    bound = BF16_REL if recipe is None else FP8_REL
+    assert max(_errors(got, want).values()) < bound
+    assert rel(got[0], one[0]) < SAME_REL
+    return pipe
+
+
 @pytest.mark.usefixtures("single_rank")
 @pytest.mark.parametrize("recipe", [None, "tensorwise", "blockwise"])
 def test_grouped_route_sync_free_pipeline(recipe, monkeypatch):
@@ -174,32 +203,12 @@ def test_grouped_route_sync_free_pipeline(recipe, monkeypatch):
     computes every expert, so 64 experts (one TE call: the grouped route takes device counts, and the layer
     builds) against the EP=1 per-expert TE layer and the bf16 reference. 128 experts would need two TE calls
     and a host read, which the layer refuses under --mok-sync-free (``check_grouped_calls``)."""
-    from mok_megatron.experts.checkpoint import convert_state_dict
     from mok_megatron.options import MoKOptions
-    from mok_megatron.transport.loopback import LoopbackLink, LoopbackTransport
 
-    cfg = _config(64, recipe)
-    _grouped_or_skip(cfg, recipe)
-    ref_cfg = _config(64, None)
-    ref = _build("megatron", ref_cfg)
-    state = convert_state_dict(ref.state_dict(), "mok")
-    x, dout = _inputs(64, seed=5)
-    want = layer_steps(ref, ref_cfg, x, dout, 1)
-    ep1 = _build("mok", cfg, monkeypatch, per_expert=True)
-    link = LoopbackLink(ep=8, gbps=450.0)
     opts = MoKOptions(expert_backend="te", minibatch_size=384, sync_free=True)
-    transport = LoopbackTransport(link, cfg.num_moe_experts, cfg.moe_router_topk)
-    pipe = _build("mok", cfg, monkeypatch, options=opts, transport=transport)
-    for layer in (ep1, pipe):
-        layer.load_state_dict(state, strict=True)
+    pipe = _sync_free_pipeline_case(64, recipe, opts, monkeypatch)
     assert pipe.token_dispatcher.pipelined and pipe.experts.route.grouped
     assert pipe.experts_contract.device_counts
-    steps = 3 if recipe else 1
-    one, got = layer_steps(ep1, cfg, x, dout, steps), layer_steps(pipe, cfg, x, dout, steps)
-    _finite(got, "pipeline")
-    bound = BF16_REL if recipe is None else FP8_REL
-    assert max(_errors(got, want).values()) < bound
-    assert rel(got[0], one[0]) < SAME_REL
 
 
 @pytest.mark.usefixtures("single_rank")
@@ -336,31 +345,9 @@ def test_single_weight_matches_per_expert_route_and_megatron(recipe, experts, mo
 def test_single_weight_sync_free_pipeline_at_128_experts(recipe, monkeypatch):
     """--mok-sync-free with 128 local experts builds and runs with the single grouped weight (one TE call,
     device counts), against the EP=1 per-expert TE layer and the bf16 reference."""
-    from mok_megatron.experts.checkpoint import convert_state_dict
-    from mok_megatron.transport.loopback import LoopbackLink, LoopbackTransport
-
-    cfg = _config(128, recipe)
-    _grouped_or_skip(cfg, recipe)
-    ref_cfg = _config(128, None)
-    ref = _build("megatron", ref_cfg)
-    state = convert_state_dict(ref.state_dict(), "mok")
-    x, dout = _inputs(128, seed=5)
-    want = layer_steps(ref, ref_cfg, x, dout, 1)
-    ep1 = _build("mok", cfg, monkeypatch, per_expert=True)
-    link = LoopbackLink(ep=8, gbps=450.0)
-    opts = _single(minibatch_size=384, sync_free=True)
-    transport = LoopbackTransport(link, cfg.num_moe_experts, cfg.moe_router_topk)
-    pipe = _build("mok", cfg, monkeypatch, options=opts, transport=transport)
-    for layer in (ep1, pipe):
-        layer.load_state_dict(state, strict=True)
+    pipe = _sync_free_pipeline_case(128, recipe, _single(minibatch_size=384, sync_free=True), monkeypatch)
     assert pipe.token_dispatcher.pipelined and pipe.experts.route.grouped and pipe.experts._views is None
     assert pipe.experts_contract.device_counts and not pipe.experts_contract.host_counts
-    steps = 3 if recipe else 1
-    one, got = layer_steps(ep1, cfg, x, dout, steps), layer_steps(pipe, cfg, x, dout, steps)
-    _finite(got, "pipeline")
-    bound = BF16_REL if recipe is None else FP8_REL
-    assert max(_errors(got, want).values()) < bound
-    assert rel(got[0], one[0]) < SAME_REL
 
 
 @pytest.mark.usefixtures("single_rank")

@@ -161,12 +161,21 @@ class LayerBuffers:
     done_S: torch.Tensor
 
 
+def _received(
+    sources: tuple[torch.Tensor, ...], plan: LayerPlan, hidden: int, proto: torch.Tensor
+) -> torch.Tensor:
+    """[M, H]: an exchange's receive buffer with this rank's own rows placed, the remote rows NaN (a tile
+    loaded before its rows arrive carries NaN into the output)."""
+    recv = proto.new_full((plan.pull.rows, hidden), float("nan"))
+    tp.pull_reference(recv, sources, plan.local, torch.zeros_like(plan.local_counts_S))
+    return recv
+
+
 def layer_buffers(x: LayerInputs, plan: LayerPlan) -> LayerBuffers:
     """Fresh buffers, the local rows placed (the remote rows NaN)."""
     rows, hidden = plan.pull.rows, x.w1_G2FH.shape[2]
     proto = x.sources[0]
-    recv = proto.new_full((rows, hidden), float("nan"))
-    tp.pull_reference(recv, x.sources, plan.local, torch.zeros_like(plan.local_counts_S))
+    recv = _received(x.sources, plan, hidden, proto)
     return LayerBuffers(
         recv_MH=recv,
         h_M2F=proto.new_empty(rows, x.w1_G2FH.shape[1]),
@@ -213,8 +222,7 @@ def backward_buffers(bx: BackwardInputs, x: LayerInputs, plan: LayerPlan) -> Bac
     """Fresh buffers, the local rows of the output gradient placed (the remote rows NaN)."""
     rows, hidden = plan.pull.rows, x.w1_G2FH.shape[2]
     proto = bx.dy_TH
-    dy = proto.new_full((rows, hidden), float("nan"))
-    tp.pull_reference(dy, bx.sources, plan.local, torch.zeros_like(plan.local_counts_S))
+    dy = _received(bx.sources, plan, hidden, proto)
     return BackwardBuffers(
         dy_MH=dy,
         da_MF=proto.new_empty(rows, x.w2_GHF.shape[2]),
