@@ -23,7 +23,8 @@ import pytest
 import torch
 
 from mok_megatron.compat import have_te
-from tests.harness.gpu import layer_steps, rel
+from tests.harness.gpu import layer_steps as _layer_steps
+from tests.harness.gpu import rel
 
 pytestmark = [
     pytest.mark.gpu,
@@ -109,6 +110,11 @@ def _expert_grads(layer) -> dict:
         m = re.fullmatch(r"(.*)linear_fc([12])\.weight", n)
         grads[f"{m.group(1)}fc{m.group(2)}_weight" if m else n] = g.float()
     return grads
+
+
+def layer_steps(layer, cfg, x, dout, steps):
+    """``tests.harness.gpu.layer_steps`` reading a single grouped weight's gradient as MoK's stacked one."""
+    return _layer_steps(layer, cfg, x, dout, steps, grads=_expert_grads)
 
 
 def _errors(got, want):

@@ -2,7 +2,8 @@
 
 needs_sm90_quack          skip mark: an sm_90 GPU with quack-kernels 0.4.x (the tile kernels' GEMM)
 layer_steps(...)          ``steps`` forward + backward passes under the config's quantization context:
-                          (output, input gradient, expert weight gradients in MoK's layout), fp32
+                          (output, input gradient, expert weight gradients in MoK's layout), fp32;
+                          ``grads`` reads the gradients by parameter name (default: ``.grad`` as is)
 rel(a, b)                 relative Frobenius error of ``a`` against ``b``
 """
 
@@ -30,7 +31,12 @@ needs_sm90_quack = pytest.mark.skipif(
 )
 
 
-def layer_steps(layer, cfg, x, dout, steps: int):
+def expert_grads(layer) -> dict:
+    """The experts' weight gradients by parameter name, fp32."""
+    return {n: p.grad.float() for n, p in layer.named_parameters() if p.grad is not None and "experts" in n}
+
+
+def layer_steps(layer, cfg, x, dout, steps: int, grads=expert_grads):
     from mok_megatron.compat import quantization_context
     from mok_megatron.experts.checkpoint import convert_state_dict
 
@@ -40,8 +46,7 @@ def layer_steps(layer, cfg, x, dout, steps: int):
         with quantization_context(cfg):
             out, _ = layer(xi)
         out.backward(dout)
-    grads = {n: p.grad.float() for n, p in layer.named_parameters() if p.grad is not None and "experts" in n}
-    return out.detach().float(), xi.grad.float(), convert_state_dict(grads, "mok")
+    return out.detach().float(), xi.grad.float(), convert_state_dict(grads(layer), "mok")
 
 
 def rel(a, b) -> float:
