@@ -81,7 +81,7 @@ case "$phase" in
     timeout 300 $py -m pytest -q -p no:cacheprovider -o addopts="" -rs tests/test_te_grouped_gpu.py \
       tests/test_fp8_gpu.py 2>&1 | grep -v "DEBUG\|dcp_logger" | tail -40 | tee "$out/te_gpu_tests.txt"
     timeout 280 $py -m mok_megatron.cli bench layer --shape qwen3-30b-a3b --iters 10 --warmup 2 --impl \
-      mok,mok-torch-fp8,mok-te-tensorwise,mok-te-blockwise,mok-te-tensorwise-single,mok-te-blockwise-single \
+      mok,mok-torch-fp8,mok-torch-fp8-step,mok-te-tensorwise,mok-te-blockwise,mok-te-tensorwise-single,mok-te-blockwise-single \
       --json "$out/te-layer.json" 2>&1 | grep "^|" | tee "$out/te-layer.txt"
     ;;
   *) echo "unknown phase $phase"; exit 2 ;;

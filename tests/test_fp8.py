@@ -1012,3 +1012,24 @@ def test_expert_groups_share_one_weight_quantization(monkeypatch):
             q, s = native.quantized_weight(view, "fwd", cache)
             assert q.shape[0] == view.shape[0]
     assert counts["fwd"] == 1
+
+
+def test_bench_step_reset_requantizes_only_the_per_step_row():
+    """``mok-torch-fp8-step`` drops its quantized weights before every timed step (a training step's one
+    quantization per weight); ``mok-torch-fp8`` keeps them across steps."""
+    from types import SimpleNamespace
+
+    from mok_megatron.bench.suite import step_reset
+    from mok_megatron.ops.fp8_grouped_gemm import FP8WeightCache
+
+    for impl, drops in (("mok-torch-fp8-step", True), ("mok-torch-fp8", False)):
+        w = torch.nn.Parameter(torch.randn(2, 32, 16))
+        w.grad = torch.ones_like(w)
+        cache = FP8WeightCache()
+        layer = torch.nn.Module()
+        layer.w = w
+        layer.experts = SimpleNamespace(fp8_weights=cache)
+        first = cache.get(w, "fwd")
+        step_reset(layer, impl)()
+        assert w.grad is None
+        assert (cache.get(w, "fwd") is not first) == drops, impl

@@ -23,7 +23,8 @@ Implementations:
 
 FP8 rows (opt-in, ``--impl mok,mok-torch-fp8,...``; not in the default list): MoK's layer with an FP8 expert
 backend (``FP8_IMPLS``: --mok-expert-backend and Megatron's --fp8-recipe; the ``-single`` rows add
---mok-te-single-weight), and Megatron's TEGroupedMLP layer
+--mok-te-single-weight; ``mok-torch-fp8-step`` quantizes its weights every step, as a one-micro-batch training
+step does and as TE's rows do, where ``mok-torch-fp8`` reuses them across steps), and Megatron's TEGroupedMLP layer
 under the same FP8 context (``MEGATRON_FP8_IMPLS``: ``megatron-te-blockwise``, ``megatron-te-tensorwise``),
 checked against the reference with the looser ``FP8_TOLERANCE``; a path this machine cannot run is skipped
 with the reason.
@@ -53,12 +54,17 @@ PHASE_FLOP_FACTOR = {"fwd": 1, "bwd": 2, "fwd_bwd": 3, "steady": 3}
 # MoK with an FP8 expert backend: name -> (--mok-expert-backend, --fp8-recipe or None, other MoKOptions)
 FP8_IMPLS = {
     "mok-torch-fp8": ("torch-fp8", None, {}),
+    "mok-torch-fp8-step": ("torch-fp8", None, {}),
     "mok-te-tensorwise": ("te", "tensorwise", {}),
     "mok-te-blockwise": ("te", "blockwise", {}),
     "mok-te-mxfp8": ("te", "mxfp8", {}),
     "mok-te-tensorwise-single": ("te", "tensorwise", {"te_single_weight": True}),
     "mok-te-blockwise-single": ("te", "blockwise", {"te_single_weight": True}),
 }
+# FP8 rows whose quantized-weight cache is emptied before every step: each step quantizes the weights once,
+# as a training step with one micro-batch does after its optimizer step (TE's rows quantize them every
+# forward here too); plain ``mok-torch-fp8`` keeps its cache across steps, as micro-batches of one step do
+REQUANTIZED_IMPLS = ("mok-torch-fp8-step",)
 # Megatron's own layer (TEGroupedMLP) under the same FP8 context: name -> --fp8-recipe (with
 # --moe-router-padding-for-quantization, which Megatron requires of its FP8 grouped GEMM)
 MEGATRON_FP8_IMPLS = {"megatron-te-blockwise": "blockwise", "megatron-te-tensorwise": "tensorwise"}
@@ -283,6 +289,19 @@ def bench_case(
     }
 
 
+def step_reset(layer, impl: str):
+    """What runs before every timed step of ``impl``: the gradients cleared, and for ``REQUANTIZED_IMPLS``
+    the experts' quantized weights dropped (``ops.fp8_grouped_gemm.FP8WeightCache.invalidate``)."""
+    requantize = impl in REQUANTIZED_IMPLS
+
+    def reset():
+        layer.zero_grad(set_to_none=True)
+        if requantize:
+            layer.experts.fp8_weights.invalidate()
+
+    return reset
+
+
 def _bench_impls(
     shape, impls, dtype_name, dtype, device, x, dout, unit_flops, iters, warmup, router_fusion, windows, label
 ):
@@ -311,8 +330,7 @@ def _bench_impls(
         def backward(res):
             res[0].backward(dout)
 
-        def reset(layer=layer):
-            layer.zero_grad(set_to_none=True)
+        reset = step_reset(layer, impl)
 
         try:
             out, xi = forward()
