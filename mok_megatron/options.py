@@ -237,15 +237,16 @@ class MoKOptions:
     )
     tile_sms: int = option(
         4,
-        help="tiles: SMs held back for communication",
-        detail="forward: the pull and the tile combine run on them, the waiting GEMMs on the rest; on one H200 "
-        "the GEMM gate is met with up to 4 held back on DeepSeek-V3's EP=32 slice and 8 on Qwen3's",
+        help="tiles: SMs for the pull (no pull yet)",
+        detail="forward: the pull of exchanged rows runs on them, the waiting fc1 GEMM on the rest; no "
+        "layer call pulls yet (the transports do not expose peer buffers to it), so it changes nothing; on "
+        "one H200 the GEMM gate is met with up to 4 held back on DeepSeek-V3's EP=32 slice and 8 on Qwen3's",
         metavar="K",
     )
     tile_sms_backward: int | None = option(
         None,
         help="the same in the backward",
-        detail="the output gradient's pull and the input gradient's tile combine",
+        detail="the output gradient's pull, beside fc2's input gradient",
         default_text="as --mok-tile-sms",
         metavar="K",
     )
@@ -293,8 +294,8 @@ class MoKOptions:
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not 1 <= int(value) <= MAX_TILE_SMS):
                 raise MoKOptionsError(
-                    f"{flag_name(name)}={value}: must be in [1, {MAX_TILE_SMS}] (SMs held back for communication "
-                    "beside the tile GEMMs, which keep the rest)"
+                    f"{flag_name(name)}={value}: must be in [1, {MAX_TILE_SMS}] (SMs held back for the pull "
+                    "beside the waiting GEMMs, which keep the rest)"
                     + ("." if name == "tile_sms" else ", or omitted to use --mok-tile-sms.")
                 )
         if self.engine is Engine.TILES:
@@ -334,7 +335,7 @@ class MoKOptions:
 
     @property
     def tile_sms_bwd(self) -> int:
-        """SMs the tiles engine holds back in the backward."""
+        """SMs the tiles engine holds back for the backward's pull."""
         return self.tile_sms if self.tile_sms_backward is None else self.tile_sms_backward
 
     def replace(self, **changes) -> MoKOptions:

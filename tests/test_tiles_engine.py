@@ -12,6 +12,7 @@ import torch
 
 from mok_megatron.errors import MoKConfigError
 from mok_megatron.options import MoKOptions, MoKOptionsError
+from tests.harness.gpu import needs_sm90_quack
 from tests.test_parity import check
 
 
@@ -119,6 +120,34 @@ def test_auto_never_picks_tiles(single_rank):
     assert (tiles.sms, tiles.sms_backward, tiles.kernels) == (3, 3, False)  # CPU: the references
 
 
+def test_the_combine_runs_after_the_gemm_and_nothing_pulls(monkeypatch):
+    """With the kernels (their references standing in, on CPU) a layer call runs fc2 and fc1's input gradient
+    on all SMs, then the full-device combine: beside the GEMM on K SMs the combine measured slower at every
+    K. No pull, so no side stream."""
+    from mok_megatron.engine import tile_compose as tcomp
+    from mok_megatron.engine import tiles as te
+
+    seen = []
+
+    def spy(run):
+        def call(*args, **kw):  # args end with the ops: the kernels' references run in their place, on CPU
+            seen.append({k: kw.get(k) for k in ("pull", "combine", "side")})
+            return run(*args[:-1], tcomp.REFERENCES, **kw)
+
+        return call
+
+    for name in ("tiles_forward", "tiles_backward"):
+        monkeypatch.setattr(tcomp, name, spy(getattr(tcomp, name)))
+    counts = torch.tensor([2, 3])
+    x = torch.randn(5, 8, requires_grad=True)
+    out = te.tile_experts(
+        x, torch.rand(5, 1), te.row_routes(counts), counts, torch.randn(2, 8, 8), torch.randn(2, 8, 4),
+        te.TilesConfig(sms=3, sms_backward=2, kernels=True),
+    )  # fmt: skip
+    out.sum().backward()
+    assert seen == [dict(pull=False, combine="after", side=None)] * 2
+
+
 def test_weight_gradients_into_main_grad_as_the_torch_backend(single_rank):
     """Gradient accumulation fusion: the weight gradients are added into ``main_grad`` (on top of what it
     holds) and autograd gets Megatron's dummy, as the torch experts do."""
@@ -149,19 +178,8 @@ def test_weight_gradients_into_main_grad_as_the_torch_backend(single_rank):
         assert not torch.equal(mg_t, torch.full_like(mg_t, 0.5))
 
 
-def _gpu_why() -> str | None:
-    if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
-        return "needs an sm_90 GPU"
-    try:
-        from mok_megatron.compat import require_quack_tile_gemm
-
-        require_quack_tile_gemm()
-    except ImportError as e:
-        return f"needs QuACK: {e}"
-    return None
-
-
-@pytest.mark.skipif(_gpu_why() is not None, reason=str(_gpu_why()))
+@pytest.mark.gpu
+@needs_sm90_quack
 @pytest.mark.parametrize("topk", [2, 8])
 def test_kernels_match_the_plain_engine_on_gpu(single_rank, topk):
     """bf16, EP = 1: the tile kernels against the plain engine (cuBLAS), QuACK's accumulation order within the

@@ -63,7 +63,7 @@ class MoKTokenDispatcher(MoETokenDispatcher):
         self.engine = engine
         self._plan: DispatchPlan | PipelineCall | None = None
         self.runtime = PipelineRuntime()  # the pipeline's stream, caches and counters (this layer's)
-        self._tile_streams: dict = {}  # the tiles engine's CUDA streams, per device index
+        self._tile_streams: dict = {}  # the tiles engine's weight-gradient stream, per device index
         self.profile: profiling.PhaseProfile | None = None  # set inside profiling.record(model)
 
     @property
@@ -204,24 +204,24 @@ class MoKTokenDispatcher(MoETokenDispatcher):
         plan = self.plan
         weights = (experts.fc1_weight, experts.fc2_weight)
         owners = experts.main_grad_owners()
-        streams = None
-        if self.engine.tiles.kernels:  # the concurrent kernels' side stream, the weight gradients' stream
+        wgrad = None
+        if self.engine.tiles.kernels:  # the backward's weight gradients' stream
             dev = hidden_states.device
             if dev.index not in self._tile_streams:
-                self._tile_streams[dev.index] = (torch.cuda.Stream(dev), torch.cuda.Stream(dev))
-            streams = self._tile_streams[dev.index]
+                self._tile_streams[dev.index] = torch.cuda.Stream(dev)
+            wgrad = self._tile_streams[dev.index]
         with profiling.phase(self.profile, "experts", hidden_states.device):
             if plan.meta is not None:
                 meta = plan.meta
                 probs_TK = probs.gather(1, plan.ids_TK)
                 counts = plan.tokens_per_expert_L
                 return tile_experts(
-                    hidden_states, probs_TK, meta, counts, *weights, self.engine.tiles, owners, streams
+                    hidden_states, probs_TK, meta, counts, *weights, self.engine.tiles, owners, wgrad
                 )
             x_RH, counts, probs_R = F.dispatch(hidden_states, probs, plan)
             meta = row_routes(counts)
             y_RH = tile_experts(
-                x_RH, probs_R[:, None], meta, counts, *weights, self.engine.tiles, owners, streams
+                x_RH, probs_R[:, None], meta, counts, *weights, self.engine.tiles, owners, wgrad
             )
             return F.combine_postprocess(F.token_combine(F.combine_preprocess(y_RH, plan), plan), plan).view(
                 -1, hidden_states.shape[-1]

@@ -1,20 +1,27 @@
 """One layer's expert forward and backward on the tile-level overlap kernels, composed: the waiting grouped GEMM
 (``kernels.tile_gemm``), the pull of exchanged rows into the expert-sorted receive buffer
 (``kernels.tile_pull``) and the completion-driven combine (``kernels.tile_combine``). ``engine.tiles`` runs
-a layer call on it; ``benchmarks/tile_layer.py`` times it against the plain layer.
+a layer call on it (the combine after the GEMM); ``benchmarks/tile_layer.py`` times it against the plain layer
+(the combine after, or beside).
 
 Legend: P source ranks, G local experts, H hidden, F expert FFN width, M received rows (expert-major), T
 tokens, K routes per token (top-k), S counter slots.
 
     forward   fc1 on the waiting GEMM (``SMs - k``) beside the pull of the remote sources' rows (k programs)
-              -> SwiGLU x probability (``kernels.swiglu``, the torch backend's) -> fc2 on the waiting GEMM
-              releasing done counters beside the tile combine (each token's sum over its routes once its row
-              tiles are stored), or fc2 on all SMs, then ``kernels.combine``
+              -> SwiGLU x probability (``kernels.swiglu``, the torch backend's) -> fc2 on all SMs, then
+              ``kernels.combine`` (``combine="after"``), or fc2 on the waiting GEMM releasing done counters
+              beside the tile combine (``"beside"``: each token's sum over its routes once its row tiles are
+              stored)
     backward  fc2's input gradient ``dy @ w2`` on the waiting GEMM beside the pull of the output gradient's
               remote rows -> SwiGLU's backward (the probability gradient too) -> fc1's input gradient
-              ``dh @ w1`` releasing done counters beside the tile combine (the dispatch's adjoint: each
-              token's sum over its routes); the weight gradients ``dy^T a`` and ``dh^T x`` beside them on a
-              third stream or after them
+              ``dh @ w1`` on all SMs, then the combine (the dispatch's adjoint: each token's sum over its
+              routes), or releasing done counters beside the tile combine; the weight gradients ``dy^T a``
+              and ``dh^T x`` beside them on a third stream or after them
+
+The combine beside the GEMM is slower than the GEMM on all SMs followed by the full-device combine at every
+K measured (one H200, forward, counters preset, no pull; ``docs/results/2026-12-03-tile-layer-forward/``):
+a token's routes span all experts, so most tokens are complete only once fc2's last tiles are, and the
+combine's bytes then move on K SMs. The tiles engine holds SMs back only beside a pull.
 
 The rank's own rows (source ``local``) cross no link: they are placed in the receive buffer before the call
 and the arrival counters start from their rows (``LayerPlan.local_counts_S``); the pull moves the other
@@ -357,23 +364,24 @@ def tiles_forward(
     combine: str = "beside",
     side: torch.cuda.Stream | None = None,
 ) -> torch.Tensor:
-    """[T, H]: the tiles layer, on the current stream and ``side`` (the concurrent ops' second stream).
+    """[T, H]: the tiles layer, on the current stream and ``side`` (the concurrent ops' second stream: needed
+    with the kernels for a pull or ``combine="beside"``).
 
     1. arrival counters <- the local rows' counts (``pull``) or fc1's targets (``pull=False``: every row
        must be in ``buf.recv_MH`` already); done <- 0
     2. fc1 on the waiting GEMM (``SMs - k``), beside it the pull of the remote rows (k programs, ``rate``
        bytes/s, 0: unpaced) on ``side``
     3. SwiGLU x probability
-    4. ``combine="beside"``: fc2 on the waiting GEMM (``SMs - k``, its input complete) releasing done
-       counters, beside it the tile combine (k programs) on ``side``; ``"after"``: fc2 on all SMs, then the
-       combine
+    4. ``combine="after"``: fc2 on the tile GEMM on all SMs (its input complete), then the combine on the
+       full device; ``"beside"``: fc2 on the tile GEMM (``SMs - k``) releasing done counters, beside it the
+       tile combine (k programs) on ``side``
     Returns once both streams' work is queued; the result is ready on the current stream."""
     if combine not in COMBINES:
         raise ValueError(f"tiles_forward: combine={combine!r}; it must be one of {', '.join(COMBINES)}")
-    if ops.concurrent and side is None:
+    if ops.concurrent and side is None and (pull or combine == "beside"):
         raise ValueError(
-            "tiles_forward: concurrent kernels need a side stream (side=torch.cuda.Stream()); on one stream a "
-            "waiting kernel launched first waits forever"
+            "tiles_forward: concurrent kernels need a side stream for a pull or combine='beside' "
+            "(side=torch.cuda.Stream()); on one stream a waiting kernel launched first waits forever"
         )
     main = torch.cuda.current_stream() if side is not None else None
     on_side = (lambda: torch.cuda.stream(side)) if side is not None else contextlib.nullcontext
@@ -448,8 +456,9 @@ def tiles_backward(
     side: torch.cuda.Stream | None = None,
     wgrad_stream: torch.cuda.Stream | None = None,
 ) -> Gradients:
-    """The tiles backward, on the current stream, ``side`` (the concurrent ops' second stream) and
-    ``wgrad_stream`` (the weight gradients', ``wgrad="beside"``).
+    """The tiles backward, on the current stream, ``side`` (the concurrent ops' second stream: needed with the
+    kernels for a pull or ``combine="beside"``) and ``wgrad_stream`` (the weight gradients',
+    ``wgrad="beside"``).
 
     1. arrival counters <- the local rows' counts (``pull``) or their targets (``pull=False``: every row of
        the output gradient must be in ``buf.dy_MH`` already); done <- 0
@@ -459,25 +468,27 @@ def tiles_backward(
        the pull has ended: it reads every row, nothing else
     4. SwiGLU's backward (with the probabilities: the probability gradient too); ``"beside"``: fc1's weight
        gradient ``dh^T x`` on ``wgrad_stream`` after it
-    5. ``combine="beside"``: fc1's input gradient ``dh @ w1`` on the tile GEMM (``SMs - k``, nothing to wait
-       on) releasing done counters, beside it the tile combine (k programs) on ``side``: each token's sum over
-       its routes; ``"after"``: fc1's input gradient on all SMs, then the combine
+    5. ``combine="after"``: fc1's input gradient ``dh @ w1`` on the tile GEMM on all SMs (nothing to wait
+       on), then the combine on the full device: each token's sum over its routes; ``"beside"``: the GEMM on
+       ``SMs - k`` releasing done counters, beside it the tile combine (k programs) on ``side``
     6. ``wgrad="after"``: both weight gradients, in turn, on the current stream
     Returns once every stream's work is queued; the results are ready on the current stream."""
     if combine not in COMBINES:
         raise ValueError(f"tiles_backward: combine={combine!r}; it must be one of {', '.join(COMBINES)}")
     if wgrad not in WGRADS:
         raise ValueError(f"tiles_backward: wgrad={wgrad!r}; it must be one of {', '.join(WGRADS)}")
-    if ops.concurrent and (side is None or (wgrad == "beside" and wgrad_stream is None)):
+    if ops.concurrent and (
+        (side is None and (pull or combine == "beside")) or (wgrad == "beside" and wgrad_stream is None)
+    ):
         raise ValueError(
             "tiles_backward: concurrent kernels need a side stream and, with wgrad='beside', a weight-gradient "
-            "stream (side=torch.cuda.Stream(), wgrad_stream=torch.cuda.Stream()); on one stream a waiting "
-            "kernel launched first waits forever"
+            "stream (side=torch.cuda.Stream() for a pull or combine='beside', "
+            "wgrad_stream=torch.cuda.Stream()); on one stream a waiting kernel launched first waits forever"
         )
     offs = plan.fc1.cu_G1[1:]
-    main = torch.cuda.current_stream() if side is not None else None
-    on_side = (lambda: torch.cuda.stream(side)) if side is not None else contextlib.nullcontext
     aside = wgrad == "beside" and wgrad_stream is not None
+    main = torch.cuda.current_stream() if side is not None or aside else None
+    on_side = (lambda: torch.cuda.stream(side)) if side is not None else contextlib.nullcontext
     on_wgrad = (lambda: torch.cuda.stream(wgrad_stream)) if aside else contextlib.nullcontext
     buf.counters_S.copy_(plan.local_counts_S if pull else plan.dgrad2.targets_S)
     buf.done_S.zero_()

@@ -12,16 +12,23 @@ rank, M expert-major rows, S counter slots.
 Where each step runs (``TilesConfig.kernels``, decided when the layer is built):
 
 - kernels: an sm_90 GPU with QuACK (``compat.require_quack_tile_gemm``), bf16 weights, EP = 1. Every row is
-  this rank's, so the arrival counters start at their targets (nothing to pull); fc1 runs on the waiting
-  GEMM, fc2 on it releasing done counters with the tile combine beside it on ``sms`` SMs (another stream),
-  and in the backward fc1's input gradient releasing done counters with the tile combine beside it on
-  ``sms_backward`` SMs, the weight gradients on a third stream.
+  this rank's, so the arrival counters start at their targets (nothing to pull); fc1 and fc2 run on the tile
+  GEMM on all SMs, then the combine on the full device (``kernels.combine``, the plain engine's); in the
+  backward fc2's and fc1's input gradients likewise, then the combine, the weight gradients on a second
+  stream beside them.
 - references: everywhere else (CPU, gloo, EP > 1 across GPUs): the kernels' pure-torch references in order,
   counters preset (no waits); the exchange is the plain engine's. Correct and testable, not fast.
 
-A pull of exchanged rows from peers' buffers into the receive buffer (``kernels.tile_pull``) is what makes
-the engine overlap communication; the transports do not yet expose peer buffers to it, so no layer call
-pulls.
+A pull of exchanged rows from peers' buffers into the receive buffer (``kernels.tile_pull``, on ``sms`` SMs
+beside fc1 and ``sms_backward`` beside fc2's input gradient) is what makes the engine overlap communication;
+the transports do not yet expose peer buffers to it, so no layer call pulls and no SMs are held back.
+
+The combine runs after the GEMM, not beside it on the SMs the GEMM leaves (``kernels.tile_combine``): a
+token's routes span all experts, so most tokens are complete only once fc2's last tiles are, and the
+combine's bytes then move on K SMs. One H200, forward, counters preset, no pull
+(``docs/results/2026-12-03-tile-layer-forward/``), ms at K = 2 / 4 / 8: DeepSeek-V3's EP=32 slice 4.475 /
+4.486 / 4.482 after, 17.32 / 10.63 / 7.28 beside (plain layer 4.502); Qwen3's EP=8 slice 2.000 / 1.904 /
+1.945 after, 19.18 / 10.54 / 6.15 beside (plain 2.136).
 
 Weight gradients follow the torch backend's contract (``experts.main_grad``): with gradient accumulation
 fusion and a ``main_grad``, they are added into it and autograd gets Megatron's dummy; otherwise they are
@@ -46,8 +53,8 @@ from mok_megatron.kernels.routing import RoutingMeta
 class TilesConfig:
     """The tiles engine of one layer, fixed when the layer is built."""
 
-    sms: int  # SMs held back for the tile combine beside the forward's fc2
-    sms_backward: int  # the same beside the backward's fc1 input gradient
+    sms: int  # SMs held back for the pull beside the forward's fc1 (no layer call pulls yet)
+    sms_backward: int  # the same beside the backward's fc2 input gradient
     kernels: bool  # the kernels (sm_90, QuACK, bf16, EP = 1); False: the references, counters preset
     tile: tg.TileConfig = tg.QWEN3  # the GEMMs' tile configuration (one counter layout)
 
@@ -90,12 +97,12 @@ def row_routes(counts_G: torch.Tensor) -> RoutingMeta:
 
 @dataclass(frozen=True)
 class TileCall:
-    """One layer call: its plan, its weights' main-grad owners (None: ordinary gradients), its streams."""
+    """One layer call: its plan, its weights' main-grad owners (None: ordinary gradients), the weight
+    gradients' stream."""
 
     plan: tcomp.LayerPlan
     config: TilesConfig
     owners: tuple  # (fc1's, fc2's) main_grad owners or None
-    side: torch.cuda.Stream | None  # the concurrent kernels' second stream (kernels only)
     wgrad: torch.cuda.Stream | None  # the backward's weight gradients' stream (kernels only)
 
 
@@ -133,10 +140,7 @@ class _TileExperts(torch.autograd.Function):
             counters_S=torch.zeros_like(plan.fc1.targets_S),
             done_S=torch.zeros_like(plan.fc1.targets_S),
         )
-        combine = "beside" if cfg.kernels else "after"
-        out = tcomp.tiles_forward(
-            buf, x, plan, cfg.ops, k=cfg.sms, pull=False, combine=combine, side=call.side
-        )
+        out = tcomp.tiles_forward(buf, x, plan, cfg.ops, k=cfg.sms, pull=False, combine="after")
         ctx.call = call
         ctx.probs_dtype = probs_TK.dtype
         ctx.save_for_backward(recv_MH, buf.h_M2F, probs_M, w1_G2FH, w2_GHF, x_TH)
@@ -177,9 +181,8 @@ class _TileExperts(torch.autograd.Function):
             ops,
             k=cfg.sms_backward,
             pull=False,
-            combine="beside" if cfg.kernels else "after",
+            combine="after",
             wgrad="beside" if cfg.kernels else "after",
-            side=call.side,
             wgrad_stream=call.wgrad,
         )
         dprobs_TK = torch.zeros(live_TK.shape, dtype=ctx.probs_dtype, device=dout_TH.device)
@@ -205,11 +208,12 @@ def tile_experts(
     w2_GHF: torch.Tensor,
     config: TilesConfig,
     owners: tuple = (None, None),
-    streams: tuple | None = None,
+    wgrad_stream: torch.cuda.Stream | None = None,
 ) -> torch.Tensor:
     """[T, H]: each token's sum over its routes (``meta``, rows grouped by expert with ``counts_G`` rows
     each) of fc2(SwiGLU(fc1(x)) x probability). Differentiable in x_TH, probs_TK and the weights.
-    ``streams``: (side, weight gradients), CUDA streams the kernels need (``config.kernels``)."""
+    ``wgrad_stream``: the CUDA stream of the backward's weight gradients, which the kernels need
+    (``config.kernels``)."""
     c_PG = counts_G.reshape(1, -1).long()
     plan = tcomp.layer_plan(
         c_PG,
@@ -219,6 +223,5 @@ def tile_experts(
         config.tile,
         elem_bytes=x_TH.element_size(),
     )
-    side, wgrad = streams if streams is not None else (None, None)
-    call = TileCall(plan, config, tuple(owners), side, wgrad)
+    call = TileCall(plan, config, tuple(owners), wgrad_stream)
     return _TileExperts.apply(x_TH, probs_TK, w1_G2FH, w2_GHF, call)
