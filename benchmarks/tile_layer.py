@@ -11,8 +11,8 @@ One GPU stands in for an EP rank (loopback), one process, per slice of ``tile_ge
     tiles     the waiting fc1 GEMM (``kernels.tile_gemm``, ``SMs - K``, launched first) with the pull
               (``kernels.tile_pull``, K programs, another stream) moving the remote sources' rows into the
               receive buffer at a paced link rate (``--gbps``; 0: unpaced); SwiGLU; fc2 on the waiting GEMM
-              releasing done counters, with ``kernels.tile_combine`` (K programs, launched first, another
-              stream) summing each token once its row tiles are stored (``--combine beside``), or fc2 on all
+              releasing done counters, with ``kernels.tile_combine`` (K programs, another stream, launched
+              after the GEMM) summing each token once its row tiles are stored (``--combine beside``), or fc2 on all
               SMs followed by ``kernels.combine`` (``after``)
     preset    the tiles layer with every arrival counter preset and no pull: the GEMMs' and the combine's own
               cost against plain, apart from any waiting

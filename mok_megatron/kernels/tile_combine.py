@@ -23,8 +23,9 @@ release and this acquire would then be at system scope. On one GPU (loopback) ev
 scope is the GPU.
 
 Launch contract: the combine must run concurrently with the GEMM that releases its counters (another
-stream, launched first, ``programs`` <= the GEMM's ``sms_held_back``), or after it; on the GEMM's own stream
-before it, it waits forever.
+stream, launched after the GEMM so a first-call compile or kernel load cannot leave it spinning alone,
+``programs`` <= the GEMM's ``sms_held_back``), or after it; on the GEMM's own stream before it, it waits
+forever.
 """
 
 from __future__ import annotations
