@@ -4,10 +4,11 @@ kept across steps); the reference feeding tile_gemm's tile-by-tile reference; th
 of the blocks in flight; the Triton kernel against the reference under the interpreter at every tuning of
 ``tile_pull_cases.TUNINGS`` (atomics with ``sem`` included: the interpreter runs them); compiled for sm_90
 without a GPU: vector copies, the barrier before the release, the pipelined loads ahead of the stores, no
-spills at the largest tunings the budget allows; and on an sm_90 GPU the kernel alone (several tunings), then
-beside the waiting GEMM launched first, with and without random per-chunk delays (marked gpu; a watchdog
-subprocess turns a hang into a failure); on any CUDA GPU the kernel reading its sources through
-symmetric-memory peer addresses (a single-rank NCCL group, multicast off)."""
+spills at the largest tunings the budget allows; the benchmark's arguments and tuning combinations; and on an
+sm_90 GPU the kernel alone (several tunings), then beside the waiting GEMM launched first, with and without
+random per-chunk delays (marked gpu; a watchdog subprocess turns a hang into a failure); on any CUDA GPU the
+kernel reading its sources through symmetric-memory peer addresses (a single-rank NCCL group, multicast
+off)."""
 
 from __future__ import annotations
 
@@ -559,6 +560,20 @@ def test_pull_from_symmetric_memory_peer_buffers_gpu():
         (["--k", "0,4"], "every K must be >= 1"),
         (["--k", "x"], "it must be a comma list of integers"),
         (["--gbps", "-1"], "every rate >= 0"),
+        (["--stages", "1,x"], "--stages '1,x'; it must be a comma list of integers"),
+        (
+            ["--stages", "2,5"],
+            "tile_pull: block 65536 warps 16 stages 5: stages=5; it must be an integer in 1",
+        ),
+        (
+            ["--block-bytes", "3000"],
+            "tile_pull: block 3000 warps 16 stages 1: block_bytes=3000; it must be a power",
+        ),
+        (
+            ["--warps", "16,48"],
+            "tile_pull: block 65536 warps 48 stages 1: num_warps=48; it must be 1, 2, 4, 8, 16",
+        ),
+        (["--block-bytes", "262144", "--stages", "2,4"], "every tuning is over the register budget"),
     ],
 )
 def test_benchmark_refuses_bad_arguments_in_one_line(argv, says, capsys):
@@ -566,3 +581,30 @@ def test_benchmark_refuses_bad_arguments_in_one_line(argv, says, capsys):
 
     assert bench.main(argv) == 2
     assert says in capsys.readouterr().err
+
+
+def test_benchmark_tunings_every_combination_labelled():
+    from benchmarks import tile_pull as bench
+
+    # no tuning option: the kernel's defaults, unlabelled (the lines as without a tuning)
+    assert bench.tunings(None, None, None) == (
+        [bench.Tuning(tp.BLOCK_BYTES, tp.NUM_WARPS, tp.STAGES, "")],
+        [],
+    )
+    tunes, skipped = bench.tunings("32768,65536", None, "1,2,4,2")
+    assert [(t.block_bytes, t.num_warps, t.stages) for t in tunes] == [
+        (32768, 16, 1),
+        (32768, 16, 2),
+        (32768, 16, 4),
+        (65536, 16, 1),
+        (65536, 16, 2),
+    ]
+    assert [t.label for t in tunes][-1] == "block 65536 warps 16 stages 2"
+    assert tunes[0].kwargs() == dict(block_bytes=32768, num_warps=16, stages=1)
+    # over the register budget: skipped with the kernel's reason, the others kept
+    assert skipped == [
+        "skipped block 65536 warps 16 stages 4: stages=4 x block_bytes=65536 over num_warps=16 keeps 128 "
+        "registers of data per thread in flight, more than 64; keep stages * block_bytes <= 131072 at "
+        "num_warps=16 (lower stages or block_bytes)"
+    ]
+    assert [t.label for t in bench.tunings(None, "8", None)[0]] == ["block 65536 warps 8 stages 1"]
