@@ -15,6 +15,12 @@ Timed, per slice and K, in one process:
     hidden = 1 - exposed / link
 Every layer run's output is checked against the GEMM with counters preset (bit for bit) before it is timed.
 
+The pull's tuning (``kernels.tile_pull``: --block-bytes, --warps, --stages, each a comma list): every
+combination is timed at every K and rate in the same process, its lines labelled ``block B warps W stages
+S`` and its JSON rows carrying block_bytes, num_warps and stages (the kernel's defaults where not given). A
+combination over the kernel's register budget (``tile_pull.check_tuning``) is skipped with the reason; a
+value the kernel refuses on its own is refused.
+
 A waiting GEMM whose counters never reach their targets never ends: ``--case-timeout`` ends the process
 (status 3) after writing the JSON gathered so far (``tile_gemm_gate.CaseWatchdog``).
 
@@ -22,11 +28,14 @@ Legend: P source ranks, G local experts, H hidden, F expert FFN width, M rows re
 
     python -m benchmarks.tile_pull --json pull.json       # sm_90 (QuACK needed: pip install quack-kernels)
     python -m benchmarks.tile_pull --k 4,8 --gbps 900 --shapes qwen3-ep8
+    python -m benchmarks.tile_pull --k 8,16 --gbps 0 --block-bytes 32768,65536 --stages 1,2,4
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import itertools
 import json
 import sys
 
@@ -35,6 +44,61 @@ import torch
 from benchmarks.tile_gemm_gate import SHAPE_CONFIG, SHAPES, CaseWatchdog, counts_by_source, parse_ks, time_ms
 
 CHUNK_ROWS = 64  # rows per pulled chunk (a chunk of DeepSeek-V3's 7168-wide bf16 rows: 0.9 MB)
+
+
+@dataclasses.dataclass(frozen=True)
+class Tuning:
+    """One combination of the pull's tuning; ``label`` is "" when no tuning option was given (the kernel's
+    defaults, printed as before)."""
+
+    block_bytes: int
+    num_warps: int
+    stages: int
+    label: str
+
+    def kwargs(self) -> dict:
+        return dict(block_bytes=self.block_bytes, num_warps=self.num_warps, stages=self.stages)
+
+
+def parse_ints(flag: str, text: str) -> list[int]:
+    """A comma list of integers, duplicates dropped, in order."""
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"{flag} {text!r}; it must be a comma list of integers, e.g. 1,2,4") from None
+    if not values:
+        raise ValueError(f"{flag} {text!r}; it must name at least one value")
+    return list(dict.fromkeys(values))
+
+
+def tunings(block_bytes: str | None, warps: str | None, stages: str | None) -> tuple[list[Tuning], list[str]]:
+    """Every combination of the comma lists (the kernel's default where a list is None), and one line per
+    combination skipped for the register budget. Raises ValueError for a value the kernel refuses on its own
+    or when every combination is over the budget."""
+    from mok_megatron.kernels import tile_pull as tp
+
+    given = any(x is not None for x in (block_bytes, warps, stages))
+    lists = [
+        parse_ints(flag, text) if text is not None else [default]
+        for flag, text, default in (
+            ("--block-bytes", block_bytes, tp.BLOCK_BYTES),
+            ("--warps", warps, tp.NUM_WARPS),
+            ("--stages", stages, tp.STAGES),
+        )
+    ]
+    out, skipped = [], []
+    for b, w, st in itertools.product(*lists):
+        name = f"block {b} warps {w} stages {st}"
+        tp.check_tuning(b, w, st, op=name, budget=False)
+        try:
+            tp.check_tuning(b, w, st, op=name)
+        except ValueError as e:
+            skipped.append(f"skipped {e}")
+            continue
+        out.append(Tuning(b, w, st, name if given else ""))
+    if not out:
+        raise ValueError(f"every tuning is over the register budget: {'; '.join(skipped)}")
+    return out, skipped
 
 
 def problem(shape: dict, device, chunk_rows: int):
@@ -64,17 +128,13 @@ def problem(shape: dict, device, chunk_rows: int):
     )
 
 
-def sweep_shape(name, a, ks, rates, watchdog, side, rows_out) -> None:
-    """Times one slice at every K and rate, appending one row per (K, rate) to ``rows_out``."""
+def sweep_shape(name, a, ks, rates, tunes, watchdog, side, rows_out) -> None:
+    """Times one slice at every K, tuning and rate, appending one row per (K, tuning, rate) to
+    ``rows_out``."""
     from mok_megatron.kernels import tile_gemm as tg
     from mok_megatron.kernels import tile_pull as tp
 
     dev = torch.device("cuda")
-    tuning = {}
-    if a.block_bytes:
-        tuning["block_bytes"] = a.block_bytes
-    if a.warps:
-        tuning["num_warps"] = a.warps
     shape = dict(SHAPES[name], name=name)
     pr = problem(shape, dev, a.chunk_rows)
     plan, gemm, recv, counters, w = pr["plan"], pr["gemm"], pr["recv"], pr["counters"], pr["w"]
@@ -100,71 +160,80 @@ def sweep_shape(name, a, ks, rates, watchdog, side, rows_out) -> None:
             preset = out.clone()
             gemm_ms = time_ms(gemm_preset, a.iters, a.rounds)
 
-        def pull_alone(k=k):
-            tp.tile_pull(recv, pr["table"], plan, counters.zero_(), programs=k, **tuning)
+        gemm_line = f"GEMM alone {gemm_ms:.3f} ms ({gemm_ms / torch_ms:.3f}x torch)"
+        if tunes[0].label:
+            print(f"  k={k:2d}: {gemm_line}", flush=True)
+        for tune in tunes:
+            at = f" {tune.label}" if tune.label else ""  # "" (defaults): the lines as without a tuning
+            values = dict(tuning=tune.label, **tune.kwargs())
 
-        pull_alone()
-        with watchdog.case(f"{name} k={k} pull alone"):
-            torch.cuda.synchronize()
-            pull_ms = time_ms(pull_alone, a.iters, a.rounds)
-        print(
-            f"  k={k:2d}: GEMM alone {gemm_ms:.3f} ms ({gemm_ms / torch_ms:.3f}x torch), pull alone "
-            f"{pull_ms:.3f} ms = {gb / pull_ms * 1e3:.0f} GB/s",
-            flush=True,
-        )
-        for gbps in rates:
-            rate = gbps * 1e9
+            def pull_alone(k=k, tune=tune):
+                tp.tile_pull(recv, pr["table"], plan, counters.zero_(), programs=k, **tune.kwargs())
 
-            def layer(k=k, out=out, rate=rate):
-                counters.zero_()
-                side.wait_stream(torch.cuda.current_stream())
-                tg.tile_grouped_mm(recv, w, gemm, counters, sms_held_back=k, out=out)  # first: it waits
-                with torch.cuda.stream(side):
-                    tp.tile_pull(recv, pr["table"], plan, counters, programs=k, rate=rate, **tuning)
-                torch.cuda.current_stream().wait_stream(side)
-
-            case = f"{name} k={k} layer at {gbps:g} GB/s"
-            with watchdog.case(case):
-                recv.fill_(float("nan"))
-                layer()
+            pull_alone()
+            with watchdog.case(f"{name} k={k}{at} pull alone"):
                 torch.cuda.synchronize()
-                same = bool(torch.equal(out, preset))
-                if not same:
-                    print(
-                        f"  {case}: output differs from the GEMM with counters preset; not timed",
-                        flush=True,
-                    )
-                    rows_out.append(dict(shape=name, k=k, gbps=gbps, error="output differs"))
-                    continue
-                layer_ms = time_ms(layer, a.iters, a.rounds)
-            link_ms = pr["bytes"] / rate * 1e3 if rate > 0 else pull_ms
-            exposed = layer_ms - gemm_ms
-            row = dict(
-                shape=name,
-                config=repr(pr["config"]),
-                rows=pr["rows"],
-                bytes=pr["bytes"],
-                k=k,
-                gbps=gbps,
-                chunk_rows=a.chunk_rows,
-                torch_ms=torch_ms,
-                gemm_ms=gemm_ms,
-                gemm_ratio=gemm_ms / torch_ms,
-                pull_ms=pull_ms,
-                pull_gbps=gb / pull_ms * 1e3,
-                layer_ms=layer_ms,
-                layer_ratio=layer_ms / torch_ms,
-                exposed_ms=exposed,
-                link_ms=link_ms,
-                hidden=1 - exposed / link_ms,
-            )
-            rows_out.append(row)
+                pull_ms = time_ms(pull_alone, a.iters, a.rounds)
+            pull_line = f"pull alone {pull_ms:.3f} ms = {gb / pull_ms * 1e3:.0f} GB/s"
             print(
-                f"  k={k:2d} {'unpaced' if rate == 0 else f'{gbps:g} GB/s':>9s}: layer {layer_ms:.3f} ms "
-                f"({layer_ms / torch_ms:.3f}x torch), exposed {exposed:.3f} ms of link {link_ms:.3f} ms: "
-                f"hidden {row['hidden']:.1%}",
-                flush=True,
+                f"  k={k:2d}{at}: {pull_line}" if at else f"  k={k:2d}: {gemm_line}, {pull_line}", flush=True
             )
+            for gbps in rates:
+                rate = gbps * 1e9
+
+                def layer(k=k, out=out, rate=rate, tune=tune):
+                    counters.zero_()
+                    side.wait_stream(torch.cuda.current_stream())
+                    tg.tile_grouped_mm(recv, w, gemm, counters, sms_held_back=k, out=out)  # first: it waits
+                    with torch.cuda.stream(side):
+                        tp.tile_pull(
+                            recv, pr["table"], plan, counters, programs=k, rate=rate, **tune.kwargs()
+                        )
+                    torch.cuda.current_stream().wait_stream(side)
+
+                case = f"{name} k={k}{at} layer at {gbps:g} GB/s"
+                with watchdog.case(case):
+                    recv.fill_(float("nan"))
+                    layer()
+                    torch.cuda.synchronize()
+                    same = bool(torch.equal(out, preset))
+                    if not same:
+                        print(
+                            f"  {case}: output differs from the GEMM with counters preset; not timed",
+                            flush=True,
+                        )
+                        rows_out.append(dict(shape=name, k=k, gbps=gbps, **values, error="output differs"))
+                        continue
+                    layer_ms = time_ms(layer, a.iters, a.rounds)
+                link_ms = pr["bytes"] / rate * 1e3 if rate > 0 else pull_ms
+                exposed = layer_ms - gemm_ms
+                row = dict(
+                    shape=name,
+                    config=repr(pr["config"]),
+                    rows=pr["rows"],
+                    bytes=pr["bytes"],
+                    k=k,
+                    gbps=gbps,
+                    chunk_rows=a.chunk_rows,
+                    **values,
+                    torch_ms=torch_ms,
+                    gemm_ms=gemm_ms,
+                    gemm_ratio=gemm_ms / torch_ms,
+                    pull_ms=pull_ms,
+                    pull_gbps=gb / pull_ms * 1e3,
+                    layer_ms=layer_ms,
+                    layer_ratio=layer_ms / torch_ms,
+                    exposed_ms=exposed,
+                    link_ms=link_ms,
+                    hidden=1 - exposed / link_ms,
+                )
+                rows_out.append(row)
+                print(
+                    f"  k={k:2d}{at} {'unpaced' if rate == 0 else f'{gbps:g} GB/s':>9s}: layer {layer_ms:.3f} "
+                    f"ms ({layer_ms / torch_ms:.3f}x torch), exposed {exposed:.3f} ms of link {link_ms:.3f} "
+                    f"ms: hidden {row['hidden']:.1%}",
+                    flush=True,
+                )
 
 
 def main(argv=None) -> int:
@@ -173,8 +242,9 @@ def main(argv=None) -> int:
     p.add_argument("--k", default="2,4,8,16", help="SMs that pull (held back from the GEMM), a comma list")
     p.add_argument("--gbps", default="900,450,0", help="paced link rates in GB/s, a comma list; 0: unpaced")
     p.add_argument("--chunk-rows", type=int, default=CHUNK_ROWS)
-    p.add_argument("--block-bytes", type=int, default=None, help="bytes one program moves per step")
-    p.add_argument("--warps", type=int, default=None, help="warps per pulling program")
+    p.add_argument("--block-bytes", default=None, help="bytes per block (a power of two), a comma list")
+    p.add_argument("--warps", default=None, help="warps per pulling program, a comma list")
+    p.add_argument("--stages", default=None, help="blocks in flight per pulling program, a comma list")
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--case-timeout", type=float, default=120.0, help="seconds per case; 0: no limit")
@@ -183,6 +253,7 @@ def main(argv=None) -> int:
     try:
         ks = parse_ks(a.k)
         rates = [float(x) for x in a.gbps.split(",") if x.strip()]
+        tunes, skipped = tunings(a.block_bytes, a.warps, a.stages)
     except ValueError as e:
         print(f"tile_pull: {e}", file=sys.stderr)
         return 2
@@ -196,12 +267,16 @@ def main(argv=None) -> int:
             f"tile_pull: --k {a.k} --gbps {a.gbps}; every K must be >= 1 and every rate >= 0", file=sys.stderr
         )
         return 2
+    for line in skipped:
+        print(f"tile_pull: {line}", flush=True)
     if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
         print("tile_pull: needs an sm_90 GPU (QuACK's sm_90 kernels); none here", file=sys.stderr)
         return 2
     dev = torch.device("cuda")
     rows_out: list[dict] = []
     result = dict(device=torch.cuda.get_device_name(dev), argv=sys.argv[1:] if argv is None else argv)
+    if skipped:
+        result["skipped"] = skipped
 
     def write(incomplete=None) -> str:
         if not a.json:
@@ -214,7 +289,7 @@ def main(argv=None) -> int:
     side = torch.cuda.Stream()
 
     for name in shapes:
-        sweep_shape(name, a, ks, rates, watchdog, side, rows_out)
+        sweep_shape(name, a, ks, rates, tunes, watchdog, side, rows_out)
         torch.cuda.empty_cache()
     write()
     return 0

@@ -1,17 +1,23 @@
 """kernels.tile_pull: the pull plan as pure functions (hand-worked and against brute force: layouts, expert-major
 order, chunks across counter slots, empty experts and sources, releases equal to the GEMM's targets, counters
-kept across steps); the reference feeding tile_gemm's tile-by-tile reference; the errors; the Triton kernel
-against the reference under the interpreter (atomics with ``sem`` included: the interpreter runs them); and
-on an sm_90 GPU the kernel alone, then beside the waiting GEMM launched first, with and without random
-per-chunk delays (marked gpu; a watchdog subprocess turns a hang into a failure); on any CUDA GPU the kernel
-reading its sources through symmetric-memory peer addresses (a single-rank NCCL group, multicast off)."""
+kept across steps); the reference feeding tile_gemm's tile-by-tile reference; the errors; the register budget
+of the blocks in flight; the Triton kernel against the reference under the interpreter at every tuning of
+``tile_pull_cases.TUNINGS`` (atomics with ``sem`` included: the interpreter runs them); compiled for sm_90
+without a GPU: vector copies, the barrier before the release, the pipelined loads ahead of the stores, no
+spills at the largest tunings the budget allows; the benchmark's arguments and tuning combinations; and on an
+sm_90 GPU the kernel alone (several tunings), then beside the waiting GEMM launched first, with and without
+random per-chunk delays (marked gpu; a watchdog subprocess turns a hang into a failure); on any CUDA GPU the
+kernel reading its sources through symmetric-memory peer addresses (a single-rank NCCL group, multicast
+off)."""
 
 from __future__ import annotations
 
 import os
+import re
 import socket
 import subprocess
 import sys
+import tempfile
 import textwrap
 from pathlib import Path
 
@@ -22,7 +28,7 @@ from mok_megatron.compat import have_triton
 from mok_megatron.kernels import tile_gemm as tg
 from mok_megatron.kernels import tile_pull as tp
 from tests.interpret import interpreted
-from tests.tile_pull_cases import CPU_CASES, GPU_CONCURRENT, ONE, SMALL, sources_for
+from tests.tile_pull_cases import CPU_RUNS, GPU_CONCURRENT, ONE, SMALL, sources_for
 from tests.harness.gpu import needs_sm90_quack
 
 REPO = Path(__file__).resolve().parent.parent
@@ -243,28 +249,39 @@ def interpreted_results():
     return interpreted(list(INTERPRETED_RUN))
 
 
-@pytest.mark.parametrize("name", [c[0] for c in CPU_CASES])
+@pytest.mark.parametrize("name", list(CPU_RUNS))
 def test_triton_interpreted_pull_equals_reference(name, interpreted_results):
     assert interpreted_results[name] == "ok", interpreted_results[name]
 
 
 # ---- the kernel compiles for sm_90 without a GPU ----------------------------------------------------------
 
-
-@pytest.mark.skipif(
+needs_ptxas = pytest.mark.skipif(
     not have_triton() or os.environ.get("TRITON_INTERPRET") == "1", reason="needs compiled Triton"
 )
-@pytest.mark.parametrize("aligned", [True, False])
-@pytest.mark.parametrize("paced", [False, True])
-def test_kernel_compiles_for_sm90_with_barrier_then_release(aligned, paced):
+
+
+def _ptxas() -> Path:
+    import triton
+
+    path = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
+    if not path.exists():
+        pytest.skip("this Triton has no bundled ptxas")
+    return path
+
+
+def _compile_sm90(aligned=True, paced=False, num_warps=4, **constexprs) -> str:
+    """The kernel's PTX for sm_90 with every pointer and W 16-byte aligned as a launch specialises them."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
+    _ptxas()
     fn = tp._pull_kernel
-    if not (Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas").exists():
-        pytest.skip("this Triton has no bundled ptxas")
-    constexprs = dict(TILE_M=128, ELEM=8, ALIGNED=aligned, PACE=paced, DELAY=paced, BLOCK_R=2, BLOCK_W=1024)
+    constexprs = dict(
+        dict(TILE_M=128, ELEM=8, ALIGNED=aligned, PACE=paced, DELAY=paced, BLOCK_R=2, BLOCK_W=1024, STAGES=1),
+        **constexprs,
+    )
     ptrs = dict(recv_ptr="*i64", table_ptr="*i64", tasks_ptr="*i32", counters_ptr="*i32", delays_ptr="*i64")
     sig = {
         n: "constexpr" if n in constexprs else ptrs.get(n, "fp32" if n == "ns_per_byte" else "i32")
@@ -273,16 +290,104 @@ def test_kernel_compiles_for_sm90_with_barrier_then_release(aligned, paced):
     div16 = [["tt.divisibility", 16]]  # what a launch specialises: 16-byte pointers, W % 16 == 0
     names = ("recv_ptr", "table_ptr", "tasks_ptr", "counters_ptr", "delays_ptr", "W")
     attrs = {(fn.arg_names.index(n),): div16 for n in names}
-    ptx = triton.compile(
-        ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs), target=GPUTarget("cuda", 90, 32)
-    ).asm["ptx"]
+    src = ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=num_warps)).asm["ptx"]
+
+
+@needs_ptxas
+@pytest.mark.parametrize("stages", [1, 2, 4])
+@pytest.mark.parametrize("aligned", [True, False])
+@pytest.mark.parametrize("paced", [False, True])
+def test_kernel_compiles_for_sm90_with_barrier_then_release(aligned, paced, stages):
+    ptx = _compile_sm90(aligned, paced, STAGES=stages)
     # stores everywhere vectorized; the source loads only with the alignment hint
     assert "st.global.v2.b64" in ptx
     assert ("ld.global.L1::evict_first.L2::cache_hint.v2.b64" in ptx) == aligned
     # the CTA's stores, a barrier, then one thread's release at GPU scope for each slot
     release = ptx.index("atom.global.gpu.release.add.u32")
     assert "bar.sync" in ptx[:release]
+    assert ptx.rindex("st.global.v2.b64") < release
     assert ("%globaltimer" in ptx) == paced
+
+
+@needs_ptxas
+@pytest.mark.parametrize("stages", [1, 2, 3, 4])
+def test_pipelined_kernel_loads_the_next_blocks_before_a_store_sm90(stages):
+    # a block of 2 x 1024 words over 4 warps: 8 vector loads and 8 vector stores per thread; with S stages the
+    # code holds S blocks' loads (S - 1 before the loop, one in it), all ahead of the first store
+    ptx = _compile_sm90(STAGES=stages)
+    vector = "ld.global.L1::evict_first.L2::cache_hint.v2.b64"
+    loads = [i for i in range(len(ptx)) if ptx.startswith(vector, i)]
+    assert len(loads) == 8 * stages and ptx.count("st.global.v2.b64") == 8
+    assert loads[-1] < ptx.index("st.global.v2.b64")
+
+
+@needs_ptxas
+@pytest.mark.parametrize("num_warps", [4, 8, 16, 32])
+@pytest.mark.parametrize("stages", [1, 2, 4])
+def test_largest_allowed_tuning_compiles_without_spills_sm90(num_warps, stages):
+    # DeepSeek-V3's rows (7168 bf16: 1792 int64 words, blocks of 2048 words) at the largest block_bytes that
+    # check_tuning allows for these warps and stages: ptxas keeps every block in registers; twice that block
+    # is refused
+    block_bytes = max(
+        b
+        for b in (2**i for i in range(10, 20))
+        if tp.data_registers(b, num_warps, stages) <= tp.register_limit(num_warps)
+    )
+    tp.check_tuning(block_bytes, num_warps, stages)
+    with pytest.raises(ValueError, match="registers of data per thread"):
+        tp.check_tuning(2 * block_bytes, num_warps, stages)
+    block_w = min(2048, block_bytes // 8)
+    ptx = _compile_sm90(
+        num_warps=num_warps, STAGES=stages, BLOCK_R=block_bytes // (8 * block_w), BLOCK_W=block_w
+    )
+    with tempfile.TemporaryDirectory() as d:
+        path = Path(d) / "pull.ptx"
+        path.write_text(ptx)
+        r = subprocess.run(
+            [str(_ptxas()), "-arch=sm_90a", "-v", str(path), "-o", str(path.with_suffix(".cubin"))],
+            capture_output=True,
+            text=True,
+        )
+    assert r.returncode == 0, r.stderr[-2000:]
+    spills = re.search(r"(\d+) bytes spill stores", r.stderr)
+    assert spills and spills.group(1) == "0", r.stderr[-2000:]
+
+
+def test_register_budget_hand_worked():
+    # 64 KiB over 16 warps (512 threads): 128 bytes, 32 registers of data per thread; a thread's share of
+    # the SM's 65536 registers is 128, half of it 64: at most 128 KiB in flight from 8 warps up (at most 128
+    # registers of data), 64 KiB at 4 warps
+    assert tp.data_registers(65536, 16, 1) == 32 and tp.data_registers(65536, 16, 2) == 64
+    assert [tp.register_limit(w) for w in (1, 2, 4, 8, 16, 32)] == [128, 128, 128, 128, 64, 32]
+    for warps, most in ((4, 65536), (8, 131072), (16, 131072), (32, 131072)):
+        tp.check_tuning(most // 4, warps, 4)
+        tp.check_tuning(most, warps, 1)
+        with pytest.raises(ValueError):
+            tp.check_tuning(most, warps, 2)
+    tp.check_tuning(tp.BLOCK_BYTES, tp.NUM_WARPS, tp.STAGES)  # the defaults
+
+
+def test_tuning_errors_name_the_value_and_fix():
+    plan, bufs, recv, counters = _small()
+    table = tp.source_table(bufs)
+    with pytest.raises(ValueError, match=r"^tile_pull: stages=5; it must be an integer in 1 \.\. 4"):
+        tp.tile_pull(recv, table, plan, counters, programs=2, stages=5)
+    with pytest.raises(ValueError, match=r"^tile_pull: stages=0; it must be an integer in 1 \.\. 4"):
+        tp.tile_pull(recv, table, plan, counters, programs=2, stages=0)
+    with pytest.raises(ValueError, match=r"^tile_pull: block_bytes=49152; it must be a power of two"):
+        tp.tile_pull(recv, table, plan, counters, programs=2, block_bytes=49152)
+    with pytest.raises(ValueError, match=r"^tile_pull: num_warps=64; it must be 1, 2, 4, 8, 16 or 32"):
+        tp.tile_pull(recv, table, plan, counters, programs=2, num_warps=64)
+    with pytest.raises(
+        ValueError,
+        match=r"^tile_pull: stages=4 x block_bytes=65536 over num_warps=16 keeps 128 registers of data per "
+        r"thread in flight, more than 64; keep stages \* block_bytes <= 131072 at num_warps=16 \(lower "
+        r"stages or block_bytes\)$",
+    ):
+        tp.tile_pull(recv, table, plan, counters, programs=2, stages=4)
+    # the budget can be left out (a sweep skips such combinations instead)
+    tp.check_tuning(65536, 16, 4, budget=False)
 
 
 # ---- GPU ---------------------------------------------------------------------------------------------------
@@ -300,7 +405,12 @@ GPU_TIMEOUT_S = 300  # QuACK compiles its kernel once (tens of seconds); a hang 
 @needs_cuda
 @pytest.mark.parametrize("programs", [1, 3, 8, 16])
 @pytest.mark.parametrize("width,dtype", [(7168, torch.bfloat16), (2048, torch.bfloat16), (36, torch.float32)])
-def test_pull_alone_equals_reference_gpu(programs, width, dtype):
+@pytest.mark.parametrize(
+    "tuning",
+    [{}, dict(stages=2), dict(stages=4, block_bytes=32768), dict(stages=3, block_bytes=4096, num_warps=8)],
+    ids=["default", "stages2", "stages4-block32k", "stages3-block4k-warps8"],
+)
+def test_pull_alone_equals_reference_gpu(programs, width, dtype, tuning):
     c = _random_counts(8, 6, seed=programs, zero_frac=0.2, most=90)
     rows = int(c.sum()) + 5
     plan = tp.pull_plan(c.cuda(), rows, tg.DEEPSEEK, 48, src_row0_P=torch.arange(8, device="cuda") * 3)
@@ -309,7 +419,7 @@ def test_pull_alone_equals_reference_gpu(programs, width, dtype):
     counters = torch.full((plan.slots,), 5, dtype=torch.int32, device="cuda")
     want, want_counters = recv.clone(), counters.clone()
     tp.pull_reference(want, bufs, plan, want_counters)
-    tp.tile_pull(recv, tp.source_table(bufs), plan, counters, programs=programs)
+    tp.tile_pull(recv, tp.source_table(bufs), plan, counters, programs=programs, **tuning)
     torch.cuda.synchronize()
     assert torch.equal(recv, want)
     assert torch.equal(counters, want_counters)
@@ -450,6 +560,20 @@ def test_pull_from_symmetric_memory_peer_buffers_gpu():
         (["--k", "0,4"], "every K must be >= 1"),
         (["--k", "x"], "it must be a comma list of integers"),
         (["--gbps", "-1"], "every rate >= 0"),
+        (["--stages", "1,x"], "--stages '1,x'; it must be a comma list of integers"),
+        (
+            ["--stages", "2,5"],
+            "tile_pull: block 65536 warps 16 stages 5: stages=5; it must be an integer in 1",
+        ),
+        (
+            ["--block-bytes", "3000"],
+            "tile_pull: block 3000 warps 16 stages 1: block_bytes=3000; it must be a power",
+        ),
+        (
+            ["--warps", "16,48"],
+            "tile_pull: block 65536 warps 48 stages 1: num_warps=48; it must be 1, 2, 4, 8, 16",
+        ),
+        (["--block-bytes", "262144", "--stages", "2,4"], "every tuning is over the register budget"),
     ],
 )
 def test_benchmark_refuses_bad_arguments_in_one_line(argv, says, capsys):
@@ -457,3 +581,30 @@ def test_benchmark_refuses_bad_arguments_in_one_line(argv, says, capsys):
 
     assert bench.main(argv) == 2
     assert says in capsys.readouterr().err
+
+
+def test_benchmark_tunings_every_combination_labelled():
+    from benchmarks import tile_pull as bench
+
+    # no tuning option: the kernel's defaults, unlabelled (the lines as without a tuning)
+    assert bench.tunings(None, None, None) == (
+        [bench.Tuning(tp.BLOCK_BYTES, tp.NUM_WARPS, tp.STAGES, "")],
+        [],
+    )
+    tunes, skipped = bench.tunings("32768,65536", None, "1,2,4,2")
+    assert [(t.block_bytes, t.num_warps, t.stages) for t in tunes] == [
+        (32768, 16, 1),
+        (32768, 16, 2),
+        (32768, 16, 4),
+        (65536, 16, 1),
+        (65536, 16, 2),
+    ]
+    assert [t.label for t in tunes][-1] == "block 65536 warps 16 stages 2"
+    assert tunes[0].kwargs() == dict(block_bytes=32768, num_warps=16, stages=1)
+    # over the register budget: skipped with the kernel's reason, the others kept
+    assert skipped == [
+        "skipped block 65536 warps 16 stages 4: stages=4 x block_bytes=65536 over num_warps=16 keeps 128 "
+        "registers of data per thread in flight, more than 64; keep stages * block_bytes <= 131072 at "
+        "num_warps=16 (lower stages or block_bytes)"
+    ]
+    assert [t.label for t in bench.tunings(None, "8", None)[0]] == ["block 65536 warps 8 stages 1"]

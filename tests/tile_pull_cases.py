@@ -2,8 +2,9 @@
 GPU runs that need a watchdog (a waiting GEMM whose counters never reach their targets never ends, so those
 run in a subprocess with a timeout).
 
-    python -m tests.tile_pull_cases --json OUT                  the kernel against pull_reference, CPU cases
-                                                               (under TRITON_INTERPRET=1: {name: "ok" | error})
+    python -m tests.tile_pull_cases --json OUT                  the kernel against pull_reference, CPU cases,
+                                                               each at every tuning of TUNINGS (under
+                                                               TRITON_INTERPRET=1: {name: "ok" | error})
     python -m tests.tile_pull_cases --gpu-concurrent NAME       one pull + waiting GEMM case on the GPU; prints
                                                                "ok" or raises
 
@@ -37,9 +38,11 @@ def sources_for(c_PG, width, dtype, device, src_row0_P=None, seed=0, spare=3):
     return bufs
 
 
-def run_case(c, width, dtype, device, chunk_rows, config, programs, spare_rows=5, src_row0=None, start=0):
-    """The kernel and the reference on the same plan; returns (recv, counters, want recv, want counters,
-    plan)."""
+def run_case(
+    c, width, dtype, device, chunk_rows, config, programs, spare_rows=5, src_row0=None, start=0, tuning=None
+):
+    """The kernel (with ``tuning``: tile_pull's block_bytes / num_warps / stages) and the reference on the
+    same plan; returns (recv, counters, want recv, want counters, plan)."""
     c_PG = torch.tensor(c, dtype=torch.int64, device=device)
     rows = int(c_PG.sum()) + spare_rows
     s0 = None if src_row0 is None else torch.tensor(src_row0, device=device)
@@ -49,7 +52,7 @@ def run_case(c, width, dtype, device, chunk_rows, config, programs, spare_rows=5
     counters = torch.full((plan.slots,), start, dtype=torch.int32, device=device)
     want, want_counters = recv.clone(), counters.clone()
     tp.pull_reference(want, bufs, plan, want_counters)
-    tp.tile_pull(recv, tp.source_table(bufs), plan, counters, programs=programs)
+    tp.tile_pull(recv, tp.source_table(bufs), plan, counters, programs=programs, **(tuning or {}))
     return recv, counters, want, want_counters, plan
 
 
@@ -69,9 +72,35 @@ CPU_CASES = [
 ]  # fmt: skip
 
 
-def check_cpu_case(name, c, width, dtype, chunk_rows, config, programs, src_row0, start):
+# every case again with blocks of a few bytes, so that a chunk is several blocks (row blocks, and words
+# within a row where a row is wider than a block, the last one partly masked at odd widths) and the pipelined copies (stages > 1) run their prologue,
+# their steady state and loads past a chunk's last block; the default block (one block per chunk here) with
+# stages > 1 runs the prologue alone. Suffix -> tile_pull's tuning.
+TUNINGS = {
+    "": {},
+    "stages1-block16": dict(stages=1, block_bytes=16),
+    "stages2": dict(stages=2),
+    "stages2-block16": dict(stages=2, block_bytes=16),
+    "stages2-block4": dict(stages=2, block_bytes=4),
+    "stages3-block16": dict(stages=3, block_bytes=16),
+    "stages4-block16": dict(stages=4, block_bytes=16),
+    "stages3-block64": dict(stages=3, block_bytes=64),
+    "stages4-block32-warps4": dict(stages=4, block_bytes=32, num_warps=4),
+}
+
+
+def case_name(name: str, suffix: str) -> str:
+    return f"{name}/{suffix}" if suffix else name
+
+
+CPU_RUNS = {
+    case_name(case[0], suffix): (case, tuning) for case in CPU_CASES for suffix, tuning in TUNINGS.items()
+}
+
+
+def check_cpu_case(name, c, width, dtype, chunk_rows, config, programs, src_row0, start, tuning=None):
     recv, counters, want, want_counters, plan = run_case(
-        c, width, dtype, "cpu", chunk_rows, config, programs, src_row0=src_row0, start=start
+        c, width, dtype, "cpu", chunk_rows, config, programs, src_row0=src_row0, start=start, tuning=tuning
     )
     assert torch.equal(recv, want), f"{name}: received rows differ from pull_reference"
     assert torch.equal(counters, want_counters), (
@@ -83,18 +112,18 @@ def check_cpu_case(name, c, width, dtype, chunk_rows, config, programs, src_row0
 
 def run_cpu_cases() -> dict:
     res = {}
-    for case in CPU_CASES:
+    for name, (case, tuning) in CPU_RUNS.items():
         try:
-            check_cpu_case(*case)
-            res[case[0]] = "ok"
+            check_cpu_case(name, *case[1:], tuning=tuning)
+            res[name] = "ok"
         except Exception as e:  # reported per case
-            res[case[0]] = f"{type(e).__name__}: {e}\n{traceback.format_exc()[-1500:]}"
+            res[name] = f"{type(e).__name__}: {e}\n{traceback.format_exc()[-1500:]}"
     return res
 
 
 # ---- GPU: pull + waiting GEMM concurrently -----------------------------------------------------------------
 
-# (counts [P][G], hidden, n, config name, K programs/SMs held back, chunk_rows, delays)
+# (counts [P][G], hidden, n, config name, K programs/SMs held back, chunk_rows, delays[, tile_pull tuning])
 GPU_CONCURRENT = {
     "qwen3-k4": ([[70, 0, 1, 130, 33, 16], [200, 0, 0, 300, 2, 16], [30, 0, 0, 87, 94, 32]], 256, 448, "QWEN3",
                  4, 48, False),
@@ -104,6 +133,10 @@ GPU_CONCURRENT = {
                         "QWEN3", 2, 32, True),
     "deepseek-k8-delays": ([[17, 300, 0, 5], [260, 0, 40, 9], [1, 2, 3, 4], [90, 90, 90, 90]], 512, 512,
                            "DEEPSEEK", 8, 40, True),
+    "deepseek-k8-stages2-delays": ([[17, 300, 0, 5], [260, 0, 40, 9], [1, 2, 3, 4], [90, 90, 90, 90]], 512, 512,
+                                   "DEEPSEEK", 8, 40, True, dict(stages=2, block_bytes=1024)),
+    "qwen3-k4-stages4": ([[70, 0, 1, 130, 33, 16], [200, 0, 0, 300, 2, 16], [30, 0, 0, 87, 94, 32]], 256, 448,
+                         "QWEN3", 4, 48, False, dict(stages=4, block_bytes=512, num_warps=4)),
 }  # fmt: skip
 
 
@@ -113,7 +146,7 @@ def gpu_concurrent(name: str) -> None:
     (bit for bit) and torch._grouped_mm (BF16 tolerance), with no NaN (no tile loaded before its rows)."""
     from mok_megatron.kernels.link_delay import spin_ns
 
-    counts, hidden, n, config_name, k, chunk_rows, delays = GPU_CONCURRENT[name]
+    counts, hidden, n, config_name, k, chunk_rows, delays, *tuning = GPU_CONCURRENT[name]
     cfg = getattr(tg, config_name)
     dev = torch.device("cuda")
     c_PG = torch.tensor(counts, device=dev)
@@ -142,7 +175,9 @@ def gpu_concurrent(name: str) -> None:
     tg.tile_grouped_mm(recv, w, gemm, counters, sms_held_back=k, out=out)  # first: it waits for the pull
     with torch.cuda.stream(side):
         spin_ns(1_000_000, dev)  # the GEMM is resident and waiting before the first row lands
-        tp.tile_pull(recv, table, plan, counters, programs=k, delays_C=delay_C)
+        tp.tile_pull(
+            recv, table, plan, counters, programs=k, delays_C=delay_C, **(tuning[0] if tuning else {})
+        )
     torch.cuda.synchronize()
     assert torch.equal(counters, gemm.targets_S), "final counters differ from the GEMM's targets"
     end = int(plan.offs_G[-1])

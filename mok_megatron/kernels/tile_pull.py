@@ -43,6 +43,14 @@ Sync-free: ``pull_plan`` runs on the device of ``c_PG`` with shapes fixed by hos
 ``chunk_rows``): the table has ``chunk_capacity`` rows, those past the last chunk move 0 rows. The total of
 ``c_PG`` must not exceed ``rows`` (as ``tile_gemm``'s plans assume); the kernel never stores past row M.
 
+Blocks in flight. A program copies a chunk in blocks of at most ``block_bytes`` (``BLOCK_R`` rows of
+``BLOCK_W`` words), each a load of the whole block into registers, then its store. With ``stages`` S > 1 the
+blocks of a chunk are software-pipelined: the loads of the next S - 1 blocks are issued before the current
+block is stored, so S blocks are in flight while the stores go out, rather than one block and a drained
+pipeline per step. The pipeline stays within a chunk: its last store precedes the chunk's barrier and release
+as with S = 1, and the pacing and delays before a chunk are unchanged. ``check_tuning`` bounds
+S * ``block_bytes`` by the registers a thread has.
+
 Pacing (GPU only: the interpreter has no inline assembly). With ``rate`` bytes/s, each program paces its own
 share at ``rate / K``: before a chunk it spins on ``%globaltimer`` until ``t0 + (its bytes so far, this chunk
 included) * K / rate`` (``t0``: the program's start), so no chunk is released before an emulated link of that
@@ -60,11 +68,24 @@ import torch
 from mok_megatron.kernels import INTERPRETED, next_pow2, tl, triton
 from mok_megatron.kernels.tile_gemm import TileConfig, slot_base, slot_capacity
 
-# one program's load-then-store step: 64 KiB in flight over 16 warps (32 registers of data per thread); an
-# SM's copy rate is bounded by its bytes in flight over the load latency (benchmarks.tile_pull --block-bytes
-# and --warps sweep both; not yet measured)
+# one program's load-then-store step: 64 KiB over 16 warps (32 registers of data per thread), one block in
+# flight (STAGES 1); measured on one H200 (benchmarks.tile_pull, unpaced) ~39 GB/s per program, linear in K:
+# an SM's copy rate is about its bytes in flight over the load latency. ``stages`` keeps more blocks in flight
+# (benchmarks.tile_pull sweeps --block-bytes, --warps and --stages)
 BLOCK_BYTES = 65536
 NUM_WARPS = 16
+STAGES = 1
+MAX_STAGES = 4
+# the register budget of the blocks in flight: one program is one CTA on its SM, so a thread's share of the
+# SM's register file is REGISTERS_PER_SM / (32 * num_warps); the data in flight may take half of it, and at
+# most MAX_DATA_REGISTERS: at most 128 KiB in flight from 8 warps up. The addresses, masks and indices take
+# about as much again: compiled for sm_90 (ptxas) at DeepSeek-V3's rows (7168 bf16), 64 KiB over 16 warps
+# takes 64 registers per thread, 128 KiB 128, two stages of 64 KiB 122, none spilling (nor any combination
+# within the budget with blocks of 16 KiB or more); 256 KiB over 16 warps, or 128 KiB over 32 warps at two
+# stages, spills. At Qwen3's rows (2048) three within the budget spill 4-72 bytes (128 KiB over 8 or 16
+# warps, four stages of 16 KiB over 16).
+REGISTERS_PER_SM = 65536
+MAX_DATA_REGISTERS = 128
 
 # the table's columns
 SOURCE, EXPERT, SRC_ROW, DST_ROW, ROWS, SLOT, SLOT_ROW = range(7)
@@ -253,8 +274,32 @@ def _globaltimer():
     )
 
 
+def _block_mask(n, M, W, dst0, b, nw, BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr):
+    """Block ``b`` of a chunk cut into ``nw`` blocks per row block: its rows, words, and mask."""
+    rb = b // nw
+    r = rb * BLOCK_R + tl.arange(0, BLOCK_R)
+    w = (b - rb * nw) * BLOCK_W + tl.arange(0, BLOCK_W)
+    mask = ((r < n) & (dst0 + r < M))[:, None] & (w < W)[None, :]
+    return r, w, mask
+
+
+def _block_load(src_ptr, src0, dst0, n, M, W, b, nw, BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr):
+    """Block ``b`` of a chunk, loaded (past the chunk's last block its rows are past ``n``: nothing read)."""
+    r, w, mask = _block_mask(n, M, W, dst0, b, nw, BLOCK_R, BLOCK_W)
+    src = src_ptr + ((src0 + r) * W)[:, None] + w[None, :]
+    return tl.load(src, mask=mask, eviction_policy="evict_first")
+
+
+def _block_store(recv_ptr, v, dst0, n, M, W, b, nw, BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr):
+    r, w, mask = _block_mask(n, M, W, dst0, b, nw, BLOCK_R, BLOCK_W)
+    tl.store(recv_ptr + ((dst0 + r) * W)[:, None] + w[None, :], v, mask=mask)
+
+
 if triton is not None:
     _globaltimer = triton.jit(_globaltimer)
+    _block_mask = triton.jit(_block_mask)
+    _block_load = triton.jit(_block_load)
+    _block_store = triton.jit(_block_store)
 
     def _jit(fn):
         # one compiled kernel for every rate (Triton would specialise a float or int argument's value)
@@ -283,6 +328,7 @@ def _pull_kernel(
     DELAY: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_W: tl.constexpr,
+    STAGES: tl.constexpr,  # blocks in flight (1: load a block, store it, then the next)
 ):
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
@@ -319,18 +365,41 @@ def _pull_kernel(
                 src_ptr = recv_ptr + delta
             else:
                 src_ptr = base.to(tl.pointer_type(recv_ptr.dtype.element_ty))
-            for r0 in range(0, n, BLOCK_R):
-                r = r0 + tl.arange(0, BLOCK_R)
-                ok = (r < n) & (dst0 + r < M)
-                src_row = (src0 + r) * W
-                dst_row = (dst0 + r) * W
-                for w0 in range(0, W, BLOCK_W):
-                    w = w0 + tl.arange(0, BLOCK_W)
-                    mask = ok[:, None] & (w < W)[None, :]
-                    v = tl.load(
-                        src_ptr + src_row[:, None] + w[None, :], mask=mask, eviction_policy="evict_first"
-                    )
-                    tl.store(recv_ptr + dst_row[:, None] + w[None, :], v, mask=mask)
+            if STAGES == 1:
+                for r0 in range(0, n, BLOCK_R):
+                    r = r0 + tl.arange(0, BLOCK_R)
+                    ok = (r < n) & (dst0 + r < M)
+                    src_row = (src0 + r) * W
+                    dst_row = (dst0 + r) * W
+                    for w0 in range(0, W, BLOCK_W):
+                        w = w0 + tl.arange(0, BLOCK_W)
+                        mask = ok[:, None] & (w < W)[None, :]
+                        v = tl.load(
+                            src_ptr + src_row[:, None] + w[None, :], mask=mask, eviction_policy="evict_first"
+                        )
+                        tl.store(recv_ptr + dst_row[:, None] + w[None, :], v, mask=mask)
+            else:
+                # the chunk's blocks in one sequence (row block by row block, words within): block b + S - 1
+                # is loaded before block b is stored; loads past the last block are masked off (rows >= n)
+                nw = tl.cdiv(W, BLOCK_W)
+                nb = tl.cdiv(n, BLOCK_R) * nw
+                v0 = _block_load(src_ptr, src0, dst0, n, M, W, 0, nw, BLOCK_R, BLOCK_W)
+                if STAGES >= 3:
+                    v1 = _block_load(src_ptr, src0, dst0, n, M, W, 1, nw, BLOCK_R, BLOCK_W)
+                if STAGES >= 4:
+                    v2 = _block_load(src_ptr, src0, dst0, n, M, W, 2, nw, BLOCK_R, BLOCK_W)
+                for b in range(0, nb):
+                    vn = _block_load(src_ptr, src0, dst0, n, M, W, b + STAGES - 1, nw, BLOCK_R, BLOCK_W)
+                    _block_store(recv_ptr, v0, dst0, n, M, W, b, nw, BLOCK_R, BLOCK_W)
+                    if STAGES == 2:
+                        v0 = vn
+                    elif STAGES == 3:
+                        v0 = v1
+                        v1 = vn
+                    else:
+                        v0 = v1
+                        v1 = v2
+                        v2 = vn
             # every thread's stores are done before one thread releases them (the release is cumulative)
             tl.debug_barrier()
             slot = tl.load(task + 5)
@@ -361,6 +430,46 @@ def source_table(sources: Sequence[torch.Tensor], device: torch.device | None = 
             "with 16-byte vectors: pass whole allocations (or .clone() the views)"
         )
     return torch.tensor([s.data_ptr() for s in sources], dtype=torch.int64, device=dev)
+
+
+def data_registers(block_bytes: int, num_warps: int, stages: int) -> int:
+    """32-bit registers of data per thread that ``stages`` blocks of ``block_bytes`` in flight take."""
+    return stages * block_bytes // (4 * 32 * num_warps)
+
+
+def register_limit(num_warps: int) -> int:
+    """The most registers of data per thread a program of ``num_warps`` warps may keep in flight: half its
+    thread's share of the SM's register file, at most ``MAX_DATA_REGISTERS``."""
+    return min(MAX_DATA_REGISTERS, REGISTERS_PER_SM // (2 * 32 * num_warps))
+
+
+def check_tuning(
+    block_bytes: int, num_warps: int, stages: int, op: str = "tile_pull", budget: bool = True
+) -> None:
+    """Raises ValueError (one line naming the value and the fix) unless ``block_bytes`` is a power of two,
+    ``num_warps`` one of 1 .. 32, ``stages`` one of 1 .. ``MAX_STAGES`` and (``budget``) the blocks in flight
+    fit ``register_limit``. A block is never larger than a power-of-two ``block_bytes``, so the bound holds
+    for every row width."""
+
+    def pow2(x):
+        return isinstance(x, int) and x >= 1 and x & (x - 1) == 0
+
+    if not pow2(block_bytes):
+        raise ValueError(f"{op}: block_bytes={block_bytes}; it must be a power of two (bytes per block)")
+    if not pow2(num_warps) or num_warps > 32:
+        raise ValueError(f"{op}: num_warps={num_warps}; it must be 1, 2, 4, 8, 16 or 32 (warps per program)")
+    if not isinstance(stages, int) or not 1 <= stages <= MAX_STAGES:
+        raise ValueError(
+            f"{op}: stages={stages}; it must be an integer in 1 .. {MAX_STAGES} (blocks in flight per program)"
+        )
+    regs, limit = data_registers(block_bytes, num_warps, stages), register_limit(num_warps)
+    if budget and regs > limit:
+        most = limit * 4 * 32 * num_warps
+        raise ValueError(
+            f"{op}: stages={stages} x block_bytes={block_bytes} over num_warps={num_warps} keeps {regs} registers "
+            f"of data per thread in flight, more than {limit}; keep stages * block_bytes <= {most} at "
+            f"num_warps={num_warps} (lower stages or block_bytes)"
+        )
 
 
 def _check_buffers(op: str, recv_MH, plan: PullPlan, counters_S, sources: int) -> None:
@@ -394,6 +503,7 @@ def tile_pull(
     delays_C: torch.Tensor | None = None,
     block_bytes: int = BLOCK_BYTES,
     num_warps: int = NUM_WARPS,
+    stages: int = STAGES,
 ) -> torch.Tensor:
     """Pull every chunk of ``plan`` into ``recv_MH`` with ``programs`` (K) persistent programs, one launch on
     the current stream, releasing each chunk's rows into ``counters_S`` as it lands.
@@ -403,8 +513,10 @@ def tile_pull(
     plan reads; plan from ``pull_plan`` (M rows); counters_S int32 [S] (``PullPlan.slots``), added to, never
     reset (a GEMM plan ``shifted`` by their value before the pull waits for this pull's rows); rate bytes/s
     of an emulated link (0: as fast as the copy goes; GPU only); delays_C int64 [C] ns spun before each
-    chunk (GPU only); block_bytes the bytes one program loads before it stores them (its bytes in flight:
-    one SM's copy rate is about bytes in flight / memory latency), num_warps its warps. Output: recv_MH.
+    chunk (GPU only); block_bytes the bytes of one block (a power of two), num_warps the program's warps,
+    stages the blocks a program keeps in flight (1: load a block, store it, then the next; S: the next S - 1
+    blocks' loads issued before a block's store; one SM's copy rate is about its bytes in flight / memory
+    latency), within ``check_tuning``'s register budget. Output: recv_MH.
 
     Concurrency: with a waiting GEMM on ``SMs - K`` SMs launched before it on another stream, the pull's K
     programs (one CTA each) run on the SMs the GEMM leaves free, so the GEMM's waits always end."""
@@ -413,6 +525,7 @@ def tile_pull(
         raise ValueError(f"{op}: programs={programs}; it must be >= 1 (K, the SMs that pull)")
     if rate < 0:
         raise ValueError(f"{op}: rate={rate}; it must be >= 0 bytes/s (0: unpaced)")
+    check_tuning(block_bytes, num_warps, stages, op)
     if table_P.dim() != 1 or table_P.dtype != torch.int64 or table_P.device != recv_MH.device:
         raise ValueError(
             f"{op}: table is {table_P.dtype} {tuple(table_P.shape)} on {table_P.device}; it must be int64 [P] "
@@ -469,6 +582,7 @@ def tile_pull(
         DELAY=delays_C is not None,
         BLOCK_R=block_r,
         BLOCK_W=block_w,
+        STAGES=stages,
         num_warps=num_warps,
     )
     return recv_MH
