@@ -29,6 +29,7 @@ Legend: P source ranks, G local experts, H hidden, F expert FFN width, M rows re
     python -m benchmarks.tile_pull --json pull.json       # sm_90 (QuACK needed: pip install quack-kernels)
     python -m benchmarks.tile_pull --k 4,8 --gbps 900 --shapes qwen3-ep8
     python -m benchmarks.tile_pull --k 8,16 --gbps 0 --block-bytes 32768,65536 --stages 1,2,4
+    python -m benchmarks.tile_pull --k 8,16 --gbps '' --stages 1,2,4      # the pull alone (no GEMM beside it)
 """
 
 from __future__ import annotations
@@ -178,6 +179,9 @@ def sweep_shape(name, a, ks, rates, tunes, watchdog, side, rows_out) -> None:
             print(
                 f"  k={k:2d}{at}: {pull_line}" if at else f"  k={k:2d}: {gemm_line}, {pull_line}", flush=True
             )
+            if not rates:  # --gbps '': the pull alone only
+                rows_out.append(dict(shape=name, k=k, bytes=pr["bytes"], **values, pull_ms=pull_ms,
+                                     pull_gbps=gb / pull_ms * 1e3))  # fmt: skip
             for gbps in rates:
                 rate = gbps * 1e9
 
@@ -240,7 +244,11 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--shapes", default=",".join(SHAPES))
     p.add_argument("--k", default="2,4,8,16", help="SMs that pull (held back from the GEMM), a comma list")
-    p.add_argument("--gbps", default="900,450,0", help="paced link rates in GB/s, a comma list; 0: unpaced")
+    p.add_argument(
+        "--gbps",
+        default="900,450,0",
+        help="paced link rates in GB/s, a comma list; 0: unpaced; '' (none): the pull alone, no layer runs",
+    )
     p.add_argument("--chunk-rows", type=int, default=CHUNK_ROWS)
     p.add_argument("--block-bytes", default=None, help="bytes per block (a power of two), a comma list")
     p.add_argument("--warps", default=None, help="warps per pulling program, a comma list")
