@@ -168,6 +168,10 @@ def combine_case(
     target = plan.done_targets_S + torch.where(plan.done_targets_S > 0, ahead * ncol, 0).to(torch.int32)
     done = target.clone()
     order_T = tc.token_order(slot_TK, tg.slot_done_rank(plan)) if order == "completion" else None
+    short = torch.zeros_like(target)  # a preload sums no token: it neither waits on these nor writes them
+    tc.tile_combine(y, meta, slot_TK, short, target, probs, out_dtype, order_T=order_T, programs=programs,
+                    impl=Impl.TRITON, preload=True)  # fmt: skip
+    assert not short.any()
     out = tc.tile_combine(
         y, meta, slot_TK, done, target, probs, out_dtype, order_T=order_T, programs=programs, impl=Impl.TRITON
     )
@@ -306,7 +310,13 @@ def beside_gemm_case(cfg_name: str, programs: int, order: str, seed: int = 0) ->
     tg.tile_grouped_mm(h, w2, plan, arrived, sms_held_back=programs, done_S=torch.zeros_like(arrived))
     y = torch.full((rows, H), float("nan"), dtype=torch.bfloat16, device="cuda")
     done = torch.zeros_like(plan.targets_S)
+    # both kernels queued while another spins are loaded first: CUDA loads a kernel at its first launch, and
+    # that load may wait for the device to go idle, which a spinning kernel never lets it
+    spin_ns(1, y.device)
+    tc.tile_combine(y, meta, slot_TK, done, plan.done_targets_S, probs, torch.float32, order_T=order_T,
+                    programs=programs, preload=True)  # fmt: skip
     torch.cuda.synchronize()
+    assert torch.isnan(y).all() and not done.any(), "the preload wrote rows or counters"
     side = torch.cuda.Stream()
     with torch.cuda.stream(side):  # queued first: it spins until the GEMM's tiles are stored
         out = tc.tile_combine(

@@ -52,7 +52,12 @@ def run_case(
     counters = torch.full((plan.slots,), start, dtype=torch.int32, device=device)
     want, want_counters = recv.clone(), counters.clone()
     tp.pull_reference(want, bufs, plan, want_counters)
-    tp.tile_pull(recv, tp.source_table(bufs), plan, counters, programs=programs, **(tuning or {}))
+    table = tp.source_table(bufs)
+    before, counters_before = recv.clone(), counters.clone()
+    tp.tile_pull(recv, table, plan, counters, programs=programs, preload=True, **(tuning or {}))
+    if not (torch.equal(recv, before) and torch.equal(counters, counters_before)):
+        raise AssertionError("tile_pull(preload=True) moved rows or released counters")
+    tp.tile_pull(recv, table, plan, counters, programs=programs, **(tuning or {}))
     return recv, counters, want, want_counters, plan
 
 
@@ -169,15 +174,19 @@ def gpu_concurrent(name: str) -> None:
     if delays:
         delay_C = torch.randint(0, 40_000, (plan.tasks_C8.shape[0],), generator=gen).to(dev)
     out = torch.empty_like(preset)
+    tune = tuning[0] if tuning else {}
+    # every kernel the side stream runs is loaded before the GEMM waits: CUDA loads a kernel at its first
+    # launch, and that load may wait for the device to go idle, which the waiting GEMM never lets it
+    spin_ns(1, dev)
+    tp.tile_pull(recv, table, plan, counters, programs=k, delays_C=delay_C, preload=True, **tune)
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     torch.cuda.synchronize()
+    assert torch.isnan(recv).all() and not counters.any(), "the preload moved rows or released counters"
     tg.tile_grouped_mm(recv, w, gemm, counters, sms_held_back=k, out=out)  # first: it waits for the pull
     with torch.cuda.stream(side):
         spin_ns(1_000_000, dev)  # the GEMM is resident and waiting before the first row lands
-        tp.tile_pull(
-            recv, table, plan, counters, programs=k, delays_C=delay_C, **(tuning[0] if tuning else {})
-        )
+        tp.tile_pull(recv, table, plan, counters, programs=k, delays_C=delay_C, **tune)
     torch.cuda.synchronize()
     assert torch.equal(counters, gemm.targets_S), "final counters differ from the GEMM's targets"
     end = int(plan.offs_G[-1])

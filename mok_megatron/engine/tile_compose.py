@@ -291,7 +291,9 @@ def wgrad_reference(dy_MN: torch.Tensor, x_MK: torch.Tensor, offs_G: torch.Tenso
     return out.to(dy_MN.dtype)
 
 
-def _pull_reference(recv, x, plan, counters, k, rate):
+def _pull_reference(recv, x, plan, counters, k, rate, preload=False):
+    if preload:  # nothing to load: the reference runs in order, after the GEMM it would feed
+        return
     if rate:
         raise ValueError(f"pull_reference: rate={rate:g}; the reference cannot pace: pass rate=0")
     tp.pull_reference(recv, x.sources, plan, counters)
@@ -304,8 +306,8 @@ REFERENCES = Ops(
     combine=combine_reference,
     tile_mm=_tile_mm_reference,
     pull=_pull_reference,
-    tile_combine=lambda y, meta, slot, done, target, order, k: tc.tile_combine_reference(
-        y, meta, slot, done, target
+    tile_combine=lambda y, meta, slot, done, target, order, k, preload=False: (
+        None if preload else tc.tile_combine_reference(y, meta, slot, done, target)
     ),
     swiglu_backward=swiglu_backward_reference,
     wgrad=wgrad_reference,
@@ -319,11 +321,11 @@ KERNELS = Ops(
     tile_mm=lambda a, b, plan, counters, k, out, done=None: tg.tile_grouped_mm(
         a, b, plan, counters, sms_held_back=k, out=out, done_S=done
     ),
-    pull=lambda recv, x, plan, counters, k, rate: tp.tile_pull(
-        recv, x.table_P, plan, counters, programs=k, rate=rate
+    pull=lambda recv, x, plan, counters, k, rate, preload=False: tp.tile_pull(
+        recv, x.table_P, plan, counters, programs=k, rate=rate, preload=preload
     ),
-    tile_combine=lambda y, meta, slot, done, target, order, k: tc.tile_combine(
-        y, meta, slot, done, target, order_T=order, programs=k
+    tile_combine=lambda y, meta, slot, done, target, order, k, preload=False: tc.tile_combine(
+        y, meta, slot, done, target, order_T=order, programs=k, preload=preload
     ),
     swiglu_backward=swiglu_backward,
     wgrad=lambda dy, x, offs: torch._grouped_mm(dy.t(), x, offs=offs),
@@ -342,9 +344,14 @@ def plain_forward(recv_MH: torch.Tensor, x: LayerInputs, plan: LayerPlan, ops: O
 
 
 def _pair(ops: Ops, waiting: Callable, releasing: Callable | None) -> None:
+    """``waiting`` (a kernel that spins until ``releasing`` has run) and ``releasing``: on the kernels, the
+    releasing kernel loaded first by a launch that does nothing (``releasing(preload=True)``: CUDA loads a
+    kernel at its first launch and that load may wait for the device to go idle, which the spinning kernel
+    never lets it), then the waiting one, then the releasing one beside it; on the references, in order."""
     if releasing is None:
         waiting()
     elif ops.concurrent:
+        releasing(preload=True)
         waiting()
         releasing()
     else:
@@ -393,9 +400,9 @@ def tiles_forward(
     def fc1():  # K SMs held back only for a pull beside it
         ops.tile_mm(buf.recv_MH, x.w1_G2FH.mT, plan.fc1, buf.counters_S, k if pull else 0, buf.h_M2F)
 
-    def pull_rows():
+    def pull_rows(preload=False):
         with on_side():
-            ops.pull(buf.recv_MH, x, plan.pull, buf.counters_S, k, rate)
+            ops.pull(buf.recv_MH, x, plan.pull, buf.counters_S, k, rate, preload=preload)
 
     _pair(ops, fc1, pull_rows if pull else None)
     a = ops.swiglu(buf.h_M2F, x.probs_M)
@@ -408,15 +415,17 @@ def tiles_forward(
             side.wait_stream(main)
         done = {}
 
-        def sum_tokens():
+        def sum_tokens(preload=False):
             with on_side():
                 done["out"] = ops.tile_combine(
-                    buf.y_MH, plan.meta, plan.slot_TK, buf.done_S, plan.fc2.done_targets_S, plan.order_T, k
-                )
+                    buf.y_MH, plan.meta, plan.slot_TK, buf.done_S, plan.fc2.done_targets_S, plan.order_T, k,
+                    preload=preload,
+                )  # fmt: skip
 
         def fc2():
             ops.tile_mm(a, x.w2_GHF.mT, plan.fc2, arrived, k, buf.y_MH, buf.done_S)
 
+        sum_tokens(preload=True)  # loaded before the GEMM its launch will spin on (``_pair``)
         fc2()  # the GEMM waits on nothing: first, so it holds its SMs and the combine takes the K it leaves
         sum_tokens()
         out = done["out"]
@@ -498,9 +507,9 @@ def tiles_backward(
     def dgrad2():  # K SMs held back only for a pull beside it
         ops.tile_mm(buf.dy_MH, x.w2_GHF, plan.dgrad2, buf.counters_S, k if pull else 0, buf.da_MF)
 
-    def pull_rows():
+    def pull_rows(preload=False):
         with on_side():
-            ops.pull(buf.dy_MH, bx, plan.pull, buf.counters_S, k, rate)
+            ops.pull(buf.dy_MH, bx, plan.pull, buf.counters_S, k, rate, preload=preload)
 
     _pair(ops, dgrad2, pull_rows if pull else None)
     grads = {}
@@ -524,15 +533,17 @@ def tiles_backward(
             side.wait_stream(main)
         done = {}
 
-        def sum_tokens():
+        def sum_tokens(preload=False):
             with on_side():
                 done["out"] = ops.tile_combine(
-                    buf.dx_MH, plan.meta, plan.slot_TK, buf.done_S, plan.fc2.done_targets_S, plan.order_T, k
-                )
+                    buf.dx_MH, plan.meta, plan.slot_TK, buf.done_S, plan.fc2.done_targets_S, plan.order_T, k,
+                    preload=preload,
+                )  # fmt: skip
 
         def dgrad1():  # its rows are all there: SwiGLU's backward ran to its end before it
             ops.tile_mm(dh, x.w1_G2FH, plan.fc2, plan.fc2.targets_S, k, buf.dx_MH, buf.done_S)
 
+        sum_tokens(preload=True)
         dgrad1()  # as fc2 in the forward: the GEMM first, the combine on the SMs it leaves
         sum_tokens()
         dx = done["out"]

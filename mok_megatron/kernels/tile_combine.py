@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import torch
 
-from mok_megatron.kernels import Impl, jit, next_pow2, tl, use_triton
+from mok_megatron.kernels import Impl, jit, next_pow2, tl, triton, use_triton
 from mok_megatron.kernels.combine import combine_reference
 from mok_megatron.kernels.permute import check_devices
 from mok_megatron.kernels.routing import RoutingMeta
@@ -104,7 +104,13 @@ def tile_combine_reference(
 # ---- the kernel --------------------------------------------------------------------------------------------
 
 
-@jit
+def _jit(fn):
+    # one compiled kernel for every token count (Triton would specialise an int argument's value):
+    # ``preload``'s launch with no token loads the kernel the combine then runs
+    return triton.jit(do_not_specialize=["num_tokens"])(fn) if triton is not None else jit(fn)
+
+
+@_jit
 def _tile_combine_kernel(
     y_ptr,  # [R, H] expert-major rows (fc2's output)
     row_ptr,  # [T, K] int32 rows, -1 = dropped
@@ -215,6 +221,7 @@ def tile_combine(
     order_T: torch.Tensor | None = None,
     programs: int = 8,
     impl: Impl = Impl.AUTO,
+    preload: bool = False,
 ) -> torch.Tensor:
     """``kernels.combine.combine(y_RH, meta, probs_TK, out_dtype)`` on ``programs`` programs, each token
     block summed once its routes' done slots are complete. One launch on the current stream.
@@ -224,7 +231,11 @@ def tile_combine(
     [S] their complete values (``plan.done_targets_S``, plus what the counters held before the GEMM);
     probs_TK [T, K] or None; order_T int32 [T] the visiting order or None (token order). Output: out_TH
     [T, H] in out_dtype (default y's), bitwise ``combine``'s. Forward only. The torch path checks that every
-    slot is complete and raises otherwise (it cannot wait)."""
+    slot is complete and raises otherwise (it cannot wait).
+
+    ``preload=True``: the same launch summing no token (the output is left unwritten), so the kernel is
+    loaded before the GEMM it waits on starts: CUDA loads a kernel lazily at its first launch, and that load
+    may wait for the device to go idle, which a kernel spinning on this one's progress never lets it do."""
     _check(y_RH, meta, slot_TK, done_S, done_target_S, probs_TK, order_T, programs)
     out_dtype = out_dtype or y_RH.dtype
     if not use_triton(impl, y_RH, "tile_combine"):
@@ -245,7 +256,7 @@ def tile_combine(
         done_target_S,
         slot_TK if order_T is None else order_T,
         out_TH,
-        num_tokens,
+        0 if preload else num_tokens,
         hidden,
         K=topk,
         K_P2=next_pow2(topk),

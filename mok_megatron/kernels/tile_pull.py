@@ -302,8 +302,9 @@ if triton is not None:
     _block_store = triton.jit(_block_store)
 
     def _jit(fn):
-        # one compiled kernel for every rate (Triton would specialise a float or int argument's value)
-        return triton.jit(do_not_specialize=["ns_per_byte"])(fn)
+        # one compiled kernel for every rate and chunk count (Triton would specialise a float or int
+        # argument's value): ``preload``'s launch with no chunks loads the kernel the pull then runs
+        return triton.jit(do_not_specialize=["ns_per_byte", "C"])(fn)
 else:
 
     def _jit(fn):
@@ -504,6 +505,7 @@ def tile_pull(
     block_bytes: int = BLOCK_BYTES,
     num_warps: int = NUM_WARPS,
     stages: int = STAGES,
+    preload: bool = False,
 ) -> torch.Tensor:
     """Pull every chunk of ``plan`` into ``recv_MH`` with ``programs`` (K) persistent programs, one launch on
     the current stream, releasing each chunk's rows into ``counters_S`` as it lands.
@@ -519,7 +521,11 @@ def tile_pull(
     latency), within ``check_tuning``'s register budget. Output: recv_MH.
 
     Concurrency: with a waiting GEMM on ``SMs - K`` SMs launched before it on another stream, the pull's K
-    programs (one CTA each) run on the SMs the GEMM leaves free, so the GEMM's waits always end."""
+    programs (one CTA each) run on the SMs the GEMM leaves free, so the GEMM's waits always end, provided
+    the pull's kernel is loaded before the GEMM starts waiting: CUDA loads a kernel lazily at its first launch
+    and that load may wait for the device to go idle, which a GEMM waiting for this very kernel never does.
+    ``preload=True`` is that launch: the same arguments, no chunk moved (recv and counters untouched); call
+    it before launching the waiting GEMM."""
     op = "tile_pull"
     if programs < 1:
         raise ValueError(f"{op}: programs={programs}; it must be >= 1 (K, the SMs that pull)")
@@ -553,6 +559,8 @@ def tile_pull(
     m, h = recv_MH.shape
     if chunks == 0 or m == 0 or h == 0:
         return recv_MH
+    if preload:
+        chunks = 0
     row_bytes = h * recv_MH.element_size()
     word = next(
         dt for dt in (torch.int64, torch.int32, torch.int16, torch.uint8) if row_bytes % dt.itemsize == 0
