@@ -1017,8 +1017,6 @@ def test_expert_groups_share_one_weight_quantization(monkeypatch):
 def test_bench_step_reset_requantizes_only_the_per_step_row():
     """``mok-torch-fp8-step`` drops its quantized weights before every timed step (a training step's one
     quantization per weight); ``mok-torch-fp8`` keeps them across steps."""
-    from types import SimpleNamespace
-
     from mok_megatron.bench.suite import step_reset
     from mok_megatron.ops.fp8_grouped_gemm import FP8WeightCache
 
@@ -1026,10 +1024,13 @@ def test_bench_step_reset_requantizes_only_the_per_step_row():
         w = torch.nn.Parameter(torch.randn(2, 32, 16))
         w.grad = torch.ones_like(w)
         cache = FP8WeightCache()
-        layer = torch.nn.Module()
-        layer.w = w
-        layer.experts = SimpleNamespace(fp8_weights=cache)
+        layer = torch.nn.Module()  # the MoE layer, inside a wrapper as the bench's FP8 rows build it
+        layer.experts = torch.nn.Module()
+        layer.experts.w, layer.experts.fp8_weights = w, cache
+        wrapped = torch.nn.Sequential(layer)
         first = cache.get(w, "fwd")
-        step_reset(layer, impl)()
+        step_reset(wrapped, impl)()
         assert w.grad is None
         assert (cache.get(w, "fwd") is not first) == drops, impl
+    with pytest.raises(ValueError, match="no FP8 weight cache"):
+        step_reset(torch.nn.Linear(2, 2), "mok-torch-fp8-step")

@@ -107,7 +107,8 @@ def _expert_grads(layer) -> dict:
             continue
         g = p.grad
         g = g.rowwise_data.view(p.shape) if hasattr(g, "rowwise_data") else g  # a TE grouped gradient
-        m = re.fullmatch(r"(.*)linear_fc([12])\.weight", n)
+        # MoK's single grouped weight sits right under ``experts`` (Megatron's are ``local_experts.<i>.*``)
+        m = re.fullmatch(r"(.*experts\.)linear_fc([12])\.weight", n)
         grads[f"{m.group(1)}fc{m.group(2)}_weight" if m else n] = g.float()
     return grads
 

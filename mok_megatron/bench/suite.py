@@ -292,12 +292,21 @@ def bench_case(
 def step_reset(layer, impl: str):
     """What runs before every timed step of ``impl``: the gradients cleared, and for ``REQUANTIZED_IMPLS``
     the experts' quantized weights dropped (``ops.fp8_grouped_gemm.FP8WeightCache.invalidate``)."""
-    requantize = impl in REQUANTIZED_IMPLS
+    caches = []
+    if impl in REQUANTIZED_IMPLS:
+        from mok_megatron.ops.fp8_grouped_gemm import FP8WeightCache
+
+        # the layer may be wrapped (an FP8 context around it): every module's cache, wherever it sits
+        caches = [
+            c for m in layer.modules() if isinstance(c := getattr(m, "fp8_weights", None), FP8WeightCache)
+        ]
+        if not caches:
+            raise ValueError(f"{impl}: the layer holds no FP8 weight cache to drop before each step")
 
     def reset():
         layer.zero_grad(set_to_none=True)
-        if requantize:
-            layer.experts.fp8_weights.invalidate()
+        for cache in caches:
+            cache.invalidate()
 
     return reset
 
