@@ -492,12 +492,16 @@ _SYMMETRIC = textwrap.dedent(
     c = torch.tensor([[70, 0, 1, 130], [200, 3, 0, 30], [30, 0, 17, 87]])
     width = 2048
     local = sources_for(c, width, torch.bfloat16, dev, src_row0_P=torch.tensor([0, 5, 2]))
-    peers = []
+    # the buffers and their handles live as long as the peer views: a view from get_buffer holds neither, and
+    # a handle or buffer dropped unmaps the address the table holds
+    bufs, handles, peers = [], [], []
     for src in local:
         buf = symm_mem.empty(tuple(src.shape), dtype=src.dtype, device=dev)
         handle = symm_mem.rendezvous(buf, group)
         assert handle.world_size == 1, handle.world_size
         buf.copy_(src)
+        bufs.append(buf)
+        handles.append(handle)
         peers.append(handle.get_buffer(0, tuple(src.shape), src.dtype, 0))
     rows = int(c.sum()) + 5
     plan = tp.pull_plan(c.to(dev), rows, tg.DEEPSEEK, 48, src_row0_P=torch.tensor([0, 5, 2], device=dev))
