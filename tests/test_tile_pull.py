@@ -435,15 +435,20 @@ def test_paced_pull_takes_the_link_time_gpu():
     recv = torch.zeros(rows, width, dtype=torch.bfloat16, device="cuda")
     counters = torch.zeros(plan.slots, dtype=torch.int32, device="cuda")
     table = tp.source_table(bufs)
-    rate = 50e9  # bytes/s: slow enough that the copy itself is a small part
-    tp.tile_pull(recv, table, plan, counters, programs=4, rate=rate)  # compiles
+    rate, programs = 5e9, 4  # bytes/s: slow enough (~1.3 ms) that launch and copy times are a small part
+    tp.tile_pull(recv, table, plan, counters, programs=programs, rate=rate)  # compiles
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
-    tp.tile_pull(recv, table, plan, counters, programs=4, rate=rate)
+    tp.tile_pull(recv, table, plan, counters, programs=programs, rate=rate)
     end.record()
     torch.cuda.synchronize()
-    link_ms = rows * width * 2 / rate * 1e3
-    assert 0.99 * link_ms <= start.elapsed_time(end) <= 1.5 * link_ms + 0.05
+    # each program paces its own chunks (t, t + programs, ...) at rate / programs: the pull takes as long as
+    # the program with the most bytes
+    rows_C = plan.tasks_C8[:, tp.ROWS].cpu()
+    most = max(int(rows_C[p::programs].sum()) for p in range(programs))
+    paced_ms = most * width * 2 * programs / rate * 1e3
+    took_ms = start.elapsed_time(end)
+    assert 0.99 * paced_ms <= took_ms <= 1.1 * paced_ms + 0.05, (took_ms, paced_ms)
 
 
 def _run_watched(name: str) -> None:
