@@ -185,6 +185,20 @@ def combine_case(
     assert torch.equal(done, target)  # the acquire adds 0
 
 
+def test_preload_on_the_torch_path_returns_without_waiting():
+    """``preload=True`` where the reference runs (no Triton kernel to load): no check of the not yet complete
+    counters, an output of the combine's shape, the counters untouched."""
+    meta, plan, y, probs = _case(9, 2, 3, 16, device="cpu")
+    slot_TK = tc.token_slots(meta, plan)
+    done = torch.zeros_like(plan.done_targets_S)
+    out = tc.tile_combine(y, meta, slot_TK, done, plan.done_targets_S, probs, torch.float32, programs=2,
+                          impl=Impl.TORCH, preload=True)  # fmt: skip
+    assert out.shape == (9, 16) and out.dtype == torch.float32 and not done.any()
+    with pytest.raises(RuntimeError, match="waits for done slot"):
+        tc.tile_combine(y, meta, slot_TK, done, plan.done_targets_S, probs, torch.float32, programs=2,
+                        impl=Impl.TORCH)  # fmt: skip
+
+
 CASES = {
     "weighted_dropped_completion_order": lambda **kw: combine_case(
         37, 3, 5, 40, alignment=4, drop=[(3, 1), (36, 0)], programs=3, order="completion", **kw

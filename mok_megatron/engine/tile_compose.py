@@ -267,8 +267,8 @@ class Ops:
     swiglu: Callable  # (h_M2F, probs_M) -> [M, F]
     combine: Callable  # (y_MH, meta) -> [T, H]
     tile_mm: Callable  # (a_MK, b_GKN, plan, counters_S, k, out, done_S) -> out
-    pull: Callable  # (recv_MH, inputs, pull plan, counters_S, k, rate) -> None
-    tile_combine: Callable  # (y_MH, meta, slot_TK, done_S, target_S, order_T, k) -> [T, H]
+    pull: Callable  # (recv_MH, inputs, pull plan, counters_S, k, rate, preload=False) -> None
+    tile_combine: Callable  # (y_MH, meta, slot_TK, done_S, target_S, order_T, k, preload=False) -> [T, H]
     swiglu_backward: Callable  # (h_M2F, probs_M, da_MF) -> (dh_M2F, dprobs_M)
     wgrad: Callable  # (dy_MN, x_MK, offs_G) -> [G, N, K]: each group's dy^T x (grouped along the rows)
 
@@ -417,10 +417,12 @@ def tiles_forward(
 
         def sum_tokens(preload=False):
             with on_side():
-                done["out"] = ops.tile_combine(
+                out = ops.tile_combine(
                     buf.y_MH, plan.meta, plan.slot_TK, buf.done_S, plan.fc2.done_targets_S, plan.order_T, k,
                     preload=preload,
                 )  # fmt: skip
+                if not preload:  # the preload's unwritten output is let go at once
+                    done["out"] = out
 
         def fc2():
             ops.tile_mm(a, x.w2_GHF.mT, plan.fc2, arrived, k, buf.y_MH, buf.done_S)
@@ -515,7 +517,7 @@ def tiles_backward(
     grads = {}
     if wgrad == "beside":
         if aside:
-            wgrad_stream.wait_stream(side if pull else main)
+            wgrad_stream.wait_stream(side if pull and side is not None else main)
         with on_wgrad():
             grads["dw2"] = ops.wgrad(buf.dy_MH, bx.a_MF, offs)
     dh, dprobs = ops.swiglu_backward(bx.h_M2F, x.probs_M, buf.da_MF)
@@ -535,10 +537,12 @@ def tiles_backward(
 
         def sum_tokens(preload=False):
             with on_side():
-                done["out"] = ops.tile_combine(
+                out = ops.tile_combine(
                     buf.dx_MH, plan.meta, plan.slot_TK, buf.done_S, plan.fc2.done_targets_S, plan.order_T, k,
                     preload=preload,
                 )  # fmt: skip
+                if not preload:  # the preload's unwritten output is let go at once
+                    done["out"] = out
 
         def dgrad1():  # its rows are all there: SwiGLU's backward ran to its end before it
             ops.tile_mm(dh, x.w1_G2FH, plan.fc2, plan.fc2.targets_S, k, buf.dx_MH, buf.done_S)

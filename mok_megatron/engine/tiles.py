@@ -182,7 +182,7 @@ class _TileExperts(torch.autograd.Function):
             k=cfg.sms_backward,
             pull=False,
             combine="after",
-            wgrad="beside" if cfg.kernels else "after",
+            wgrad="beside" if cfg.kernels and call.wgrad is not None else "after",
             wgrad_stream=call.wgrad,
         )
         dprobs_TK = torch.zeros(live_TK.shape, dtype=ctx.probs_dtype, device=dout_TH.device)

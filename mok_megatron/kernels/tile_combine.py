@@ -234,11 +234,14 @@ def tile_combine(
     slot is complete and raises otherwise (it cannot wait).
 
     ``preload=True``: the same launch summing no token (the output is left unwritten), so the kernel is
-    loaded before the GEMM it waits on starts: CUDA loads a kernel lazily at its first launch, and that load
-    may wait for the device to go idle, which a kernel spinning on this one's progress never lets it do."""
+    loaded before the GEMM whose done counters it waits on: CUDA loads a kernel lazily at its first launch,
+    and that load may wait for the device to go idle, which serialises the combine behind the GEMM (or, with
+    the combine queued first and another kernel spinning, never comes)."""
     _check(y_RH, meta, slot_TK, done_S, done_target_S, probs_TK, order_T, programs)
     out_dtype = out_dtype or y_RH.dtype
     if not use_triton(impl, y_RH, "tile_combine"):
+        if preload:  # nothing to load; the reference would refuse counters that are not yet complete
+            return torch.empty(meta.row_TK.shape[0], y_RH.shape[1], dtype=out_dtype, device=y_RH.device)
         return tile_combine_reference(y_RH, meta, slot_TK, done_S, done_target_S, probs_TK, out_dtype)
     num_tokens, topk = meta.row_TK.shape
     hidden = y_RH.shape[1]
