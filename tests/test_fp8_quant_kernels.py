@@ -367,8 +367,8 @@ GPU_CASES = {
     ),
     "weight_t_dsv3_w1": lambda **kw: weight_case(2, 4096, 7168, "bf16", **kw),
     "weight_t_qwen_w2": lambda **kw: weight_case(128, 2048, 768, "bf16", zero_expert=7, **kw),
-    "weight_blocks_qwen_w1": lambda **kw: weight_blocks_case(
-        128, 1536, 2048, "bf16", zero_cols=[(3, 0), (127, 2047)], huge=[(5, 1535, 100)], **kw
+    "weight_blocks_qwen_w1": lambda **kw: weight_blocks_case(  # 16 of the 128 experts: 512 tiles
+        16, 1536, 2048, "bf16", zero_cols=[(3, 0), (15, 2047)], huge=[(5, 1535, 100)], **kw
     ),
     "weight_blocks_dsv3_w2": lambda **kw: weight_blocks_case(
         8, 7168, 2048, "bf16", zero_cols=[(7, 31)], huge=[(0, 0, 0)], **kw
