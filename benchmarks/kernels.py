@@ -14,9 +14,10 @@ Prints a markdown table; bf16 activations, fp32 router probabilities, int64 top-
 FP8 weights (a second table; ``--weights``: only this one): the dgrad operand of the native FP8 experts,
 ``kernels.fp8_quant.quantize_weight_t`` of each shape's bf16 expert weights, fc1 w [E, 2F, H] and fc2 w
 [E, H, F], by the column-block kernel (its ``weight_t_plan`` launch, and each launch of ``--weight-plans``:
-PxK[wW] = P programs per SM, BLOCK_K K, W warps), by the generic segment kernels (an amax pass, then a cast
-pass reading w again) and by the torch reference. The column-block results are checked bitwise against the
-segment kernels' first. GB/s: w read once, q (e4m3) and the scales written once.
+PxK[wW] = P programs per SM, BLOCK_K K, W warps, steps in proportion to the warps; the P programs of an SM
+must fit its registers at once), by the generic segment kernels (an amax pass, then a cast pass reading w
+again) and by the torch reference. The column-block results are checked bitwise against the segment
+kernels' first. GB/s: w read once, q (e4m3) and the scales written once.
 
 ``--json``: {"kernels": the first table's rows, "fp8_weights": the second's}.
 """
@@ -207,7 +208,10 @@ def parse_weight_plans(text: str) -> list[tuple[int, int, int | None]]:
 
 
 def _plan_name(plan: Q.WeightTPlan) -> str:
-    return f"column blocks: {plan.programs} programs, BLOCK_K {plan.block_k}, {plan.warps} warps"
+    return (
+        f"column blocks: {plan.programs} programs, BLOCK_K {plan.block_k}, {plan.warps} warps, "
+        f"{plan.amax_n} / {plan.block_n} rows per step"
+    )
 
 
 def _weight_cases(shape: Shape, plans=(), dev: str = "cuda"):
@@ -223,9 +227,9 @@ def _weight_cases(shape: Shape, plans=(), dev: str = "cuda"):
         if auto is not None:
             launches.append(auto)
         for per_sm, block_k, warps in plans:
-            plan = Q.weight_t_plan(w, per_sm, block_k)
+            plan = Q.weight_t_plan(w, per_sm, block_k, warps)
             if plan is not None:
-                launches.append(plan._replace(warps=warps or plan.warps))
+                launches.append(plan)
         paths = {"segment kernels": lambda w=w: Q._weight_t_segments(w)}
         blocks = []
         for plan in dict.fromkeys(launches):  # in order, each launch once

@@ -450,7 +450,7 @@ def test_weight_t_plan_on_an_h200(monkeypatch):
     assert plan(8, 7168, 2048) == (132, 16, 1024, 2048, 16)  # fc2: 30.3 MB, over half the L2: the narrowest
     assert plan(1, 64, 256) == (16, 16, 64, 64, 16)  # fewer tiles than SMs: one program per tile
     assert plan(128, 1536, 2048, programs_per_sm=2) == (264, 32, 512, 1024, 16)
-    assert plan(128, 1536, 2048, programs_per_sm=2, block_k=64) == (264, 64, 256, 512, 16)
+    assert plan(128, 1536, 2048, programs_per_sm=2, block_k=64, warps=8) == (264, 64, 128, 256, 8)
     assert plan(8, 12412, 2048) is not None and plan(8, 12413, 2048) is None
     assert plan(8, 6206, 2048, dtype=torch.float32) is not None
     assert plan(8, 6207, 2048, dtype=torch.float32) is None

@@ -95,9 +95,9 @@ WEIGHT_T_BLOCK_KS = (64, 32, 16)  # candidate BLOCK_K, widest first (16 bf16 col
 WEIGHT_T_PROGRAMS_PER_SM = 1
 WEIGHT_T_L2_SHARE = 0.5  # of the L2 that the blocks in flight may fill (the rest: q, the scales, others)
 WEIGHT_T_L2_LIMIT = 1.0  # narrowest blocks, one per SM, filling more of the L2 than this: segment kernels
-WEIGHT_T_AMAX_TILE = 32768  # elements per amax step: 64 KB of bf16 loads in flight per SM
-WEIGHT_T_CAST_TILE = 16384  # elements per cast step: >= 256 rows, each column's q >= two 128-byte lines
 WEIGHT_T_WARPS = 16
+WEIGHT_T_AMAX_TILE = 32768  # elements per amax step at WEIGHT_T_WARPS: 64 KB of bf16 loads in flight per SM
+WEIGHT_T_CAST_TILE = 16384  # elements per cast step at WEIGHT_T_WARPS: >= 256 rows, >= 256 bytes per column
 INTERPRETED_LIMITS = (4, 1 << 20)  # (SMs, L2 bytes) the plan assumes for CPU tensors under the interpreter
 
 
@@ -795,7 +795,10 @@ def _cuda_limits(index: int) -> tuple[int, int]:
 
 
 def weight_t_plan(
-    w_GNK: torch.Tensor, programs_per_sm: int | None = None, block_k: int | None = None
+    w_GNK: torch.Tensor,
+    programs_per_sm: int | None = None,
+    block_k: int | None = None,
+    warps: int | None = None,
 ) -> WeightTPlan | None:
     """The column-block kernel's launch for w [G, N, K] on its device, or None where it does not apply:
     N so tall that one block of the narrowest width per SM fills more than ``WEIGHT_T_L2_LIMIT`` of the
@@ -804,9 +807,10 @@ def weight_t_plan(
 
     Programs per SM and BLOCK_K: the most programs per SM (``WEIGHT_T_PROGRAMS_PER_SM`` down to 1), then
     the widest of ``WEIGHT_T_BLOCK_KS``, whose blocks fill at most ``WEIGHT_T_L2_SHARE`` of the L2 and
-    leave every program a tile; else one per SM, the narrowest. ``programs_per_sm`` / ``block_k`` fix
-    either. Steps: ``WEIGHT_T_AMAX_TILE`` / ``WEIGHT_T_CAST_TILE`` elements, no more rows than N (rounded
-    up to a power of two)."""
+    leave every program a tile; else one per SM, the narrowest. ``programs_per_sm`` / ``block_k`` /
+    ``warps`` fix them. Steps: ``WEIGHT_T_AMAX_TILE`` / ``WEIGHT_T_CAST_TILE`` elements at
+    ``WEIGHT_T_WARPS`` warps, in proportion at other warps (the same elements, so registers, per thread),
+    no more rows than N (rounded up to a power of two)."""
     groups, n, k = w_GNK.shape
     sms, l2 = _device_limits(w_GNK.device)
     col_bytes = n * w_GNK.element_size()  # one column of one expert
@@ -821,12 +825,13 @@ def weight_t_plan(
         if sms * p * col_bytes * bk <= WEIGHT_T_L2_SHARE * l2 and groups * -(-k // bk) >= sms * p
     ]
     per_sm, block_k = fits[0] if fits else (programs_per_sm or 1, block_k or WEIGHT_T_BLOCK_KS[-1])
+    warps = warps or WEIGHT_T_WARPS
     tall = max(16, next_pow2(n))
     return WeightTPlan(
-        block_n=max(16, min(WEIGHT_T_CAST_TILE // block_k, tall)),
+        block_n=max(16, min(WEIGHT_T_CAST_TILE * warps // WEIGHT_T_WARPS // block_k, tall)),
         block_k=block_k,
-        amax_n=max(16, min(WEIGHT_T_AMAX_TILE // block_k, tall)),
-        warps=WEIGHT_T_WARPS,
+        amax_n=max(16, min(WEIGHT_T_AMAX_TILE * warps // WEIGHT_T_WARPS // block_k, tall)),
+        warps=warps,
         programs=max(1, min(groups * -(-k // block_k), sms * per_sm)),
     )
 
