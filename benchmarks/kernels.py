@@ -1,6 +1,7 @@
 """GPU micro-benchmark: each Triton kernel against its torch reference, on real MoE layer shapes.
 
     python -m benchmarks.kernels [--shapes qwen3-30b-a3b deepseek-v3-slice] [--alignment 1] [--json OUT]
+                                 [--weights] [--weight-plans 1x16,2x32w4]
 
 Legend: T tokens, H hidden, F expert FFN width, E experts, K top-k, N = T*K routes, R permuted rows.
 
@@ -9,12 +10,23 @@ CUDA events (warm-up, then the median of ``--iters`` runs, L2 flushed before eac
 ``torch.autograd.grad`` on a retained graph, so only the backward kernels are in the window. GB/s counts the
 bytes a kernel has to move at least (inputs read once, outputs written once), the same for both columns.
 Prints a markdown table; bf16 activations, fp32 router probabilities, int64 top-k ids.
+
+FP8 weights (a second table; ``--weights``: only this one): the dgrad operand of the native FP8 experts,
+``kernels.fp8_quant.quantize_weight_t`` of each shape's bf16 expert weights, fc1 w [E, 2F, H] and fc2 w
+[E, H, F], by the column-block kernel (its ``weight_t_plan`` launch, and each launch of ``--weight-plans``:
+PxK[wW] = P programs per SM, BLOCK_K K, W warps, steps in proportion to the warps; the P programs of an SM
+must fit its registers at once), by the generic segment kernels (an amax pass, then a cast pass reading w
+again) and by the torch reference. The column-block results are checked bitwise against the segment
+kernels' first. GB/s: w read once, q (e4m3) and the scales written once.
+
+``--json``: {"kernels": the first table's rows, "fp8_weights": the second's}.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import re
 import statistics
 import sys
 from dataclasses import dataclass
@@ -22,6 +34,7 @@ from dataclasses import dataclass
 import torch
 
 from mok_megatron.kernels import Impl
+from mok_megatron.kernels import fp8_quant as Q
 from mok_megatron.kernels.combine import combine
 from mok_megatron.kernels.permute import permute
 from mok_megatron.kernels.routing import routing_metadata
@@ -171,6 +184,111 @@ def run(shape_names, alignment: int, warmup: int, iters: int) -> list[dict]:
     return rows
 
 
+def weight_shapes(shape: Shape) -> list[tuple[str, tuple[int, int, int]]]:
+    """The experts' weights as ``quantize_weight_t`` takes them, [G, N, K]."""
+    return [
+        ("fc1 w", (shape.experts, 2 * shape.ffn, shape.hidden)),
+        ("fc2 w", (shape.experts, shape.hidden, shape.ffn)),
+    ]
+
+
+def parse_weight_plans(text: str) -> list[tuple[int, int, int | None]]:
+    """``--weight-plans``: comma-separated PxK or PxKwW -> (programs per SM, BLOCK_K, warps or None)."""
+    plans = []
+    for item in filter(None, (t.strip() for t in text.split(","))):
+        m = re.fullmatch(r"(\d+)x(\d+)(?:w(\d+))?", item)
+        plan = (int(m[1]), int(m[2]), int(m[3]) if m[3] else None) if m else None
+        if plan is None or plan[0] < 1 or plan[1] not in (16, 32, 64, 128) or plan[2] == 0:
+            raise ValueError(
+                f"--weight-plans: {item!r} is not PxK or PxKwW (P programs per SM >= 1, BLOCK_K one of "
+                "16, 32, 64, 128, W warps >= 1)"
+            )
+        plans.append(plan)
+    return plans
+
+
+def _plan_name(plan: Q.WeightTPlan) -> str:
+    return (
+        f"column blocks: {plan.programs} programs, BLOCK_K {plan.block_k}, {plan.warps} warps, "
+        f"{plan.amax_n} / {plan.block_n} rows per step"
+    )
+
+
+def _weight_cases(shape: Shape, plans=(), dev: str = "cuda"):
+    """(weight name, [G, N, K], bytes moved, {path: run() -> (q, scale)}, column-block paths) per weight."""
+    g = torch.Generator(device=dev).manual_seed(1)
+    cases = []
+    for name, dims in weight_shapes(shape):
+        w = (torch.randn(dims, device=dev, generator=g) * 0.02).to(torch.bfloat16)
+        groups, n, k = dims
+        nbytes = groups * n * k * (w.element_size() + 1) + groups * k * 4
+        launches = []
+        auto = Q.weight_t_plan(w)
+        if auto is not None:
+            launches.append(auto)
+        for per_sm, block_k, warps in plans:
+            plan = Q.weight_t_plan(w, per_sm, block_k, warps)
+            if plan is not None:
+                launches.append(plan)
+        paths = {"segment kernels": lambda w=w: Q._weight_t_segments(w)}
+        blocks = []
+        for plan in dict.fromkeys(launches):  # in order, each launch once
+            paths[_plan_name(plan)] = lambda w=w, plan=plan: Q._weight_t_blocks(w, plan)
+            blocks.append(_plan_name(plan))
+        paths["torch reference"] = lambda w=w: Q.quantize_weight_t(w, Impl.TORCH)
+        cases.append((name, dims, nbytes, paths, blocks))
+    return cases
+
+
+def check_weight_paths(label: str, paths: dict, blocks: list[str]) -> None:
+    """Each column-block launch bitwise equal to the segment kernels (the same scale and cast code)."""
+    q_ref, s_ref = paths["segment kernels"]()
+    for name in blocks:
+        q, s = paths[name]()
+        if not (torch.equal(s, s_ref) and torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))):
+            raise AssertionError(f"{label} {name}: differs from the segment kernels")
+
+
+def run_weights(shapes, plans, warmup: int, iters: int, dev: str = "cuda", timer=time_ms) -> list[dict]:
+    """The FP8 weight table's rows for ``shapes`` (``Shape``s); ``timer(fn, warmup, iters, flush)`` -> ms."""
+    flush = torch.empty(_L2_FLUSH_BYTES if dev == "cuda" else 1, dtype=torch.uint8, device=dev)
+    rows = []
+    for shape in shapes:
+        for name, dims, nbytes, paths, blocks in _weight_cases(shape, plans, dev):
+            check_weight_paths(f"{shape.name} {name}", paths, blocks)
+            ms = {path: timer(fn, warmup, iters, flush) for path, fn in paths.items()}
+            for path, t in ms.items():
+                rows.append(
+                    dict(
+                        shape=shape.name,
+                        weight=name,
+                        dims=list(dims),
+                        path=path,
+                        ms=t,
+                        gbps=nbytes / t / 1e6,
+                        vs_segments=ms["segment kernels"] / t,
+                    )
+                )
+            del paths
+            if dev == "cuda":
+                torch.cuda.empty_cache()
+    return rows
+
+
+def weights_markdown(rows: list[dict]) -> str:
+    lines = [
+        "| shape | weight [G, N, K] | path | ms | GB/s | speed-up vs segment kernels |",
+        "|---|---|---|---:|---:|---:|",
+    ]
+    for r in rows:
+        dims = "x".join(map(str, r["dims"]))
+        lines.append(
+            f"| {r['shape']} | {r['weight']} {dims} | {r['path']} | {r['ms']:.3f} | {r['gbps']:.0f} | "
+            f"{r['vs_segments']:.2f}x |"
+        )
+    return "\n".join(lines)
+
+
 def markdown(rows: list[dict]) -> str:
     lines = [
         "| shape | kernel | Triton ms | torch ms | speed-up | Triton GB/s | torch GB/s |",
@@ -193,20 +311,35 @@ def main(argv=None) -> int:
     parser.add_argument("--alignment", type=int, default=1, help="expert row alignment (1, 16, 32, 128)")
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--weights", action="store_true", help="only the FP8 weight quantization table")
+    parser.add_argument(
+        "--weight-plans",
+        default="",
+        help="also time these column-block launches: comma-separated PxK[wW] (P programs per SM, BLOCK_K K, "
+        "W warps), e.g. 1x16,1x32,2x16,2x32w4",
+    )
     parser.add_argument("--json", help="also write the rows to this JSON file")
     args = parser.parse_args(argv)
+    try:
+        plans = parse_weight_plans(args.weight_plans)
+    except ValueError as e:
+        parser.error(str(e))
     if not torch.cuda.is_available():
         print("python -m benchmarks.kernels: needs a CUDA GPU (none is visible here)", file=sys.stderr)
         return 2
-    rows = run(args.shapes, args.alignment, args.warmup, args.iters)
+    rows = [] if args.weights else run(args.shapes, args.alignment, args.warmup, args.iters)
+    weight_rows = run_weights([SHAPES[name] for name in args.shapes], plans, args.warmup, args.iters)
     print(
         f"{torch.cuda.get_device_name()}, torch {torch.__version__}, alignment {args.alignment}, "
         f"median of {args.iters} (CUDA events, L2 flushed)\n"
     )
-    print(markdown(rows))
+    if rows:
+        print(markdown(rows) + "\n")
+    print("FP8 weights, quantize_weight_t (bf16 w [G, N, K] -> e4m3 q [G, K, N] + fp32 scales [G, K]):\n")
+    print(weights_markdown(weight_rows))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
+            json.dump({"kernels": rows, "fp8_weights": weight_rows}, f, indent=1)
     return 0
 
 

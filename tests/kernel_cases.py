@@ -216,6 +216,35 @@ def check_bench_cases(device, alignment):
         _check(name, fn(Impl.TRITON), fn(Impl.TORCH))
 
 
+def check_bench_weight_cases(device):
+    """The FP8 weight table on a tiny shape (a stand-in timer): every path runs, each column-block launch
+    (automatic and two given) bitwise the segment kernels and the torch reference, one row per path."""
+    from benchmarks.kernels import (
+        Shape,
+        _weight_cases,
+        parse_weight_plans,
+        run_weights,
+        weights_markdown,
+    )
+
+    shape = Shape("tiny", tokens=37, hidden=24, ffn=20, experts=6, topk=3)
+    plans = parse_weight_plans("1x16,2x32w4")
+    cases = _weight_cases(shape, plans, device)
+    assert [(name, dims) for name, dims, *_ in cases] == [("fc1 w", (6, 40, 24)), ("fc2 w", (6, 24, 20))]
+    for name, dims, nbytes, paths, blocks in cases:
+        assert nbytes == dims[0] * dims[1] * dims[2] * 3 + dims[0] * dims[2] * 4, name
+        assert len(blocks) == 3 and set(blocks) < set(paths), blocks
+        q, s = paths["torch reference"]()
+        q_seg, s_seg = paths["segment kernels"]()
+        assert torch.equal(s, s_seg) and torch.equal(q.view(torch.uint8), q_seg.view(torch.uint8)), name
+    calls = []
+    rows = run_weights([shape], plans, 1, 2, device, timer=lambda fn, *_: (calls.append(fn()), 2.0)[1])
+    assert len(rows) == len(calls) == 2 * 5 and {r["path"] for r in rows} >= {"segment kernels"}, rows
+    assert all(r["vs_segments"] == 1.0 and r["gbps"] > 0 for r in rows), rows
+    table = weights_markdown(rows)
+    assert table.count("\n") == 2 + len(rows) - 1 and "| tiny | fc1 w 6x40x24 | segment kernels |" in table
+
+
 # ---- the kernels as the layer's ops take them (ops.permute / ops.activation / the experts' MLP) ----------------
 
 
@@ -633,6 +662,7 @@ CPU_CASES = {
     "layer/nan-router-weight": partial(check_layer_nan_router_score, how="nan-weight"),
     "layer/inf-router-weight-nan-on-some-tokens": partial(check_layer_nan_router_score, how="inf-weight"),
     "bench/tiny-A16": partial(check_bench_cases, alignment=16),
+    "bench/fp8-weights-tiny": check_bench_weight_cases,
     "wired/permute-combine-T13-K2-E5-H40": partial(
         check_wired_permute_combine, T=13, K=2, E=5, H=40, dtype=f32
     ),

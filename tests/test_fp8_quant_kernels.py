@@ -93,6 +93,14 @@ def segments_case(counts, width, dtype, *, spare=0, zero_segment=None, device="c
     _bitwise("segments vs quantize_segments", got, (q_ref.contiguous(), s_ref))
 
 
+def _same_kernels(name: str, got, want) -> None:
+    """Two Triton paths sharing the scale and cast code: bitwise equal on every device."""
+    (q, s), (q_ref, s_ref) = got, want
+    assert torch.equal(s, s_ref), f"{name}: scales differ at {(s != s_ref).nonzero()[:4].tolist()}"
+    diff = (q.view(torch.uint8) != q_ref.view(torch.uint8)).nonzero()
+    assert diff.numel() == 0, f"{name}: {diff.shape[0]} q bytes differ, first at {diff[:4].tolist()}"
+
+
 def weight_case(groups, n, k, dtype, *, zero_expert=None, device="cpu"):
     w = _x(groups * n, k, DTYPES[dtype], groups * n + k).view(groups, n, k)
     if zero_expert is not None:
@@ -102,6 +110,56 @@ def weight_case(groups, n, k, dtype, *, zero_expert=None, device="cpu"):
     _bitwise("weight_t", got, Q.quantize_weight_t(w, Impl.TORCH))
     q_ref, s_ref = quantize.quantize_rowwise(w.transpose(-2, -1))
     _bitwise("weight_t vs rowwise", got, (q_ref.contiguous(), s_ref))
+    _same_kernels("weight_t vs segment kernels", got, Q._weight_t_segments(w))
+
+
+HUGE = {"bf16": 1e30, "fp32": 1e30, "fp16": 6e4}  # far above the rest of a column (fp16: near its max)
+
+
+def weight_blocks_case(
+    groups, n, k, dtype, *, plan=None, zero_cols=(), huge=(), zero_expert=None, limits=None, device="cpu"
+):
+    """The column-block kernel (``plan``: a ``Q.WeightTPlan``, else ``weight_t_plan``'s) bitwise against
+    the reference and the segment kernels. ``zero_cols``: (g, k) all-zero columns (scale 1); ``huge``:
+    (g, n, k) one value that makes the rest of its column round to 0 or subnormals. ``limits``: the
+    (SMs, L2 bytes) the automatic plan assumes on CPU (``Q.INTERPRETED_LIMITS``)."""
+    w = _x(groups * n, k, DTYPES[dtype], groups * n + 3 * k).view(groups, n, k)
+    for g, c in zero_cols:
+        w[g, :, c] = 0
+    for g, r, c in huge:
+        w[g, r, c] = HUGE[dtype]
+    if zero_expert is not None:
+        w[zero_expert] = 0
+    w = w.to(device)
+    want = Q.quantize_weight_t(w, Impl.TORCH)
+    auto = Q.weight_t_plan(w)
+    assert auto is not None and auto.programs <= groups * -(-k // auto.block_k), auto
+    got = Q._weight_t_blocks(w, plan or auto)
+    _bitwise("weight_t blocks", got, want)
+    _same_kernels("weight_t blocks vs segment kernels", got, Q._weight_t_segments(w))
+    for g, c in zero_cols:
+        assert bool((got[1][g, c] == 1).all()), f"zero column ({g}, {c}): scale {got[1][g, c]}, expected 1"
+    for g, _, c in huge:
+        assert got[1][g, c] == torch.tensor(HUGE[dtype], dtype=w.dtype).float() / 448, "huge: not its scale"
+    _bitwise("weight_t (automatic plan)", Q.quantize_weight_t(w, Impl.TRITON), want)
+
+
+def weight_tall_case(device="cpu"):
+    """N too tall for one narrowest column block per SM to stay in L2: ``weight_t_plan`` gives None and
+    ``quantize_weight_t`` takes the segment kernels (the device's L2 taken as just below that)."""
+    groups, n, k = 2, 72, 40
+    w = _x(groups * n, k, torch.bfloat16, 11).view(groups, n, k).to(device)
+    device_limits = Q._device_limits
+    sms = device_limits(w.device)[0]
+    limit = sms * n * w.element_size() * Q.WEIGHT_T_BLOCK_KS[-1] / Q.WEIGHT_T_L2_LIMIT  # the least L2
+    try:
+        Q._device_limits = lambda _: (sms, int(limit) + 1)
+        assert Q.weight_t_plan(w) is not None
+        Q._device_limits = lambda _: (sms, int(limit) - 1)
+        assert Q.weight_t_plan(w) is None
+        _bitwise("weight_t tall N", Q.quantize_weight_t(w, Impl.TRITON), Q.quantize_weight_t(w, Impl.TORCH))
+    finally:
+        Q._device_limits = device_limits
 
 
 def scatter_case(counts, width, dtype, *, spare=0, zero_expert=None, device="cpu"):
@@ -169,6 +227,13 @@ def packed_case(kind: str, device="cpu"):
             _bitwise(
                 "packed weight_t", Q.quantize_weight_t(w, Impl.TRITON), Q.quantize_weight_t(w, Impl.TORCH)
             )
+            _bitwise("packed weight_t segments", Q._weight_t_segments(w), Q.quantize_weight_t(w, Impl.TORCH))
+        elif kind == "weight_blocks":  # words (N % 4 == 0, N past one cast step) and bytes (N % 4 != 0)
+            for n in (44, 42):
+                w = exact(3 * n, 40, [0, n, 2 * n]).view(3, n, 40)
+                want = Q.quantize_weight_t(w, Impl.TORCH)
+                for plan in (Q.WeightTPlan(16, 16, 16, 4, 4), Q.WeightTPlan(32, 32, 64, 4, 1)):
+                    _bitwise(f"packed weight_t blocks N={n} {plan}", Q._weight_t_blocks(w, plan), want)
         elif kind == "scatter":  # real rows (any counts) into the 16-aligned padded layout
             from mok_megatron.ops import align
             from mok_megatron.experts.fp8_mlp import native_num_rows, native_offsets
@@ -238,6 +303,7 @@ CASES = {
     "partials_aligned_fp32": lambda **kw: partials_case([32, 16], 40, "fp32", **kw),
     "packed_segments": lambda **kw: packed_case("segments", **kw),
     "packed_weight_t": lambda **kw: packed_case("weight_t", **kw),
+    "packed_weight_blocks": lambda **kw: packed_case("weight_blocks", **kw),
     "packed_scatter": lambda **kw: packed_case("scatter", **kw),
     "packed_rows": lambda **kw: packed_case("rows", **kw),
     "rowwise_bf16_narrow": lambda **kw: rowwise_case(37, 100, "bf16", zero_rows=(3,), **kw),
@@ -253,6 +319,27 @@ CASES = {
     "segments_none": lambda **kw: segments_case([], 16, "bf16", spare=11, **kw),
     "weight_t_bf16": lambda **kw: weight_case(3, 48, 80, "bf16", zero_expert=1, **kw),
     "weight_t_fp32": lambda **kw: weight_case(2, 16, 32, "fp32", **kw),
+    # column blocks: N past several steps and not a multiple of them, K not a multiple of BLOCK_K, more
+    # tiles than programs (each program loops), a zero column, a column with one huge value
+    "weight_blocks_bf16_looped": lambda **kw: weight_blocks_case(
+        3, 70, 40, "bf16", plan=Q.WeightTPlan(16, 16, 32, 4, 4), zero_cols=[(1, 17)], huge=[(2, 5, 33)], **kw
+    ),
+    "weight_blocks_fp32_bytes": lambda **kw: weight_blocks_case(  # N % 4 != 0, last block partial
+        2, 37, 50, "fp32", plan=Q.WeightTPlan(32, 32, 16, 4, 3), zero_cols=[(0, 49)], huge=[(1, 36, 0)], **kw
+    ),
+    "weight_blocks_fp16_auto": lambda **kw: weight_blocks_case(
+        4, 48, 24, "fp16", zero_cols=[(3, 0), (3, 23)], huge=[(0, 0, 23)], zero_expert=2, **kw
+    ),
+    "weight_blocks_bf16_one_program": lambda **kw: weight_blocks_case(
+        5, 20, 17, "bf16", plan=Q.WeightTPlan(16, 16, 16, 4, 1), huge=[(4, 19, 16)], **kw
+    ),
+    "weight_blocks_fp32_more_programs": lambda **kw: weight_blocks_case(
+        1, 130, 70, "fp32", plan=Q.WeightTPlan(64, 64, 128, 4, 50), zero_cols=[(0, 64)], **kw
+    ),
+    "weight_blocks_bf16_one_expert_wide": lambda **kw: weight_blocks_case(
+        1, 8, 300, "bf16", zero_cols=[(0, 299)], huge=[(0, 7, 0)], **kw
+    ),
+    "weight_tall_takes_segments": lambda **kw: weight_tall_case(**kw),
     "scatter_uneven_empty_zero": lambda **kw: scatter_case(
         [5, 0, 17, 16, 33], 40, "bf16", zero_expert=3, **kw
     ),
@@ -280,6 +367,18 @@ GPU_CASES = {
     ),
     "weight_t_dsv3_w1": lambda **kw: weight_case(2, 4096, 7168, "bf16", **kw),
     "weight_t_qwen_w2": lambda **kw: weight_case(128, 2048, 768, "bf16", zero_expert=7, **kw),
+    "weight_blocks_qwen_w1": lambda **kw: weight_blocks_case(  # 16 of the 128 experts: 512 tiles
+        16, 1536, 2048, "bf16", zero_cols=[(3, 0), (15, 2047)], huge=[(5, 1535, 100)], **kw
+    ),
+    "weight_blocks_dsv3_w2": lambda **kw: weight_blocks_case(
+        8, 7168, 2048, "bf16", zero_cols=[(7, 31)], huge=[(0, 0, 0)], **kw
+    ),
+    "weight_blocks_unaligned_bytes": lambda **kw: weight_blocks_case(  # N % 4 != 0, K % 16 != 0
+        16, 1530, 2040, "bf16", zero_cols=[(2, 2039)], huge=[(9, 3, 7)], **kw
+    ),
+    "weight_blocks_unaligned_words": lambda **kw: weight_blocks_case(  # N % 64 != 0: scalar word stores
+        16, 1532, 770, "fp32", plan=Q.WeightTPlan(128, 64, 256, 8, 40), zero_cols=[(0, 769)], **kw
+    ),
     "scatter_dsv3_x": lambda **kw: scatter_case([4093, 0, 4111, 3573], 7168, "bf16", **kw),
     "scatter_qwen_x": lambda **kw: scatter_case([97, 130, 0, 3] * 32, 2048, "bf16", zero_expert=5, **kw),
     "token_rows_dsv3": lambda **kw: token_rows_case(4096, 8, 8, 7168, "bf16", zero_token=7, **kw),
@@ -336,6 +435,27 @@ def test_reference_layouts_are_what_scaled_grouped_mm_takes():
     assert q_GKN.shape == (2, 48, 16) and q_GKN.is_contiguous() and s_GK.shape == (2, 48)
 
 
+def test_weight_t_plan_on_an_h200(monkeypatch):
+    """The column-block launches on an H200 (132 SMs, 50 MiB L2): one program per SM, the widest BLOCK_K
+    whose blocks fill at most half the L2; the generic path past a whole L2 of 16-column blocks."""
+    monkeypatch.setattr(Q, "_device_limits", lambda _: (132, 50 << 20))
+
+    def plan(*dims, dtype=torch.bfloat16, **kw):
+        p = Q.weight_t_plan(torch.empty(dims, dtype=dtype, device="meta"), **kw)
+        return p and (p.programs, p.block_k, p.block_n, p.amax_n, p.warps)
+
+    assert plan(128, 1536, 2048) == (132, 64, 256, 512, 16)  # Qwen3-30B-A3B fc1: 26.0 MB of blocks
+    assert plan(128, 2048, 768) == (132, 32, 512, 1024, 16)  # fc2: 17.3 MB
+    assert plan(8, 4096, 7168) == (132, 16, 1024, 2048, 16)  # DeepSeek-V3 fc1: 17.3 MB
+    assert plan(8, 7168, 2048) == (132, 16, 1024, 2048, 16)  # fc2: 30.3 MB, over half the L2: the narrowest
+    assert plan(1, 64, 256) == (16, 16, 64, 64, 16)  # fewer tiles than SMs: one program per tile
+    assert plan(128, 1536, 2048, programs_per_sm=2) == (264, 32, 512, 1024, 16)
+    assert plan(128, 1536, 2048, programs_per_sm=2, block_k=64, warps=8) == (264, 64, 128, 256, 8)
+    assert plan(8, 12412, 2048) is not None and plan(8, 12413, 2048) is None
+    assert plan(8, 6206, 2048, dtype=torch.float32) is not None
+    assert plan(8, 6207, 2048, dtype=torch.float32) is None
+
+
 def test_errors_name_the_bad_value():
     x = torch.randn(8, 16)
     with pytest.raises(ValueError, match=r"offsets \(2,\) torch.int64.*expected \[G\] int32"):
@@ -373,6 +493,8 @@ def _sm90_kernels():
     cast = dict(
         BLOCK_M=Q.CAST_TILE[0], BLOCK_K=Q.CAST_TILE[1], PACK=False, FROM_PARTIAL=False, PART=16, SRC=False
     )
+    wt = dict(w_ptr="*bf16", q_ptr="*fp8e4nv", q32_ptr="*i32", s_ptr="*fp32")
+    blocks = dict(BLOCK_N=Q.WEIGHT_T_CAST_TILE // 32, BLOCK_K=32, AMAX_N=Q.WEIGHT_T_AMAX_TILE // 32)
     perm = dict(
         x_ptr="*bf16",
         row_ptr="*i32",
@@ -408,6 +530,8 @@ def _sm90_kernels():
         "segment_amax_rows": (Q._segment_amax_kernel, seg, amax | dict(SRC=True), False),
         "segment_cast_packed_rows": (Q._segment_cast_kernel, seg, pack | dict(SHIFT=False, SRC=True), True),
         "segment_cast_rows": (Q._segment_cast_kernel, seg, cast | dict(SHIFT=False, SRC=True), True),
+        "weight_t_packed": (Q._weight_t_kernel, wt, blocks | dict(PACK=True), True),
+        "weight_t_bytes": (Q._weight_t_kernel, wt, blocks | dict(PACK=False), True),
         "quantize_permute_one_pass": (
             FP._quantize_permute_kernel,
             perm,

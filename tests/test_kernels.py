@@ -177,6 +177,20 @@ def test_triton_on_cpu_without_interpreter_says_how():
         swiglu(torch.randn(3, 4), impl=Impl.TRITON)
 
 
+def test_bench_fp8_weights_are_the_models_and_plans_parse():
+    """benchmarks.kernels' FP8 weight table: the Qwen3-30B-A3B and DeepSeek-V3 slice expert weights
+    [G, N, K], and ``--weight-plans`` items PxK[wW] (a bad one named)."""
+    from benchmarks.kernels import SHAPES, parse_weight_plans, weight_shapes
+
+    dims = [d for name in ("qwen3-30b-a3b", "deepseek-v3-slice") for _, d in weight_shapes(SHAPES[name])]
+    assert dims == [(128, 1536, 2048), (128, 2048, 768), (8, 4096, 7168), (8, 7168, 2048)]
+    assert parse_weight_plans("1x16, 2x32w4,") == [(1, 16, None), (2, 32, 4)]
+    assert parse_weight_plans("") == []
+    for bad in ("2x48", "0x16", "x16", "2x16w0", "2by16", "2x16w"):
+        with pytest.raises(ValueError, match=f"'{bad}' is not PxK"):
+            parse_weight_plans(bad)
+
+
 def test_auto_on_cpu_is_the_reference():
     if INTERPRETED:
         pytest.skip("in interpreter mode AUTO runs Triton on CPU")

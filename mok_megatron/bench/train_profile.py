@@ -41,6 +41,7 @@ MOK_KERNELS = {
     "_rowwise_partial_kernel": "fp8",  # ... keeping per-block amaxes for the weight-gradient operand
     "_segment_amax_kernel": "fp8",  # ... per-expert column amax
     "_segment_cast_kernel": "fp8",  # ... per-expert column cast
+    "_weight_t_kernel": "fp8",  # ... the experts' weights for dgrad: column amax and transposed cast
     "_quantize_permute_kernel": "fp8",  # kernels/fp8_permute.py: quantize fused into the permute
     "_topk_kernel": "moe",  # kernels/topk.py
     "_rank_in_block_kernel": "moe",  # kernels/routing.py

@@ -12,8 +12,10 @@ Legend: R rows, H row width (the scaled dimension), M rows split into G segments
                           over each expert's rows (``torch._scaled_grouped_mm`` takes A = dy^T [N, M] and
                           B = x [M, K] column-major, i.e. x^T [K, M] row-major)
     quantize_weight_t     w_GNK       -> q_GKN e4m3 (the per-expert transpose, row-major), scale_GK fp32
-                          one scale per (expert, column k) over N: the dgrad's B operand; the same kernel as
-                          ``quantize_segments_t`` with G segments of N rows and a per-expert output block
+                          one scale per (expert, column k) over N: the dgrad's B operand, by the column-block
+                          kernel (``_weight_t_kernel``); where N is too tall for its blocks to stay in L2,
+                          by the segment kernels of ``quantize_segments_t`` (G segments of N rows, a
+                          per-expert output block)
     quantize_rowwise_scatter      x_RH -> the rowwise q/scale of its per-expert padded layout [P, H]
     quantize_segments_t_scatter   x_RK -> the segment q^T/scale of its per-expert padded layout [K, P]
                           bitwise ``ops.align.pad_rows`` followed by the unpadded op, without the bf16 padded
@@ -40,17 +42,31 @@ Kernels:
                           column go out as one 32-bit store; elsewhere byte-wise stores. FROM_PARTIAL: the
                           scales come from the block amaxes (whole-block segments) or x's rows (the others)
                           in the same program, and pass 1 is skipped
+    _weight_t_kernel      both passes over one expert's column block [N, BLOCK_K] in one program: the
+                          amax read (evict-last), then the cast re-reading the block from L2 (evict-first)
+                          and writing it transposed, packed as above where N % 4 == 0. Persistent: one
+                          program per SM takes the tiles in turn, BLOCK_K chosen by ``weight_t_plan`` so
+                          that the blocks in flight fill at most WEIGHT_T_L2_SHARE of the L2. Each cast step
+                          writes >= 256 rows of a column: 16-byte stores, each warp 512 contiguous bytes
+                          along N where N is a multiple of 64 (sm_90 PTX)
 Rows past the last offset form one extra segment (scale computed and dropped, like the reference), so every
 q element is written. Segment programs loop over device-side bounds: no host read of ``offs``.
 
 Measured (H200): byte-wise transposed e4m3 stores held the cast pass
 to ~2 TB/s (0.347 ms on the DeepSeek-V3 x operand [32768, 7168]; the same pass writing untransposed: 0.196);
 packed words 0.225 ms. One program per (segment, BLOCK_K columns): a segment holding most rows runs on few SMs.
+The weights' transposed quantization on the segment kernels read w twice from HBM: 8 calls took 4.1 ms of a
+profiled FP8 training step of the Qwen3-30B-A3B preset (fc1 w [128, 1536, 2048], fc2 [128, 2048, 768], bf16),
+~0.51 ms each, about twice one read of w plus the e4m3 write at HBM speed; ``_weight_t_kernel`` reads w from
+HBM once (``python -m benchmarks.kernels --weights`` times both on the Qwen3 and DeepSeek-V3 weights).
 
 How it plugs in: ``ops.fp8_grouped_gemm`` calls these on CUDA tensors (``Impl.AUTO``), the references elsewhere.
 """
 
 from __future__ import annotations
+
+import functools
+from typing import NamedTuple
 
 import torch
 
@@ -70,6 +86,19 @@ AMAX_TILE = (32, 64, 8)
 PACK_TILE = (128, 64, 4)
 CAST_TILE = (128, 32, 2)  # byte-wise stores (the fastest tile measured on one H200)
 PARTIAL_ROWS = 16  # rows per block amax of quantize_rowwise_partials (the FP8 experts pad segments to 16)
+# Column-block weight kernel (``_weight_t_kernel``, ``weight_t_plan``): each program re-reads the block it
+# just read, so the blocks of all programs in flight must stay in L2 between the two reads. The programs are
+# persistent (a static tile schedule), so all of them must be resident at once: one per SM, 16 warps (sm_90
+# compiles of every BLOCK_K / PACK / input dtype: 95-128 registers per thread, no spills; two such programs
+# would not fit an SM's 64K registers), warps for the IEEE division's latency and loads in flight.
+WEIGHT_T_BLOCK_KS = (64, 32, 16)  # candidate BLOCK_K, widest first (16 bf16 columns: one 32-byte sector)
+WEIGHT_T_PROGRAMS_PER_SM = 1
+WEIGHT_T_L2_SHARE = 0.5  # of the L2 that the blocks in flight may fill (the rest: q, the scales, others)
+WEIGHT_T_L2_LIMIT = 1.0  # narrowest blocks, one per SM, filling more of the L2 than this: segment kernels
+WEIGHT_T_WARPS = 16
+WEIGHT_T_AMAX_TILE = 32768  # elements per amax step at WEIGHT_T_WARPS: 64 KB of bf16 loads in flight per SM
+WEIGHT_T_CAST_TILE = 16384  # elements per cast step at WEIGHT_T_WARPS: >= 256 rows, >= 256 bytes per column
+INTERPRETED_LIMITS = (4, 1 << 20)  # (SMs, L2 bytes) the plan assumes for CPU tensors under the interpreter
 
 
 @jit
@@ -192,20 +221,31 @@ def _segment_amax_kernel(
 
 
 @jit
-def _load_rows(ptr, src_ptr, rows, row_ok, cols, mask, width, SRC: tl.constexpr):
+def _load_rows(ptr, src_ptr, rows, row_ok, cols, mask, width, SRC: tl.constexpr, EVICT: tl.constexpr = ""):
     """Elements (rows, cols) of a row-major [*, width] tensor (0 where masked); with SRC row m is the
-    tensor's row ``src[m]`` (-1: a zero row). ``rows``/``row_ok`` broadcast against ``cols``/``mask``."""
+    tensor's row ``src[m]`` (-1: a zero row). ``rows``/``row_ok`` broadcast against ``cols``/``mask``.
+    EVICT: the loads' L2 eviction hint ("", "evict_last", "evict_first")."""
     if SRC:
         src = tl.load(src_ptr + rows, mask=row_ok, other=-1).to(tl.int64)
-        v = tl.load(ptr + src * width + cols, mask=mask & (src >= 0), other=0)
+        v = tl.load(ptr + src * width + cols, mask=mask & (src >= 0), other=0, eviction_policy=EVICT)
     else:
-        v = tl.load(ptr + rows.to(tl.int64) * width + cols, mask=mask, other=0)
+        v = tl.load(ptr + rows.to(tl.int64) * width + cols, mask=mask, other=0, eviction_policy=EVICT)
     return v
 
 
 @jit
 def _column_amax(
-    ptr, src_ptr, cols, col_ok, lo, hi, width, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, SRC: tl.constexpr
+    ptr,
+    src_ptr,
+    cols,
+    col_ok,
+    lo,
+    hi,
+    width,
+    BLOCK_M: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    SRC: tl.constexpr,
+    EVICT: tl.constexpr = "",
 ):
     """max |v| over rows [lo, hi) of a row-major [*, width] tensor, per column of ``cols``: an elementwise
     running max, reduced over the rows once at the end (a cross-thread reduction every row block ran the
@@ -215,7 +255,7 @@ def _column_amax(
         rows = m0 + tl.arange(0, BLOCK_M)
         row_ok = (rows < hi)[:, None]
         mask = row_ok & col_ok[None, :]
-        v = _load_rows(ptr, src_ptr, rows[:, None], row_ok, cols[None, :], mask, width, SRC)
+        v = _load_rows(ptr, src_ptr, rows[:, None], row_ok, cols[None, :], mask, width, SRC, EVICT)
         acc = tl.maximum(acc, tl.abs(v.to(tl.float32)))
     return tl.max(acc, axis=0)
 
@@ -223,6 +263,13 @@ def _column_amax(
 @jit
 def _scale_of(amax):
     return tl.where(amax > 0, tl.math.div_rn(amax, 448.0), 1.0)
+
+
+@jit
+def _to_e4m3(x, scale, ty):
+    """The segment and weight kernels' cast: IEEE ``x / scale``, clamped to +-448, rounded to ``ty``."""
+    y = tl.math.div_rn(x.to(tl.float32), scale)
+    return tl.minimum(tl.maximum(y, -448.0), 448.0).to(ty)
 
 
 @jit
@@ -276,20 +323,23 @@ def _segment_cast_kernel(
     )
     if PACK:
         if packed:
-            j = tl.arange(0, BLOCK_M // 4)
-            i4 = tl.arange(0, 4)
-            word_base = (dst.to(tl.int64) * seg_mul) // 4 + cols.to(tl.int64)[None, :] * (stride_k // 4)
-            for m0 in range(start, end, BLOCK_M):
-                rows = m0 + 4 * j[:, None, None] + i4[None, :, None]  # [BLOCK_M / 4, 4, 1]
-                mask = (rows < end) & col_ok[None, None, :]
-                x = _load_rows(x_ptr, src_ptr, rows, rows < end, cols[None, None, :], mask, width, SRC)
-                y = tl.math.div_rn(x.to(tl.float32), scale[None, None, :])
-                y = tl.minimum(tl.maximum(y, -448.0), 448.0).to(q_ptr.dtype.element_ty)
-                b = y.to(tl.uint8, bitcast=True).to(tl.int32)
-                words = tl.sum(b << (8 * i4)[None, :, None], axis=1)  # little-endian: row 4w + i in byte i
-                w_idx = (m0 - start) // 4 + j
-                w_mask = (m0 + 4 * j < end)[:, None] & col_ok[None, :]
-                tl.store(q32_ptr + word_base + w_idx[:, None], words, mask=w_mask)
+            _cast_words(
+                x_ptr,
+                src_ptr,
+                q_ptr,
+                q32_ptr,
+                scale,
+                cols,
+                col_ok,
+                start,
+                end,
+                (dst.to(tl.int64) * seg_mul) // 4,
+                (end - start + 3) // 4,
+                stride_k // 4,
+                width,
+                BLOCK_M,
+                SRC,
+            )
         else:
             _cast_bytes(
                 x_ptr,
@@ -376,17 +426,127 @@ def _cast_bytes(
     width,
     BLOCK_M: tl.constexpr,
     SRC: tl.constexpr,
+    EVICT: tl.constexpr = "",
 ):
-    """The cast pass's byte-wise transposed store (any layout)."""
+    """The cast pass's byte-wise transposed store (any layout): element (m, k) of rows [start, end) to
+    ``q[dst * seg_mul + k * stride_k + (m - start)]``."""
     out_base = q_ptr + dst.to(tl.int64) * seg_mul - start + cols.to(tl.int64)[None, :] * stride_k
     for m0 in range(start, end, BLOCK_M):
         rows = m0 + tl.arange(0, BLOCK_M)
         row_ok = (rows < end)[:, None]
         mask = row_ok & col_ok[None, :]
-        x = _load_rows(x_ptr, src_ptr, rows[:, None], row_ok, cols[None, :], mask, width, SRC)
-        y = tl.math.div_rn(x.to(tl.float32), scale[None, :])
-        y = tl.minimum(tl.maximum(y, -448.0), 448.0)
-        tl.store(out_base + rows[:, None], y.to(q_ptr.dtype.element_ty), mask=mask)
+        x = _load_rows(x_ptr, src_ptr, rows[:, None], row_ok, cols[None, :], mask, width, SRC, EVICT)
+        tl.store(out_base + rows[:, None], _to_e4m3(x, scale[None, :], q_ptr.dtype.element_ty), mask=mask)
+
+
+@jit
+def _cast_words(
+    x_ptr,
+    src_ptr,
+    q_ptr,
+    q32_ptr,
+    scale,
+    cols,
+    col_ok,
+    start,
+    end,
+    dst_word,
+    seg_words,
+    word_stride_k,
+    width,
+    BLOCK_M: tl.constexpr,
+    SRC: tl.constexpr,
+    EVICT: tl.constexpr = "",
+):
+    """The cast pass's packed transposed store where the output span is word-aligned: rows [start, end)
+    of column k go to the ``seg_words`` = ceil((end - start) / 4) words from ``q32[dst_word + k *
+    word_stride_k]`` on, four rows per 32-bit store (rows past ``end`` in the last word: the zeros of
+    masked loads). Word index and mask are built from a counter that starts at 0 so that the compiler can
+    prove the alignment of vector stores where the caller's arguments are multiples of 16."""
+    j = tl.arange(0, BLOCK_M // 4)
+    i4 = tl.arange(0, 4)
+    word_base = dst_word + cols.to(tl.int64)[None, :] * word_stride_k
+    for m in range(0, end - start, BLOCK_M):
+        rows = start + m + 4 * j[:, None, None] + i4[None, :, None]  # [BLOCK_M / 4, 4, 1]
+        mask = (rows < end) & col_ok[None, None, :]
+        x = _load_rows(x_ptr, src_ptr, rows, rows < end, cols[None, None, :], mask, width, SRC, EVICT)
+        y = _to_e4m3(x, scale[None, None, :], q_ptr.dtype.element_ty)
+        b = y.to(tl.uint8, bitcast=True).to(tl.int32)
+        words = tl.sum(b << (8 * i4)[None, :, None], axis=1)  # little-endian: row 4w + i in byte i
+        w_idx = m // 4 + j
+        w_mask = (w_idx < seg_words)[:, None] & col_ok[None, :]
+        tl.store(q32_ptr + word_base + w_idx[:, None], words, mask=w_mask)
+
+
+@jit
+def _weight_t_kernel(
+    w_ptr,  # [G, N, K] row-major, read as [G * N, K]
+    q_ptr,  # e4m3 [G, K, N]: element (g, n, k) of w at g * K * N + k * N + n
+    q32_ptr,  # the same buffer as int32 words (PACK)
+    s_ptr,  # fp32 [G, K]
+    rows,  # N
+    width,  # K
+    words,  # N // 4: int32 words per column of one expert's q (PACK)
+    num_tiles,  # G * ceil(K / BLOCK_K)
+    BLOCK_N: tl.constexpr,  # rows per step of the cast pass
+    BLOCK_K: tl.constexpr,
+    AMAX_N: tl.constexpr,  # rows per step of the amax pass
+    PACK: tl.constexpr,  # N % 4 == 0 and q is e4m3: four rows of a column per 32-bit store
+):
+    """Tile t is expert t // ceil(K / BLOCK_K)'s column block [N, BLOCK_K]; program p takes tiles p, p + P,
+    ... (P programs, sized so that the blocks being worked on fit in L2). Pass 1 reads the block with an
+    evict-last hint and keeps the per-column amax; pass 2 reads it again (from L2) with an evict-first
+    hint, casts and writes it transposed. Scale and cast are the segment kernels' (``_scale_of``,
+    ``_to_e4m3``, ``_cast_words`` / ``_cast_bytes``)."""
+    col_blocks = tl.cdiv(width, BLOCK_K)
+    for tile in range(tl.program_id(0), num_tiles, tl.num_programs(0)):
+        g = tile // col_blocks
+        cols = (tile - g * col_blocks) * BLOCK_K + tl.arange(0, BLOCK_K)
+        col_ok = cols < width
+        start = g * rows
+        end = start + rows
+        amax = _column_amax(
+            w_ptr, w_ptr, cols, col_ok, start, end, width, AMAX_N, BLOCK_K, False, "evict_last"
+        )
+        scale = _scale_of(amax)
+        tl.store(s_ptr + g * width + cols, scale, mask=col_ok)
+        if PACK:
+            _cast_words(
+                w_ptr,
+                w_ptr,
+                q_ptr,
+                q32_ptr,
+                scale,
+                cols,
+                col_ok,
+                start,
+                end,
+                g.to(tl.int64) * width * words,
+                words,
+                words,
+                width,
+                BLOCK_N,
+                False,
+                "evict_first",
+            )
+        else:
+            _cast_bytes(
+                w_ptr,
+                w_ptr,
+                q_ptr,
+                scale,
+                cols,
+                col_ok,
+                start,
+                end,
+                start,
+                width,
+                rows,
+                width,
+                BLOCK_N,
+                False,
+                "evict_first",
+            )
 
 
 # ---- wrappers -------------------------------------------------------------------------------------------------
@@ -593,14 +753,121 @@ def quantize_segments_t_rows(
 
 def quantize_weight_t(w_GNK: torch.Tensor, impl: Impl = Impl.AUTO) -> tuple[torch.Tensor, torch.Tensor]:
     """Inputs: w fp32/bf16/fp16 [G, N, K]. Outputs: q e4m3 [G, K, N] row-major (each expert's transpose),
-    scale fp32 [G, K] (one per expert and k, over N) -- ``quantize_rowwise(w.transpose(-2, -1))``."""
+    scale fp32 [G, K] (one per expert and k, over N) -- ``quantize_rowwise(w.transpose(-2, -1))``.
+
+    Triton (CUDA, or CPU under the interpreter): the column-block kernel, one read of w from HBM, with the
+    launch of ``weight_t_plan``; the segment kernels (two reads) where that plan is None, i.e. N too tall
+    for a column block of 16 per SM to stay in L2 (bf16 on an H200: N > ~12K rows). Both give the same bits.
+    """
     _check_input(w_GNK, "quantize_weight_t")
     if w_GNK.dim() != 3:
         raise ValueError(f"quantize_weight_t: w has shape {tuple(w_GNK.shape)}, expected [G, N, K]")
     if not use_triton(impl, w_GNK, "quantize_weight_t"):
         return quantize_weight_t_reference(w_GNK)
+    w_GNK = w_GNK.contiguous()
+    plan = weight_t_plan(w_GNK)
+    if plan is None:
+        return _weight_t_segments(w_GNK)
+    return _weight_t_blocks(w_GNK, plan)
+
+
+class WeightTPlan(NamedTuple):
+    """One launch of ``_weight_t_kernel``: its tiles and how many programs share them."""
+
+    block_n: int  # rows per cast step
+    block_k: int  # columns per tile
+    amax_n: int  # rows per amax step
+    warps: int
+    programs: int
+
+
+def _device_limits(device: torch.device) -> tuple[int, int]:
+    """(SMs, L2 bytes); the interpreter's CPU stands in as ``INTERPRETED_LIMITS``."""
+    if device.type != "cuda":
+        return INTERPRETED_LIMITS
+    return _cuda_limits(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_limits(index: int) -> tuple[int, int]:
+    props = torch.cuda.get_device_properties(index)
+    return props.multi_processor_count, props.L2_cache_size
+
+
+def weight_t_plan(
+    w_GNK: torch.Tensor,
+    programs_per_sm: int | None = None,
+    block_k: int | None = None,
+    warps: int | None = None,
+) -> WeightTPlan | None:
+    """The column-block kernel's launch for w [G, N, K] on its device, or None where it does not apply:
+    N so tall that one block of the narrowest width per SM fills more than ``WEIGHT_T_L2_LIMIT`` of the
+    L2 (its second read would come from HBM; the generic two-kernel path runs each read at full
+    occupancy instead).
+
+    Programs per SM and BLOCK_K: the most programs per SM (``WEIGHT_T_PROGRAMS_PER_SM`` down to 1), then
+    the widest of ``WEIGHT_T_BLOCK_KS``, whose blocks fill at most ``WEIGHT_T_L2_SHARE`` of the L2 and
+    leave every program a tile; else one per SM, the narrowest. ``programs_per_sm`` / ``block_k`` /
+    ``warps`` fix them. Steps: ``WEIGHT_T_AMAX_TILE`` / ``WEIGHT_T_CAST_TILE`` elements at
+    ``WEIGHT_T_WARPS`` warps, in proportion at other warps (the same elements, so registers, per thread),
+    no more rows than N (rounded up to a power of two)."""
     groups, n, k = w_GNK.shape
-    x_MK = w_GNK.contiguous().view(groups * n, k)
+    sms, l2 = _device_limits(w_GNK.device)
+    col_bytes = n * w_GNK.element_size()  # one column of one expert
+    if sms * col_bytes * WEIGHT_T_BLOCK_KS[-1] > WEIGHT_T_L2_LIMIT * l2:
+        return None
+    per_sms = [programs_per_sm] if programs_per_sm else range(WEIGHT_T_PROGRAMS_PER_SM, 0, -1)
+    block_ks = [block_k] if block_k else WEIGHT_T_BLOCK_KS
+    fits = [
+        (p, bk)
+        for p in per_sms
+        for bk in block_ks
+        if sms * p * col_bytes * bk <= WEIGHT_T_L2_SHARE * l2 and groups * -(-k // bk) >= sms * p
+    ]
+    per_sm, block_k = fits[0] if fits else (programs_per_sm or 1, block_k or WEIGHT_T_BLOCK_KS[-1])
+    warps = warps or WEIGHT_T_WARPS
+    tall = max(16, next_pow2(n))
+    return WeightTPlan(
+        block_n=max(16, min(WEIGHT_T_CAST_TILE * warps // WEIGHT_T_WARPS // block_k, tall)),
+        block_k=block_k,
+        amax_n=max(16, min(WEIGHT_T_AMAX_TILE * warps // WEIGHT_T_WARPS // block_k, tall)),
+        warps=warps,
+        programs=max(1, min(groups * -(-k // block_k), sms * per_sm)),
+    )
+
+
+def _weight_t_blocks(w_GNK: torch.Tensor, plan: WeightTPlan) -> tuple[torch.Tensor, torch.Tensor]:
+    """``quantize_weight_t`` of a contiguous w by ``_weight_t_kernel``."""
+    groups, n, k = w_GNK.shape
+    q_GKN = _q_buffer((groups, k, n), w_GNK.device)
+    scale_GK = torch.empty(groups, k, dtype=torch.float32, device=w_GNK.device)
+    tiles = groups * -(-k // plan.block_k)
+    if tiles:
+        # Words need an e4m3 buffer (not the interpreter's fp32 stand-in) whose rows view as int32.
+        pack = q_GKN.dtype == E4M3 and n % 4 == 0
+        _weight_t_kernel[(min(plan.programs, tiles),)](
+            w_GNK,
+            q_GKN,
+            q_GKN.view(torch.int32) if pack else q_GKN,
+            scale_GK,
+            n,
+            k,
+            n // 4,
+            tiles,
+            plan.block_n,
+            plan.block_k,
+            plan.amax_n,
+            pack,
+            num_warps=plan.warps,
+        )
+    return _finish(q_GKN), scale_GK
+
+
+def _weight_t_segments(w_GNK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``quantize_weight_t`` of a contiguous w by the generic segment kernels (G segments of N rows, a
+    per-expert output block): an amax pass, then a cast pass reading w again."""
+    groups, n, k = w_GNK.shape
+    x_MK = w_GNK.view(groups * n, k)
     offs_G = torch.arange(1, groups + 1, device=w_GNK.device, dtype=torch.int32) * n
     q_GKN = _q_buffer((groups, k, n), w_GNK.device)
     scale_GK = _segments(x_MK, offs_G, q_GKN, k, n)
