@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU side of the project in phases that each fit one 10-minute call, from the project root with
 # megatron-core (+TE, torchtitan) importable:
-#   bash benchmarks/gpu.sh tests|layer|overlap|ep|wgrad|split|gather|tiles|tiles-layer|tiles-layer-backward|te [outdir]
+#   bash benchmarks/gpu.sh tests|layer|overlap|ep|wgrad|split|gather|tiles|tiles-layer|tiles-layer-backward|fp8-weights|te [outdir]
 #   tests    every GPU test (skips cleanly what this machine cannot run)
 #   layer    mok bench layer, every shape (uniform / zipf / one-hot routing), one process per shape
 #   overlap  benchmarks/overlap.sh;  ep  benchmarks/ep.sh (2+ GPUs)
@@ -15,11 +15,13 @@
 #   tiles-layer  benchmarks.tile_pull and benchmarks.tile_layer: the pull's GB/s per K, and the forward's
 #            exposed and hidden time at 900 / 450 GB/s against the graphed layer without communication
 #   tiles-layer-backward  benchmarks.tile_layer forward and backward (8 CuTe compiles: give it its own call)
+#   fp8-weights  the dgrad weight quantization's column-block kernel against the segment kernels: bitwise GPU
+#            tests, then benchmarks.kernels --weights at several launches (GB/s)
 #   te       the te backend's GPU tests (TE, cuBLASLt 13.6+ preloaded for the grouped route) and the Qwen3 layer
 #            with every FP8 expert path, the single grouped weight included
 # Each phase leaves its logs in outdir and, with OUT set, one tarball $OUT/<phase>.tgz.
 set -u
-phase=${1:?phase: tests, ep, layer, overlap or wgrad}
+phase=${1:?phase: tests, ep, layer, overlap, wgrad, split, gather, tiles, tiles-layer, tiles-layer-backward, fp8-weights or te}
 out=${2:-/tmp/mok-evidence/$phase}
 mkdir -p "$out"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -69,13 +71,20 @@ case "$phase" in
       --json "$out/gate.json" 2>&1 | tail -30 | tee "$out/gate.txt"
     ;;
   tiles-layer)
-    timeout 200 $py -m benchmarks.tile_pull --json "$out/pull.json" 2>&1 | tail -30 | tee "$out/pull.txt"
-    timeout 380 $py -m benchmarks.tile_layer --phase forward --json "$out/layer-fwd.json" 2>&1 | tail -40 \
-      | tee "$out/layer-fwd.txt"
+    timeout 150 $py -m benchmarks.tile_pull --k 8,16 --gbps '' --block-bytes 32768,65536,131072 --stages 1,2,4 \
+      --json "$out/pull.json" 2>&1 | tail -30 | tee "$out/pull.txt"
+    timeout 380 $py -m benchmarks.tile_layer --phase forward --combine after --k 8,16,24,32 --gbps 900,450,0 \
+      --json "$out/layer-fwd.json" 2>&1 | tail -40 | tee "$out/layer-fwd.txt"
     ;;
   tiles-layer-backward)
-    timeout 560 $py -m benchmarks.tile_layer --phase both --json "$out/layer.json" 2>&1 | tail -60 \
-      | tee "$out/layer.txt"
+    timeout 560 $py -m benchmarks.tile_layer --phase both --combine after --k 8,16 --gbps 900,450,0 \
+      --json "$out/layer.json" 2>&1 | tail -60 | tee "$out/layer.txt"
+    ;;
+  fp8-weights)
+    timeout 200 $py -m pytest -q -m gpu -p no:cacheprovider -o addopts="" -rfs tests/test_fp8_gpu.py \
+      tests/test_fp8_quant_kernels.py -k "fp8_quant or weight" 2>&1 | tail -15 | tee "$out/fp8_quant_gpu_tests.txt"
+    timeout 300 $py -m benchmarks.kernels --weights --weight-plans 1x16,1x32,1x64,1x16w8,1x32w8,2x16w8,2x32w8 \
+      --json "$out/fp8_weights.json" 2>&1 | grep -v -i warn | tee "$out/fp8_weights.txt"
     ;;
   te)
     timeout 300 $py -m pytest -q -p no:cacheprovider -o addopts="" -rs tests/test_te_grouped_gpu.py \

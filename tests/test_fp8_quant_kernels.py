@@ -141,7 +141,7 @@ def weight_blocks_case(
         assert bool((got[1][g, c] == 1).all()), f"zero column ({g}, {c}): scale {got[1][g, c]}, expected 1"
     for g, _, c in huge:
         assert got[1][g, c] == torch.tensor(HUGE[dtype], dtype=w.dtype).float() / 448, "huge: not its scale"
-    _bitwise("weight_t (automatic plan)", Q.quantize_weight_t(w, Impl.TRITON), want)
+    _bitwise("weight_t (automatic plan)", Q.quantize_weight_t(w, Impl.TRITON, blocks=True), want)
 
 
 def weight_tall_case(device="cpu"):
@@ -157,7 +157,8 @@ def weight_tall_case(device="cpu"):
         assert Q.weight_t_plan(w) is not None
         Q._device_limits = lambda _: (sms, int(limit) - 1)
         assert Q.weight_t_plan(w) is None
-        _bitwise("weight_t tall N", Q.quantize_weight_t(w, Impl.TRITON), Q.quantize_weight_t(w, Impl.TORCH))
+        got = Q.quantize_weight_t(w, Impl.TRITON, blocks=True)
+        _bitwise("weight_t tall N", got, Q.quantize_weight_t(w, Impl.TORCH))
     finally:
         Q._device_limits = device_limits
 

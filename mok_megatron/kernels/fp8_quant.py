@@ -751,13 +751,18 @@ def quantize_segments_t_rows(
     return _finish(q_KM), scale_GK
 
 
-def quantize_weight_t(w_GNK: torch.Tensor, impl: Impl = Impl.AUTO) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_weight_t(
+    w_GNK: torch.Tensor, impl: Impl = Impl.AUTO, blocks: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Inputs: w fp32/bf16/fp16 [G, N, K]. Outputs: q e4m3 [G, K, N] row-major (each expert's transpose),
     scale fp32 [G, K] (one per expert and k, over N) -- ``quantize_rowwise(w.transpose(-2, -1))``.
 
-    Triton (CUDA, or CPU under the interpreter): the column-block kernel, one read of w from HBM, with the
-    launch of ``weight_t_plan``; the segment kernels (two reads) where that plan is None, i.e. N too tall
-    for a column block of 16 per SM to stay in L2 (bf16 on an H200: N > ~12K rows). Both give the same bits.
+    Triton (CUDA, or CPU under the interpreter): the segment kernels (an amax pass, then a cast pass: two
+    reads of w), or with ``blocks`` the column-block kernel (one read of w from HBM, the second from L2),
+    with the launch of ``weight_t_plan``, falling back to the segments where that plan is None, i.e. N too
+    tall for a column block of 16 per SM to stay in L2 (bf16 on an H200: N > ~12K rows). Both give the same
+    bits. The column-block kernel is opt-in until ``python -m benchmarks.kernels --weights`` has timed it
+    against the segments on a GPU (interpreted and compiled for sm_90 only).
     """
     _check_input(w_GNK, "quantize_weight_t")
     if w_GNK.dim() != 3:
@@ -765,7 +770,7 @@ def quantize_weight_t(w_GNK: torch.Tensor, impl: Impl = Impl.AUTO) -> tuple[torc
     if not use_triton(impl, w_GNK, "quantize_weight_t"):
         return quantize_weight_t_reference(w_GNK)
     w_GNK = w_GNK.contiguous()
-    plan = weight_t_plan(w_GNK)
+    plan = weight_t_plan(w_GNK) if blocks else None
     if plan is None:
         return _weight_t_segments(w_GNK)
     return _weight_t_blocks(w_GNK, plan)
