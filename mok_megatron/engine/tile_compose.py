@@ -359,6 +359,27 @@ def _pair(ops: Ops, waiting: Callable, releasing: Callable | None) -> None:
         waiting()
 
 
+def _combine_beside(ops: Ops, y_MH, plan: LayerPlan, buf: LayerBuffers, k: int, releasing: Callable, main,
+                    side, on_side) -> torch.Tensor:  # fmt: skip
+    """[T, H]: ``releasing`` (a GEMM storing ``y_MH``'s row tiles and releasing done counters) with the tile
+    combine beside it on ``side``: the combine preloaded (``_pair``; its unwritten output let go at once),
+    the GEMM launched (it waits on nothing, so it holds its SMs first), then the combine on the K SMs it
+    leaves."""
+    if side is not None:
+        side.wait_stream(main)
+
+    def sum_tokens(preload=False):
+        with on_side():
+            return ops.tile_combine(
+                y_MH, plan.meta, plan.slot_TK, buf.done_S, plan.fc2.done_targets_S, plan.order_T, k,
+                preload=preload,
+            )  # fmt: skip
+
+    sum_tokens(preload=True)
+    releasing()
+    return sum_tokens()
+
+
 def tiles_forward(
     buf: LayerBuffers,
     x: LayerInputs,
@@ -411,26 +432,11 @@ def tiles_forward(
         ops.tile_mm(a, x.w2_GHF.mT, plan.fc2, arrived, 0, buf.y_MH)
         out = ops.combine(buf.y_MH, plan.meta)
     else:
-        if side is not None:
-            side.wait_stream(main)
-        done = {}
-
-        def sum_tokens(preload=False):
-            with on_side():
-                out = ops.tile_combine(
-                    buf.y_MH, plan.meta, plan.slot_TK, buf.done_S, plan.fc2.done_targets_S, plan.order_T, k,
-                    preload=preload,
-                )  # fmt: skip
-                if not preload:  # the preload's unwritten output is let go at once
-                    done["out"] = out
 
         def fc2():
             ops.tile_mm(a, x.w2_GHF.mT, plan.fc2, arrived, k, buf.y_MH, buf.done_S)
 
-        sum_tokens(preload=True)  # loaded before the GEMM its launch will spin on (``_pair``)
-        fc2()  # the GEMM waits on nothing: first, so it holds its SMs and the combine takes the K it leaves
-        sum_tokens()
-        out = done["out"]
+        out = _combine_beside(ops, buf.y_MH, plan, buf, k, fc2, main, side, on_side)
     if side is not None:
         main.wait_stream(side)
         out.record_stream(main)
@@ -531,26 +537,11 @@ def tiles_backward(
         ops.tile_mm(dh, x.w1_G2FH, plan.fc2, plan.fc2.targets_S, 0, buf.dx_MH)
         dx = ops.combine(buf.dx_MH, plan.meta)
     else:
-        if side is not None:
-            side.wait_stream(main)
-        done = {}
-
-        def sum_tokens(preload=False):
-            with on_side():
-                out = ops.tile_combine(
-                    buf.dx_MH, plan.meta, plan.slot_TK, buf.done_S, plan.fc2.done_targets_S, plan.order_T, k,
-                    preload=preload,
-                )  # fmt: skip
-                if not preload:  # the preload's unwritten output is let go at once
-                    done["out"] = out
 
         def dgrad1():  # its rows are all there: SwiGLU's backward ran to its end before it
             ops.tile_mm(dh, x.w1_G2FH, plan.fc2, plan.fc2.targets_S, k, buf.dx_MH, buf.done_S)
 
-        sum_tokens(preload=True)
-        dgrad1()  # as fc2 in the forward: the GEMM first, the combine on the SMs it leaves
-        sum_tokens()
-        dx = done["out"]
+        dx = _combine_beside(ops, buf.dx_MH, plan, buf, k, dgrad1, main, side, on_side)
     if wgrad == "after":
         grads["dw2"] = ops.wgrad(buf.dy_MH, bx.a_MF, offs)
         grads["dw1"] = ops.wgrad(dh, bx.x_MH, offs)
