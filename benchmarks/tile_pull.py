@@ -15,11 +15,13 @@ Timed, per slice and K, in one process:
     hidden = 1 - exposed / link
 Every layer run's output is checked against the GEMM with counters preset (bit for bit) before it is timed.
 
-The pull's tuning (``kernels.tile_pull``: --block-bytes, --warps, --stages, each a comma list): every
-combination is timed at every K and rate in the same process, its lines labelled ``block B warps W stages
-S`` and its JSON rows carrying block_bytes, num_warps and stages (the kernel's defaults where not given). A
-combination over the kernel's register budget (``tile_pull.check_tuning``) is skipped with the reason; a
-value the kernel refuses on its own is refused.
+The pull's tuning (``kernels.tile_pull``: --block-bytes, --warps, --stages, --copy, each a comma list):
+every combination is timed at every K and rate in the same process, its lines labelled ``block B warps W
+stages S`` (and ``copy C`` when --copy is given) and its JSON rows carrying block_bytes, num_warps, stages
+and copy (the kernel's defaults where not given). --copy registers,tma times the register path against the
+TMA bulk copies (``copy="tma"``) at the same blocks. A combination over the kernel's budget
+(``tile_pull.check_tuning``: registers, or shared memory for tma) is skipped with the reason; a value the
+kernel refuses on its own is refused.
 
 A waiting GEMM whose counters never reach their targets never ends: ``--case-timeout`` ends the process
 (status 3) after writing the JSON gathered so far (``tile_gemm_gate.CaseWatchdog``).
@@ -30,6 +32,7 @@ Legend: P source ranks, G local experts, H hidden, F expert FFN width, M rows re
     python -m benchmarks.tile_pull --k 4,8 --gbps 900 --shapes qwen3-ep8
     python -m benchmarks.tile_pull --k 8,16 --gbps 0 --block-bytes 32768,65536 --stages 1,2,4
     python -m benchmarks.tile_pull --k 8,16 --gbps '' --stages 1,2,4      # the pull alone (no GEMM beside it)
+    python -m benchmarks.tile_pull --k 8,16 --gbps '' --copy registers,tma --stages 1,2   # TMA vs registers
 """
 
 from __future__ import annotations
@@ -56,9 +59,12 @@ class Tuning:
     num_warps: int
     stages: int
     label: str
+    copy: str = "registers"
 
     def kwargs(self) -> dict:
-        return dict(block_bytes=self.block_bytes, num_warps=self.num_warps, stages=self.stages)
+        return dict(
+            block_bytes=self.block_bytes, num_warps=self.num_warps, stages=self.stages, copy=self.copy
+        )
 
 
 def parse_ints(flag: str, text: str) -> list[int]:
@@ -72,13 +78,24 @@ def parse_ints(flag: str, text: str) -> list[int]:
     return list(dict.fromkeys(values))
 
 
-def tunings(block_bytes: str | None, warps: str | None, stages: str | None) -> tuple[list[Tuning], list[str]]:
+def parse_names(flag: str, text: str) -> list[str]:
+    """A comma list of names, duplicates dropped, in order."""
+    values = list(dict.fromkeys(x.strip() for x in text.split(",") if x.strip()))
+    if not values:
+        raise ValueError(f"{flag} {text!r}; it must name at least one value")
+    return values
+
+
+def tunings(
+    block_bytes: str | None, warps: str | None, stages: str | None, copy: str | None = None
+) -> tuple[list[Tuning], list[str]]:
     """Every combination of the comma lists (the kernel's default where a list is None), and one line per
-    combination skipped for the register budget. Raises ValueError for a value the kernel refuses on its own
+    combination skipped for the kernel's budget. Raises ValueError for a value the kernel refuses on its own
     or when every combination is over the budget."""
     from mok_megatron.kernels import tile_pull as tp
 
-    given = any(x is not None for x in (block_bytes, warps, stages))
+    given = any(x is not None for x in (block_bytes, warps, stages, copy))
+    copies = parse_names("--copy", copy) if copy is not None else ["registers"]
     lists = [
         parse_ints(flag, text) if text is not None else [default]
         for flag, text, default in (
@@ -88,17 +105,17 @@ def tunings(block_bytes: str | None, warps: str | None, stages: str | None) -> t
         )
     ]
     out, skipped = [], []
-    for b, w, st in itertools.product(*lists):
-        name = f"block {b} warps {w} stages {st}"
-        tp.check_tuning(b, w, st, op=name, budget=False)
+    for cp, b, w, st in itertools.product(copies, *lists):
+        name = f"block {b} warps {w} stages {st}" + (f" copy {cp}" if copy is not None else "")
+        tp.check_tuning(b, w, st, op=name, budget=False, copy=cp)
         try:
-            tp.check_tuning(b, w, st, op=name)
+            tp.check_tuning(b, w, st, op=name, copy=cp)
         except ValueError as e:
             skipped.append(f"skipped {e}")
             continue
-        out.append(Tuning(b, w, st, name if given else ""))
+        out.append(Tuning(b, w, st, name if given else "", cp))
     if not out:
-        raise ValueError(f"every tuning is over the register budget: {'; '.join(skipped)}")
+        raise ValueError(f"every tuning is over the kernel's budget: {'; '.join(skipped)}")
     return out, skipped
 
 
@@ -256,6 +273,7 @@ def main(argv=None) -> int:
     p.add_argument("--block-bytes", default=None, help="bytes per block (a power of two), a comma list")
     p.add_argument("--warps", default=None, help="warps per pulling program, a comma list")
     p.add_argument("--stages", default=None, help="blocks in flight per pulling program, a comma list")
+    p.add_argument("--copy", default=None, help="the pull's copy path (registers, tma), a comma list")
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--case-timeout", type=float, default=120.0, help="seconds per case; 0: no limit")
@@ -264,7 +282,7 @@ def main(argv=None) -> int:
     try:
         ks = parse_ks(a.k)
         rates = [float(x) for x in a.gbps.split(",") if x.strip()]
-        tunes, skipped = tunings(a.block_bytes, a.warps, a.stages)
+        tunes, skipped = tunings(a.block_bytes, a.warps, a.stages, a.copy)
     except ValueError as e:
         print(f"tile_pull: {e}", file=sys.stderr)
         return 2

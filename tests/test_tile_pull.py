@@ -4,7 +4,9 @@ kept across steps); the reference feeding tile_gemm's tile-by-tile reference; th
 of the blocks in flight; the Triton kernel against the reference under the interpreter at every tuning of
 ``tile_pull_cases.TUNINGS`` (atomics with ``sem`` included: the interpreter runs them); compiled for sm_90
 without a GPU: vector copies, the barrier before the release, the pipelined loads ahead of the stores, no
-spills at the largest tunings the budget allows; the benchmark's arguments and tuning combinations; and on an
+spills at the largest tunings the budget allows; the TMA copy (``copy="tma"``: bulk tensor copies, the bulk
+stores' completion wait and the async-proxy fence before the barrier and the release), its budget and its
+refusal of rows not a multiple of 16 bytes; the benchmark's arguments and tuning combinations; and on an
 sm_90 GPU the kernel alone (several tunings), then beside the waiting GEMM launched first, with and without
 random per-chunk delays (marked gpu; a watchdog subprocess turns a hang into a failure); on any CUDA GPU the
 kernel reading its sources through symmetric-memory peer addresses (a single-rank NCCL group, multicast
@@ -279,7 +281,18 @@ def _compile_sm90(aligned=True, paced=False, num_warps=4, **constexprs) -> str:
     _ptxas()
     fn = tp._pull_kernel
     constexprs = dict(
-        dict(TILE_M=128, ELEM=8, ALIGNED=aligned, PACE=paced, DELAY=paced, BLOCK_R=2, BLOCK_W=1024, STAGES=1),
+        dict(
+            TILE_M=128,
+            ELEM=8,
+            ALIGNED=aligned,
+            PACE=paced,
+            DELAY=paced,
+            BLOCK_R=2,
+            BLOCK_W=1024,
+            STAGES=1,
+            TMA=False,
+            FENCE=False,
+        ),  # fmt: skip
         **constexprs,
     )
     ptrs = dict(recv_ptr="*i64", table_ptr="*i64", tasks_ptr="*i32", counters_ptr="*i32", delays_ptr="*i64")
@@ -354,6 +367,89 @@ def test_largest_allowed_tuning_compiles_without_spills_sm90(num_warps, stages):
     assert spills and spills.group(1) == "0", r.stderr[-2000:]
 
 
+@needs_ptxas
+@pytest.mark.parametrize("stages", [1, 2, 3])
+@pytest.mark.parametrize("paced", [False, True])
+def test_tma_kernel_compiles_for_sm90_with_wait_and_fence_before_release(stages, paced):
+    # 64 KiB blocks (8 x 1024 words) over 16 warps, as the defaults: bulk tensor copies global -> shared and
+    # shared -> global, no register-path global loads or stores of the data; before the first release the
+    # full completion wait of the bulk stores (not only .read), the async-proxy fence, the CTA barrier
+    ptx = _compile_sm90(
+        paced=paced, num_warps=16, STAGES=stages, BLOCK_R=8, BLOCK_W=1024, TMA=True, FENCE=True
+    )
+    load = "cp.async.bulk.tensor.2d.shared::cta.global.mbarrier::complete_tx::bytes"
+    store = "cp.async.bulk.tensor.2d.global.shared::cta.bulk_group"
+    assert load in ptx and store in ptx
+    assert "ld.global.L1::evict_first" not in ptx and "st.global.v2.b64" not in ptx
+    release = ptx.index("atom.global.gpu.release.add.u32")
+    before = ptx[:release]
+    wait = before.rindex("cp.async.bulk.wait_group 0;")
+    fence = before.rindex("fence.proxy.async.global;")
+    assert before.rindex(store) < wait < fence < before.rindex("bar.sync") < release
+    assert ("%globaltimer" in ptx) == paced
+
+
+@needs_ptxas
+def test_tma_kernel_without_fence_lacks_it_sm90():
+    # the fence comes from the kernel's own inline assembly (Triton's descriptor store does not emit it):
+    # compiled out (as under the interpreter), it is gone
+    ptx = _compile_sm90(num_warps=16, BLOCK_R=8, BLOCK_W=1024, TMA=True, FENCE=False)
+    assert "cp.async.bulk.tensor.2d.global.shared::cta.bulk_group" in ptx
+    assert "fence.proxy.async.global" not in ptx
+
+
+def test_tma_budget_hand_worked():
+    # shared memory: stages blocks within 227 KiB per CTA (64 KiB: up to 3 stages; 128 KiB: 1); at stages > 1
+    # one block passes through registers, within the register budget
+    tp.check_tuning(65536, 16, 3, copy="tma")
+    tp.check_tuning(131072, 16, 1, copy="tma")
+    tp.check_tuning(131072, 4, 1, copy="tma")  # stays in shared memory: no registers of data
+    with pytest.raises(ValueError, match=r"takes 262144 bytes of shared memory, more than 232448"):
+        tp.check_tuning(65536, 16, 4, copy="tma")
+    with pytest.raises(ValueError, match=r"passes 256 registers of data per thread .* more than 128"):
+        tp.check_tuning(65536, 2, 2, copy="tma")
+    tp.check_tuning(65536, 2, 1, copy="tma")
+    with pytest.raises(ValueError, match=r"block_bytes=8 with copy='tma'; it must be >= 16"):
+        tp.check_tuning(8, 16, 1, copy="tma")
+    with pytest.raises(ValueError, match=r"copy='dma'; it must be one of 'registers', 'tma'"):
+        tp.check_tuning(65536, 16, 1, copy="dma")
+
+
+def test_tma_refuses_rows_not_a_multiple_of_16_bytes():
+    c = torch.tensor([[3, 2], [1, 4]])
+    plan = tp.pull_plan(c, 12, SMALL, 2)
+    bufs = sources_for(c, 12, torch.bfloat16, "cpu")
+    recv = torch.zeros(12, 12, dtype=torch.bfloat16)
+    counters = torch.zeros(plan.slots, dtype=torch.int32)
+    with pytest.raises(
+        ValueError,
+        match=r"^tile_pull: copy='tma' with rows of H=12 x 2 bytes = 24 bytes; TMA copies rows of a multiple "
+        r"of 16 bytes: pad H to a multiple of 8, or use copy='registers'$",
+    ):
+        tp.tile_pull(recv, tp.source_table(bufs), plan, counters, programs=2, copy="tma")
+
+
+@pytest.mark.skipif(not have_triton(), reason="needs Triton")
+def test_scratch_launcher_sets_the_allocator_for_the_launch_alone():
+    # what a launch sees: the op's allocator (torch bytes on the device asked for); the caller's context
+    # keeps its own allocator afterwards
+    import triton
+    from triton.runtime import _allocation
+
+    seen = []
+
+    def kernel(x, *, flag):
+        buf = _allocation._allocator.get()(256, 128, None)
+        seen.append((x, flag, buf.dtype, buf.numel(), buf.device))
+        return "launched"
+
+    before = _allocation._allocator.get()
+    assert tp.scratch_launcher(kernel, torch.device("cpu"))(3, flag=True) == "launched"
+    assert seen == [(3, True, torch.int8, 256, torch.device("cpu"))]
+    assert _allocation._allocator.get() is before
+    assert hasattr(triton, "set_allocator")
+
+
 def test_register_budget_hand_worked():
     # 64 KiB over 16 warps (512 threads): 128 bytes, 32 registers of data per thread; a thread's share of
     # the SM's 65536 registers is 128, half of it 64: at most 128 KiB in flight from 8 warps up (at most 128
@@ -407,8 +503,26 @@ GPU_TIMEOUT_S = 300  # QuACK compiles its kernel once (tens of seconds); a hang 
 @pytest.mark.parametrize("width,dtype", [(7168, torch.bfloat16), (2048, torch.bfloat16), (36, torch.float32)])
 @pytest.mark.parametrize(
     "tuning",
-    [{}, dict(stages=2), dict(stages=4, block_bytes=32768), dict(stages=3, block_bytes=4096, num_warps=8)],
-    ids=["default", "stages2", "stages4-block32k", "stages3-block4k-warps8"],
+    [
+        {},
+        dict(stages=2),
+        dict(stages=4, block_bytes=32768),
+        dict(stages=3, block_bytes=4096, num_warps=8),
+        dict(copy="tma"),
+        dict(copy="tma", stages=2),
+        dict(copy="tma", stages=3, block_bytes=4096, num_warps=8),
+        dict(copy="tma", block_bytes=131072),
+    ],
+    ids=[
+        "default",
+        "stages2",
+        "stages4-block32k",
+        "stages3-block4k-warps8",
+        "tma",
+        "tma-stages2",
+        "tma-stages3-block4k-warps8",
+        "tma-block128k",
+    ],
 )
 def test_pull_alone_equals_reference_gpu(programs, width, dtype, tuning):
     c = _random_counts(8, 6, seed=programs, zero_frac=0.2, most=90)
@@ -582,7 +696,9 @@ def test_pull_from_symmetric_memory_peer_buffers_gpu():
             ["--warps", "16,48"],
             "tile_pull: block 65536 warps 48 stages 1: num_warps=48; it must be 1, 2, 4, 8, 16",
         ),
-        (["--block-bytes", "262144", "--stages", "2,4"], "every tuning is over the register budget"),
+        (["--block-bytes", "262144", "--stages", "2,4"], "every tuning is over the kernel's budget"),
+        (["--copy", "registers,dma"], "copy='dma'; it must be one of 'registers', 'tma'"),
+        (["--copy", "tma", "--block-bytes", "8"], "block_bytes=8 with copy='tma'; it must be >= 16"),
     ],
 )
 def test_benchmark_refuses_bad_arguments_in_one_line(argv, says, capsys):
@@ -609,7 +725,7 @@ def test_benchmark_tunings_every_combination_labelled():
         (65536, 16, 2),
     ]
     assert [t.label for t in tunes][-1] == "block 65536 warps 16 stages 2"
-    assert tunes[0].kwargs() == dict(block_bytes=32768, num_warps=16, stages=1)
+    assert tunes[0].kwargs() == dict(block_bytes=32768, num_warps=16, stages=1, copy="registers")
     # over the register budget: skipped with the kernel's reason, the others kept
     assert skipped == [
         "skipped block 65536 warps 16 stages 4: stages=4 x block_bytes=65536 over num_warps=16 keeps 128 "
@@ -617,3 +733,9 @@ def test_benchmark_tunings_every_combination_labelled():
         "num_warps=16 (lower stages or block_bytes)"
     ]
     assert [t.label for t in bench.tunings(None, "8", None)[0]] == ["block 65536 warps 8 stages 1"]
+    # --copy: each path at every block, labelled; tma within its shared-memory budget (3 x 64 KiB fits, 4 not)
+    tunes, skipped = bench.tunings(None, None, "3,4", "registers,tma")
+    assert [(t.copy, t.stages) for t in tunes] == [("tma", 3)]
+    assert tunes[0].label == "block 65536 warps 16 stages 3 copy tma"
+    assert tunes[0].kwargs() == dict(block_bytes=65536, num_warps=16, stages=3, copy="tma")
+    assert len(skipped) == 3 and "shared memory" in skipped[-1]

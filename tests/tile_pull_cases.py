@@ -74,6 +74,7 @@ CPU_CASES = [
     ("empty-source-and-expert", [[0, 0, 0], [4, 0, 9], [0, 0, 0]], 8, torch.float32, 4, SMALL, 2, None, 0),
     ("nothing-to-pull", [[0, 0], [0, 0]], 8, torch.bfloat16, 4, SMALL, 2, None, 0),
     ("counters-kept-across-steps", [[5, 3], [2, 6]], 8, torch.bfloat16, 3, SMALL, 2, None, 40),
+    ("width-not-a-block-multiple", [[6, 2], [3, 5]], 24, torch.bfloat16, 4, SMALL, 2, [1, 0], 0),
 ]  # fmt: skip
 
 
@@ -91,6 +92,13 @@ TUNINGS = {
     "stages4-block16": dict(stages=4, block_bytes=16),
     "stages3-block64": dict(stages=3, block_bytes=64),
     "stages4-block32-warps4": dict(stages=4, block_bytes=32, num_warps=4),
+    # the TMA copy (tensor descriptors; interpreted: masked copies of the same blocks): rows whose bytes are
+    # not a multiple of 16 are refused (``check_cpu_case`` expects the ValueError)
+    "tma": dict(copy="tma"),
+    "tma-block16": dict(copy="tma", block_bytes=16),
+    "tma-block32": dict(copy="tma", block_bytes=32),
+    "tma-stages2-block32": dict(copy="tma", stages=2, block_bytes=32),
+    "tma-stages3-block16-warps4": dict(copy="tma", stages=3, block_bytes=16, num_warps=4),
 }
 
 
@@ -104,6 +112,14 @@ CPU_RUNS = {
 
 
 def check_cpu_case(name, c, width, dtype, chunk_rows, config, programs, src_row0, start, tuning=None):
+    row_bytes = width * dtype.itemsize
+    if (tuning or {}).get("copy") == "tma" and row_bytes % 16:
+        try:
+            run_case(c, width, dtype, "cpu", chunk_rows, config, programs, src_row0=src_row0, tuning=tuning)
+        except ValueError as e:
+            assert f"H={width} " in str(e) and "copy='registers'" in str(e), f"{name}: {e}"
+            return
+        raise AssertionError(f"{name}: copy='tma' took rows of {row_bytes} bytes (not a multiple of 16)")
     recv, counters, want, want_counters, plan = run_case(
         c, width, dtype, "cpu", chunk_rows, config, programs, src_row0=src_row0, start=start, tuning=tuning
     )
@@ -142,6 +158,10 @@ GPU_CONCURRENT = {
                                    "DEEPSEEK", 8, 40, True, dict(stages=2, block_bytes=1024)),
     "qwen3-k4-stages4": ([[70, 0, 1, 130, 33, 16], [200, 0, 0, 300, 2, 16], [30, 0, 0, 87, 94, 32]], 256, 448,
                          "QWEN3", 4, 48, False, dict(stages=4, block_bytes=512, num_warps=4)),
+    "deepseek-k8-tma-delays": ([[17, 300, 0, 5], [260, 0, 40, 9], [1, 2, 3, 4], [90, 90, 90, 90]], 512, 512,
+                               "DEEPSEEK", 8, 40, True, dict(copy="tma")),
+    "qwen3-k4-tma-stages2": ([[70, 0, 1, 130, 33, 16], [200, 0, 0, 300, 2, 16], [30, 0, 0, 87, 94, 32]], 256,
+                             448, "QWEN3", 4, 48, False, dict(copy="tma", stages=2, block_bytes=1024)),
 }  # fmt: skip
 
 

@@ -51,6 +51,25 @@ pipeline per step. The pipeline stays within a chunk: its last store precedes th
 as with S = 1, and the pacing and delays before a chunk are unchanged. ``check_tuning`` bounds
 S * ``block_bytes`` by the registers a thread has.
 
+Copy. ``copy="registers"`` (the default) moves each block through registers as above; one program's copy rate
+is bounded by the L1 misses an SM keeps outstanding (measured on one H200: ~40 GB/s per program whatever the
+block, warps or stages). ``copy="tma"`` moves the same blocks with Triton's on-device tensor descriptors: per
+chunk one descriptor over its ``n`` source rows (clipped at the receive buffer's end) and one over its
+receive rows, both ``[rows, W]`` words at a row stride of W, so a block past the chunk's last row or word is
+clipped by the copy itself; on sm_90 they are TMA bulk copies (``cp.async.bulk.tensor``, global -> shared ->
+global), which keep a whole block in flight per SM without the register path's miss limit (the copy
+engines of DeepEP's intranode kernels use the same path). STAGES 1 loads a block into shared memory and
+stores it from there; S > 1 is Triton's pipelined loop (S - 1 blocks loaded ahead, one store buffer).
+Before a chunk's release, every thread waits for its bulk stores to complete (``cp.async.bulk.wait_group
+0``) and fences the async proxy against the generic one (``fence.proxy.async.global``), then the CTA
+barrier and the release atomic follow as on the register path: a released row tile's rows are in global
+memory and visible. TMA needs 16-byte aligned rows: a row width whose bytes are not a multiple of 16 is
+refused (ValueError naming the width; the register path takes any width). The descriptors live in a global
+scratch buffer that Triton allocates at each launch through ``triton.set_allocator``'s allocator; the op sets
+its own (torch's caching allocator, on the launch's stream) in a copy of the caller's context, so no
+allocator is left set after the call. Under the interpreter the descriptors' loads and stores are plain
+masked copies and the fence is compiled out.
+
 Pacing (GPU only: the interpreter has no inline assembly). With ``rate`` bytes/s, each program paces its own
 share at ``rate / K``: before a chunk it spins on ``%globaltimer`` until ``t0 + (its bytes so far, this chunk
 included) * K / rate`` (``t0``: the program's start), so no chunk is released before an emulated link of that
@@ -60,7 +79,9 @@ spin before each chunk: the tests' random arrival times.
 
 from __future__ import annotations
 
+import contextvars
 import dataclasses
+import math
 from collections.abc import Sequence
 
 import torch
@@ -86,6 +107,11 @@ MAX_STAGES = 4
 # warps, four stages of 16 KiB over 16).
 REGISTERS_PER_SM = 65536
 MAX_DATA_REGISTERS = 128
+# copy="tma": the blocks live in shared memory (sm_90: at most 227 KiB per CTA). Compiled by Triton 3.8 for
+# sm_90, STAGES 1 loads a block into one buffer and stores it from there; STAGES S > 1 takes S - 1 load
+# buffers and one store buffer, a block copied between them through registers (one block's registers)
+SHARED_PER_CTA = 232448
+COPIES = ("registers", "tma")
 
 # the table's columns
 SOURCE, EXPERT, SRC_ROW, DST_ROW, ROWS, SLOT, SLOT_ROW = range(7)
@@ -274,6 +300,22 @@ def _globaltimer():
     )
 
 
+def _async_store_fence():
+    """Waits for this thread's bulk (TMA) stores to complete (their global writes done, not only their shared
+    memory read: ``wait_group``, not ``wait_group.read``), then fences the async proxy against the generic
+    one for global memory, so the CTA barrier and the release atomic that follow (generic proxy) publish the
+    TMA's writes. Triton 3.8 already ends a descriptor-store loop with a full ``wait_group 0``; the fence it
+    does not emit, and the wait here keeps the rule independent of that lowering (no group is left: free)."""
+    return tl.inline_asm_elementwise(
+        "cp.async.bulk.wait_group 0;\n\tfence.proxy.async.global;\n\tmov.u32 $0, 0;",
+        "=r",
+        [],
+        dtype=tl.int32,
+        is_pure=False,
+        pack=1,
+    )
+
+
 def _block_mask(n, M, W, dst0, b, nw, BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr):
     """Block ``b`` of a chunk cut into ``nw`` blocks per row block: its rows, words, and mask."""
     rb = b // nw
@@ -297,6 +339,7 @@ def _block_store(recv_ptr, v, dst0, n, M, W, b, nw, BLOCK_R: tl.constexpr, BLOCK
 
 if triton is not None:
     _globaltimer = triton.jit(_globaltimer)
+    _async_store_fence = triton.jit(_async_store_fence)
     _block_mask = triton.jit(_block_mask)
     _block_load = triton.jit(_block_load)
     _block_store = triton.jit(_block_store)
@@ -330,6 +373,8 @@ def _pull_kernel(
     BLOCK_R: tl.constexpr,
     BLOCK_W: tl.constexpr,
     STAGES: tl.constexpr,  # blocks in flight (1: load a block, store it, then the next)
+    TMA: tl.constexpr,  # copy through tensor descriptors (TMA bulk copies on sm_90)
+    FENCE: tl.constexpr,  # TMA compiled (not interpreted): wait for the bulk stores and fence before release
 ):
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
@@ -366,7 +411,27 @@ def _pull_kernel(
                 src_ptr = recv_ptr + delta
             else:
                 src_ptr = base.to(tl.pointer_type(recv_ptr.dtype.element_ty))
-            if STAGES == 1:
+            if TMA:
+                # one descriptor per side per chunk: the chunk's rows (n, clipped at the receive buffer's
+                # end) of W words at a row stride of W; the blocks past either edge are clipped by the copy
+                rows = tl.maximum(tl.minimum(n.to(tl.int64), M - dst0), 0).to(tl.int32)
+                src_desc = tl.make_tensor_descriptor(
+                    src_ptr + src0 * W, shape=[rows, W], strides=[W, 1], block_shape=[BLOCK_R, BLOCK_W]
+                )
+                dst_desc = tl.make_tensor_descriptor(
+                    recv_ptr + dst0 * W, shape=[rows, W], strides=[W, 1], block_shape=[BLOCK_R, BLOCK_W]
+                )
+                nw = tl.cdiv(W, BLOCK_W)
+                nb = tl.cdiv(rows, BLOCK_R) * nw
+                for b in tl.range(0, nb, num_stages=STAGES):
+                    rb = b // nw
+                    r0 = rb * BLOCK_R
+                    w0 = (b - rb * nw) * BLOCK_W
+                    v = src_desc.load([r0, w0])
+                    dst_desc.store([r0, w0], v)
+                if FENCE:
+                    _async_store_fence()
+            elif STAGES == 1:
                 for r0 in range(0, n, BLOCK_R):
                     r = r0 + tl.arange(0, BLOCK_R)
                     ok = (r < n) & (dst0 + r < M)
@@ -433,6 +498,28 @@ def source_table(sources: Sequence[torch.Tensor], device: torch.device | None = 
     return torch.tensor([s.data_ptr() for s in sources], dtype=torch.int64, device=dev)
 
 
+def scratch_launcher(kernel, device: torch.device):
+    """``kernel`` (a launch: ``jit_fn[grid]``) called with Triton's global scratch allocator set to torch's
+    caching allocator on ``device``, for the launch alone. sm_90 writes each on-device tensor descriptor to
+    a global scratch buffer (128 bytes per descriptor and program) that Triton asks ``triton.set_allocator``'s
+    allocator for at every launch; that allocator is a context variable, set here in a copy of the caller's
+    context, so the caller's own allocator (or none) is untouched. The buffer is allocated on the current
+    stream, the launch's stream, and freed after the launch call: torch reuses it only after the kernel in
+    stream order."""
+
+    def alloc(size: int, alignment: int, stream: int | None) -> torch.Tensor:
+        return torch.empty(size, dtype=torch.int8, device=device)  # blocks aligned to 512 bytes
+
+    def launch(*args, **kwargs):
+        def run():
+            triton.set_allocator(alloc)
+            return kernel(*args, **kwargs)
+
+        return contextvars.copy_context().run(run)
+
+    return launch
+
+
 def data_registers(block_bytes: int, num_warps: int, stages: int) -> int:
     """32-bit registers of data per thread that ``stages`` blocks of ``block_bytes`` in flight take."""
     return stages * block_bytes // (4 * 32 * num_warps)
@@ -445,24 +532,53 @@ def register_limit(num_warps: int) -> int:
 
 
 def check_tuning(
-    block_bytes: int, num_warps: int, stages: int, op: str = "tile_pull", budget: bool = True
+    block_bytes: int,
+    num_warps: int,
+    stages: int,
+    op: str = "tile_pull",
+    budget: bool = True,
+    copy: str = "registers",
 ) -> None:
-    """Raises ValueError (one line naming the value and the fix) unless ``block_bytes`` is a power of two,
-    ``num_warps`` one of 1 .. 32, ``stages`` one of 1 .. ``MAX_STAGES`` and (``budget``) the blocks in flight
-    fit ``register_limit``. A block is never larger than a power-of-two ``block_bytes``, so the bound holds
-    for every row width."""
+    """Raises ValueError (one line naming the value and the fix) unless ``copy`` is one of ``COPIES``,
+    ``block_bytes`` is a power of two (copy="tma": at least 16, a TMA box's smallest row), ``num_warps`` one
+    of 1 .. 32, ``stages`` one of 1 .. ``MAX_STAGES`` and (``budget``) the blocks in flight fit: copy=
+    "registers", ``register_limit``; copy="tma", ``stages`` blocks within ``SHARED_PER_CTA`` and, at S > 1,
+    the one block copied through registers within ``register_limit``. A block is never larger than a
+    power-of-two ``block_bytes``, so the bounds hold for every row width."""
 
     def pow2(x):
         return isinstance(x, int) and x >= 1 and x & (x - 1) == 0
 
+    if copy not in COPIES:
+        raise ValueError(f"{op}: copy={copy!r}; it must be one of {', '.join(map(repr, COPIES))}")
     if not pow2(block_bytes):
         raise ValueError(f"{op}: block_bytes={block_bytes}; it must be a power of two (bytes per block)")
+    if copy == "tma" and block_bytes < 16:
+        raise ValueError(
+            f"{op}: block_bytes={block_bytes} with copy='tma'; it must be >= 16 (a TMA box row is 16 bytes "
+            "at least)"
+        )
     if not pow2(num_warps) or num_warps > 32:
         raise ValueError(f"{op}: num_warps={num_warps}; it must be 1, 2, 4, 8, 16 or 32 (warps per program)")
     if not isinstance(stages, int) or not 1 <= stages <= MAX_STAGES:
         raise ValueError(
             f"{op}: stages={stages}; it must be an integer in 1 .. {MAX_STAGES} (blocks in flight per program)"
         )
+    if copy == "tma":
+        if budget and stages * block_bytes > SHARED_PER_CTA:
+            raise ValueError(
+                f"{op}: stages={stages} x block_bytes={block_bytes} with copy='tma' takes "
+                f"{stages * block_bytes} bytes of shared memory, more than {SHARED_PER_CTA} per CTA; keep "
+                f"stages * block_bytes <= {SHARED_PER_CTA} (lower stages or block_bytes)"
+            )
+        regs, limit = data_registers(block_bytes, num_warps, 1), register_limit(num_warps)
+        if budget and stages > 1 and regs > limit:
+            raise ValueError(
+                f"{op}: block_bytes={block_bytes} over num_warps={num_warps} at stages={stages} with "
+                f"copy='tma' passes {regs} registers of data per thread between its buffers, more than "
+                f"{limit}; lower block_bytes, raise num_warps, or use stages=1"
+            )
+        return
     regs, limit = data_registers(block_bytes, num_warps, stages), register_limit(num_warps)
     if budget and regs > limit:
         most = limit * 4 * 32 * num_warps
@@ -505,6 +621,7 @@ def tile_pull(
     block_bytes: int = BLOCK_BYTES,
     num_warps: int = NUM_WARPS,
     stages: int = STAGES,
+    copy: str = "registers",
     preload: bool = False,
 ) -> torch.Tensor:
     """Pull every chunk of ``plan`` into ``recv_MH`` with ``programs`` (K) persistent programs, one launch on
@@ -518,7 +635,9 @@ def tile_pull(
     chunk (GPU only); block_bytes the bytes of one block (a power of two), num_warps the program's warps,
     stages the blocks a program keeps in flight (1: load a block, store it, then the next; S: the next S - 1
     blocks' loads issued before a block's store; one SM's copy rate is about its bytes in flight / memory
-    latency), within ``check_tuning``'s register budget. Output: recv_MH.
+    latency), within ``check_tuning``'s budget; copy "registers" (loads and stores through registers) or
+    "tma" (tensor descriptors: TMA bulk copies global -> shared -> global on sm_90, rows a multiple of 16
+    bytes; see "Copy" in the module's notes). Output: recv_MH.
 
     Concurrency: with a waiting GEMM on ``SMs - K`` SMs launched before it on another stream, the pull's K
     programs (one CTA each) run on the SMs the GEMM leaves free, so the GEMM's waits always end, provided
@@ -531,7 +650,7 @@ def tile_pull(
         raise ValueError(f"{op}: programs={programs}; it must be >= 1 (K, the SMs that pull)")
     if rate < 0:
         raise ValueError(f"{op}: rate={rate}; it must be >= 0 bytes/s (0: unpaced)")
-    check_tuning(block_bytes, num_warps, stages, op)
+    check_tuning(block_bytes, num_warps, stages, op, copy=copy)
     if table_P.dim() != 1 or table_P.dtype != torch.int64 or table_P.device != recv_MH.device:
         raise ValueError(
             f"{op}: table is {table_P.dtype} {tuple(table_P.shape)} on {table_P.device}; it must be int64 [P] "
@@ -571,9 +690,24 @@ def tile_pull(
     block_r = max(1, block_bytes // (block_w * word.itemsize))
     block_r = min(next_pow2(block_r), next_pow2(plan.chunk_rows))
     aligned = row_bytes % 16 == 0 and recv_MH.data_ptr() % 16 == 0
+    tma = copy == "tma"
+    if tma and row_bytes % 16:
+        pad = 16 // math.gcd(16, recv_MH.element_size())
+        raise ValueError(
+            f"{op}: copy='tma' with rows of H={h} x {recv_MH.element_size()} bytes = {row_bytes} bytes; TMA "
+            f"copies rows of a multiple of 16 bytes: pad H to a multiple of {pad}, or use copy='registers'"
+        )
+    if tma and recv_MH.data_ptr() % 16:
+        raise ValueError(
+            f"{op}: copy='tma' with the receive buffer at address {recv_MH.data_ptr()} (not a multiple of 16 "
+            "bytes); TMA needs 16-byte aligned buffers: pass a whole allocation, or use copy='registers'"
+        )
     dummy = counters_S  # an unread pointer argument when DELAY is off
     grid = (programs,)
-    _pull_kernel[grid](
+    launch = _pull_kernel[grid]
+    if tma and not INTERPRETED:
+        launch = scratch_launcher(launch, recv_MH.device)
+    launch(
         words,
         table_P,
         plan.tasks_C8,
@@ -591,6 +725,8 @@ def tile_pull(
         BLOCK_R=block_r,
         BLOCK_W=block_w,
         STAGES=stages,
+        TMA=tma,
+        FENCE=tma and not INTERPRETED,
         num_warps=num_warps,
     )
     return recv_MH
