@@ -71,8 +71,8 @@ case "$phase" in
       --json "$out/gate.json" 2>&1 | tail -30 | tee "$out/gate.txt"
     ;;
   tiles-layer)
-    timeout 150 $py -m benchmarks.tile_pull --k 8,16 --gbps '' --block-bytes 32768,65536,131072 --stages 1,2,4 \
-      --json "$out/pull.json" 2>&1 | tail -30 | tee "$out/pull.txt"
+    timeout 150 $py -m benchmarks.tile_pull --k 8,16 --gbps '' --copy registers,tma --block-bytes 32768,65536 \
+      --stages 1,2 --json "$out/pull.json" 2>&1 | tail -40 | tee "$out/pull.txt"
     timeout 380 $py -m benchmarks.tile_layer --phase forward --combine after --k 8,16,24,32 --gbps 900,450,0 \
       --json "$out/layer-fwd.json" 2>&1 | tail -40 | tee "$out/layer-fwd.txt"
     ;;
