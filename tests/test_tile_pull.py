@@ -565,20 +565,22 @@ def test_paced_pull_takes_the_link_time_gpu():
     assert 0.99 * paced_ms <= took_ms <= 1.1 * paced_ms + 0.05, (took_ms, paced_ms)
 
 
-def _run_watched(name: str) -> None:
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
+def _watched(args: list, env: dict, hang: str) -> None:
+    """``python args`` in a subprocess under the watchdog: it must end within GPU_TIMEOUT_S printing "ok"
+    last; past the limit the test fails with ``hang``."""
     try:
         r = subprocess.run(
-            [sys.executable, "-m", "tests.tile_pull_cases", "--gpu-concurrent", name],
-            cwd=REPO,
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=GPU_TIMEOUT_S,
+            [sys.executable, *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=GPU_TIMEOUT_S
         )
     except subprocess.TimeoutExpired:
-        pytest.fail(f"{name}: pull + waiting GEMM still running after {GPU_TIMEOUT_S} s (a hang)")
+        pytest.fail(f"{hang} after {GPU_TIMEOUT_S} s")
     assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stdout[-2000:] + r.stderr[-4000:]
+
+
+def _run_watched(name: str) -> None:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
+    _watched(["-m", "tests.tile_pull_cases", "--gpu-concurrent", name], env,
+             f"{name}: pull + waiting GEMM still running (a hang)")  # fmt: skip
 
 
 @pytest.mark.gpu
@@ -659,18 +661,7 @@ def test_pull_from_symmetric_memory_peer_buffers_gpu():
         MASTER_PORT=str(_free_port()),
         **MULTICAST_OFF,
     )
-    try:
-        r = subprocess.run(
-            [sys.executable, "-c", _SYMMETRIC],
-            cwd=REPO,
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=GPU_TIMEOUT_S,
-        )
-    except subprocess.TimeoutExpired:
-        pytest.fail(f"the pull from symmetric memory still ran after {GPU_TIMEOUT_S} s")
-    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stdout[-2000:] + r.stderr[-4000:]
+    _watched(["-c", _SYMMETRIC], env, "the pull from symmetric memory still ran")
 
 
 # ---- the benchmark's arguments -----------------------------------------------------------------------------
