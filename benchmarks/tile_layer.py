@@ -341,17 +341,21 @@ def sweep_shape(name: str, a, ks, rates, combines, phases, wgrads, watchdog, str
         cases.append(_forward_phase(name, a, combines, watchdog, streams, info, x, plan, buf))
     if "backward" in phases:
         cases.append(_backward_phase(name, a, c_PG, combines, wgrads, watchdog, streams, info, x, plan))
-    warm_up(name, x, plan, buf, cases, max(ks), rates, watchdog)
+    warm_up(name, x, plan, buf, cases, max(ks), rates, a.copies, watchdog)
 
     for k in ks:
         case = f"{name} k={k}"
         try:
-            with watchdog.case(f"{case} pull alone"):
-                pull_ms = time_ms(lambda k=k: _pull_alone(x, plan, buf, k), a.iters, a.rounds)
-            print(
-                f"  k={k:2d}: pull alone {pull_ms:.3f} ms = {plan.remote_bytes / pull_ms / 1e6:.0f} GB/s",
-                flush=True,
-            )
+            pull_ms = {}
+            for cp in a.copies:
+                with watchdog.case(f"{case} pull alone ({cp})"):
+                    pull_ms[cp] = time_ms(lambda k=k, cp=cp: _pull_alone(x, plan, buf, k, 0.0, cp), a.iters,
+                                          a.rounds)  # fmt: skip
+                print(
+                    f"  k={k:2d}: pull alone ({cp}) {pull_ms[cp]:.3f} ms = "
+                    f"{plan.remote_bytes / pull_ms[cp] / 1e6:.0f} GB/s",
+                    flush=True,
+                )
             for ph in cases:
                 _sweep_phase(name, a, k, rates, ph, watchdog, res, plan.remote_bytes, pull_ms)
         except ContextLost:
@@ -427,7 +431,7 @@ def _forward_phase(name, a, combines, watchdog, streams, info, x, plan, buf) -> 
     return _Phase(
         name="forward",
         plain_ms=plain_ms,
-        variants=[dict(combine=c) for c in combines],
+        variants=[dict(combine=c, copy=cp) for c in combines for cp in a.copies],
         run=lambda v, k, rate, pull: tiles_forward(
             buf, x, plan, k=k, rate=rate, pull=pull, side=streams[0], **v
         ),
@@ -491,7 +495,7 @@ def _backward_phase(name, a, c_PG, combines, wgrads, watchdog, streams, info, x,
     return _Phase(
         name="backward",
         plain_ms=plain_ms,
-        variants=[dict(combine=c, wgrad=w) for c in combines for w in wgrads],
+        variants=[dict(combine=c, wgrad=w, copy=cp) for c in combines for w in wgrads for cp in a.copies],
         run=lambda v, k, rate, pull: tiles_backward(
             buf, bx, x, plan, k=k, rate=rate, pull=pull, side=streams[0], wgrad_stream=streams[1], **v
         ),
@@ -505,21 +509,27 @@ def _backward_phase(name, a, c_PG, combines, wgrads, watchdog, streams, info, x,
     )
 
 
-def warm_up(name: str, x: LayerInputs, plan: LayerPlan, buf: LayerBuffers, cases, k: int, rates, watchdog):
+def warm_up(name: str, x: LayerInputs, plan: LayerPlan, buf: LayerBuffers, cases, k: int, rates, copies,
+            watchdog):  # fmt: skip
     """Compiles every kernel of the phases' tiles layers by launches that wait on nothing (arrival and done
     counters preset); compilation runs on the host before each launch, outside the watched synchronize."""
     steps = [step for ph in cases for step in ph.warm]
-    for rate in sorted({0.0, *(r * 1e9 for r in rates if r > 0)})[:2]:  # unpaced, and one paced variant
-        steps.append((f"pull at {rate:g} B/s", lambda k, rate=rate: _pull_alone(x, plan, buf, k, rate)))
+    for cp in copies:
+        for rate in sorted({0.0, *(r * 1e9 for r in rates if r > 0)})[:2]:  # unpaced, and one paced variant
+            steps.append((
+                f"pull ({cp}) at {rate:g} B/s", lambda k, rate=rate, cp=cp: _pull_alone(x, plan, buf, k, rate, cp)
+            ))  # fmt: skip
     for what, launch in steps:
         launch(k)
         with watchdog.case(f"{name} warm-up {what}"):
             torch.cuda.synchronize()
 
 
-def _pull_alone(x: LayerInputs, plan: LayerPlan, buf: LayerBuffers, k: int, rate: float = 0.0) -> None:
+def _pull_alone(
+    x: LayerInputs, plan: LayerPlan, buf: LayerBuffers, k: int, rate: float = 0.0, copy: str = tp.COPIES[0]
+) -> None:
     buf.counters_S.copy_(plan.local_counts_S)
-    KERNELS.pull(buf.recv_MH, x, plan.pull, buf.counters_S, k, rate)
+    KERNELS.pull(buf.recv_MH, x, plan.pull, buf.counters_S, k, rate, copy)
 
 
 def _place_local(recv_MH: torch.Tensor, sources, plan: LayerPlan) -> None:
@@ -527,10 +537,12 @@ def _place_local(recv_MH: torch.Tensor, sources, plan: LayerPlan) -> None:
     tp.pull_reference(recv_MH, sources, plan.local, torch.zeros_like(plan.local_counts_S))
 
 
-def _sweep_phase(name, a, k, rates, ph: _Phase, watchdog, res, remote_bytes: int, pull_ms: float) -> None:
+def _sweep_phase(name, a, k, rates, ph: _Phase, watchdog, res, remote_bytes: int, pulls: dict) -> None:
+    """``pulls``: the pull alone's ms per copy path (the unpaced rows' link time)."""
     plain_ms = ph.plain_ms
-    base = dict(phase=ph.name, shape=name, k=k, plain_ms=plain_ms, pull_ms=pull_ms, remote_bytes=remote_bytes)
     for v in ph.variants:
+        pull_ms = pulls[v["copy"]]
+        base = dict(phase=ph.name, shape=name, k=k, plain_ms=plain_ms, pull_ms=pull_ms, remote_bytes=remote_bytes)
         label = _label(v)
         case = f"{name} {ph.name} k={k} {label}"
         with watchdog.case(f"{case} preset check"):
@@ -583,9 +595,9 @@ def _sweep_phase(name, a, k, rates, ph: _Phase, watchdog, res, remote_bytes: int
 
 
 def both_rows(rows: list[dict]) -> list[dict]:
-    """Forward plus backward: per backward row, the forward row of the same slice, K, combine, kind and
-    rate; times, exposed and link times summed, hidden = 1 - exposed / link of the sums."""
-    key = ("shape", "k", "combine", "kind", "gbps")
+    """Forward plus backward: per backward row, the forward row of the same slice, K, combine, copy path, kind
+    and rate; times, exposed and link times summed, hidden = 1 - exposed / link of the sums."""
+    key = ("shape", "k", "combine", "copy", "kind", "gbps")
     fwd = {tuple(r[n] for n in key): r for r in rows if r["phase"] == "forward"}
     out = []
     for b in rows:
@@ -610,7 +622,7 @@ def both_rows(rows: list[dict]) -> list[dict]:
 
 def print_table(res: dict) -> None:
     print(
-        f"\n{'slice':18s} {'phase':8s} {'k':>3s} {'combine':7s} {'wgrad':6s} {'link':>9s} {'plain':>7s} "
+        f"\n{'slice':18s} {'phase':8s} {'k':>3s} {'combine':7s} {'wgrad':6s} {'copy':9s} {'link':>9s} {'plain':>7s} "
         f"{'preset':>7s} {'layer':>7s} {'exposed':>8s} {'link ms':>8s} {'hidden':>7s}"
     )
     for r in res["rows"]:
@@ -618,7 +630,8 @@ def print_table(res: dict) -> None:
         hidden = "" if r["hidden"] is None else f"{r['hidden']:.1%}"
         link_ms = "" if r["kind"] == "preset" else f"{r['link_ms']:.3f}"
         print(
-            f"{r['shape']:18s} {r['phase']:8s} {r['k']:3d} {r['combine']:7s} {r.get('wgrad', ''):6s} {link:>9s} "
+            f"{r['shape']:18s} {r['phase']:8s} {r['k']:3d} {r['combine']:7s} {r.get('wgrad', ''):6s} {r['copy']:9s} "
+            f"{link:>9s} "
             f"{r['plain_ms']:7.3f} {r['preset_ms']:7.3f} {r['layer_ms']:7.3f} {r['exposed_ms']:8.3f} "
             f"{link_ms:>8s} {hidden:>7s}"
         )
@@ -632,6 +645,14 @@ def _parse_rates(text: str) -> list[float]:
     if not rates or min(rates) < 0:
         raise ValueError(f"--gbps {text!r}; it must name at least one rate, every rate >= 0 (0: unpaced)")
     return list(dict.fromkeys(rates))
+
+
+def _parse_copies(text: str) -> list[str]:
+    names = [c.strip() for c in text.split(",") if c.strip()]
+    bad = [c for c in names if c not in tp.COPIES]
+    if bad or not names:
+        raise ValueError(f"--copy {text!r}; it must be a comma list of {', '.join(tp.COPIES)}")
+    return list(dict.fromkeys(names))
 
 
 def _parse_combines(text: str) -> list[str]:
@@ -689,6 +710,11 @@ def main(argv=None) -> int:
         help="the backward's weight gradients beside the rest on their own stream, or after it on the main "
         "stream, a comma list",
     )
+    p.add_argument(
+        "--copy",
+        default=tp.COPIES[0],
+        help=f"the pull's copy path ({', '.join(tp.COPIES)}: kernels.tile_pull), a comma list",
+    )
     p.add_argument("--chunk-rows", type=int, default=CHUNK_ROWS)
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--rounds", type=int, default=5)
@@ -706,6 +732,7 @@ def main(argv=None) -> int:
         ks = parse_ks(a.k)
         rates = _parse_rates(a.gbps)
         combines = _parse_combines(a.combine)
+        a.copies = _parse_copies(a.copy)
         phases = _parse_phase(a.phase)
         wgrads = _parse_wgrads(a.wgrad)
     except ValueError as e:

@@ -267,7 +267,7 @@ class Ops:
     swiglu: Callable  # (h_M2F, probs_M) -> [M, F]
     combine: Callable  # (y_MH, meta) -> [T, H]
     tile_mm: Callable  # (a_MK, b_GKN, plan, counters_S, k, out, done_S) -> out
-    pull: Callable  # (recv_MH, inputs, pull plan, counters_S, k, rate, preload=False) -> None
+    pull: Callable  # (recv_MH, inputs, pull plan, counters_S, k, rate, copy, preload=False) -> None
     tile_combine: Callable  # (y_MH, meta, slot_TK, done_S, target_S, order_T, k, preload=False) -> [T, H]
     swiglu_backward: Callable  # (h_M2F, probs_M, da_MF) -> (dh_M2F, dprobs_M)
     wgrad: Callable  # (dy_MN, x_MK, offs_G) -> [G, N, K]: each group's dy^T x (grouped along the rows)
@@ -291,7 +291,7 @@ def wgrad_reference(dy_MN: torch.Tensor, x_MK: torch.Tensor, offs_G: torch.Tenso
     return out.to(dy_MN.dtype)
 
 
-def _pull_reference(recv, x, plan, counters, k, rate, preload=False):
+def _pull_reference(recv, x, plan, counters, k, rate, copy, preload=False):
     if preload:  # nothing to load: the reference runs in order, after the GEMM it would feed
         return
     if rate:
@@ -321,8 +321,8 @@ KERNELS = Ops(
     tile_mm=lambda a, b, plan, counters, k, out, done=None: tg.tile_grouped_mm(
         a, b, plan, counters, sms_held_back=k, out=out, done_S=done
     ),
-    pull=lambda recv, x, plan, counters, k, rate, preload=False: tp.tile_pull(
-        recv, x.table_P, plan, counters, programs=k, rate=rate, preload=preload
+    pull=lambda recv, x, plan, counters, k, rate, copy, preload=False: tp.tile_pull(
+        recv, x.table_P, plan, counters, programs=k, rate=rate, copy=copy, preload=preload
     ),
     tile_combine=lambda y, meta, slot, done, target, order, k, preload=False: tc.tile_combine(
         y, meta, slot, done, target, order_T=order, programs=k, preload=preload
@@ -390,6 +390,7 @@ def tiles_forward(
     rate: float = 0.0,
     pull: bool = True,
     combine: str = "beside",
+    copy: str = tp.COPIES[0],
     side: torch.cuda.Stream | None = None,
 ) -> torch.Tensor:
     """[T, H]: the tiles layer, on the current stream and ``side`` (the concurrent ops' second stream: needed
@@ -398,7 +399,7 @@ def tiles_forward(
     1. arrival counters <- the local rows' counts (``pull``) or fc1's targets (``pull=False``: every row
        must be in ``buf.recv_MH`` already); done <- 0
     2. fc1 on the waiting GEMM (``SMs - k``), beside it the pull of the remote rows (k programs, ``rate``
-       bytes/s, 0: unpaced) on ``side``
+       bytes/s, 0: unpaced; ``copy``: ``tile_pull``'s copy path) on ``side``
     3. SwiGLU x probability
     4. ``combine="after"``: fc2 on the tile GEMM on all SMs (its input complete), then the combine on the
        full device; ``"beside"``: fc2 on the tile GEMM (``SMs - k``) releasing done counters, beside it the
@@ -406,6 +407,8 @@ def tiles_forward(
     Returns once both streams' work is queued; the result is ready on the current stream."""
     if combine not in COMBINES:
         raise ValueError(f"tiles_forward: combine={combine!r}; it must be one of {', '.join(COMBINES)}")
+    if copy not in tp.COPIES:
+        raise ValueError(f"tiles_forward: copy={copy!r}; it must be one of {', '.join(tp.COPIES)}")
     if ops.concurrent and side is None and (pull or combine == "beside"):
         raise ValueError(
             "tiles_forward: concurrent kernels need a side stream for a pull or combine='beside' "
@@ -423,7 +426,7 @@ def tiles_forward(
 
     def pull_rows(preload=False):
         with on_side():
-            ops.pull(buf.recv_MH, x, plan.pull, buf.counters_S, k, rate, preload=preload)
+            ops.pull(buf.recv_MH, x, plan.pull, buf.counters_S, k, rate, copy, preload=preload)
 
     _pair(ops, fc1, pull_rows if pull else None)
     a = ops.swiglu(buf.h_M2F, x.probs_M)
@@ -470,6 +473,7 @@ def tiles_backward(
     pull: bool = True,
     combine: str = "beside",
     wgrad: str = "beside",
+    copy: str = tp.COPIES[0],
     side: torch.cuda.Stream | None = None,
     wgrad_stream: torch.cuda.Stream | None = None,
 ) -> Gradients:
@@ -480,7 +484,8 @@ def tiles_backward(
     1. arrival counters <- the local rows' counts (``pull``) or their targets (``pull=False``: every row of
        the output gradient must be in ``buf.dy_MH`` already); done <- 0
     2. fc2's input gradient ``dy_MH @ w2`` on the waiting GEMM (``SMs - k``, B N-major), beside it the pull
-       of the output gradient's remote rows (k programs, ``rate`` bytes/s, 0: unpaced) on ``side``
+       of the output gradient's remote rows (k programs, ``rate`` bytes/s, 0: unpaced; ``copy``: the pull's
+       copy path) on ``side``
     3. ``wgrad="beside"``: fc2's weight gradient ``dy^T a`` (``torch._grouped_mm``) on ``wgrad_stream`` once
        the pull has ended: it reads every row, nothing else
     4. SwiGLU's backward (with the probabilities: the probability gradient too); ``"beside"``: fc1's weight
@@ -494,6 +499,8 @@ def tiles_backward(
         raise ValueError(f"tiles_backward: combine={combine!r}; it must be one of {', '.join(COMBINES)}")
     if wgrad not in WGRADS:
         raise ValueError(f"tiles_backward: wgrad={wgrad!r}; it must be one of {', '.join(WGRADS)}")
+    if copy not in tp.COPIES:
+        raise ValueError(f"tiles_backward: copy={copy!r}; it must be one of {', '.join(tp.COPIES)}")
     if ops.concurrent and (
         (side is None and (pull or combine == "beside")) or (wgrad == "beside" and wgrad_stream is None)
     ):
@@ -517,7 +524,7 @@ def tiles_backward(
 
     def pull_rows(preload=False):
         with on_side():
-            ops.pull(buf.dy_MH, bx, plan.pull, buf.counters_S, k, rate, preload=preload)
+            ops.pull(buf.dy_MH, bx, plan.pull, buf.counters_S, k, rate, copy, preload=preload)
 
     _pair(ops, dgrad2, pull_rows if pull else None)
     grads = {}
