@@ -98,6 +98,8 @@ WEIGHT_T_L2_LIMIT = 1.0  # narrowest blocks, one per SM, filling more of the L2 
 WEIGHT_T_WARPS = 16
 WEIGHT_T_AMAX_TILE = 32768  # elements per amax step at WEIGHT_T_WARPS: 64 KB of bf16 loads in flight per SM
 WEIGHT_T_CAST_TILE = 16384  # elements per cast step at WEIGHT_T_WARPS: >= 256 rows, >= 256 bytes per column
+# The loads' L2 eviction hints (``_load_rows``'s EVICT), constants of the kernels that pass them
+NO_HINT, EVICT_LAST, EVICT_FIRST = (tl.constexpr(i) for i in range(3)) if tl is not None else range(3)
 INTERPRETED_LIMITS = (4, 1 << 20)  # (SMs, L2 bytes) the plan assumes for CPU tensors under the interpreter
 
 
@@ -216,20 +218,28 @@ def _segment_amax_kernel(
     cols = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
     col_ok = cols < width
     start, end = _segment_bounds(offs_ptr, g, num_rows, num_segments)
-    amax = _column_amax(x_ptr, src_ptr, cols, col_ok, start, end, width, BLOCK_M, BLOCK_K, SRC)
+    amax = _column_amax(x_ptr, src_ptr, cols, col_ok, start, end, width, BLOCK_M, BLOCK_K, SRC, NO_HINT)
     tl.store(s_ptr + g * width + cols, _scale_of(amax), mask=col_ok)
 
 
 @jit
-def _load_rows(ptr, src_ptr, rows, row_ok, cols, mask, width, SRC: tl.constexpr, EVICT: tl.constexpr = ""):
+def _load_rows(ptr, src_ptr, rows, row_ok, cols, mask, width, SRC: tl.constexpr, EVICT: tl.constexpr):
     """Elements (rows, cols) of a row-major [*, width] tensor (0 where masked); with SRC row m is the
     tensor's row ``src[m]`` (-1: a zero row). ``rows``/``row_ok`` broadcast against ``cols``/``mask``.
-    EVICT: the loads' L2 eviction hint ("", "evict_last", "evict_first")."""
+    EVICT: the loads' L2 eviction hint, ``NO_HINT``, ``EVICT_LAST`` or ``EVICT_FIRST`` (an int: Triton 3.6
+    compiles neither a string default nor a string argument of a nested function as a constant)."""
     if SRC:
         src = tl.load(src_ptr + rows, mask=row_ok, other=-1).to(tl.int64)
-        v = tl.load(ptr + src * width + cols, mask=mask & (src >= 0), other=0, eviction_policy=EVICT)
+        ptrs = ptr + src * width + cols
+        mask = mask & (src >= 0)
     else:
-        v = tl.load(ptr + rows.to(tl.int64) * width + cols, mask=mask, other=0, eviction_policy=EVICT)
+        ptrs = ptr + rows.to(tl.int64) * width + cols
+    if EVICT == EVICT_LAST:
+        v = tl.load(ptrs, mask=mask, other=0, eviction_policy="evict_last")
+    elif EVICT == EVICT_FIRST:
+        v = tl.load(ptrs, mask=mask, other=0, eviction_policy="evict_first")
+    else:
+        v = tl.load(ptrs, mask=mask, other=0)
     return v
 
 
@@ -245,7 +255,7 @@ def _column_amax(
     BLOCK_M: tl.constexpr,
     BLOCK_K: tl.constexpr,
     SRC: tl.constexpr,
-    EVICT: tl.constexpr = "",
+    EVICT: tl.constexpr,
 ):
     """max |v| over rows [lo, hi) of a row-major [*, width] tensor, per column of ``cols``: an elementwise
     running max, reduced over the rows once at the end (a cross-thread reduction every row block ran the
@@ -339,6 +349,7 @@ def _segment_cast_kernel(
                 width,
                 BLOCK_M,
                 SRC,
+                NO_HINT,
             )
         else:
             _cast_bytes(
@@ -356,6 +367,7 @@ def _segment_cast_kernel(
                 width,
                 BLOCK_M,
                 SRC,
+                NO_HINT,
             )
     else:
         _cast_bytes(
@@ -373,6 +385,7 @@ def _segment_cast_kernel(
             width,
             BLOCK_M,
             SRC,
+            NO_HINT,
         )
 
 
@@ -404,9 +417,12 @@ def _scale_from_partials(
             BLOCK_M,
             BLOCK_K,
             False,
+            NO_HINT,
         )
     else:
-        amax = _column_amax(x_ptr, x_ptr, cols, col_ok, start, end, width, BLOCK_M, BLOCK_K, False)
+        amax = _column_amax(
+            x_ptr, x_ptr, cols, col_ok, start, end, width, BLOCK_M, BLOCK_K, False, NO_HINT
+        )
     return _scale_of(amax)
 
 
@@ -426,7 +442,7 @@ def _cast_bytes(
     width,
     BLOCK_M: tl.constexpr,
     SRC: tl.constexpr,
-    EVICT: tl.constexpr = "",
+    EVICT: tl.constexpr,
 ):
     """The cast pass's byte-wise transposed store (any layout): element (m, k) of rows [start, end) to
     ``q[dst * seg_mul + k * stride_k + (m - start)]``."""
@@ -456,7 +472,7 @@ def _cast_words(
     width,
     BLOCK_M: tl.constexpr,
     SRC: tl.constexpr,
-    EVICT: tl.constexpr = "",
+    EVICT: tl.constexpr,
 ):
     """The cast pass's packed transposed store where the output span is word-aligned: rows [start, end)
     of column k go to the ``seg_words`` = ceil((end - start) / 4) words from ``q32[dst_word + k *
@@ -506,7 +522,7 @@ def _weight_t_kernel(
         start = g * rows
         end = start + rows
         amax = _column_amax(
-            w_ptr, w_ptr, cols, col_ok, start, end, width, AMAX_N, BLOCK_K, False, "evict_last"
+            w_ptr, w_ptr, cols, col_ok, start, end, width, AMAX_N, BLOCK_K, False, EVICT_LAST
         )
         scale = _scale_of(amax)
         tl.store(s_ptr + g * width + cols, scale, mask=col_ok)
@@ -527,7 +543,7 @@ def _weight_t_kernel(
                 width,
                 BLOCK_N,
                 False,
-                "evict_first",
+                EVICT_FIRST,
             )
         else:
             _cast_bytes(
@@ -545,7 +561,7 @@ def _weight_t_kernel(
                 width,
                 BLOCK_N,
                 False,
-                "evict_first",
+                EVICT_FIRST,
             )
 
 
