@@ -79,7 +79,7 @@ class TilesConfig:
 
     sms: int  # SMs held back for the pull beside the forward's fc1 (a call with a pull source)
     sms_backward: int  # the same beside the backward's fc2 input gradient
-    kernels: bool  # the kernels (sm_90, QuACK, bf16, EP = 1); False: the references, counters preset
+    kernels: bool  # the kernels (sm_90, QuACK, bf16, EP = 1); False: the references, in order (no waits)
     tile: tg.TileConfig = tg.QWEN3  # the GEMMs' tile configuration (one counter layout)
 
     @property
