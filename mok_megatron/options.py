@@ -238,9 +238,10 @@ class MoKOptions:
     tile_sms: int = option(
         4,
         help="tiles: SMs for the pull (no pull yet)",
-        detail="forward: the pull of exchanged rows runs on them, the waiting fc1 GEMM on the rest; no "
-        "layer call pulls yet (the transports do not expose peer buffers to it), so it changes nothing; on "
-        "one H200 the GEMM gate is met with up to 4 held back on DeepSeek-V3's EP=32 slice and 8 on Qwen3's",
+        detail="forward: the pull of exchanged rows runs on them, the waiting fc1 GEMM on the rest; only a "
+        "layer given a transport that exposes its peers' buffers pulls (the one-GPU loopback of benchmarks and "
+        "tests), no --mok-transport does, so on the command line it changes nothing; on one H200 the GEMM "
+        "gate is met with up to 4 held back on DeepSeek-V3's EP=32 slice and 8 on Qwen3's",
         metavar="K",
     )
     tile_sms_backward: int | None = option(

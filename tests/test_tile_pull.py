@@ -18,7 +18,6 @@ import os
 import re
 import socket
 import subprocess
-import sys
 import tempfile
 import textwrap
 from pathlib import Path
@@ -32,6 +31,7 @@ from mok_megatron.kernels import tile_pull as tp
 from tests.interpret import interpreted
 from tests.tile_pull_cases import CPU_RUNS, GPU_CONCURRENT, ONE, SMALL, sources_for
 from tests.harness.gpu import needs_sm90_quack
+from tests.harness.gpu import watched as _watched
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -494,7 +494,6 @@ needs_cuda = pytest.mark.skipif(
     reason="needs a CUDA GPU and compiled Triton",
 )
 needs_sm90 = needs_sm90_quack
-GPU_TIMEOUT_S = 300  # QuACK compiles its kernel once (tens of seconds); a hang ends here
 
 
 @pytest.mark.gpu
@@ -563,18 +562,6 @@ def test_paced_pull_takes_the_link_time_gpu():
     paced_ms = most * width * 2 * programs / rate * 1e3
     took_ms = start.elapsed_time(end)
     assert 0.99 * paced_ms <= took_ms <= 1.1 * paced_ms + 0.05, (took_ms, paced_ms)
-
-
-def _watched(args: list, env: dict, hang: str) -> None:
-    """``python args`` in a subprocess under the watchdog: it must end within GPU_TIMEOUT_S printing "ok"
-    last; past the limit the test fails with ``hang``."""
-    try:
-        r = subprocess.run(
-            [sys.executable, *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=GPU_TIMEOUT_S
-        )
-    except subprocess.TimeoutExpired:
-        pytest.fail(f"{hang} after {GPU_TIMEOUT_S} s")
-    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stdout[-2000:] + r.stderr[-4000:]
 
 
 def _run_watched(name: str) -> None:

@@ -3,16 +3,26 @@ and weight gradients at EP 1, 2 and 4 (CPU, gloo, fp32: the kernels' references)
 gradient-accumulation-fusion contract, the one-line refusals (before any collective), and on an sm_90 GPU
 with QuACK the kernels against the plain engine.
 
-Legend: T tokens, H hidden."""
+The pull: with a loopback transport given to the layer (emulating 2 and 4 EP ranks) the received rows come
+from its emulated peers' buffers, the rank's own placed and the rest pulled; the results are bitwise the
+pull-less engine's (output, input, probability and weight gradients, on CPU through the references; on an
+sm_90 GPU through the kernels at 900 GB/s, in a watched subprocess: a pull that never comes leaves the waiting
+GEMM spinning) and Megatron's within the parity tolerances; the pull's SMs, rate and stream reach the
+composition from the options and the transport; transports without peer buffers and the loopback without
+copies are refused in one line.
+
+Legend: T tokens, K routes per token, G local experts, H hidden, F expert FFN width."""
 
 from __future__ import annotations
+
+import os
 
 import pytest
 import torch
 
 from mok_megatron.errors import MoKConfigError
 from mok_megatron.options import MoKOptions, MoKOptionsError
-from tests.harness.gpu import needs_sm90_quack
+from tests.harness.gpu import MULTICAST_OFF, REPO, needs_sm90_quack, watched
 from tests.test_parity import check
 
 
@@ -24,6 +34,18 @@ def test_tiles_engine_matches_megatron(pool, ep, topk):
     )
     for rank, res in enumerate(results):
         assert res.pop("calls") == 1, "the layer call ran the tiles engine's node once"
+        assert res.pop("pulls") == 0, "no transport: every row placed"
+        check(res, f"rank {rank}")
+        assert res["out_scale"] > 0.1
+
+
+@pytest.mark.parametrize("ep,topk", [(2, 2), (4, 8)])
+def test_pulled_rows_match_megatron(pool, ep, topk):
+    score = "sigmoid" if topk == 8 else "softmax"
+    results = pool.run("tests.tiles_cases:parity_case", topk=topk, score=score, loopback=dict(ep=ep))
+    for rank, res in enumerate(results):
+        assert res.pop("calls") == 1
+        assert res.pop("pulls") == 2, "the forward and the backward each pulled rows"
         check(res, f"rank {rank}")
         assert res["out_scale"] > 0.1
 
@@ -32,6 +54,7 @@ def test_tiles_engine_with_shared_experts_and_two_steps(pool):
     results = pool.run("tests.tiles_cases:parity_case", ep=2, topk=2, shared=True, steps=2)
     for rank, res in enumerate(results):
         assert res.pop("calls") == 2
+        assert res.pop("pulls") == 0, "no transport: every row placed"
         check(res, f"rank {rank}")
 
 
@@ -146,6 +169,190 @@ def test_the_combine_runs_after_the_gemm_and_nothing_pulls(monkeypatch):
     )  # fmt: skip
     out.sum().backward()
     assert seen == [dict(pull=False, combine="after", side=None)] * 2
+
+
+def _routed(tokens: int, topk: int, experts: int, seed: int):
+    """Routing metadata of ``tokens`` tokens, each to ``topk`` distinct experts of the first ``experts - 1``
+    (the last expert gets no rows)."""
+    from mok_megatron.kernels.routing import routing_metadata_reference
+
+    gen = torch.Generator().manual_seed(seed)
+    ids_TK = torch.stack([torch.randperm(experts - 1, generator=gen)[:topk] for _ in range(tokens)])
+    return routing_metadata_reference(ids_TK, experts)
+
+
+def _experts_call(meta, source, config, seed=0, streams=None):
+    """(out, dx, dprobs, dw1, dw2) of ``tile_experts`` over ``meta``'s routes, fp32, H 16, F 8."""
+    from mok_megatron.engine import tiles as te
+
+    gen = torch.Generator().manual_seed(seed)
+    t, k = meta.row_TK.shape
+    g = meta.counts_E.numel()
+    x = torch.randn(t, 16, generator=gen).requires_grad_(True)
+    probs = torch.rand(t, k, generator=gen).requires_grad_(True)
+    w1 = (torch.randn(g, 16, 16, generator=gen) / 4).requires_grad_(True)
+    w2 = (torch.randn(g, 16, 8, generator=gen) / 3).requires_grad_(True)
+    dout = torch.randn(t, 16, generator=gen)
+    out = te.tile_experts(
+        x, probs, meta, meta.counts_E.long(), w1, w2, config, streams=streams, source=source
+    )
+    out.backward(dout)
+    return [out.detach(), x.grad, probs.grad, w1.grad, w2.grad]
+
+
+@pytest.mark.parametrize("ep", [2, 4])
+@pytest.mark.parametrize("topk", [1, 3])
+def test_pulled_rows_give_the_pull_less_results_bitwise(ep, topk):
+    """On the references: the output and the gradients of x, the probabilities and both weights equal the
+    engine's without a transport bit for bit; the rows the pull must bring start as NaN, so one it missed
+    would show."""
+    from mok_megatron.engine import tiles as te
+    from mok_megatron.transport.loopback import LoopbackLink, LoopbackTransport
+
+    meta = _routed(40, topk, 6, seed=ep * topk)
+    config = te.TilesConfig(sms=2, sms_backward=2, kernels=False)
+    source = LoopbackTransport(LoopbackLink(ep=ep), num_local_experts=6, topk=topk)
+    placed = _experts_call(meta, None, config)
+    pulled = _experts_call(meta, source, config)
+    assert source.bytes_moved > 0
+    for name, a, b in zip(("out", "dx", "dprobs", "dw1", "dw2"), pulled, placed, strict=True):
+        assert torch.equal(a, b), name
+
+
+def test_the_pull_gets_its_sms_rate_and_stream_from_the_options_and_the_transport(monkeypatch):
+    """With the kernels (their references standing in, on CPU) and a loopback at 900 GB/s: the forward pulls
+    beside fc1 on ``sms`` SMs, the backward beside fc2's input gradient on ``sms_backward``, both at the
+    link's rate on the layer's side stream; the weight gradients beside on the layer's stream."""
+    from types import SimpleNamespace
+
+    from mok_megatron.engine import tile_compose as tcomp
+    from mok_megatron.engine import tiles as te
+    from mok_megatron.transport.loopback import LoopbackLink, LoopbackTransport
+
+    seen = []
+
+    def spy(run):
+        def call(*args, **kw):  # on CPU the references run unpaced, on one stream
+            seen.append({k: kw.get(k) for k in ("pull", "k", "rate", "side", "wgrad", "wgrad_stream")})
+            kw.update(rate=0.0, side=None, **({"wgrad_stream": None} if "wgrad_stream" in kw else {}))
+            return run(*args[:-1], tcomp.REFERENCES, **kw)
+
+        return call
+
+    meta = _routed(30, 2, 6, seed=1)
+    want = _experts_call(meta, None, te.TilesConfig(sms=3, sms_backward=2, kernels=False))
+    for name in ("tiles_forward", "tiles_backward"):
+        monkeypatch.setattr(tcomp, name, spy(getattr(tcomp, name)))
+    streams = SimpleNamespace(side="side stream", wgrad="wgrad stream", delay="delay stream")
+    source = LoopbackTransport(LoopbackLink(ep=4, gbps=900.0), num_local_experts=6, topk=2)
+    config = te.TilesConfig(sms=3, sms_backward=2, kernels=True)
+    got = _experts_call(meta, source, config, streams=streams)
+    assert seen == [
+        dict(pull=True, k=3, rate=900e9, side="side stream", wgrad=None, wgrad_stream=None),
+        dict(pull=True, k=2, rate=900e9, side="side stream", wgrad="beside", wgrad_stream="wgrad stream"),
+    ]
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+
+
+def test_a_pull_on_the_kernels_without_streams_is_refused():
+    from mok_megatron.engine import tiles as te
+    from mok_megatron.transport.loopback import LoopbackLink, LoopbackTransport
+
+    meta = _routed(8, 2, 4, seed=0)
+    source = LoopbackTransport(LoopbackLink(ep=2), num_local_experts=4, topk=2)
+    with pytest.raises(ValueError, match=r"^tile_experts: a pull source with the kernels .* pass streams="):
+        _experts_call(meta, source, te.TilesConfig(sms=2, sms_backward=2, kernels=True))
+
+
+@pytest.mark.parametrize("ep", [2, 4])
+def test_a_loopback_layer_pulls_and_matches_the_pull_less_layer_bitwise(single_rank, ep):
+    """The layer built with a loopback transport (EP = 1, the loopback emulating ``ep`` ranks): the engine
+    pulls from it, and the output, the input gradient and every parameter's gradient (the router's carries the
+    probability gradient) equal the layer's without a transport bit for bit."""
+    from mok_megatron.transport.loopback import LoopbackTransport
+    from tests.cases import build_mok_only, make_config, run_layer
+
+    cfg = make_config(topk=2)
+    torch.manual_seed(0)
+    placed = build_mok_only(cfg, dict(engine="tiles"))
+    pulled = build_mok_only(cfg, dict(engine="tiles", loopback=dict(ep=ep)))
+    pulled.load_state_dict(placed.state_dict())
+    transport = pulled.token_dispatcher.transport
+    assert isinstance(transport, LoopbackTransport) and pulled.token_dispatcher.engine.pull is transport
+    assert placed.token_dispatcher.transport is None and not pulled.token_dispatcher.pipelined
+    gen = torch.Generator().manual_seed(ep)
+    x = torch.randn(16, 2, cfg.hidden_size, generator=gen)
+    dout = torch.randn(16, 2, cfg.hidden_size, generator=gen)
+    res = {}
+    for name, layer in (("placed", placed), ("pulled", pulled)):
+        layer.set_layer_number(1)
+        res[name] = run_layer(layer, x, dout)[:3]
+    assert transport.bytes_moved > 0
+    (out, dx, grads), (out0, dx0, grads0) = res["pulled"], res["placed"]
+    assert torch.equal(out, out0) and torch.equal(dx, dx0)
+    assert grads.keys() == grads0.keys() and "router.weight" in grads
+    for n, g in grads.items():
+        assert torch.equal(g, grads0[n]), n
+
+
+def test_a_transport_without_peer_buffers_is_refused_in_one_line(single_rank):
+    import torch.distributed as dist
+
+    from mok_megatron.spec import get_gpt_layer_with_mok_spec
+    from mok_megatron.transport.collective import CollectiveTransport
+    from tests.cases import make_config
+
+    mlp = get_gpt_layer_with_mok_spec(use_te=False).submodules.mlp
+    with pytest.raises(MoKConfigError) as e:
+        mlp(
+            config=make_config(),
+            options=MoKOptions(engine="tiles"),
+            transport=CollectiveTransport(dist.group.WORLD),
+        )
+    text = str(e.value)
+    assert "\n" not in text and text.startswith("--mok-engine tiles runs dropless SwiGLU layers")
+    assert (
+        "this layer has a collective transport given to the layer (it exposes no peer buffers to the pull)"
+        in text
+    )
+
+
+def test_a_loopback_beside_expert_parallelism_is_refused():
+    from mok_megatron.config import MoKConfig
+    from mok_megatron.engine.select import tiles_blockers
+    from mok_megatron.experts_contract import ExpertsContract
+    from mok_megatron.transport.loopback import LoopbackLink, LoopbackTransport
+    from tests.cases import make_config
+
+    cfg = MoKConfig.from_megatron(make_config(ep=2), ep_size=2, etp_size=1)
+    loopback = LoopbackTransport(LoopbackLink(ep=4), num_local_experts=4, topk=2)
+    assert tiles_blockers(cfg, MoKOptions(engine="tiles"), ExpertsContract(mok=True), loopback) == [
+        "a loopback transport at EP=2 (it stands in for an EP group on one rank: --expert-model-parallel-size 1)"
+    ]
+
+
+def test_a_loopback_without_copies_is_refused_in_one_line(single_rank):
+    from tests.cases import build_mok_only, make_config
+
+    with pytest.raises(MoKConfigError) as e:
+        build_mok_only(make_config(), dict(engine="tiles", loopback=dict(ep=2, bytes="link")))
+    text = str(e.value)
+    assert "\n" not in text
+    assert text.startswith("--mok-engine tiles with a loopback transport of bytes='link': ")
+    assert text.endswith("use LoopbackLink(bytes='copy').")
+
+
+@pytest.mark.gpu
+@needs_sm90_quack
+@pytest.mark.parametrize("topk", [2, 8])
+def test_kernels_pull_from_the_loopback_bitwise_the_pull_less_layer_on_gpu(topk):
+    env = dict(
+        os.environ,
+        PYTHONPATH=os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p),
+        **MULTICAST_OFF,
+    )
+    watched(["-m", "tests.tiles_cases", "--gpu-loopback", str(topk)], env,
+            f"topk {topk}: the tiles layer pulling from the loopback still running (a hang)")  # fmt: skip
 
 
 def test_weight_gradients_into_main_grad_as_the_torch_backend(single_rank):

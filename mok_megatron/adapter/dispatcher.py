@@ -63,7 +63,7 @@ class MoKTokenDispatcher(MoETokenDispatcher):
         self.engine = engine
         self._plan: DispatchPlan | PipelineCall | None = None
         self.runtime = PipelineRuntime()  # the pipeline's stream, caches and counters (this layer's)
-        self._tile_streams: dict = {}  # the tiles engine's weight-gradient stream, per device index
+        self._tile_streams: dict = {}  # the tiles engine's streams (``engine.tiles.TileStreams``), per device index
         self.profile: profiling.PhaseProfile | None = None  # set inside profiling.record(model)
 
     @property
@@ -197,31 +197,33 @@ class MoKTokenDispatcher(MoETokenDispatcher):
 
     def run_tiles(self, hidden_states: torch.Tensor, probs: torch.Tensor, experts) -> torch.Tensor:
         """The tiles engine on the call in flight (``engine.tiles``): ``[T, H]``. At EP = 1 the routing
-        kernels' plan places the tokens' rows; otherwise the plain engine's dispatch and combine move them
-        and each received row is its own token."""
-        from mok_megatron.engine.tiles import row_routes, tile_experts
+        kernels' plan places the tokens' rows (or, with a transport exposing its peers' buffers, the rank's
+        own rows, the rest pulled from the transport's sources); otherwise the plain engine's dispatch and
+        combine move them and each received row is its own token."""
+        from mok_megatron.engine.tiles import TileStreams, row_routes, tile_experts
 
         plan = self.plan
         weights = (experts.fc1_weight, experts.fc2_weight)
         owners = experts.main_grad_owners()
-        wgrad = None
-        if self.engine.tiles.kernels:  # the backward's weight gradients' stream
+        streams = None
+        if self.engine.tiles.kernels:  # the pull's, the weight gradients' and the return trip's streams
             dev = hidden_states.device
             if dev.index not in self._tile_streams:
-                self._tile_streams[dev.index] = torch.cuda.Stream(dev)
-            wgrad = self._tile_streams[dev.index]
+                self._tile_streams[dev.index] = TileStreams.on(dev)
+            streams = self._tile_streams[dev.index]
+        tiles, source = self.engine.tiles, self.engine.pull
         with profiling.phase(self.profile, "experts", hidden_states.device):
             if plan.meta is not None:
                 meta = plan.meta
                 probs_TK = probs.gather(1, plan.ids_TK)
                 counts = plan.tokens_per_expert_L
                 return tile_experts(
-                    hidden_states, probs_TK, meta, counts, *weights, self.engine.tiles, owners, wgrad
+                    hidden_states, probs_TK, meta, counts, *weights, tiles, owners, streams, source
                 )
             x_RH, counts, probs_R = F.dispatch(hidden_states, probs, plan)
             meta = row_routes(counts)
             y_RH = tile_experts(
-                x_RH, probs_R[:, None], meta, counts, *weights, self.engine.tiles, owners, wgrad
+                x_RH, probs_R[:, None], meta, counts, *weights, tiles, owners, streams, source
             )
             return F.combine_postprocess(F.token_combine(F.combine_preprocess(y_RH, plan), plan), plan).view(
                 -1, hidden_states.shape[-1]

@@ -9,7 +9,9 @@ Construction decides everything once, before Megatron builds a submodule: the ``
 config checked against what MoK runs), the experts' class for the options' backend, and the engine
 (``engine.select.select_engine``: plain or pipeline, the transport, the experts' row layout). A
 transport object given at construction (``transport=``, ``transport.base.Transport``: benchmarks and tests
-give the one-GPU loopback) replaces the one the options would pick. The
+give the one-GPU loopback) replaces the one the options would pick; under ``--mok-engine tiles`` it must
+expose its peers' buffers to the pull (``transport.base.PullSource``), and the experts' rows are pulled from
+it. The
 experts get the layer's options and row layout through their builder; the dispatcher gets the engine
 at construction. Megatron-Core 0.19 builds its dispatcher with a hard-coded if/elif, so the layer is
 built as an ``alltoall`` layer and the dispatcher is then replaced (MoK matches alltoall semantics

@@ -26,7 +26,9 @@ fp32 (measured: bitwise).
 
 The tiles engine (``engine.tiles``) runs only when asked for (``--mok-engine tiles``; ``auto`` never picks
 it): ``select_tiles`` refuses in one line a layer it cannot run (``tiles_blockers``) and decides whether its
-kernels or their references run.
+kernels or their references run. A transport given to a tiles layer must expose its peers' send buffers to
+the pull (``transport.base.PullSource``: the loopback, at EP = 1, copying its bytes); the layer then pulls
+its received rows from it (``EngineChoice.pull``).
 
 What the experts take decides how both engines lay out their rows (``RowLayout``, from the experts'
 ``ExpertsContract``, known from their class before they are built): MoK's experts take per-expert counts
@@ -52,6 +54,8 @@ from mok_megatron.engine.plan import RowLayout, aligned_plan_applies
 from mok_megatron.engine.tiles import TilesConfig, kernels_unavailable, tile_config
 from mok_megatron.experts_contract import ExpertsContract
 from mok_megatron.options import Engine, MinibatchSplit, MoKOptions, TransportKind
+from mok_megatron.transport.base import PullSource
+from mok_megatron.transport.loopback import LoopbackTransport
 
 
 @dataclass(frozen=True)
@@ -62,11 +66,13 @@ class EngineChoice:
     rows: RowLayout = RowLayout.SORTED  # how the expert calls get their rows
     row_alignment: int = 1  # > 1: the permute writes every expert's rows padded to this
     tiles: TilesConfig | None = None  # the tiles engine's config (``--mok-engine tiles``)
+    pull: PullSource | None = None  # the transport the tiles engine pulls its received rows from
 
     @property
     def transport(self):
-        """The overlap pipeline's transport (``transport.base.Transport``); None: the plain engine."""
-        return None if self.pipeline is None else self.pipeline.transport
+        """The layer's transport: the overlap pipeline's (``transport.base.Transport``), or the one the tiles
+        engine pulls from; None: the plain engine, or the tiles engine with every row placed."""
+        return self.pull if self.pipeline is None else self.pipeline.transport
 
     @property
     def pipelined(self) -> bool:
@@ -214,8 +220,15 @@ def tiles_blockers(
     if cfg.delay_wgrad:
         why.append("--delay-wgrad-compute")
     why.extend(cfg.megatron_overlap_flags)
-    if transport is not None:
-        why.append(f"a {transport.name} transport given to the layer")
+    if transport is not None and not isinstance(transport, PullSource):
+        why.append(
+            f"a {transport.name} transport given to the layer (it exposes no peer buffers to the pull)"
+        )
+    elif transport is not None and cfg.ep_size != 1:
+        why.append(
+            f"a {transport.name} transport at EP={cfg.ep_size} (it stands in for an EP group on one rank: "
+            "--expert-model-parallel-size 1)"
+        )
     return why
 
 
@@ -228,6 +241,12 @@ def select_tiles(
         raise MoKConfigError(
             f"--mok-engine tiles runs dropless SwiGLU layers on MoK's torch experts without expert-TP; this "
             f"layer has {', '.join(why)}. Change those settings, or use --mok-engine auto."
+        )
+    if isinstance(transport, LoopbackTransport) and not transport.copies:
+        raise MoKConfigError(
+            f"--mok-engine tiles with a loopback transport of bytes={transport.emulated.bytes.value!r}: the "
+            "tiles engine's pull copies every remote row itself, so a link without copies has nothing to model "
+            "there; use LoopbackLink(bytes='copy')."
         )
     device = (
         torch.device("cuda", torch.cuda.current_device())
@@ -244,7 +263,7 @@ def select_tiles(
         options.tile_sms, options.tile_sms_bwd, why_not is None, tile_config(cfg.hidden_size)
     )
     rows = RowLayout.ALIGNED if aligned_plan_applies(cfg) else RowLayout.SORTED
-    return EngineChoice(None, rows, 1, tiles=config)
+    return EngineChoice(None, rows, 1, tiles=config, pull=transport)
 
 
 def select_engine(

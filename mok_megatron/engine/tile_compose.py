@@ -141,6 +141,15 @@ def layer_plan(
     )
 
 
+def local_rows(c_PG: torch.Tensor, rows: int, local: int = LOCAL) -> torch.Tensor:
+    """int64 [rows]: the receive buffer's row of each of source ``local``'s ``rows`` rows (``c_PG[local]``'s
+    total), in its buffer's order (grouped by local expert): where the rank's own rows are placed. Sync-free."""
+    c = c_PG[local].long()
+    g_N = torch.repeat_interleave(torch.arange(c.numel(), device=c.device), c, output_size=rows)
+    shift_G = tp.receive_rows(c_PG)[local] - tp.source_rows(c_PG)[local]
+    return shift_G[g_N] + torch.arange(rows, device=c.device)
+
+
 @dataclasses.dataclass(frozen=True)
 class LayerInputs:
     """sources   P send buffers: source p's rows for this rank grouped by local expert, [rows of p, H]

@@ -14,8 +14,14 @@ host; the engine puts it on its communication stream.
                  domain; the hierarchical form across domains)
     loopback     ``transport.loopback``: one GPU emulating an EP rank's traffic (benchmarks)
 
+A transport may also expose its peers' send buffers to a pull kernel (``PullSource``: the tiles engine's
+``kernels.tile_pull`` copies the rows from them into its receive buffer beside the GEMM that waits for them):
+how the rows each local expert receives split over the source ranks, the sources' buffers for a set of rows,
+and the link's pace. The loopback provides it.
+
 Legend: Tc tokens of one minibatch, N rows sent, R rows received, M (token, local expert) rows, L local
-experts, EP ranks.
+experts, EP ranks; for ``PullSource``: P source ranks (source 0 this rank), G local experts, T tokens, H
+hidden.
 """
 
 from __future__ import annotations
@@ -23,7 +29,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from enum import Enum
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 import torch
 import torch.distributed as dist
@@ -131,6 +137,37 @@ class Transport(Protocol):
         """Rows of ``x`` grouped by destination -> rows received, grouped by source. ``backward``: the move
         is a gradient's, in the layer's backward (a transport may give it other resources: the NVLink
         transport's CTA budget, ``--mok-nvlink-programs-backward``)."""
+        ...
+
+
+@runtime_checkable
+class PullSource(Protocol):
+    """A transport whose peers' send buffers a pull kernel reads (``kernels.tile_pull``).
+
+    The rows this rank's G local experts receive, expert-major (the receive buffer's order), come from P
+    sources; within each expert they are ordered by source (``tile_pull``'s layout), source 0 being this rank,
+    whose rows cross no link. Source p's buffer holds exactly its rows for this rank, grouped by local expert.
+
+    pull_rate       bytes/s at which the pull is paced (the link's rate); 0: unpaced
+    pull_split      c_PG from counts_G: the rows source p sends local expert g
+    pull_sources    the P source buffers of a set of rows: the forward's token rows, the backward's output
+                    gradient rows (one split for both)
+    """
+
+    pull_rate: float
+
+    def pull_split(self, counts_G: torch.Tensor) -> torch.Tensor:
+        """int64 [P, G] on ``counts_G``'s device: the rows each source sends each local expert, summing over
+        P to ``counts_G`` [G] (each expert's received rows)."""
+        ...
+
+    def pull_sources(
+        self, rows_TH: torch.Tensor, token_M: torch.Tensor, c_PG: torch.Tensor
+    ) -> tuple[torch.Tensor, ...]:
+        """P buffers [rows of p, H]: source p's rows for this rank grouped by local expert, where received row
+        m (expert-major, by source within an expert as ``c_PG`` splits it) carries ``rows_TH[token_M[m]]``.
+        Contiguous, of ``rows_TH``'s dtype, on its device, 16-byte aligned; they hold their rows in the
+        current stream's order."""
         ...
 
 

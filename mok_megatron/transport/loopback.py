@@ -6,6 +6,19 @@ stream waits ``bytes / bandwidth``; the exchange ends when both are done. ``Loop
 (the received rows are the sent ones), only the link time is emulated. The transport reports the emulated
 EP size as its ``peers``: the pipeline plan then sends region R, the emulated peers' share of each
 minibatch, through it (``engine.pipeline_plan``).
+
+It is also a ``PullSource`` (``transport.base``) for the tiles engine (``engine.tiles``): each local expert's
+received rows split over the ``link.ep`` sources as evenly as possible (``even_split``, source 0 this rank),
+the emulated peers' send buffers built on this GPU from the rows (``pull_sources``: one gather into a
+source-major buffer, each source a view of it grouped by local expert), and the pull paced at the link's rate
+(``pull_rate`` = gbps x 1e9 bytes/s; 0 unpaced). What moves there is route rows: every (token, expert) row
+of an emulated peer's tokens is its own row on the link, not one row per destination rank as the pipeline's
+exchange sends (``factor``, the expected remote ranks per token). The pull copies every remote row itself,
+so ``LoopbackBytes.LINK`` (no copies, the link time alone) has nothing to model there: the tiles engine
+refuses it when the layer is built (``engine.select``).
+
+Legend (the pull): P sources (the emulated EP ranks, source 0 this rank), G local experts, M received rows
+(expert-major), T tokens, H hidden.
 """
 
 from __future__ import annotations
@@ -61,6 +74,29 @@ def expected_remote_ranks(ep: int, num_local_experts: int, topk: int, group: int
     return (1.0 - miss) * (ep - 1)
 
 
+def even_split(counts_G: torch.Tensor, sources: int) -> torch.Tensor:
+    """int64 [P, G], P = ``sources``: each expert's ``counts_G[g]`` rows split over the sources as evenly as
+    possible, the first ``counts_G[g] % P`` sources one row more (source 0, this rank, first). Sync-free."""
+    if sources < 1:
+        raise ValueError(f"even_split: sources={sources}; it must be >= 1 (the EP ranks the rows come from)")
+    c = counts_G.long()
+    p_P1 = torch.arange(sources, device=c.device)[:, None]
+    return c[None, :] // sources + (p_P1 < c[None, :] % sources).long()
+
+
+def source_major_rows(c_PG: torch.Tensor, rows: int) -> torch.Tensor:
+    """int64 [M], M = ``rows`` (``c_PG``'s total): for each row of the source-major layout (source p's rows
+    grouped by local expert, then source p + 1's), its row in the expert-major receive buffer (each expert's
+    rows by source). Sync-free."""
+    c = c_PG.long()
+    flat = c.flatten()  # segments (p, g), source-major
+    start = torch.cumsum(flat, 0) - flat  # their first source-major row
+    c_GP = c.t().flatten()  # segments (g, p), expert-major
+    dst = (torch.cumsum(c_GP, 0) - c_GP).view(c.shape[1], c.shape[0]).t().flatten()  # their first receive row
+    shift = torch.repeat_interleave(dst - start, flat, output_size=rows)
+    return shift + torch.arange(rows, device=c.device)
+
+
 class LoopbackTransport:
     """One GPU plays one rank of an EP group of ``link.ep`` ranks: the same bytes copied, the link time
     emulated.
@@ -76,7 +112,11 @@ class LoopbackTransport:
     make almost no progress while a grouped GEMM holds the SMs and finish after it. ``LoopbackBytes.LINK``:
     the link time alone stands for the exchange; on GPUs the received rows *are* the sent rows (no copy
     at all; on CPU a clone): an ideal transport whose bytes land beside the GEMMs unhindered, the
-    schedule's own bound."""
+    schedule's own bound.
+
+    The pull (``PullSource``, the tiles engine): ``pull_split``, ``pull_sources`` and ``pull_rate`` as in the
+    module's notes; ``bytes_moved`` counts the pulled rows' bytes (sources 1..P-1), the engine charges the
+    results' return trip at ``pull_rate`` itself."""
 
     name = "loopback"
 
@@ -90,6 +130,24 @@ class LoopbackTransport:
         self.link = Link.SLOW if 0 < link.gbps < SLOW_LINK_GBPS else Link.FAST
         self._delay_stream = None
         self.bytes_moved = 0  # emulated link bytes so far (benchmarks read it)
+        self.pull_rate = link.gbps * 1e9  # bytes/s; 0: unpaced
+
+    def pull_split(self, counts_G: torch.Tensor) -> torch.Tensor:
+        """int64 [P, G], P = the emulated EP size: ``even_split``."""
+        return even_split(counts_G, self.peers)
+
+    def pull_sources(
+        self, rows_TH: torch.Tensor, token_M: torch.Tensor, c_PG: torch.Tensor
+    ) -> tuple[torch.Tensor, ...]:
+        """The emulated sources' buffers, built on this GPU: one gather of ``rows_TH[token_M]`` in the
+        source-major order (``source_major_rows``), split into P views [rows of p, H] (reads the sizes on the
+        host)."""
+        rows = token_M.numel()
+        order_M = source_major_rows(c_PG.to(token_M.device), rows)
+        send_MH = rows_TH[token_M[order_M]]
+        sizes = c_PG.sum(1).tolist()
+        self.bytes_moved += (rows - sizes[0]) * rows_TH.shape[1] * rows_TH.element_size()
+        return tuple(send_MH.split(sizes))
 
     def move(
         self, x: torch.Tensor, mb: SendPlan, direction: Direction, backward: bool = False
