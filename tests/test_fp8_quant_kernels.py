@@ -437,21 +437,22 @@ def test_reference_layouts_are_what_scaled_grouped_mm_takes():
 
 
 def test_weight_t_plan_on_an_h200(monkeypatch):
-    """The column-block launches on an H200 (132 SMs, 50 MiB L2): one program per SM, the widest BLOCK_K
-    whose blocks fill at most half the L2; the generic path past a whole L2 of 16-column blocks."""
+    """The column-block launches on an H200 (132 SMs, 50 MiB L2): two programs of 8 warps per SM, the widest
+    BLOCK_K that leaves every program a tile; the generic path past a whole L2 of 16-column blocks."""
     monkeypatch.setattr(Q, "_device_limits", lambda _: (132, 50 << 20))
 
     def plan(*dims, dtype=torch.bfloat16, **kw):
         p = Q.weight_t_plan(torch.empty(dims, dtype=dtype, device="meta"), **kw)
         return p and (p.programs, p.block_k, p.block_n, p.amax_n, p.warps)
 
-    assert plan(128, 1536, 2048) == (132, 64, 256, 512, 16)  # Qwen3-30B-A3B fc1: 26.0 MB of blocks
-    assert plan(128, 2048, 768) == (132, 32, 512, 1024, 16)  # fc2: 17.3 MB
-    assert plan(8, 4096, 7168) == (132, 16, 1024, 2048, 16)  # DeepSeek-V3 fc1: 17.3 MB
-    assert plan(8, 7168, 2048) == (132, 16, 1024, 2048, 16)  # fc2: 30.3 MB, over half the L2: the narrowest
-    assert plan(1, 64, 256) == (16, 16, 64, 64, 16)  # fewer tiles than SMs: one program per tile
-    assert plan(128, 1536, 2048, programs_per_sm=2) == (264, 32, 512, 1024, 16)
-    assert plan(128, 1536, 2048, programs_per_sm=2, block_k=64, warps=8) == (264, 64, 128, 256, 8)
+    assert plan(128, 1536, 2048) == (264, 32, 256, 512, 8)  # Qwen3-30B-A3B fc1: 8192 tiles
+    assert plan(128, 2048, 768) == (264, 32, 256, 512, 8)  # fc2: 3072 tiles
+    assert plan(8, 4096, 7168) == (264, 32, 256, 512, 8)  # DeepSeek-V3 fc1: 1792 tiles
+    assert plan(8, 7168, 2048) == (264, 32, 256, 512, 8)  # fc2: 512 tiles
+    assert plan(4, 7168, 2048) == (264, 16, 512, 1024, 8)  # 256 tiles at 32 < 264 programs: 512 at 16
+    assert plan(1, 64, 256) == (16, 16, 64, 64, 8)  # fewer tiles than programs: one program per tile
+    assert plan(128, 1536, 2048, programs_per_sm=1) == (132, 32, 256, 512, 8)
+    assert plan(128, 1536, 2048, programs_per_sm=2, block_k=64, warps=16) == (264, 64, 256, 512, 16)
     assert plan(8, 12412, 2048) is not None and plan(8, 12413, 2048) is None
     assert plan(8, 6206, 2048, dtype=torch.float32) is not None
     assert plan(8, 6207, 2048, dtype=torch.float32) is None

@@ -44,11 +44,10 @@ Kernels:
                           in the same program, and pass 1 is skipped
     _weight_t_kernel      both passes over one expert's column block [N, BLOCK_K] in one program: the
                           amax read (evict-last), then the cast re-reading the block from L2 (evict-first)
-                          and writing it transposed, packed as above where N % 4 == 0. Persistent: one
-                          program per SM takes the tiles in turn, BLOCK_K chosen by ``weight_t_plan`` so
-                          that the blocks in flight fill at most WEIGHT_T_L2_SHARE of the L2. Each cast step
-                          writes >= 256 rows of a column: 16-byte stores, each warp 512 contiguous bytes
-                          along N where N is a multiple of 64 (sm_90 PTX)
+                          and writing it transposed, packed as above where N % 4 == 0. Persistent: two
+                          programs per SM take the tiles in turn, BLOCK_K chosen by ``weight_t_plan``. Each
+                          cast step writes >= 256 rows of a column: 16-byte stores, each warp 512 contiguous
+                          bytes along N where N is a multiple of 64 (sm_90 PTX)
 Rows past the last offset form one extra segment (scale computed and dropped, like the reference), so every
 q element is written. Segment programs loop over device-side bounds: no host read of ``offs``.
 
@@ -58,7 +57,8 @@ packed words 0.225 ms. One program per (segment, BLOCK_K columns): a segment hol
 The weights' transposed quantization on the segment kernels read w twice from HBM: 8 calls took 4.1 ms of a
 profiled FP8 training step of the Qwen3-30B-A3B preset (fc1 w [128, 1536, 2048], fc2 [128, 2048, 768], bf16),
 ~0.51 ms each, about twice one read of w plus the e4m3 write at HBM speed; ``_weight_t_kernel`` reads w from
-HBM once (``python -m benchmarks.kernels --weights`` times both on the Qwen3 and DeepSeek-V3 weights).
+HBM once and its second read mostly from L2: 0.70 / 0.36 ms on those fc1 / fc2 weights against 0.99 / 0.47
+for the segment kernels (``python -m benchmarks.kernels --weights``, both weights of Qwen3 and DeepSeek-V3).
 
 How it plugs in: ``ops.fp8_grouped_gemm`` calls these on CUDA tensors (``Impl.AUTO``), the references elsewhere.
 """
@@ -86,18 +86,18 @@ AMAX_TILE = (32, 64, 8)
 PACK_TILE = (128, 64, 4)
 CAST_TILE = (128, 32, 2)  # byte-wise stores (the fastest tile measured on one H200)
 PARTIAL_ROWS = 16  # rows per block amax of quantize_rowwise_partials (the FP8 experts pad segments to 16)
-# Column-block weight kernel (``_weight_t_kernel``, ``weight_t_plan``): each program re-reads the block it
-# just read, so the blocks of all programs in flight must stay in L2 between the two reads. The programs are
-# persistent (a static tile schedule), so all of them must be resident at once: one per SM, 16 warps (sm_90
-# compiles of every BLOCK_K / PACK / input dtype: 95-128 registers per thread, no spills; two such programs
-# would not fit an SM's 64K registers), warps for the IEEE division's latency and loads in flight.
-WEIGHT_T_BLOCK_KS = (64, 32, 16)  # candidate BLOCK_K, widest first (16 bf16 columns: one 32-byte sector)
-WEIGHT_T_PROGRAMS_PER_SM = 1
-WEIGHT_T_L2_SHARE = 0.5  # of the L2 that the blocks in flight may fill (the rest: q, the scales, others)
+# Column-block weight kernel (``_weight_t_kernel``, ``weight_t_plan``): each program reads its block twice
+# (amax, then cast; the second read mostly from L2). Two programs of 8 warps per SM (persistent, a static tile
+# schedule; sm_90 compiles: 95-128 registers per thread, so two fit an SM's 64K): on one H200, bf16,
+# against the segment kernels' two full passes, 1.42x / 1.30x on Qwen3-30B-A3B's fc1 / fc2 weights and
+# 1.22x / 1.51x on the DeepSeek-V3 slice's at BLOCK_K 32 (1.36 / 1.29 / 1.34 / 1.40x at 16); one program of
+# 16 warps per SM was 0.87-1.23x (``python -m benchmarks.kernels --weights``, docs/performance.md).
+WEIGHT_T_BLOCK_KS = (32, 16)  # candidate BLOCK_K, widest first (16 bf16 columns: one 32-byte sector)
+WEIGHT_T_PROGRAMS_PER_SM = 2
 WEIGHT_T_L2_LIMIT = 1.0  # narrowest blocks, one per SM, filling more of the L2 than this: segment kernels
-WEIGHT_T_WARPS = 16
-WEIGHT_T_AMAX_TILE = 32768  # elements per amax step at WEIGHT_T_WARPS: 64 KB of bf16 loads in flight per SM
-WEIGHT_T_CAST_TILE = 16384  # elements per cast step at WEIGHT_T_WARPS: >= 256 rows, >= 256 bytes per column
+WEIGHT_T_WARPS = 8
+WEIGHT_T_AMAX_TILE = 16384  # elements per amax step at WEIGHT_T_WARPS: 32 KB of bf16 loads in flight
+WEIGHT_T_CAST_TILE = 8192  # elements per cast step at WEIGHT_T_WARPS: >= 256 rows at BLOCK_K 32
 # The loads' L2 eviction hints (``_load_rows``'s EVICT), constants of the kernels that pass them
 NO_HINT, EVICT_LAST, EVICT_FIRST = (tl.constexpr(i) for i in range(3)) if tl is not None else range(3)
 INTERPRETED_LIMITS = (4, 1 << 20)  # (SMs, L2 bytes) the plan assumes for CPU tensors under the interpreter
@@ -768,17 +768,16 @@ def quantize_segments_t_rows(
 
 
 def quantize_weight_t(
-    w_GNK: torch.Tensor, impl: Impl = Impl.AUTO, blocks: bool = False
+    w_GNK: torch.Tensor, impl: Impl = Impl.AUTO, blocks: bool = True
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Inputs: w fp32/bf16/fp16 [G, N, K]. Outputs: q e4m3 [G, K, N] row-major (each expert's transpose),
     scale fp32 [G, K] (one per expert and k, over N) -- ``quantize_rowwise(w.transpose(-2, -1))``.
 
-    Triton (CUDA, or CPU under the interpreter): the segment kernels (an amax pass, then a cast pass: two
-    reads of w), or with ``blocks`` the column-block kernel (one read of w from HBM, the second from L2),
-    with the launch of ``weight_t_plan``, falling back to the segments where that plan is None, i.e. N too
-    tall for a column block of 16 per SM to stay in L2 (bf16 on an H200: N > ~12K rows). Both give the same
-    bits. The column-block kernel is opt-in until ``python -m benchmarks.kernels --weights`` has timed it
-    against the segments on a GPU (interpreted and compiled for sm_90 only).
+    Triton (CUDA, or CPU under the interpreter): with ``blocks`` (the default) the column-block kernel with
+    the launch of ``weight_t_plan`` (1.22-1.51x the segment kernels on one H200, ``WEIGHT_T_PROGRAMS_PER_SM``'s
+    note), falling back to the segment kernels (an amax pass, then a cast pass) where that plan is None, i.e.
+    N too tall for a column block of 16 per SM to stay in L2 (bf16 on an H200: N > ~12K rows); ``blocks=False``:
+    the segment kernels. Both give the same bits.
     """
     _check_input(w_GNK, "quantize_weight_t")
     if w_GNK.dim() != 3:
@@ -826,10 +825,9 @@ def weight_t_plan(
     L2 (its second read would come from HBM; the generic two-kernel path runs each read at full
     occupancy instead).
 
-    Programs per SM and BLOCK_K: the most programs per SM (``WEIGHT_T_PROGRAMS_PER_SM`` down to 1), then
-    the widest of ``WEIGHT_T_BLOCK_KS``, whose blocks fill at most ``WEIGHT_T_L2_SHARE`` of the L2 and
-    leave every program a tile; else one per SM, the narrowest. ``programs_per_sm`` / ``block_k`` /
-    ``warps`` fix them. Steps: ``WEIGHT_T_AMAX_TILE`` / ``WEIGHT_T_CAST_TILE`` elements at
+    Programs per SM and BLOCK_K: ``WEIGHT_T_PROGRAMS_PER_SM`` and the widest of ``WEIGHT_T_BLOCK_KS`` that
+    leaves every program a tile, else the narrowest (fewer programs than SMs x programs per SM then: one per
+    tile). ``programs_per_sm`` / ``block_k`` / ``warps`` fix them. Steps: ``WEIGHT_T_AMAX_TILE`` / ``WEIGHT_T_CAST_TILE`` elements at
     ``WEIGHT_T_WARPS`` warps, in proportion at other warps (the same elements, so registers, per thread),
     no more rows than N (rounded up to a power of two)."""
     groups, n, k = w_GNK.shape
@@ -837,15 +835,10 @@ def weight_t_plan(
     col_bytes = n * w_GNK.element_size()  # one column of one expert
     if sms * col_bytes * WEIGHT_T_BLOCK_KS[-1] > WEIGHT_T_L2_LIMIT * l2:
         return None
-    per_sms = [programs_per_sm] if programs_per_sm else range(WEIGHT_T_PROGRAMS_PER_SM, 0, -1)
+    per_sm = programs_per_sm or WEIGHT_T_PROGRAMS_PER_SM
     block_ks = [block_k] if block_k else WEIGHT_T_BLOCK_KS
-    fits = [
-        (p, bk)
-        for p in per_sms
-        for bk in block_ks
-        if sms * p * col_bytes * bk <= WEIGHT_T_L2_SHARE * l2 and groups * -(-k // bk) >= sms * p
-    ]
-    per_sm, block_k = fits[0] if fits else (programs_per_sm or 1, block_k or WEIGHT_T_BLOCK_KS[-1])
+    fits = [bk for bk in block_ks if groups * -(-k // bk) >= sms * per_sm]
+    block_k = fits[0] if fits else block_ks[-1]
     warps = warps or WEIGHT_T_WARPS
     tall = max(16, next_pow2(n))
     return WeightTPlan(
