@@ -83,7 +83,7 @@ case "$phase" in
   fp8-weights)
     timeout 200 $py -m pytest -q -m gpu -p no:cacheprovider -o addopts="" -rfs tests/test_fp8_gpu.py \
       tests/test_fp8_quant_kernels.py -k "fp8_quant or weight" 2>&1 | tail -15 | tee "$out/fp8_quant_gpu_tests.txt"
-    timeout 300 $py -m benchmarks.kernels --weights --weight-plans 1x16,1x32,1x64,1x16w8,1x32w8,2x16w8,2x32w8 \
+    timeout 300 $py -m benchmarks.kernels --weights --weight-plans 1x16w16,1x32w16,1x64w16,2x16,2x32,4x16w4,4x32w4 \
       --json "$out/fp8_weights.json" 2>&1 | grep -v -i warn | tee "$out/fp8_weights.txt"
     ;;
   te)
