@@ -177,7 +177,12 @@ def test_grouped_route_matches_per_expert_route_and_megatron(recipe, experts, mo
 def _sync_free_pipeline_case(experts, recipe, options, monkeypatch):
     """The overlap pipeline (loopback emulating EP=8's traffic) with ``options`` against the EP=1 per-expert TE
     layer and Megatron's bf16 layer, same weights and input: finite, within the recipe's bound of the
-    reference, within ``SAME_REL`` of the EP=1 layer. Returns the pipeline layer."""
+    reference, and, where both quantize the same rows the same way (bf16, blockwise: scales per block of
+    rows), within ``SAME_REL`` of the EP=1 layer. Tensorwise (current scaling) takes one amax per GEMM
+    operand over each call's rows, and the pipeline calls the experts per minibatch and per region (the
+    received rows, the local ones): other scales than the EP=1 layer's single call, so the two are two FP8
+    roundings of the same layer (on one H200 5.6 % apart after three steps), each held to ``FP8_REL`` of the
+    reference. Returns the pipeline layer."""
     from mok_megatron.experts.checkpoint import convert_state_dict
     from mok_megatron.transport.loopback import LoopbackLink, LoopbackTransport
 
@@ -199,7 +204,8 @@ def _sync_free_pipeline_case(experts, recipe, options, monkeypatch):
     _finite(got, "pipeline")
     bound = BF16_REL if recipe is None else FP8_REL
     assert max(_errors(got, want).values()) < bound
-    assert rel(got[0], one[0]) < SAME_REL
+    if recipe != "tensorwise":
+        assert rel(got[0], one[0]) < SAME_REL
     return pipe
 
 
