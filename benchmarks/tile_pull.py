@@ -17,7 +17,8 @@ Every layer run's output is checked against the GEMM with counters preset (bit f
 
 The pull's tuning (``kernels.tile_pull``: --block-bytes, --warps, --stages, --copy, each a comma list):
 every combination is timed at every K and rate in the same process, its lines labelled ``block B warps W
-stages S`` (and ``copy C`` when --copy is given) and its JSON rows carrying block_bytes, num_warps, stages
+stages S`` (and ``copy C`` when --copy is given, ``per-sm N`` when --per-sm is: N programs on each of the K
+SMs the GEMM leaves, more bytes in flight per SM) and its JSON rows carrying block_bytes, num_warps, stages
 and copy (the kernel's defaults where not given). --copy registers,tma times the register path against the
 TMA bulk copies (``copy="tma"``) at the same blocks. A combination over the kernel's budget
 (``tile_pull.check_tuning``: registers, or shared memory for tma) is skipped with the reason; a value the
@@ -60,6 +61,7 @@ class Tuning:
     stages: int
     label: str
     copy: str = "registers"
+    per_sm: int = 1  # pulling programs per held-back SM (programs = K x per_sm)
 
     def kwargs(self) -> dict:
         return dict(
@@ -87,15 +89,22 @@ def parse_names(flag: str, text: str) -> list[str]:
 
 
 def tunings(
-    block_bytes: str | None, warps: str | None, stages: str | None, copy: str | None = None
+    block_bytes: str | None,
+    warps: str | None,
+    stages: str | None,
+    copy: str | None = None,
+    per_sm: str | None = None,
 ) -> tuple[list[Tuning], list[str]]:
     """Every combination of the comma lists (the kernel's default where a list is None), and one line per
     combination skipped for the kernel's budget. Raises ValueError for a value the kernel refuses on its own
     or when every combination is over the budget."""
     from mok_megatron.kernels import tile_pull as tp
 
-    given = any(x is not None for x in (block_bytes, warps, stages, copy))
+    given = any(x is not None for x in (block_bytes, warps, stages, copy, per_sm))
     copies = parse_names("--copy", copy) if copy is not None else ["registers"]
+    per_sms = parse_ints("--per-sm", per_sm) if per_sm is not None else [1]
+    if min(per_sms) < 1:
+        raise ValueError(f"--per-sm {per_sm!r}; every value must be >= 1 (pulling programs per held-back SM)")
     lists = [
         parse_ints(flag, text) if text is not None else [default]
         for flag, text, default in (
@@ -105,15 +114,16 @@ def tunings(
         )
     ]
     out, skipped = [], []
-    for cp, b, w, st in itertools.product(copies, *lists):
+    for n, cp, b, w, st in itertools.product(per_sms, copies, *lists):
         name = f"block {b} warps {w} stages {st}" + (f" copy {cp}" if copy is not None else "")
+        name += f" per-sm {n}" if per_sm is not None else ""
         tp.check_tuning(b, w, st, op=name, budget=False, copy=cp)
         try:
             tp.check_tuning(b, w, st, op=name, copy=cp)
         except ValueError as e:
             skipped.append(f"skipped {e}")
             continue
-        out.append(Tuning(b, w, st, name if given else "", cp))
+        out.append(Tuning(b, w, st, name if given else "", cp, n))
     if not out:
         raise ValueError(f"every tuning is over the kernel's budget: {'; '.join(skipped)}")
     return out, skipped
@@ -183,10 +193,11 @@ def sweep_shape(name, a, ks, rates, tunes, watchdog, side, rows_out) -> None:
             print(f"  k={k:2d}: {gemm_line}", flush=True)
         for tune in tunes:
             at = f" {tune.label}" if tune.label else ""  # "" (defaults): the lines as without a tuning
-            values = dict(tuning=tune.label, **tune.kwargs())
+            values = dict(tuning=tune.label, per_sm=tune.per_sm, **tune.kwargs())
+            programs = k * tune.per_sm
 
-            def pull_alone(k=k, tune=tune):
-                tp.tile_pull(recv, pr["table"], plan, counters.zero_(), programs=k, **tune.kwargs())
+            def pull_alone(programs=programs, tune=tune):
+                tp.tile_pull(recv, pr["table"], plan, counters.zero_(), programs=programs, **tune.kwargs())
 
             pull_alone()
             with watchdog.case(f"{name} k={k}{at} pull alone"):
@@ -202,19 +213,19 @@ def sweep_shape(name, a, ks, rates, tunes, watchdog, side, rows_out) -> None:
             for gbps in rates:
                 rate = gbps * 1e9
 
-                def layer(k=k, out=out, rate=rate, tune=tune):
+                def layer(k=k, out=out, rate=rate, tune=tune, programs=programs):
                     counters.zero_()
                     side.wait_stream(torch.cuda.current_stream())
                     tg.tile_grouped_mm(recv, w, gemm, counters, sms_held_back=k, out=out)  # first: it waits
                     with torch.cuda.stream(side):
                         tp.tile_pull(
-                            recv, pr["table"], plan, counters, programs=k, rate=rate, **tune.kwargs()
+                            recv, pr["table"], plan, counters, programs=programs, rate=rate, **tune.kwargs()
                         )
                     torch.cuda.current_stream().wait_stream(side)
 
                 case = f"{name} k={k}{at} layer at {gbps:g} GB/s"
                 # loaded before the GEMM waits for it: a kernel's first launch may wait for an idle device
-                tp.tile_pull(recv, pr["table"], plan, counters, programs=k, rate=rate, preload=True,
+                tp.tile_pull(recv, pr["table"], plan, counters, programs=programs, rate=rate, preload=True,
                              **tune.kwargs())  # fmt: skip
                 with watchdog.case(case):
                     recv.fill_(float("nan"))
@@ -274,6 +285,11 @@ def main(argv=None) -> int:
     p.add_argument("--warps", default=None, help="warps per pulling program, a comma list")
     p.add_argument("--stages", default=None, help="blocks in flight per pulling program, a comma list")
     p.add_argument("--copy", default=None, help="the pull's copy path (registers, tma), a comma list")
+    p.add_argument(
+        "--per-sm",
+        default=None,
+        help="pulling programs per held-back SM (K x this programs on the K SMs the GEMM leaves), a comma list",
+    )
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--case-timeout", type=float, default=120.0, help="seconds per case; 0: no limit")
@@ -282,7 +298,7 @@ def main(argv=None) -> int:
     try:
         ks = parse_ks(a.k)
         rates = [float(x) for x in a.gbps.split(",") if x.strip()]
-        tunes, skipped = tunings(a.block_bytes, a.warps, a.stages, a.copy)
+        tunes, skipped = tunings(a.block_bytes, a.warps, a.stages, a.copy, a.per_sm)
     except ValueError as e:
         print(f"tile_pull: {e}", file=sys.stderr)
         return 2
