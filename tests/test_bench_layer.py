@@ -358,3 +358,21 @@ def test_back_to_back_timing_runs_every_step_and_times_each():
     calls = []
     times = _timed_back_to_back(lambda: calls.append(1), iters=5, warmup=2)
     assert len(calls) == 7 and len(times) == 5 and all(t >= 0 for t in times)
+
+
+def test_engine_rows_run_mok_on_another_engine(tmp_path):
+    """``--impl mok,mok-tiles``: MoK's layer on the tiles engine (its references on CPU) beside the default
+    engine, the same weights and input, its output and input gradient within the bf16 tolerance."""
+    from mok_megatron.bench.suite import TOLERANCE
+
+    out = tmp_path / "e.json"
+    cmd = [sys.executable, "-m", "mok_megatron.cli", "bench", "layer", "--shape", "tiny"]
+    cmd += ["--impl", "mok,mok-tiles", "--iters", "2", "--warmup", "1", "--json", str(out)]
+    p = subprocess.run(cmd, capture_output=True, text=True, env=ENV, timeout=120, cwd=ROOT)
+    assert p.returncode == 0, p.stderr[-3000:]
+    (case,) = json.loads(out.read_text())["cases"]
+    rows = {r["impl"]: r for r in case["rows"]}
+    assert set(rows) >= {"mok", "mok-tiles"}, (rows.keys(), case["skipped"])
+    tiles = rows["mok-tiles"]
+    assert tiles["ms"] > 0
+    assert tiles["rel_err_out"] < TOLERANCE["bf16"] and tiles["rel_err_dx"] < TOLERANCE["bf16"], tiles

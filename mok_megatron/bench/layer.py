@@ -36,7 +36,7 @@ SHAPES = {
 
 def main(argv: list[str] | None = None) -> int:
     from mok_megatron.bench.routing import ROUTINGS
-    from mok_megatron.bench.suite import FP8_IMPLS, IMPLS, MEGATRON_FP8_IMPLS
+    from mok_megatron.bench.suite import ENGINE_IMPLS, FP8_IMPLS, IMPLS, MEGATRON_FP8_IMPLS
 
     p = argparse.ArgumentParser(
         prog="mok bench layer", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -47,8 +47,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--impl",
         default=",".join(IMPLS),
-        help=f"comma list of {', '.join(IMPLS)}; FP8 rows (opt-in): {', '.join((*FP8_IMPLS, *MEGATRON_FP8_IMPLS))} "
-        "(errors are relative to the first of mok/megatron*)",
+        help=f"comma list of {', '.join(IMPLS)}; FP8 rows (opt-in): {', '.join((*FP8_IMPLS, *MEGATRON_FP8_IMPLS))}; "
+        f"engine rows (opt-in): {', '.join(ENGINE_IMPLS)} (errors are relative to the first of mok/megatron*)",
     )
     p.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16")
     p.add_argument("--iters", type=int, default=20, help="timed iterations per phase (median reported)")

@@ -28,6 +28,10 @@ step does and as TE's rows do, where ``mok-torch-fp8`` reuses them across steps)
 under the same FP8 context (``MEGATRON_FP8_IMPLS``: ``megatron-te-blockwise``, ``megatron-te-tensorwise``),
 checked against the reference with the looser ``FP8_TOLERANCE``; a path this machine cannot run is skipped
 with the reason.
+
+Engine rows (opt-in, ``ENGINE_IMPLS``): MoK's layer with another engine, its options in the table:
+``mok-tiles`` (``--mok-engine tiles``: the tile kernels on an sm_90 GPU with QuACK, their torch references on
+CPU; skipped with the layer's own reason where it cannot run).
 """
 
 from __future__ import annotations
@@ -65,6 +69,8 @@ FP8_IMPLS = {
 # as a training step with one micro-batch does after its optimizer step (TE's rows quantize them every
 # forward here too); plain ``mok-torch-fp8`` keeps its cache across steps, as micro-batches of one step do
 REQUANTIZED_IMPLS = ("mok-torch-fp8-step",)
+# MoK's layer on another engine: name -> MoKOptions fields
+ENGINE_IMPLS = {"mok-tiles": {"engine": "tiles"}}
 # Megatron's own layer (TEGroupedMLP) under the same FP8 context: name -> --fp8-recipe (with
 # --moe-router-padding-for-quantization, which Megatron requires of its FP8 grouped GEMM)
 MEGATRON_FP8_IMPLS = {"megatron-te-blockwise": "blockwise", "megatron-te-tensorwise": "tensorwise"}
@@ -74,7 +80,8 @@ FP8_TOLERANCE = 0.25
 
 
 def check_impls(impls: list[str]) -> None:
-    bad = [i for i in impls if i not in IMPLS and i not in FP8_IMPLS and i not in MEGATRON_FP8_IMPLS]
+    known = (*IMPLS, *FP8_IMPLS, *MEGATRON_FP8_IMPLS, *ENGINE_IMPLS)
+    bad = [i for i in impls if i not in known]
     if bad:
         raise ValueError(f"unknown implementation(s) {bad}: choose from {', '.join(IMPLS)}")
     if not any(i in MEGATRON_IMPLS for i in impls):
@@ -131,6 +138,8 @@ def _build(impl: str, shape: dict, dtype, device, ref_sd: dict | None, router_fu
         return _build_megatron_fp8(impl, shape, dtype, device, ref_sd, router_fusion), ""
     if impl in FP8_IMPLS:
         return _build_fp8(impl, shape, dtype, device, ref_sd, router_fusion), ""
+    if impl in ENGINE_IMPLS:
+        return _build_engine(impl, shape, dtype, device, ref_sd, router_fusion), ""
     if impl in MEGATRON_IMPLS:
         layer = build(impl, _bench_config(shape, dtype, impl, router_fusion)).to(device)
         if ref_sd is None:
@@ -182,6 +191,23 @@ def _build_fp8(impl: str, shape: dict, dtype, device, ref_sd: dict, router_fusio
         raise PeerUnavailable(str(e)) from None
     layer.load_state_dict(convert_state_dict(ref_sd, "mok"), strict=True)
     return InQuantContext(layer, cfg)
+
+
+def _build_engine(impl: str, shape: dict, dtype, device, ref_sd: dict, router_fusion: bool = False):
+    """MoK's layer with the options of ``ENGINE_IMPLS[impl]``, the reference's weights."""
+    from mok_megatron.bench.build import build
+    from mok_megatron.experts.checkpoint import convert_state_dict
+    from mok_megatron.options import MoKOptions
+
+    try:
+        layer = build(
+            "mok", _bench_config(shape, dtype, "mok", router_fusion), options=MoKOptions(**ENGINE_IMPLS[impl])
+        )
+    except MoKConfigError as e:  # the engine cannot run this layer here (e.g. no QuACK on the GPU)
+        raise PeerUnavailable(str(e)) from None
+    layer = layer.to(device)
+    layer.load_state_dict(convert_state_dict(ref_sd, "mok"), strict=True)
+    return layer
 
 
 def _build_megatron_fp8(impl: str, shape: dict, dtype, device, ref_sd: dict, router_fusion: bool = False):
