@@ -237,7 +237,7 @@ class MoKOptions:
     )
     tile_sms: int = option(
         4,
-        help="tiles: SMs for the pull (no pull yet)",
+        help="tiles: SMs for the pull",
         detail="forward: the pull of exchanged rows runs on them, the waiting fc1 GEMM on the rest; only a "
         "layer given a transport that exposes its peers' buffers pulls (the one-GPU loopback of benchmarks and "
         "tests), no --mok-transport does, so on the command line it changes nothing; on one H200 the GEMM "
