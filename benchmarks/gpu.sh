@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU side of the project in phases that each fit one 10-minute call, from the project root with
 # megatron-core (+TE, torchtitan) importable:
-#   bash benchmarks/gpu.sh tests|layer|overlap|ep|wgrad|split|gather|tiles|tiles-layer|tiles-layer-backward|tiles-bench|fp8-weights|te [outdir]
+#   bash benchmarks/gpu.sh tests|layer|overlap|ep|wgrad|split|gather|tiles|tiles-layer|tiles-layer-backward|tiles-bench|tiles-ceiling|fp8-weights|te [outdir]
 #   tests    every GPU test (skips cleanly what this machine cannot run)
 #   layer    mok bench layer, every shape (uniform / zipf / one-hot routing), one process per shape
 #   overlap  benchmarks/overlap.sh;  ep  benchmarks/ep.sh (2+ GPUs)
@@ -17,13 +17,16 @@
 #   tiles-layer-backward  benchmarks.tile_layer forward and backward (8 CuTe compiles: give it its own call)
 #   tiles-bench  mok bench layer: MoK's layer on the tiles engine beside the default engine and SonicMoE (no
 #            communication: the tile GEMMs' layer against the fastest layer measured)
+#   tiles-ceiling  benchmarks.tile_layer forward and backward at K 8/16, 900 / 450 GB/s, the register copy
+#            against the link time only (--copy none: no byte moved, the ceiling the schedule allows), the
+#            two default slices, then the 16k-token DeepSeek-V3 slice in a process (and timeout) of its own
 #   fp8-weights  the dgrad weight quantization's column-block kernel against the segment kernels: bitwise GPU
 #            tests, then benchmarks.kernels --weights at several launches (GB/s)
 #   te       the te backend's GPU tests (TE, cuBLASLt 13.6+ preloaded for the grouped route) and the Qwen3 layer
 #            with every FP8 expert path, the single grouped weight included
 # Each phase leaves its logs in outdir and, with OUT set, one tarball $OUT/<phase>.tgz.
 set -u
-phase=${1:?phase: tests, ep, layer, overlap, wgrad, split, gather, tiles, tiles-layer, tiles-layer-backward, tiles-bench, fp8-weights or te}
+phase=${1:?phase: tests, ep, layer, overlap, wgrad, split, gather, tiles, tiles-layer, tiles-layer-backward, tiles-bench, tiles-ceiling, fp8-weights or te}
 out=${2:-/tmp/mok-evidence/$phase}
 mkdir -p "$out"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -87,6 +90,13 @@ case "$phase" in
       timeout 270 $py -m mok_megatron.cli bench layer --shape "$s" --iters ${ITERS:-20} --impl mok,mok-tiles,sonic \
         --json "$out/tiles-bench-$s.json" 2>&1 | grep "^|" | tee "$out/tiles-bench-$s.txt"
     done
+    ;;
+  tiles-ceiling)  # 560 s in all: the two slices (~3 min with QuACK's compiles cold), then the 16k slice
+    timeout 300 $py -m benchmarks.tile_layer --phase both --combine after --k 8,16 --copy registers,none \
+      --gbps 900,450 --json "$out/ceiling.json" 2>&1 | tail -60 | tee "$out/ceiling.txt"
+    timeout 260 $py -m benchmarks.tile_layer --shapes deepseek-v3-ep32-16k --phase both --combine after \
+      --k 8,16 --copy registers,none --gbps 900,450 --json "$out/ceiling-16k.json" 2>&1 | tail -40 \
+      | tee "$out/ceiling-16k.txt"
     ;;
   fp8-weights)
     timeout 200 $py -m pytest -q -m gpu -p no:cacheprovider -o addopts="" -rfs tests/test_fp8_gpu.py \

@@ -39,6 +39,13 @@ Legend: M rows received (expert-major), G local experts, H hidden, F expert FFN 
 
     python -m benchmarks.tile_gemm_gate --json gate.json     # sm_90 (QuACK needed: pip install quack-kernels)
     python -m benchmarks.tile_gemm_gate --all-configs --k 0,2,4,6,8,16 --json gate.json
+    python -m benchmarks.tile_gemm_gate --shapes deepseek-v3-ep32-16k --k 0,8,16 --json gate-16k.json
+
+Slices (``SHAPES``): DeepSeek-V3's EP=32 rank at 4,096 and at 16,384 tokens, Qwen3-30B-A3B's EP=8 rank; a run
+without ``--shapes`` takes ``DEFAULT_SHAPES`` (the 4,096-token DeepSeek-V3 slice and Qwen3's), and the
+16k-token slice, 4x the DeepSeek-V3 rows, is named on its own (``--shapes deepseek-v3-ep32-16k``) in a call of
+its own. This module's ``SHAPES``, ``SHAPE_CONFIG`` and ``DEFAULT_SHAPES`` are the tile benchmarks' slices
+(``benchmarks.tile_pull``, ``benchmarks.tile_layer``).
 """
 
 from __future__ import annotations
@@ -59,17 +66,22 @@ from mok_megatron.kernels.tile_gemm import SM90_CONFIGS
 
 SHAPES = {
     # one EP rank's received rows: an EP=32 rank of DeepSeek-V3 (4,096 tokens per rank, top-8 of 256 experts,
-    # 8 local) and an EP=8 rank of Qwen3-30B-A3B (16,384 tokens per rank, top-8 of 128 experts, 16 local)
+    # 8 local), the same rank at 16,384 tokens (4x the rows: ~131k received, 1.9 GB of bf16 rows), and an
+    # EP=8 rank of Qwen3-30B-A3B (16,384 tokens per rank, top-8 of 128 experts, 16 local)
     "deepseek-v3-ep32": dict(hidden=7168, ffn=2048, local=8, experts=256, tokens=4096, topk=8, ep=32),
+    "deepseek-v3-ep32-16k": dict(hidden=7168, ffn=2048, local=8, experts=256, tokens=16384, topk=8, ep=32),
     "qwen3-ep8": dict(hidden=2048, ffn=768, local=16, experts=128, tokens=16384, topk=8, ep=8),
 }
+# the slices a run takes without --shapes (each tile benchmark's sweep of them fits one 10-minute GPU call);
+# the 16k slice is asked for by name (--shapes deepseek-v3-ep32-16k), in a call of its own
+DEFAULT_SHAPES = ("deepseek-v3-ep32", "qwen3-ep8")
 GATE = 1.03
 # an output is timed only if it is this close to torch._grouped_mm's (bf16 outputs of fp32 accumulations of
 # the same products, possibly in another order; the tile GEMM tests' BF16 tolerance)
 MATCH = dict(rtol=1.6e-2, atol=1e-2)
 # the waiting GEMM's configuration per slice (QuACK's no-wait sweep, docs/results/2026-12-03-tile-gemm-gate:
 # the best of the five at K = 8 for both GEMMs of the slice)
-SHAPE_CONFIG = {"deepseek-v3-ep32": "DEEPSEEK", "qwen3-ep8": "QWEN3"}
+SHAPE_CONFIG = {"deepseek-v3-ep32": "DEEPSEEK", "deepseek-v3-ep32-16k": "DEEPSEEK", "qwen3-ep8": "QWEN3"}
 # QuACK sm_90 tile configurations (``tile_gemm.TileConfig``); the first is QuACK's default
 CONFIGS = SM90_CONFIGS
 
@@ -418,7 +430,7 @@ def print_table(table: list[dict], summary: list[dict]) -> None:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--shapes", default=",".join(SHAPES))
+    p.add_argument("--shapes", default=",".join(DEFAULT_SHAPES), help=f"a comma list of {', '.join(SHAPES)}")
     p.add_argument(
         "--k",
         default="0,8,16,32",

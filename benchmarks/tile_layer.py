@@ -2,7 +2,8 @@
 communication: how much of the dispatch and of the output gradient's exchange does the tile engine hide, and
 what do its GEMMs and combines cost?
 
-One GPU stands in for an EP rank (loopback), one process, per slice of ``tile_gemm_gate.SHAPES``:
+One GPU stands in for an EP rank (loopback), one process, per slice of ``tile_gemm_gate.SHAPES`` (without
+``--shapes``: ``tile_gemm_gate.DEFAULT_SHAPES``; the 16k-token DeepSeek-V3 slice by name):
 
     plain     the received rows already in place (expert-major): ``torch._grouped_mm`` fc1 -> SwiGLU x
               probability (``kernels.swiglu``, the torch backend's) -> ``torch._grouped_mm`` fc2 -> the
@@ -39,6 +40,17 @@ The backward's link bytes are the output gradient's remote rows (as many as the 
 gradient's return to the source ranks is not modelled as an exchange: the per-token sum stands in for it,
 as the forward's combine does for the combine's exchange.
 
+The pull's copy path (``--copy``, a comma list of ``tile_pull.COPIES``; each row carries its ``copy``):
+``registers`` and ``tma`` move the remote rows; ``none`` is the link time only, the ceiling the schedule
+allows: no byte moved (every row is in the receive buffer before the run, as an ideal transport would have
+landed it without costing this GPU anything), the same K programs walking the same chunks at the same pace,
+releasing the counters the waiting GEMM polls. Its rows are the tiles layer's time when only the link's
+pace holds the GEMM back: link ms = remote bytes / rate as for the copying paths, and what a copying path
+hides less than ``none`` at the same K and rate is the copy's cost beside the GEMM (one SM's register copy
+moves ~38 GB/s there on one H200), not the schedule's. Unpaced (``--gbps 0``) it models no link (the counters
+released as fast as the programs walk the table): those rows are skipped, with the reason in the JSON's
+``skipped`` and one printed line, and no pull alone is timed for it.
+
 Per phase, slice, K, combine (backward: and weight-gradient placement) and rate: layer ms (median over rounds
 of the mean of back-to-back calls, CUDA events), exposed = layer - plain, link = remote bytes / rate
 (unpaced: the pull alone's time), hidden = 1 - exposed / link; ``slowdown`` = preset - plain and ``waiting``
@@ -59,11 +71,13 @@ complete only once fc2's last experts are.
 Checks before timing: the preset tiles layer against plain (``MATCH``: bf16 outputs of fp32 accumulations
 in QuACK's order against cuBLAS's, through two GEMMs and a sum of top-k rows) and bitwise against
 ``kernels.combine`` of its own fc2 output; every pulled layer bitwise against the preset one, its remote rows
-NaN before the run (a tile loaded before its rows carries NaN out). The backward the same way: the preset
-one's input gradient against plain's within ``MATCH``, its probability and weight gradients within
-``GRAD_REL`` relative error norm, its input gradient bitwise ``kernels.combine`` of its own expert rows;
-every pulled one bitwise the preset one in all four, the output gradient's remote rows NaN before the run. A
-mismatch is reported and not timed.
+NaN before the run (a tile loaded before its rows carries NaN out); copy none's every row in place before
+the run (it moves none: the check shows its counters reach their targets, nothing waits forever, and the
+results are the preset one's). The backward the same way: the preset one's input gradient against plain's
+within ``MATCH``, its probability and weight gradients within ``GRAD_REL`` relative error norm, its input
+gradient bitwise ``kernels.combine`` of its own expert rows; every pulled one bitwise the preset one in all
+four, the output gradient's remote rows NaN before the run (copy none: in place). A mismatch is reported
+and not timed.
 
 A waiting kernel whose counters never reach their targets never ends: ``--case-timeout`` ends the process
 (status 3) after writing the JSON gathered so far (``tile_gemm_gate.CaseWatchdog``); a CUDA error that loses
@@ -84,6 +98,8 @@ tokens, K routes per token (top-k), S counter slots.
     python -m benchmarks.tile_layer --json layer.json      # sm_90 and quack-kernels 0.4.x
     python -m benchmarks.tile_layer --shapes qwen3-ep8 --k 8 --gbps 900 --combine beside
     python -m benchmarks.tile_layer --phase backward --wgrad beside,after --json layer-backward.json
+    python -m benchmarks.tile_layer --combine after --k 8,16 --copy registers,none --gbps 900,450   # ceiling
+    python -m benchmarks.tile_layer --shapes deepseek-v3-ep32-16k --combine after --k 8,16 --gbps 900,450
 """
 
 from __future__ import annotations
@@ -96,7 +112,15 @@ from collections.abc import Callable
 
 import torch
 
-from benchmarks.tile_gemm_gate import SHAPE_CONFIG, SHAPES, CaseWatchdog, counts_by_source, parse_ks, time_ms
+from benchmarks.tile_gemm_gate import (
+    DEFAULT_SHAPES,
+    SHAPE_CONFIG,
+    SHAPES,
+    CaseWatchdog,
+    counts_by_source,
+    parse_ks,
+    time_ms,
+)
 from mok_megatron.engine import tile_compose
 from mok_megatron.engine.tile_compose import (  # noqa: F401  (the composition, read by the tests through here)
     CHUNK_ROWS,
@@ -128,6 +152,11 @@ from mok_megatron.kernels.routing import RoutingMeta
 from mok_megatron.kernels.swiglu import swiglu_backward
 
 PHASES = ("forward", "backward", "both")
+# why the rows of copy none at --gbps 0 are skipped (every other copy path's unpaced rows are timed)
+UNPACED_LINK_ONLY = (
+    "copy none moves no byte and, unpaced, releases every counter as fast as its programs walk the table: "
+    "it models no link (give a rate > 0)"
+)
 # the preset tiles layer against plain: bf16 outputs of fp32 accumulations in two orders (QuACK's tiles,
 # cuBLAS), through fc1, SwiGLU, fc2 and a sum of top-k rows of about unit size (the tile combine tests' BF16_SUM)
 MATCH = dict(rtol=1.6e-2, atol=3e-2)
@@ -346,8 +375,8 @@ def sweep_shape(name: str, a, ks, rates, combines, phases, wgrads, watchdog, str
     for k in ks:
         case = f"{name} k={k}"
         try:
-            pull_ms = {}
-            for cp in a.copies:
+            pull_ms = {"none": None}  # no row moved: no pull alone to time
+            for cp in (c for c in a.copies if c != "none"):
                 with watchdog.case(f"{case} pull alone ({cp})"):
                     pull_ms[cp] = time_ms(lambda k=k, cp=cp: _pull_alone(x, plan, buf, k, 0.0, cp), a.iters,
                                           a.rounds)  # fmt: skip
@@ -514,8 +543,10 @@ def warm_up(name: str, x: LayerInputs, plan: LayerPlan, buf: LayerBuffers, cases
     """Compiles every kernel of the phases' tiles layers by launches that wait on nothing (arrival and done
     counters preset); compilation runs on the host before each launch, outside the watched synchronize."""
     steps = [step for ph in cases for step in ph.warm]
+    paced = sorted(r * 1e9 for r in rates if r > 0)
     for cp in copies:
-        for rate in sorted({0.0, *(r * 1e9 for r in rates if r > 0)})[:2]:  # unpaced, and one paced variant
+        # unpaced, and one paced variant (copy none: the paced one alone, its unpaced rows are skipped)
+        for rate in paced[:1] if cp == "none" else sorted({0.0, *paced})[:2]:
             steps.append((
                 f"pull ({cp}) at {rate:g} B/s", lambda k, rate=rate, cp=cp: _pull_alone(x, plan, buf, k, rate, cp)
             ))  # fmt: skip
@@ -538,11 +569,16 @@ def _place_local(recv_MH: torch.Tensor, sources, plan: LayerPlan) -> None:
 
 
 def _sweep_phase(name, a, k, rates, ph: _Phase, watchdog, res, remote_bytes: int, pulls: dict) -> None:
-    """``pulls``: the pull alone's ms per copy path (the unpaced rows' link time)."""
+    """``pulls``: the pull alone's ms per copy path (the unpaced rows' link time; None for copy none, whose
+    unpaced rows are skipped). A pulled run of copy none starts with every row in place (``ph.fill``: it moves
+    none), the others with the remote rows NaN (``ph.poison``)."""
     plain_ms = ph.plain_ms
     for v in ph.variants:
-        pull_ms = pulls[v["copy"]]
-        base = dict(phase=ph.name, shape=name, k=k, plain_ms=plain_ms, pull_ms=pull_ms, remote_bytes=remote_bytes)
+        pull_ms = pulls.get(v["copy"])
+        link_only = v["copy"] == "none"
+        base = dict(
+            phase=ph.name, shape=name, k=k, plain_ms=plain_ms, pull_ms=pull_ms, remote_bytes=remote_bytes
+        )
         label = _label(v)
         case = f"{name} {ph.name} k={k} {label}"
         with watchdog.case(f"{case} preset check"):
@@ -569,9 +605,14 @@ def _sweep_phase(name, a, k, rates, ph: _Phase, watchdog, res, remote_bytes: int
         )
         for gbps in rates:
             rate = gbps * 1e9
+            if link_only and rate == 0:  # no bytes and no pace: nothing to time (``main`` says so once)
+                continue
             link = "unpaced" if rate == 0 else f"{gbps:g} GB/s"
             with watchdog.case(f"{case} at {link} check"):
-                ph.poison()
+                if link_only:
+                    ph.fill()
+                else:
+                    ph.poison()
                 out = ph.run(v, k, rate, True)
                 torch.cuda.synchronize()
                 same = ph.same(out, preset)
@@ -691,7 +732,7 @@ def _no_device() -> str | None:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--shapes", default=",".join(SHAPES))
+    p.add_argument("--shapes", default=",".join(DEFAULT_SHAPES), help=f"a comma list of {', '.join(SHAPES)}")
     p.add_argument(
         "--k", default="2,4,8", help="SMs that communicate (held back from the GEMMs), a comma list"
     )
@@ -713,7 +754,8 @@ def main(argv=None) -> int:
     p.add_argument(
         "--copy",
         default=tp.COPIES[0],
-        help=f"the pull's copy path ({', '.join(tp.COPIES)}: kernels.tile_pull), a comma list",
+        help=f"the pull's copy path ({', '.join(tp.COPIES)}: kernels.tile_pull; none: the link time only, no "
+        "byte moved), a comma list",
     )
     p.add_argument("--chunk-rows", type=int, default=CHUNK_ROWS)
     p.add_argument("--iters", type=int, default=10)
@@ -780,6 +822,9 @@ def main(argv=None) -> int:
         refused=[],
         skipped=[],
     )
+    if "none" in a.copies and 0.0 in rates:
+        res["skipped"].append(dict(copy="none", gbps=0.0, error=UNPACED_LINK_ONLY))
+        print(f"tile_layer: copy none unpaced skipped: {UNPACED_LINK_ONLY}", flush=True)
 
     def write(incomplete=None) -> str:
         if not a.json:

@@ -20,9 +20,10 @@ every combination is timed at every K and rate in the same process, its lines la
 stages S`` (and ``copy C`` when --copy is given, ``per-sm N`` when --per-sm is: N programs on each of the K
 SMs the GEMM leaves, more bytes in flight per SM) and its JSON rows carrying block_bytes, num_warps, stages
 and copy (the kernel's defaults where not given). --copy registers,tma times the register path against the
-TMA bulk copies (``copy="tma"``) at the same blocks. A combination over the kernel's budget
-(``tile_pull.check_tuning``: registers, or shared memory for tma) is skipped with the reason; a value the
-kernel refuses on its own is refused.
+TMA bulk copies (``copy="tma"``) at the same blocks; ``copy="none"`` (no row moved) is refused here, where
+the copy is what is timed: ``benchmarks.tile_layer --copy none`` times the link-only ceiling. A combination
+over the kernel's budget (``tile_pull.check_tuning``: registers, or shared memory for tma) is skipped with
+the reason; a value the kernel refuses on its own is refused.
 
 A waiting GEMM whose counters never reach their targets never ends: ``--case-timeout`` ends the process
 (status 3) after writing the JSON gathered so far (``tile_gemm_gate.CaseWatchdog``).
@@ -31,6 +32,7 @@ Legend: P source ranks, G local experts, H hidden, F expert FFN width, M rows re
 
     python -m benchmarks.tile_pull --json pull.json       # sm_90 (QuACK needed: pip install quack-kernels)
     python -m benchmarks.tile_pull --k 4,8 --gbps 900 --shapes qwen3-ep8
+    python -m benchmarks.tile_pull --k 8,16 --gbps 900,450 --shapes deepseek-v3-ep32-16k   # 4x the rows
     python -m benchmarks.tile_pull --k 8,16 --gbps 0 --block-bytes 32768,65536 --stages 1,2,4
     python -m benchmarks.tile_pull --k 8,16 --gbps '' --stages 1,2,4      # the pull alone (no GEMM beside it)
     python -m benchmarks.tile_pull --k 8,16 --gbps '' --copy registers,tma --stages 1,2   # TMA vs registers
@@ -46,7 +48,15 @@ import sys
 
 import torch
 
-from benchmarks.tile_gemm_gate import SHAPE_CONFIG, SHAPES, CaseWatchdog, counts_by_source, parse_ks, time_ms
+from benchmarks.tile_gemm_gate import (
+    DEFAULT_SHAPES,
+    SHAPE_CONFIG,
+    SHAPES,
+    CaseWatchdog,
+    counts_by_source,
+    parse_ks,
+    time_ms,
+)
 
 CHUNK_ROWS = 64  # rows per pulled chunk (a chunk of DeepSeek-V3's 7168-wide bf16 rows: 0.9 MB)
 
@@ -105,6 +115,11 @@ def tunings(
     per_sms = parse_ints("--per-sm", per_sm) if per_sm is not None else [1]
     if min(per_sms) < 1:
         raise ValueError(f"--per-sm {per_sm!r}; every value must be >= 1 (pulling programs per held-back SM)")
+    if "none" in copies:
+        raise ValueError(
+            "--copy none; this benchmark times the pull's copy (GB/s, rows checked as they land) and "
+            "copy none moves no row: time the link-only ceiling with benchmarks.tile_layer --copy none"
+        )
     lists = [
         parse_ints(flag, text) if text is not None else [default]
         for flag, text, default in (
@@ -273,7 +288,7 @@ def sweep_shape(name, a, ks, rates, tunes, watchdog, side, rows_out) -> None:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--shapes", default=",".join(SHAPES))
+    p.add_argument("--shapes", default=",".join(DEFAULT_SHAPES), help=f"a comma list of {', '.join(SHAPES)}")
     p.add_argument("--k", default="2,4,8,16", help="SMs that pull (held back from the GEMM), a comma list")
     p.add_argument(
         "--gbps",

@@ -1,7 +1,8 @@
 """The loopback transport as the tiles engine's pull source (``transport.base.PullSource``): each local
 expert's rows split evenly over the emulated EP ranks (hand-worked and its invariants), the emulated peers'
 send buffers that a pull of that split turns back into the rows (``kernels.tile_pull``'s reference), the rank's
-own rows where ``tile_compose.local_rows`` places them, the bytes counted and the link's rate.
+own rows where ``tile_compose.local_rows`` places them, the bytes counted, the link's rate and whether the
+pull moves the rows (``bytes="copy"``) or only paces and releases them (``bytes="link"``).
 
 Legend: P sources (emulated EP ranks, source 0 this rank), G local experts, M received rows, T tokens, H
 hidden."""
@@ -83,3 +84,11 @@ def test_pulling_the_sources_gives_back_the_rows(ep):
 def test_pull_rate_is_the_links():
     assert LoopbackTransport(LoopbackLink(ep=8, gbps=900.0), 4, 2).pull_rate == 900e9
     assert LoopbackTransport(LoopbackLink(ep=8), 4, 2).pull_rate == 0.0
+
+
+def test_the_pull_moves_rows_only_with_copies():
+    copying = LoopbackTransport(LoopbackLink(ep=4, gbps=450.0), 4, 2)
+    link = LoopbackTransport(LoopbackLink(ep=4, gbps=450.0, bytes="link"), 4, 2)
+    assert isinstance(link, PullSource) and isinstance(copying, PullSource)
+    assert copying.pull_moves_rows and not link.pull_moves_rows
+    assert link.pull_rate == copying.pull_rate == 450e9  # the same pace either way

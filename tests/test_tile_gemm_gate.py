@@ -1,5 +1,7 @@
-"""benchmarks/tile_gemm_gate.py as documented: the rows each expert receives from each source rank, the
-exchange steps that deliver them, the gate's arithmetic, and one line on a machine without an sm_90 GPU."""
+"""benchmarks/tile_gemm_gate.py as documented: the tile benchmarks' slices (the 16k-token DeepSeek-V3 slice
+named by every tile benchmark, the defaults the two others), the rows each expert receives from each source
+rank, the exchange steps that deliver them, the gate's arithmetic, and one line on a machine without an sm_90
+GPU."""
 
 from __future__ import annotations
 
@@ -11,6 +13,31 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_the_tile_benchmarks_slices():
+    from benchmarks.tile_gemm_gate import DEFAULT_SHAPES, SHAPE_CONFIG, SHAPES
+    from mok_megatron.kernels import tile_gemm as tg
+
+    assert set(SHAPE_CONFIG) == set(SHAPES) and set(DEFAULT_SHAPES) <= set(SHAPES)
+    assert DEFAULT_SHAPES == ("deepseek-v3-ep32", "qwen3-ep8")  # the 16k slice runs in its own call
+    assert SHAPES["deepseek-v3-ep32-16k"] == dict(SHAPES["deepseek-v3-ep32"], tokens=16384)
+    assert SHAPE_CONFIG["deepseek-v3-ep32-16k"] == SHAPE_CONFIG["deepseek-v3-ep32"] == "DEEPSEEK"
+    assert all(hasattr(tg, c) for c in SHAPE_CONFIG.values())
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the arguments on a machine without a GPU")
+@pytest.mark.parametrize("bench", ["tile_gemm_gate", "tile_pull", "tile_layer"])
+def test_every_tile_benchmark_takes_the_16k_slice(bench, capsys):
+    # the slice passes the --shapes check; the run then stops at the missing GPU, in one line
+    import importlib
+
+    main = importlib.import_module(f"benchmarks.{bench}").main
+    assert main(["--shapes", "deepseek-v3-ep32-16k", "--k", "8"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"{bench}: needs an sm_90 GPU (QuACK's sm_90 kernels); none here"], err
+    assert main(["--shapes", "deepseek-v3-ep32-32k"]) == 2
+    assert "known: deepseek-v3-ep32,deepseek-v3-ep32-16k,qwen3-ep8" in capsys.readouterr().err
 
 
 def test_counts_are_the_routed_rows_of_the_local_experts():

@@ -2,9 +2,11 @@
 split into the local and the remote sources, the composed tiles forward equal to the plain forward (pulled or
 preset, the combine beside fc2 or after it), the composed tiles backward equal to the plain backward (the
 output gradient pulled or preset, the per-token sum beside fc1's input gradient or after it, the weight
-gradients beside or after) and the plain backward equal to torch autograd of the plain forward, a forward or
-backward whose pull misses rows named instead of hanging, and one-line refusals of bad arguments and of a
-machine without an sm_90 GPU.
+gradients beside or after) and the plain backward equal to torch autograd of the plain forward, the link-only
+pull (``copy="none"``: every row in place, the counters released, no row copied: remote rows left NaN stay
+NaN), the sweep filling the rows before a link-only run and poisoning them before a copying one, skipping
+the unpaced link-only rows, a forward or backward whose pull misses rows named instead of hanging, and
+one-line refusals of bad arguments and of a machine without an sm_90 GPU.
 
 Legend: P source ranks, G local experts, H hidden, F expert FFN width, M received rows, T tokens, K routes per
 token, S counter slots."""
@@ -100,6 +102,88 @@ def test_tiles_forward_in_bf16_within_the_benchmarks_tolerance():
     want = bench.plain_forward(bench.received_rows(x, plan), x, plan, bench.REFERENCES)
     out = bench.tiles_forward(bench.layer_buffers(x, plan), x, plan, bench.REFERENCES, k=4)
     torch.testing.assert_close(out.float(), want.float(), **bench.MATCH)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_link_only_forward_and_backward_release_without_copying(name):
+    # copy="none": the rows placed before the call (as ``ph.fill`` does) give the plain layer's results, the
+    # counters reach their targets and the receive buffers are untouched; left NaN, the remote rows stay NaN
+    # (nothing copied them) and the results carry NaN wherever those rows reach
+    c_PG, plan, x, bx = _backward_problem(name)
+    recv, dy = bench.received_rows(x, plan), bench.received_gradient(bx, plan)
+    want = bench.plain_forward(recv, x, plan, bench.REFERENCES)
+    want_grads = bench.plain_backward(dy, bx, x, plan, bench.REFERENCES)
+    buf, bbuf = bench.layer_buffers(x, plan), bench.backward_buffers(bx, x, plan)
+    buf.recv_MH.copy_(recv)
+    bbuf.dy_MH.copy_(dy)
+    out = bench.tiles_forward(buf, x, plan, bench.REFERENCES, k=2, copy="none", combine="after")
+    grads = bench.tiles_backward(bbuf, bx, x, plan, bench.REFERENCES, k=2, copy="none", combine="after")
+    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
+    for what, g, w in zip(
+        ("dx", "dprobs", "dw1", "dw2"), grads.tensors().values(), want_grads.tensors().values(), strict=True
+    ):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5, msg=lambda m, what=what: f"{what}: {m}")
+    assert torch.equal(buf.recv_MH, recv) and torch.equal(bbuf.dy_MH, dy)
+    assert torch.equal(buf.counters_S, plan.fc1.targets_S)
+    assert torch.equal(bbuf.counters_S, plan.dgrad2.targets_S)
+    # the same call with the remote rows NaN: nothing copies them in
+    buf = bench.layer_buffers(x, plan)
+    remote_M = bench.source_of_rows(c_PG) != 0
+    out = bench.tiles_forward(buf, x, plan, bench.REFERENCES, k=2, copy="none", combine="after")
+    assert bool(torch.isnan(buf.recv_MH[remote_M]).all()) and not torch.isnan(buf.recv_MH[~remote_M]).any()
+    assert bool(torch.isnan(out).any()) == bool(remote_M.any())
+    assert torch.equal(buf.counters_S, plan.fc1.targets_S)
+
+
+def test_link_only_reference_refuses_pacing_and_foreign_counters():
+    _, plan, x = _problem("three-sources")
+    buf = bench.layer_buffers(x, plan)
+    with pytest.raises(ValueError, match=r"rate=9e\+11; the reference cannot pace: pass rate=0"):
+        bench.tiles_forward(buf, x, plan, bench.REFERENCES, k=2, rate=9e11, copy="none")
+    with pytest.raises(
+        ValueError, match=r"^pull_reference: counters \(3,\), the plan \d+ slots; pass the plan's"
+    ):
+        bench.REFERENCES.pull(buf.recv_MH, x, plan.pull, torch.zeros(3, dtype=torch.int32), 2, 0.0, "none")
+
+
+def test_the_sweep_fills_the_rows_of_a_link_only_run_and_skips_it_unpaced(monkeypatch):
+    # one phase's sweep with stand-ins for the GPU (no synchronize, a fixed time per timing): before each
+    # pulled check, copy none has every row filled and the others the remote rows poisoned; copy none's
+    # unpaced row is skipped, its paced ones carry copy none and link ms = remote bytes / rate
+    monkeypatch.setattr(bench.torch.cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(bench, "time_ms", lambda fn, iters, rounds: 2.0)
+    state, before_pulled = {"rows": None}, []
+
+    def run(v, k, rate, pull):
+        if pull:
+            before_pulled.append((v["copy"], rate, state["rows"]))
+        return torch.ones(2)
+
+    ph = bench._Phase(
+        name="forward", plain_ms=1.0, variants=[dict(combine="after", copy=c) for c in ("registers", "none")],
+        run=run, fill=lambda: state.update(rows="filled"), poison=lambda: state.update(rows="poisoned"),
+        refuse=lambda out: None, err=lambda out: 0.0, same=torch.equal, clone=torch.clone, warm=[],
+    )  # fmt: skip
+    res = dict(rows=[], refused=[], skipped=[])
+    a = dataclasses.make_dataclass("A", ["iters", "rounds"])(1, 1)
+    watchdog = bench.CaseWatchdog(0, lambda case: "")
+    bench._sweep_phase("s", a, 4, [900.0, 0.0], ph, watchdog, res, 9e8, {"registers": 0.5, "none": None})
+    assert before_pulled == [
+        ("registers", 900e9, "poisoned"),
+        ("registers", 0.0, "poisoned"),
+        ("none", 900e9, "filled"),
+    ]
+    pulled = [(r["copy"], r["gbps"], r["link_ms"]) for r in res["rows"] if r["kind"] == "pull"]
+    assert pulled == [("registers", 900.0, 1.0), ("registers", 0.0, 0.5), ("none", 900.0, 1.0)]
+    assert [r["copy"] for r in res["rows"] if r["kind"] == "preset"] == ["registers", "none"]
+    none = next(r for r in res["rows"] if r["copy"] == "none" and r["kind"] == "pull")
+    assert none["hidden"] == pytest.approx(0.0) and none["pull_ms"] is None  # exposed 1 ms of a 1 ms link
+
+
+def test_link_only_copy_is_a_choice_and_bad_copies_are_named():
+    assert bench._parse_copies("registers,none,none") == ["registers", "none"]
+    with pytest.raises(ValueError, match=r"^--copy 'dma'; it must be a comma list of registers, tma, none$"):
+        bench._parse_copies("dma")
 
 
 def test_a_pull_that_misses_rows_names_the_slot_fc1_would_wait_on():
@@ -228,7 +312,10 @@ def test_backward_composition_errors_in_one_line():
 @pytest.mark.parametrize(
     "argv, says",
     [
-        (["--shapes", "gpt"], "tile_layer: --shapes gpt; known: deepseek-v3-ep32,qwen3-ep8"),
+        (
+            ["--shapes", "gpt"],
+            "tile_layer: --shapes gpt; known: deepseek-v3-ep32,deepseek-v3-ep32-16k,qwen3-ep8",
+        ),
         (["--k", "0,4"], "tile_layer: --k 0,4; every K must be >= 1"),
         (["--k", "x"], "it must be a comma list of integers"),
         (["--gbps", "-1"], "tile_layer: --gbps '-1'; it must name at least one rate, every rate >= 0"),

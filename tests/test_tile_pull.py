@@ -6,11 +6,14 @@ of the blocks in flight; the Triton kernel against the reference under the inter
 without a GPU: vector copies, the barrier before the release, the pipelined loads ahead of the stores, no
 spills at the largest tunings the budget allows; the TMA copy (``copy="tma"``: bulk tensor copies, the bulk
 stores' completion wait and the async-proxy fence before the barrier and the release), its budget and its
-refusal of rows not a multiple of 16 bytes; the benchmark's arguments and tuning combinations; and on an
-sm_90 GPU the kernel alone (several tunings), then beside the waiting GEMM launched first, with and without
-random per-chunk delays (marked gpu; a watchdog subprocess turns a hang into a failure); on any CUDA GPU the
-kernel reading its sources through symmetric-memory peer addresses (a single-rank NCCL group, multicast
-off)."""
+refusal of rows not a multiple of 16 bytes; the link-only path (``copy="none"``: interpreted, the receive
+buffer untouched bit for bit, NaN rows included, and the counters at their targets; compiled, no row loaded or
+stored but the barrier before the release and the pacing kept; no budget); the benchmark's arguments and
+tuning combinations; and on an sm_90 GPU the kernel alone (several tunings), paced at the link time (every
+copy path), then beside the waiting GEMM launched first, with and without random per-chunk delays, and the
+link-only pull paced beside it (marked gpu; a watchdog subprocess turns a hang into a failure); on any CUDA
+GPU the kernel reading its sources through symmetric-memory peer addresses (a single-rank NCCL group,
+multicast off)."""
 
 from __future__ import annotations
 
@@ -290,6 +293,7 @@ def _compile_sm90(aligned=True, paced=False, num_warps=4, **constexprs) -> str:
             BLOCK_R=2,
             BLOCK_W=1024,
             STAGES=1,
+            MOVE=True,
             TMA=False,
             FENCE=False,
         ),  # fmt: skip
@@ -390,6 +394,21 @@ def test_tma_kernel_compiles_for_sm90_with_wait_and_fence_before_release(stages,
 
 
 @needs_ptxas
+@pytest.mark.parametrize("paced", [False, True])
+def test_link_only_kernel_moves_no_row_but_releases_after_the_barrier_sm90(paced):
+    # copy="none" (MOVE off): no source address read, no row loaded or stored (neither the register path's
+    # vector loads and stores nor TMA's bulk copies); the CTA barrier, then the release atomics, as when rows
+    # move; the pacing spin kept
+    ptx = _compile_sm90(paced=paced, num_warps=16, STAGES=2, MOVE=False)
+    assert "ld.global.L1::evict_first" not in ptx and "st.global" not in ptx and "cp.async.bulk" not in ptx
+    release = ptx.index("atom.global.gpu.release.add.u32")
+    assert "bar.sync" in ptx[:release]
+    assert ("%globaltimer" in ptx) == paced
+    moving = _compile_sm90(paced=paced, num_warps=16, STAGES=2)
+    assert "st.global.v2.b64" in moving  # the same arguments with MOVE on copy the rows
+
+
+@needs_ptxas
 def test_tma_kernel_without_fence_lacks_it_sm90():
     # the fence comes from the kernel's own inline assembly (Triton's descriptor store does not emit it):
     # compiled out (as under the interpreter), it is gone
@@ -411,8 +430,22 @@ def test_tma_budget_hand_worked():
     tp.check_tuning(65536, 2, 1, copy="tma")
     with pytest.raises(ValueError, match=r"block_bytes=8 with copy='tma'; it must be >= 16"):
         tp.check_tuning(8, 16, 1, copy="tma")
-    with pytest.raises(ValueError, match=r"copy='dma'; it must be one of 'registers', 'tma'"):
+    with pytest.raises(ValueError, match=r"copy='dma'; it must be one of 'registers', 'tma', 'none'"):
         tp.check_tuning(65536, 16, 1, copy="dma")
+
+
+def test_link_only_has_no_budget_but_checks_the_form():
+    # copy="none" keeps no block in flight: tunings over both budgets pass; the values' form is checked as for
+    # every path (a sweep's values are refused alike), and the warps are the programs' warps
+    tp.check_tuning(262144, 1, 4, copy="none")
+    with pytest.raises(ValueError, match=r"keeps 8192 registers of data per thread"):
+        tp.check_tuning(262144, 1, 4)
+    with pytest.raises(ValueError, match=r"^tile_pull: block_bytes=3000; it must be a power of two"):
+        tp.check_tuning(3000, 16, 1, copy="none")
+    with pytest.raises(ValueError, match=r"^tile_pull: stages=5; it must be an integer in 1 \.\. 4"):
+        tp.check_tuning(65536, 16, 5, copy="none")
+    with pytest.raises(ValueError, match=r"^tile_pull: num_warps=3; it must be 1, 2, 4, 8, 16 or 32"):
+        tp.check_tuning(65536, 3, 1, copy="none")
 
 
 def test_tma_refuses_rows_not_a_multiple_of_16_bytes():
@@ -540,7 +573,9 @@ def test_pull_alone_equals_reference_gpu(programs, width, dtype, tuning):
 
 @pytest.mark.gpu
 @needs_cuda
-def test_paced_pull_takes_the_link_time_gpu():
+@pytest.mark.parametrize("copy", tp.COPIES)
+def test_paced_pull_takes_the_link_time_gpu(copy):
+    # every copy path paces alike: copy="none" (no row moved) takes the link time as the copying paths do
     c = _random_counts(4, 4, seed=9, zero_frac=0.0, most=200)
     rows, width = int(c.sum()), 2048
     plan = tp.pull_plan(c.cuda(), rows, tg.QWEN3, 32)
@@ -549,12 +584,14 @@ def test_paced_pull_takes_the_link_time_gpu():
     counters = torch.zeros(plan.slots, dtype=torch.int32, device="cuda")
     table = tp.source_table(bufs)
     rate, programs = 5e9, 4  # bytes/s: slow enough (~1.3 ms) that launch and copy times are a small part
-    tp.tile_pull(recv, table, plan, counters, programs=programs, rate=rate)  # compiles
+    tp.tile_pull(recv, table, plan, counters, programs=programs, rate=rate, copy=copy)  # compiles
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    before = counters.clone()
     start.record()
-    tp.tile_pull(recv, table, plan, counters, programs=programs, rate=rate)
+    tp.tile_pull(recv, table, plan, counters, programs=programs, rate=rate, copy=copy)
     end.record()
     torch.cuda.synchronize()
+    assert torch.equal(counters - before, tp.slot_releases(plan))
     # each program paces its own chunks (t, t + programs, ...) at rate / programs: the pull takes as long as
     # the program with the most bytes
     rows_C = plan.tasks_C8[:, tp.ROWS].cpu()
@@ -574,7 +611,9 @@ def _run_watched(name: str) -> None:
 @needs_sm90
 @pytest.mark.parametrize("name", list(GPU_CONCURRENT))
 def test_pull_beside_waiting_gemm_launched_first_gpu(name):
-    # cases ending in -delays: a random spin (0-40 us) before each chunk, so chunks land out of order
+    # cases ending in -delays: a random spin (0-40 us) before each chunk, so chunks land out of order;
+    # -none-paced: the link-only pull (no row moved, the rows in place), paced, the GEMM waiting on its
+    # releases
     _run_watched(name)
 
 
@@ -657,7 +696,7 @@ def test_pull_from_symmetric_memory_peer_buffers_gpu():
 @pytest.mark.parametrize(
     "argv, says",
     [
-        (["--shapes", "gpt"], "--shapes gpt; known: deepseek-v3-ep32,qwen3-ep8"),
+        (["--shapes", "gpt"], "--shapes gpt; known: deepseek-v3-ep32,deepseek-v3-ep32-16k,qwen3-ep8"),
         (["--k", "0,4"], "every K must be >= 1"),
         (["--k", "x"], "it must be a comma list of integers"),
         (["--gbps", "-1"], "every rate >= 0"),
@@ -675,7 +714,8 @@ def test_pull_from_symmetric_memory_peer_buffers_gpu():
             "tile_pull: block 65536 warps 48 stages 1: num_warps=48; it must be 1, 2, 4, 8, 16",
         ),
         (["--block-bytes", "262144", "--stages", "2,4"], "every tuning is over the kernel's budget"),
-        (["--copy", "registers,dma"], "copy='dma'; it must be one of 'registers', 'tma'"),
+        (["--copy", "registers,dma"], "copy='dma'; it must be one of 'registers', 'tma', 'none'"),
+        (["--copy", "registers,none"], "tile_pull: --copy none; this benchmark times the pull's copy"),
         (["--copy", "tma", "--block-bytes", "8"], "block_bytes=8 with copy='tma'; it must be >= 16"),
     ],
 )

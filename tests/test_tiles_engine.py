@@ -7,9 +7,11 @@ The pull: with a loopback transport given to the layer (emulating 2 and 4 EP ran
 from its emulated peers' buffers, the rank's own placed and the rest pulled; the results are bitwise the
 pull-less engine's (output, input, probability and weight gradients, on CPU through the references; on an
 sm_90 GPU through the kernels at 900 GB/s, in a watched subprocess: a pull that never comes leaves the waiting
-GEMM spinning) and Megatron's within the parity tolerances; the pull's SMs, rate and stream reach the
-composition from the options and the transport; transports without peer buffers and the loopback without
-copies are refused in one line.
+GEMM spinning) and Megatron's within the parity tolerances; the pull's SMs, rate, stream and copy path reach
+the composition from the options and the transport; the loopback's link time only (``bytes="link"``: every
+row placed, the pull pacing and releasing without a copy, ``copy="none"``) bitwise the copying loopback's and
+the pull-less engine's results (CPU, and through the kernels on an sm_90 GPU); transports without peer buffers
+are refused in one line.
 
 Legend: T tokens, K routes per token, G local experts, H hidden, F expert FFN width."""
 
@@ -254,6 +256,103 @@ def test_the_pull_gets_its_sms_rate_and_stream_from_the_options_and_the_transpor
     assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
 
 
+@pytest.mark.parametrize("ep", [2, 4])
+@pytest.mark.parametrize("topk", [1, 3])
+def test_a_link_only_loopback_gives_the_copying_and_the_pull_less_results_bitwise(ep, topk):
+    """On the references: the loopback's link time only (every row placed, the pull releasing without a
+    copy) gives the output and the gradients of x, the probabilities and both weights bit for bit as the
+    copying loopback and as no transport; it builds no source buffer (nothing counted)."""
+    from mok_megatron.engine import tiles as te
+    from mok_megatron.transport.loopback import LoopbackLink, LoopbackTransport
+
+    meta = _routed(40, topk, 6, seed=ep + topk)
+    config = te.TilesConfig(sms=2, sms_backward=2, kernels=False)
+    link = LoopbackTransport(LoopbackLink(ep=ep, bytes="link"), num_local_experts=6, topk=topk)
+    copying = LoopbackTransport(LoopbackLink(ep=ep), num_local_experts=6, topk=topk)
+    assert not link.pull_moves_rows and copying.pull_moves_rows
+    placed = _experts_call(meta, None, config)
+    pulled = _experts_call(meta, copying, config)
+    linked = _experts_call(meta, link, config)
+    assert link.bytes_moved == 0 and copying.bytes_moved > 0
+    for name, a, b, c in zip(("out", "dx", "dprobs", "dw1", "dw2"), linked, pulled, placed, strict=True):
+        assert torch.equal(a, b) and torch.equal(a, c), name
+
+
+def test_a_link_only_loopback_places_every_row_and_pulls_without_copying(monkeypatch):
+    """With the kernels (their references standing in, on CPU) and a link-only loopback at 900 GB/s: both
+    directions pull (pace and release) with copy="none" at the link's rate, every row placed before the call,
+    the pull's table P zeros (no source read); the copying loopback pulls with the register copy."""
+    from types import SimpleNamespace
+
+    from mok_megatron.engine import tile_compose as tcomp
+    from mok_megatron.engine import tiles as te
+    from mok_megatron.transport.loopback import LoopbackLink, LoopbackTransport
+
+    seen = []
+
+    def spy(run):
+        def call(*args, **kw):  # on CPU the references run unpaced, on one stream
+            buf, inputs = args[0], args[1]
+            rows = buf.recv_MH if hasattr(buf, "recv_MH") else buf.dy_MH
+            seen.append(
+                dict({k: kw.get(k) for k in ("pull", "rate", "copy")}, nan=bool(torch.isnan(rows).any()),
+                     table=inputs.table_P.tolist(), sources=len(inputs.sources))
+            )  # fmt: skip
+            kw.update(rate=0.0, side=None, **({"wgrad_stream": None} if "wgrad_stream" in kw else {}))
+            return run(*args[:-1], tcomp.REFERENCES, **kw)
+
+        return call
+
+    meta = _routed(30, 2, 6, seed=2)
+    want = _experts_call(meta, None, te.TilesConfig(sms=3, sms_backward=2, kernels=False))
+    for name in ("tiles_forward", "tiles_backward"):
+        monkeypatch.setattr(tcomp, name, spy(getattr(tcomp, name)))
+    streams = SimpleNamespace(side="side stream", wgrad="wgrad stream", delay="delay stream")
+    config = te.TilesConfig(sms=3, sms_backward=2, kernels=True)
+    link = LoopbackTransport(LoopbackLink(ep=4, gbps=900.0, bytes="link"), num_local_experts=6, topk=2)
+    got = _experts_call(meta, link, config, streams=streams)
+    linked = dict(pull=True, rate=900e9, copy="none", nan=False, table=[0, 0, 0, 0], sources=0)
+    assert seen == [linked, linked]
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+    seen.clear()
+    copying = LoopbackTransport(LoopbackLink(ep=4, gbps=900.0), num_local_experts=6, topk=2)
+    _experts_call(meta, copying, te.TilesConfig(sms=3, sms_backward=2, kernels=False))
+    assert [(s["pull"], s["copy"], s["nan"], s["sources"]) for s in seen] == [
+        (True, "registers", True, 4)
+    ] * 2
+
+
+@pytest.mark.parametrize("ep", [2, 4])
+def test_a_link_only_loopback_layer_matches_the_copying_and_the_pull_less_layers_bitwise(single_rank, ep):
+    """The layer built with a loopback of the link time only (``bytes="link"``, EP = 1) is accepted by the
+    tiles engine and gives the output, the input gradient and every parameter's gradient bit for bit as the
+    copying loopback's layer and the layer without a transport."""
+    from tests.cases import build_mok_only, make_config, run_layer
+
+    cfg = make_config(topk=2)
+    torch.manual_seed(0)
+    layers = {"placed": build_mok_only(cfg, dict(engine="tiles"))}
+    for name, nbytes in (("copied", "copy"), ("linked", "link")):
+        layers[name] = build_mok_only(cfg, dict(engine="tiles", loopback=dict(ep=ep, bytes=nbytes)))
+        layers[name].load_state_dict(layers["placed"].state_dict())
+    assert layers["linked"].token_dispatcher.engine.pull is layers["linked"].token_dispatcher.transport
+    assert not layers["linked"].token_dispatcher.transport.pull_moves_rows
+    gen = torch.Generator().manual_seed(ep)
+    x = torch.randn(16, 2, cfg.hidden_size, generator=gen)
+    dout = torch.randn(16, 2, cfg.hidden_size, generator=gen)
+    res = {}
+    for name, layer in layers.items():
+        layer.set_layer_number(1)
+        res[name] = run_layer(layer, x, dout)[:3]
+    (out, dx, grads) = res["linked"]
+    for other in ("copied", "placed"):
+        out0, dx0, grads0 = res[other]
+        assert torch.equal(out, out0) and torch.equal(dx, dx0), other
+        assert grads.keys() == grads0.keys() and "router.weight" in grads
+        for n, g in grads.items():
+            assert torch.equal(g, grads0[n]), (other, n)
+
+
 def test_a_pull_on_the_kernels_without_streams_is_refused():
     from mok_megatron.engine import tiles as te
     from mok_megatron.transport.loopback import LoopbackLink, LoopbackTransport
@@ -331,28 +430,18 @@ def test_a_loopback_beside_expert_parallelism_is_refused():
     ]
 
 
-def test_a_loopback_without_copies_is_refused_in_one_line(single_rank):
-    from tests.cases import build_mok_only, make_config
-
-    with pytest.raises(MoKConfigError) as e:
-        build_mok_only(make_config(), dict(engine="tiles", loopback=dict(ep=2, bytes="link")))
-    text = str(e.value)
-    assert "\n" not in text
-    assert text.startswith("--mok-engine tiles with a loopback transport of bytes='link': ")
-    assert text.endswith("use LoopbackLink(bytes='copy').")
-
-
 @pytest.mark.gpu
 @needs_sm90_quack
 @pytest.mark.parametrize("topk", [2, 8])
-def test_kernels_pull_from_the_loopback_bitwise_the_pull_less_layer_on_gpu(topk):
+@pytest.mark.parametrize("nbytes", ["copy", "link"])
+def test_kernels_pull_from_the_loopback_bitwise_the_pull_less_layer_on_gpu(topk, nbytes):
     env = dict(
         os.environ,
         PYTHONPATH=os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p),
         **MULTICAST_OFF,
     )
-    watched(["-m", "tests.tiles_cases", "--gpu-loopback", str(topk)], env,
-            f"topk {topk}: the tiles layer pulling from the loopback still running (a hang)")  # fmt: skip
+    hang = f"topk {topk} bytes {nbytes}: the tiles layer pulling from the loopback still running (a hang)"
+    watched(["-m", "tests.tiles_cases", "--gpu-loopback", str(topk), "--bytes", nbytes], env, hang)
 
 
 def test_weight_gradients_into_main_grad_as_the_torch_backend(single_rank):

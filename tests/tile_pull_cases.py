@@ -38,24 +38,34 @@ def sources_for(c_PG, width, dtype, device, src_row0_P=None, seed=0, spare=3):
     return bufs
 
 
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """``a`` and ``b`` hold the same bytes (NaN equal to the same NaN, unlike ``torch.equal``)."""
+    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+
 def run_case(
     c, width, dtype, device, chunk_rows, config, programs, spare_rows=5, src_row0=None, start=0, tuning=None
 ):
-    """The kernel (with ``tuning``: tile_pull's block_bytes / num_warps / stages) and the reference on the
-    same plan; returns (recv, counters, want recv, want counters, plan)."""
+    """The kernel (with ``tuning``: tile_pull's block_bytes / num_warps / stages / copy) and the reference on
+    the same plan; returns (recv, counters, want recv, want counters, plan). copy="none" moves no row: the
+    receive buffer (every other row NaN, the rest -7: rows in place, as the caller must have them) is wanted
+    unchanged, bit for bit, and the counters as the reference releases them."""
     c_PG = torch.tensor(c, dtype=torch.int64, device=device)
     rows = int(c_PG.sum()) + spare_rows
     s0 = None if src_row0 is None else torch.tensor(src_row0, device=device)
     plan = tp.pull_plan(c_PG, rows, config, chunk_rows, src_row0_P=s0)
     bufs = sources_for(c_PG.cpu(), width, dtype, device, None if s0 is None else s0.cpu())
     recv = torch.full((rows, width), -7, dtype=dtype, device=device)
+    moves = (tuning or {}).get("copy") != "none"
+    if not moves:
+        recv[::2] = float("nan")
     counters = torch.full((plan.slots,), start, dtype=torch.int32, device=device)
     want, want_counters = recv.clone(), counters.clone()
-    tp.pull_reference(want, bufs, plan, want_counters)
+    tp.pull_reference(want if moves else want.clone(), bufs, plan, want_counters)
     table = tp.source_table(bufs)
     before, counters_before = recv.clone(), counters.clone()
     tp.tile_pull(recv, table, plan, counters, programs=programs, preload=True, **(tuning or {}))
-    if not (torch.equal(recv, before) and torch.equal(counters, counters_before)):
+    if not (same_bits(recv, before) and torch.equal(counters, counters_before)):
         raise AssertionError("tile_pull(preload=True) moved rows or released counters")
     tp.tile_pull(recv, table, plan, counters, programs=programs, **(tuning or {}))
     return recv, counters, want, want_counters, plan
@@ -99,6 +109,10 @@ TUNINGS = {
     "tma-block32": dict(copy="tma", block_bytes=32),
     "tma-stages2-block32": dict(copy="tma", stages=2, block_bytes=32),
     "tma-stages3-block16-warps4": dict(copy="tma", stages=3, block_bytes=16, num_warps=4),
+    # no row moved (the link time alone): the receive buffer untouched bit for bit, the counters released as
+    # the copying paths release them; block and stages are not read (any row width, no budget)
+    "none": dict(copy="none"),
+    "none-stages4-block65536-warps4": dict(copy="none", stages=4, block_bytes=65536, num_warps=4),
 }
 
 
@@ -123,7 +137,10 @@ def check_cpu_case(name, c, width, dtype, chunk_rows, config, programs, src_row0
     recv, counters, want, want_counters, plan = run_case(
         c, width, dtype, "cpu", chunk_rows, config, programs, src_row0=src_row0, start=start, tuning=tuning
     )
-    assert torch.equal(recv, want), f"{name}: received rows differ from pull_reference"
+    if (tuning or {}).get("copy") == "none":
+        assert same_bits(recv, want), f"{name}: copy='none' wrote the receive buffer"
+    else:
+        assert torch.equal(recv, want), f"{name}: received rows differ from pull_reference"
     assert torch.equal(counters, want_counters), (
         f"{name}: counters {counters.tolist()}, reference {want_counters.tolist()}"
     )
@@ -162,13 +179,21 @@ GPU_CONCURRENT = {
                                "DEEPSEEK", 8, 40, True, dict(copy="tma")),
     "qwen3-k4-tma-stages2": ([[70, 0, 1, 130, 33, 16], [200, 0, 0, 300, 2, 16], [30, 0, 0, 87, 94, 32]], 256,
                              448, "QWEN3", 4, 48, False, dict(copy="tma", stages=2, block_bytes=1024)),
+    # the link time alone: no row moved (the rows in place before the GEMM starts), the counters released at
+    # an emulated link's pace (~1 ms here), with and without random delays
+    "deepseek-k8-none-paced": ([[17, 300, 0, 5], [260, 0, 40, 9], [1, 2, 3, 4], [90, 90, 90, 90]], 512, 512,
+                               "DEEPSEEK", 8, 40, False, dict(copy="none", rate=1.2e9)),
+    "qwen3-k4-none-paced-delays": ([[70, 0, 1, 130, 33, 16], [200, 0, 0, 300, 2, 16], [30, 0, 0, 87, 94, 32]],
+                                   256, 448, "QWEN3", 4, 48, True, dict(copy="none", rate=0.6e9)),
 }  # fmt: skip
 
 
 def gpu_concurrent(name: str) -> None:
     """The waiting GEMM launched first (counters at 0, receive buffer NaN), then the pull on K programs on
     another stream; the output must equal the same GEMM with counters preset on the fully received buffer
-    (bit for bit) and torch._grouped_mm (BF16 tolerance), with no NaN (no tile loaded before its rows)."""
+    (bit for bit) and torch._grouped_mm (BF16 tolerance), with no NaN (no tile loaded before its rows).
+    copy="none" moves no row: the receive buffer holds every row before the GEMM starts and must hold them
+    unchanged after; the GEMM's tiles start as the pull releases their counters."""
     from mok_megatron.kernels.link_delay import spin_ns
 
     counts, hidden, n, config_name, k, chunk_rows, delays, *tuning = GPU_CONCURRENT[name]
@@ -188,13 +213,16 @@ def gpu_concurrent(name: str) -> None:
     preset = tg.tile_grouped_mm(full, w, gemm, gemm.targets_S.clone(), sms_held_back=k)  # compiles
     torch.cuda.synchronize()
 
-    recv = torch.full((rows, hidden), float("nan"), dtype=torch.bfloat16, device=dev)
+    tune = tuning[0] if tuning else {}
+    moves = tune.get("copy") != "none"
+    recv = (
+        torch.full((rows, hidden), float("nan"), dtype=torch.bfloat16, device=dev) if moves else full.clone()
+    )
     counters = torch.zeros(plan.slots, dtype=torch.int32, device=dev)
     delay_C = None
     if delays:
         delay_C = torch.randint(0, 40_000, (plan.tasks_C8.shape[0],), generator=gen).to(dev)
     out = torch.empty_like(preset)
-    tune = tuning[0] if tuning else {}
     # every kernel the side stream runs is loaded before the GEMM waits: CUDA loads a kernel at its first
     # launch, and that load may wait for the device to go idle, which the waiting GEMM never lets it
     spin_ns(1, dev)
@@ -202,12 +230,24 @@ def gpu_concurrent(name: str) -> None:
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     torch.cuda.synchronize()
-    assert torch.isnan(recv).all() and not counters.any(), "the preload moved rows or released counters"
+    unmoved = torch.isnan(recv).all() if moves else torch.equal(recv, full)
+    assert unmoved and not counters.any(), "the preload moved rows or released counters"
+    start, end_ev = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
     tg.tile_grouped_mm(recv, w, gemm, counters, sms_held_back=k, out=out)  # first: it waits for the pull
+    end_ev.record()
     with torch.cuda.stream(side):
         spin_ns(1_000_000, dev)  # the GEMM is resident and waiting before the first row lands
         tp.tile_pull(recv, table, plan, counters, programs=k, delays_C=delay_C, **tune)
     torch.cuda.synchronize()
+    if tune.get("rate"):
+        # the GEMM ends after the pull's last release: the 1 ms spin, then the program with the most bytes at
+        # its share of the rate (rate / K)
+        rows_C = plan.tasks_C8[:, tp.ROWS].cpu()
+        most = max(int(rows_C[p::k].sum()) for p in range(k))
+        paced_ms = most * hidden * 2 * k / tune["rate"] * 1e3
+        took = start.elapsed_time(end_ev)
+        assert took >= 0.95 * (1.0 + paced_ms), f"the GEMM took {took:.3f} ms, the paced pull {paced_ms:.3f}"
     assert torch.equal(counters, gemm.targets_S), "final counters differ from the GEMM's targets"
     end = int(plan.offs_G[-1])
     assert torch.equal(recv[:end], full[:end]), "received rows differ from pull_reference"

@@ -1,5 +1,6 @@
 """Case functions of tests/test_tiles_engine.py that run on every worker rank (tests/pool.py), and the GPU
-case that its watchdog runs in a subprocess (``python -m tests.tiles_cases --gpu-loopback TOPK``)."""
+case that its watchdog runs in a subprocess (``python -m tests.tiles_cases --gpu-loopback TOPK [--bytes
+link]``)."""
 
 from __future__ import annotations
 
@@ -44,10 +45,12 @@ def parity_case(rank, world, loopback=None, **kw):
     return res
 
 
-def gpu_loopback(topk: int) -> None:
+def gpu_loopback(topk: int, nbytes: str = "copy") -> None:
     """bf16, EP = 1, one sm_90 GPU: the tiles layer whose rows are pulled from a loopback transport emulating
     4 EP ranks at 900 GB/s, against the same layer without a transport (every row placed, nothing pulled):
-    output, input gradient and every parameter's gradient bitwise, two steps each; the pull moved bytes."""
+    output, input gradient and every parameter's gradient bitwise, two steps each; the pull moved bytes.
+    ``nbytes="link"``: the loopback's link time only, every row placed and the pull (``copy="none"``) pacing
+    and releasing the waiting GEMM's counters alone; no source buffer built."""
     import torch
 
     from mok_megatron.bench.build import init_single_process
@@ -58,7 +61,7 @@ def gpu_loopback(topk: int) -> None:
     layers = {}
     for name, opts in (
         ("placed", dict(engine="tiles")),
-        ("pulled", dict(engine="tiles", loopback=dict(ep=4, gbps=900.0))),
+        ("pulled", dict(engine="tiles", loopback=dict(ep=4, gbps=900.0, bytes=nbytes))),
     ):
         torch.manual_seed(0)
         layers[name] = build_mok_only(cfg, opts).cuda()
@@ -66,6 +69,7 @@ def gpu_loopback(topk: int) -> None:
     layers["pulled"].load_state_dict(layers["placed"].state_dict())
     engine = layers["pulled"].token_dispatcher.engine
     assert engine.tiles.kernels and engine.pull is not None and engine.pull.pull_rate == 900e9, engine
+    assert engine.pull.pull_moves_rows == (nbytes == "copy"), engine.pull
     gen = torch.Generator(device="cuda").manual_seed(1)
     x = torch.randn(256, 2, cfg.hidden_size, device="cuda", dtype=torch.bfloat16, generator=gen)
     dout = torch.randn(x.shape, device="cuda", dtype=torch.bfloat16, generator=gen)
@@ -83,7 +87,8 @@ def gpu_loopback(topk: int) -> None:
                 assert all(torch.equal(t, res[name][n]) for n, t in got.items()), f"{name}: steps differ"
             res[name] = got
     torch.cuda.synchronize()
-    assert layers["pulled"].token_dispatcher.transport.bytes_moved > 0, "nothing was pulled"
+    moved = layers["pulled"].token_dispatcher.transport.bytes_moved
+    assert moved > 0 if nbytes == "copy" else moved == 0, f"{moved} bytes of source rows with bytes={nbytes}"
     assert res["pulled"].keys() == res["placed"].keys() and "experts.fc1_weight" in res["pulled"]
     for n, t in res["pulled"].items():
         assert not torch.isnan(t).any(), f"{n} has NaN"
@@ -93,8 +98,9 @@ def gpu_loopback(topk: int) -> None:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--gpu-loopback", type=int, required=True, metavar="TOPK")
+    p.add_argument("--bytes", default="copy", choices=("copy", "link"))
     a = p.parse_args(argv)
-    gpu_loopback(a.gpu_loopback)
+    gpu_loopback(a.gpu_loopback, a.bytes)
     print("ok", flush=True)
     return 0
 

@@ -27,8 +27,9 @@ fp32 (measured: bitwise).
 The tiles engine (``engine.tiles``) runs only when asked for (``--mok-engine tiles``; ``auto`` never picks
 it): ``select_tiles`` refuses in one line a layer it cannot run (``tiles_blockers``) and decides whether its
 kernels or their references run. A transport given to a tiles layer must expose its peers' send buffers to
-the pull (``transport.base.PullSource``: the loopback, at EP = 1, copying its bytes); the layer then pulls
-its received rows from it (``EngineChoice.pull``).
+the pull (``transport.base.PullSource``: the loopback, at EP = 1); the layer then pulls its received rows
+from it (``EngineChoice.pull``), or, with the loopback's link time only (``LoopbackBytes.LINK``), places
+every row and paces the pull's counter releases alone.
 
 What the experts take decides how both engines lay out their rows (``RowLayout``, from the experts'
 ``ExpertsContract``, known from their class before they are built): MoK's experts take per-expert counts
@@ -55,7 +56,6 @@ from mok_megatron.engine.tiles import TilesConfig, kernels_unavailable, tile_con
 from mok_megatron.experts_contract import ExpertsContract
 from mok_megatron.options import Engine, MinibatchSplit, MoKOptions, TransportKind
 from mok_megatron.transport.base import PullSource
-from mok_megatron.transport.loopback import LoopbackTransport
 
 
 @dataclass(frozen=True)
@@ -241,12 +241,6 @@ def select_tiles(
         raise MoKConfigError(
             f"--mok-engine tiles runs dropless SwiGLU layers on MoK's torch experts without expert-TP; this "
             f"layer has {', '.join(why)}. Change those settings, or use --mok-engine auto."
-        )
-    if isinstance(transport, LoopbackTransport) and not transport.copies:
-        raise MoKConfigError(
-            f"--mok-engine tiles with a loopback transport of bytes={transport.emulated.bytes.value!r}: the "
-            "tiles engine's pull copies every remote row itself, so a link without copies has nothing to model "
-            "there; use LoopbackLink(bytes='copy')."
         )
     device = (
         torch.device("cuda", torch.cuda.current_device())

@@ -26,7 +26,9 @@ combine's bytes then move on K SMs. The tiles engine holds SMs back only beside 
 The rank's own rows (source ``local``) cross no link: they are placed in the receive buffer before the call
 and the arrival counters start from their rows (``LayerPlan.local_counts_S``); the pull moves the other
 sources' rows. ``pull=False``: every row is in place and the counters start at their targets, so nothing
-waits.
+waits. ``copy="none"`` (``tile_pull``'s link-only path): every row is in place as without a pull, but the
+counters start from the local rows and the pull's programs release the rest at the link's pace without
+moving a byte, so the waiting GEMM sees the schedule of a link whose bytes cost this rank nothing.
 
 Every step runs on the kernels (``KERNELS``: sm_90 with QuACK; the GEMM launched first on the current stream
 and the pull or the combine after it on a side stream, on the K SMs the GEMM leaves free: fc1 waits on the
@@ -301,10 +303,20 @@ def wgrad_reference(dy_MN: torch.Tensor, x_MK: torch.Tensor, offs_G: torch.Tenso
 
 
 def _pull_reference(recv, x, plan, counters, k, rate, copy, preload=False):
+    """``tile_pull``'s reference: every path copies the same rows (``pull_reference``), but copy="none" moves
+    none: the rows are in place and the pull only releases what it would add (``slot_releases``)."""
     if preload:  # nothing to load: the reference runs in order, after the GEMM it would feed
         return
     if rate:
         raise ValueError(f"pull_reference: rate={rate:g}; the reference cannot pace: pass rate=0")
+    if copy == "none":
+        if counters.shape != (plan.slots,):
+            raise ValueError(
+                f"pull_reference: counters {tuple(counters.shape)}, the plan {plan.slots} slots; pass the "
+                f"plan's counters ({plan.slots},)"
+            )
+        counters += tp.slot_releases(plan).to(counters.device)
+        return
     tp.pull_reference(recv, x.sources, plan, counters)
 
 
@@ -408,7 +420,8 @@ def tiles_forward(
     1. arrival counters <- the local rows' counts (``pull``) or fc1's targets (``pull=False``: every row
        must be in ``buf.recv_MH`` already); done <- 0
     2. fc1 on the waiting GEMM (``SMs - k``), beside it the pull of the remote rows (k programs, ``rate``
-       bytes/s, 0: unpaced; ``copy``: ``tile_pull``'s copy path) on ``side``
+       bytes/s, 0: unpaced; ``copy``: ``tile_pull``'s copy path; "none": every row must be in
+       ``buf.recv_MH`` already, the pull only paces and releases the counters) on ``side``
     3. SwiGLU x probability
     4. ``combine="after"``: fc2 on the tile GEMM on all SMs (its input complete), then the combine on the
        full device; ``"beside"``: fc2 on the tile GEMM (``SMs - k``) releasing done counters, beside it the
@@ -494,7 +507,8 @@ def tiles_backward(
        the output gradient must be in ``buf.dy_MH`` already); done <- 0
     2. fc2's input gradient ``dy_MH @ w2`` on the waiting GEMM (``SMs - k``, B N-major), beside it the pull
        of the output gradient's remote rows (k programs, ``rate`` bytes/s, 0: unpaced; ``copy``: the pull's
-       copy path) on ``side``
+       copy path; "none": every row must be in ``buf.dy_MH`` already, the pull only paces and releases the
+       counters) on ``side``
     3. ``wgrad="beside"``: fc2's weight gradient ``dy^T a`` (``torch._grouped_mm``) on ``wgrad_stream`` once
        the pull has ended: it reads every row, nothing else
     4. SwiGLU's backward (with the probabilities: the probability gradient too); ``"beside"``: fc1's weight

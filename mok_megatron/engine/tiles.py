@@ -34,6 +34,13 @@ beside fc2's input gradient on ``sms_backward`` SMs. The received rows are the s
 as without a pull, so the results are bitwise the pull-less engine's. On the references the pull is their
 reference, run before the GEMM, unpaced (as the loopback's exchange waits no link time on CPU).
 
+A link-only transport (``pull_moves_rows`` False: the loopback with ``LoopbackBytes.LINK``) moves no byte:
+every row is placed before the call as without a transport (no source buffer is built), and the pull's
+programs run with ``copy="none"`` (``kernels.tile_pull``): the same chunks at the same pace, releasing the
+same counters, nothing copied. The GEMM then waits on the link's schedule alone, the ceiling it allows a
+transport whose bytes cost this rank nothing; the results are again bitwise the pull-less engine's, and the
+return trip is charged as with copies.
+
 The return trip. Each remote row's result crosses the link back to its source: fc2's output rows in the
 forward (the combine's exchange), fc1's input gradient rows in the backward (the dispatch's adjoint), as many
 bytes as were pulled (``LayerPlan.remote_bytes``). Nothing on this rank computes beside them: with a paced
@@ -152,6 +159,12 @@ class TileCall:
         return self.source is not None and self.plan.remote_bytes > 0
 
     @property
+    def copy(self) -> str:
+        """The pull's copy path (``tile_pull``): the rows copied through registers, or none moved when the
+        transport's link carries no bytes (``pull_moves_rows`` False: every row placed before the call)."""
+        return "none" if self.source is not None and not self.source.pull_moves_rows else "registers"
+
+    @property
     def rate(self) -> float:
         """The pull's pace in bytes/s: the transport's on the kernels; the references cannot pace (0)."""
         return self.source.pull_rate if self.pulls and self.config.kernels else 0.0
@@ -189,12 +202,16 @@ def _row_tokens(rows_N: torch.Tensor, tokens_N: torch.Tensor, rows: int) -> torc
 def _expert_rows(call: TileCall, rows_TH: torch.Tensor, rows_N, tokens_N, m: int):
     """(the expert-major buffer [M, H] with the rows in place that cross no link, the sources the pull reads,
     their address table). Without a source: every route's row placed (rows no route reads zero), one source
-    (the buffer itself). With one: the transport's sources of ``rows_TH``, the local source's rows placed, the
-    rest left to the pull (NaN on the references, so a row the pull missed shows in the results)."""
-    if call.source is None:
+    (the buffer itself). A link-only source (``pull_moves_rows`` False): every row placed the same way, no
+    source buffer (the pull reads none: its table is P zeros). With one that moves rows: the transport's
+    sources of ``rows_TH``, the local source's rows placed, the rest left to the pull (NaN on the references,
+    so a row the pull missed shows in the results)."""
+    if call.source is None or not call.source.pull_moves_rows:
         rows_MH = rows_TH.new_zeros(m, rows_TH.shape[1])
         rows_MH[rows_N] = rows_TH[tokens_N]
-        return rows_MH, (rows_MH,), torch.zeros(1, dtype=torch.int64, device=rows_TH.device)
+        if call.source is None:
+            return rows_MH, (rows_MH,), torch.zeros(1, dtype=torch.int64, device=rows_TH.device)
+        return rows_MH, (), torch.zeros(call.c_PG.shape[0], dtype=torch.int64, device=rows_TH.device)
     sources = call.source.pull_sources(rows_TH, _row_tokens(rows_N, tokens_N, m), call.c_PG)
     if call.config.kernels:
         rows_MH = rows_TH.new_empty(m, rows_TH.shape[1])
@@ -248,8 +265,9 @@ class _TileExperts(torch.autograd.Function):
             done_S=torch.zeros_like(plan.fc1.targets_S),
         )
         out = tcomp.tiles_forward(
-            buf, x, plan, cfg.ops, k=cfg.sms, rate=call.rate, pull=call.pulls, combine="after", side=call.side
-        )
+            buf, x, plan, cfg.ops, k=cfg.sms, rate=call.rate, pull=call.pulls, combine="after",
+            copy=call.copy, side=call.side,
+        )  # fmt: skip
         _return_trip(call, x_TH.device)
         ctx.call = call
         ctx.probs_dtype = probs_TK.dtype
@@ -294,6 +312,7 @@ class _TileExperts(torch.autograd.Function):
             pull=call.pulls,
             combine="after",
             wgrad="beside" if cfg.kernels and call.wgrad is not None else "after",
+            copy=call.copy,
             side=call.side,
             wgrad_stream=call.wgrad,
         )

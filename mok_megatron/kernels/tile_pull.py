@@ -70,6 +70,16 @@ its own (torch's caching allocator, on the launch's stream) in a copy of the cal
 allocator is left set after the call. Under the interpreter the descriptors' loads and stores are plain
 masked copies and the fence is compiled out.
 
+``copy="none"`` moves no row: the same K programs walk the same chunks in the same order with the same
+pacing and delays, then the same CTA barrier and release atomics, but read no source and write nothing to
+the receive buffer, whose rows must already be in place (the caller placed them; the sources are not read,
+so the table may hold any addresses). It is the link time alone: counters released at the emulated link's
+pace, nothing copied, the ceiling the schedule allows a transport whose bytes land without costing the SMs
+anything (one SM's register copy beside the GEMM moves only ~38 GB/s on one H200, so the copying paths
+measure the copy's cost and the schedule's bound together; this path separates them). Unpaced it releases
+every counter as fast as the programs walk the table, which models no link. Its tuning is irrelevant:
+``block_bytes`` and ``stages`` are checked for their form only, ``num_warps`` is the programs' warps.
+
 Pacing (GPU only: the interpreter has no inline assembly). With ``rate`` bytes/s, each program paces its own
 share at ``rate / K``: before a chunk it spins on ``%globaltimer`` until ``t0 + (its bytes so far, this chunk
 included) * K / rate`` (``t0``: the program's start), so no chunk is released before an emulated link of that
@@ -111,7 +121,8 @@ MAX_DATA_REGISTERS = 128
 # sm_90, STAGES 1 loads a block into one buffer and stores it from there; STAGES S > 1 takes S - 1 load
 # buffers and one store buffer, a block copied between them through registers (one block's registers)
 SHARED_PER_CTA = 232448
-COPIES = ("registers", "tma")
+# copy="none": no row moves (the link's time alone, the rows already in place: the ceiling of the schedule)
+COPIES = ("registers", "tma", "none")
 
 # the table's columns
 SOURCE, EXPERT, SRC_ROW, DST_ROW, ROWS, SLOT, SLOT_ROW = range(7)
@@ -373,6 +384,7 @@ def _pull_kernel(
     BLOCK_R: tl.constexpr,
     BLOCK_W: tl.constexpr,
     STAGES: tl.constexpr,  # blocks in flight (1: load a block, store it, then the next)
+    MOVE: tl.constexpr,  # copy the rows (False: copy="none", the chunks paced and released, no row touched)
     TMA: tl.constexpr,  # copy through tensor descriptors (TMA bulk copies on sm_90)
     FENCE: tl.constexpr,  # TMA compiled (not interpreted): wait for the bulk stores and fence before release
 ):
@@ -403,69 +415,76 @@ def _pull_kernel(
                 now = _globaltimer()
                 while now < due:
                     now = _globaltimer()
-            base = tl.load(table_ptr + p)
-            if ALIGNED:
-                # the source as an element offset from the (16-byte aligned) receive pointer, so the
-                # alignment hint reaches the vectorizer (it does not look through an int-to-pointer cast)
-                delta = tl.multiple_of((base - recv_ptr.to(tl.int64)) // ELEM, 16 // ELEM)
-                src_ptr = recv_ptr + delta
-            else:
-                src_ptr = base.to(tl.pointer_type(recv_ptr.dtype.element_ty))
-            if TMA:
-                # one descriptor per side per chunk: the chunk's rows (n, clipped at the receive buffer's
-                # end) of W words at a row stride of W; the blocks past either edge are clipped by the copy
-                rows = tl.maximum(tl.minimum(n.to(tl.int64), M - dst0), 0).to(tl.int32)
-                src_desc = tl.make_tensor_descriptor(
-                    src_ptr + src0 * W, shape=[rows, W], strides=[W, 1], block_shape=[BLOCK_R, BLOCK_W]
-                )
-                dst_desc = tl.make_tensor_descriptor(
-                    recv_ptr + dst0 * W, shape=[rows, W], strides=[W, 1], block_shape=[BLOCK_R, BLOCK_W]
-                )
-                nw = tl.cdiv(W, BLOCK_W)
-                nb = tl.cdiv(rows, BLOCK_R) * nw
-                for b in tl.range(0, nb, num_stages=STAGES):
-                    rb = b // nw
-                    r0 = rb * BLOCK_R
-                    w0 = (b - rb * nw) * BLOCK_W
-                    v = src_desc.load([r0, w0])
-                    dst_desc.store([r0, w0], v)
-                if FENCE:
-                    _async_store_fence()
-            elif STAGES == 1:
-                for r0 in range(0, n, BLOCK_R):
-                    r = r0 + tl.arange(0, BLOCK_R)
-                    ok = (r < n) & (dst0 + r < M)
-                    src_row = (src0 + r) * W
-                    dst_row = (dst0 + r) * W
-                    for w0 in range(0, W, BLOCK_W):
-                        w = w0 + tl.arange(0, BLOCK_W)
-                        mask = ok[:, None] & (w < W)[None, :]
-                        v = tl.load(
-                            src_ptr + src_row[:, None] + w[None, :], mask=mask, eviction_policy="evict_first"
-                        )
-                        tl.store(recv_ptr + dst_row[:, None] + w[None, :], v, mask=mask)
-            else:
-                # the chunk's blocks in one sequence (row block by row block, words within): block b + S - 1
-                # is loaded before block b is stored; loads past the last block are masked off (rows >= n)
-                nw = tl.cdiv(W, BLOCK_W)
-                nb = tl.cdiv(n, BLOCK_R) * nw
-                v0 = _block_load(src_ptr, src0, dst0, n, M, W, 0, nw, BLOCK_R, BLOCK_W)
-                if STAGES >= 3:
-                    v1 = _block_load(src_ptr, src0, dst0, n, M, W, 1, nw, BLOCK_R, BLOCK_W)
-                if STAGES >= 4:
-                    v2 = _block_load(src_ptr, src0, dst0, n, M, W, 2, nw, BLOCK_R, BLOCK_W)
-                for b in range(0, nb):
-                    vn = _block_load(src_ptr, src0, dst0, n, M, W, b + STAGES - 1, nw, BLOCK_R, BLOCK_W)
-                    _block_store(recv_ptr, v0, dst0, n, M, W, b, nw, BLOCK_R, BLOCK_W)
-                    if STAGES == 2:
-                        v0 = vn
-                    elif STAGES == 3:
-                        v0 = v1
-                        v1 = vn
-                    else:
-                        v0 = v1
-                        v1 = v2
-                        v2 = vn
+            # copy="none" (MOVE off): no source read, no row written (they are in place); paced and
+            # released alike
+            if MOVE:
+                base = tl.load(table_ptr + p)
+                if ALIGNED:
+                    # the source as an element offset from the (16-byte aligned) receive pointer, so the
+                    # alignment hint reaches the vectorizer (it does not look through an int-to-pointer cast)
+                    delta = tl.multiple_of((base - recv_ptr.to(tl.int64)) // ELEM, 16 // ELEM)
+                    src_ptr = recv_ptr + delta
+                else:
+                    src_ptr = base.to(tl.pointer_type(recv_ptr.dtype.element_ty))
+                if TMA:
+                    # one descriptor per side per chunk: the chunk's rows (n, clipped at the receive
+                    # buffer's end) of W words at a row stride of W; the blocks past either edge are clipped
+                    # by the copy
+                    rows = tl.maximum(tl.minimum(n.to(tl.int64), M - dst0), 0).to(tl.int32)
+                    src_desc = tl.make_tensor_descriptor(
+                        src_ptr + src0 * W, shape=[rows, W], strides=[W, 1], block_shape=[BLOCK_R, BLOCK_W]
+                    )
+                    dst_desc = tl.make_tensor_descriptor(
+                        recv_ptr + dst0 * W, shape=[rows, W], strides=[W, 1], block_shape=[BLOCK_R, BLOCK_W]
+                    )
+                    nw = tl.cdiv(W, BLOCK_W)
+                    nb = tl.cdiv(rows, BLOCK_R) * nw
+                    for b in tl.range(0, nb, num_stages=STAGES):
+                        rb = b // nw
+                        r0 = rb * BLOCK_R
+                        w0 = (b - rb * nw) * BLOCK_W
+                        v = src_desc.load([r0, w0])
+                        dst_desc.store([r0, w0], v)
+                    if FENCE:
+                        _async_store_fence()
+                elif STAGES == 1:
+                    for r0 in range(0, n, BLOCK_R):
+                        r = r0 + tl.arange(0, BLOCK_R)
+                        ok = (r < n) & (dst0 + r < M)
+                        src_row = (src0 + r) * W
+                        dst_row = (dst0 + r) * W
+                        for w0 in range(0, W, BLOCK_W):
+                            w = w0 + tl.arange(0, BLOCK_W)
+                            mask = ok[:, None] & (w < W)[None, :]
+                            v = tl.load(
+                                src_ptr + src_row[:, None] + w[None, :],
+                                mask=mask,
+                                eviction_policy="evict_first",
+                            )
+                            tl.store(recv_ptr + dst_row[:, None] + w[None, :], v, mask=mask)
+                else:
+                    # the chunk's blocks in one sequence (row block by row block, words within): block
+                    # b + S - 1 is loaded before block b is stored; loads past the last block are masked off
+                    # (rows >= n)
+                    nw = tl.cdiv(W, BLOCK_W)
+                    nb = tl.cdiv(n, BLOCK_R) * nw
+                    v0 = _block_load(src_ptr, src0, dst0, n, M, W, 0, nw, BLOCK_R, BLOCK_W)
+                    if STAGES >= 3:
+                        v1 = _block_load(src_ptr, src0, dst0, n, M, W, 1, nw, BLOCK_R, BLOCK_W)
+                    if STAGES >= 4:
+                        v2 = _block_load(src_ptr, src0, dst0, n, M, W, 2, nw, BLOCK_R, BLOCK_W)
+                    for b in range(0, nb):
+                        vn = _block_load(src_ptr, src0, dst0, n, M, W, b + STAGES - 1, nw, BLOCK_R, BLOCK_W)
+                        _block_store(recv_ptr, v0, dst0, n, M, W, b, nw, BLOCK_R, BLOCK_W)
+                        if STAGES == 2:
+                            v0 = vn
+                        elif STAGES == 3:
+                            v0 = v1
+                            v1 = vn
+                        else:
+                            v0 = v1
+                            v1 = v2
+                            v2 = vn
             # every thread's stores are done before one thread releases them (the release is cumulative)
             tl.debug_barrier()
             slot = tl.load(task + 5)
@@ -544,7 +563,9 @@ def check_tuning(
     of 1 .. 32, ``stages`` one of 1 .. ``MAX_STAGES`` and (``budget``) the blocks in flight fit: copy=
     "registers", ``register_limit``; copy="tma", ``stages`` blocks within ``SHARED_PER_CTA`` and, at S > 1,
     the one block copied through registers within ``register_limit``. A block is never larger than a
-    power-of-two ``block_bytes``, so the bounds hold for every row width."""
+    power-of-two ``block_bytes``, so the bounds hold for every row width. copy="none" moves no block:
+    ``block_bytes`` and ``stages`` are checked for their form only (the same values are valid for every
+    path), never against a budget; ``num_warps`` is the programs' warps there too."""
 
     def pow2(x):
         return isinstance(x, int) and x >= 1 and x & (x - 1) == 0
@@ -564,6 +585,8 @@ def check_tuning(
         raise ValueError(
             f"{op}: stages={stages}; it must be an integer in 1 .. {MAX_STAGES} (blocks in flight per program)"
         )
+    if copy == "none":  # no block in flight: no budget
+        return
     if copy == "tma":
         if budget and stages * block_bytes > SHARED_PER_CTA:
             raise ValueError(
@@ -635,9 +658,10 @@ def tile_pull(
     chunk (GPU only); block_bytes the bytes of one block (a power of two), num_warps the program's warps,
     stages the blocks a program keeps in flight (1: load a block, store it, then the next; S: the next S - 1
     blocks' loads issued before a block's store; one SM's copy rate is about its bytes in flight / memory
-    latency), within ``check_tuning``'s budget; copy "registers" (loads and stores through registers) or
+    latency), within ``check_tuning``'s budget; copy "registers" (loads and stores through registers),
     "tma" (tensor descriptors: TMA bulk copies global -> shared -> global on sm_90, rows a multiple of 16
-    bytes; see "Copy" in the module's notes). Output: recv_MH.
+    bytes) or "none" (no row moved: recv_MH must hold every row already; the chunks are paced and released
+    alone, the link time only; see "Copy" in the module's notes). Output: recv_MH.
 
     Concurrency: with a waiting GEMM on ``SMs - K`` SMs launched before it on another stream, the pull's K
     programs (one CTA each) run on the SMs the GEMM leaves free, so the GEMM's waits always end, provided
@@ -725,6 +749,7 @@ def tile_pull(
         BLOCK_R=block_r,
         BLOCK_W=block_w,
         STAGES=stages,
+        MOVE=copy != "none",
         TMA=tma,
         FENCE=tma and not INTERPRETED,
         num_warps=num_warps,

@@ -17,7 +17,8 @@ host; the engine puts it on its communication stream.
 A transport may also expose its peers' send buffers to a pull kernel (``PullSource``: the tiles engine's
 ``kernels.tile_pull`` copies the rows from them into its receive buffer beside the GEMM that waits for them):
 how the rows each local expert receives split over the source ranks, the sources' buffers for a set of rows,
-and the link's pace. The loopback provides it.
+the link's pace, and whether the pull moves the rows at all (a link-only transport has every row placed and
+the pull only paces and releases them). The loopback provides it.
 
 Legend: Tc tokens of one minibatch, N rows sent, R rows received, M (token, local expert) rows, L local
 experts, EP ranks; for ``PullSource``: P source ranks (source 0 this rank), G local experts, T tokens, H
@@ -148,13 +149,18 @@ class PullSource(Protocol):
     sources; within each expert they are ordered by source (``tile_pull``'s layout), source 0 being this rank,
     whose rows cross no link. Source p's buffer holds exactly its rows for this rank, grouped by local expert.
 
-    pull_rate       bytes/s at which the pull is paced (the link's rate); 0: unpaced
-    pull_split      c_PG from counts_G: the rows source p sends local expert g
-    pull_sources    the P source buffers of a set of rows: the forward's token rows, the backward's output
-                    gradient rows (one split for both)
+    pull_rate        bytes/s at which the pull is paced (the link's rate); 0: unpaced
+    pull_moves_rows  True: the pull copies the remote rows from the sources' buffers; False: the link time
+                     only, every row placed in the receive buffer before the call (an ideal link whose bytes
+                     cost the rank nothing) and the pull only paces and releases them (``pull_sources`` is
+                     then not called)
+    pull_split       c_PG from counts_G: the rows source p sends local expert g
+    pull_sources     the P source buffers of a set of rows: the forward's token rows, the backward's output
+                     gradient rows (one split for both)
     """
 
     pull_rate: float
+    pull_moves_rows: bool
 
     def pull_split(self, counts_G: torch.Tensor) -> torch.Tensor:
         """int64 [P, G] on ``counts_G``'s device: the rows each source sends each local expert, summing over

@@ -13,9 +13,11 @@ the emulated peers' send buffers built on this GPU from the rows (``pull_sources
 source-major buffer, each source a view of it grouped by local expert), and the pull paced at the link's rate
 (``pull_rate`` = gbps x 1e9 bytes/s; 0 unpaced). What moves there is route rows: every (token, expert) row
 of an emulated peer's tokens is its own row on the link, not one row per destination rank as the pipeline's
-exchange sends (``factor``, the expected remote ranks per token). The pull copies every remote row itself,
-so ``LoopbackBytes.LINK`` (no copies, the link time alone) has nothing to model there: the tiles engine
-refuses it when the layer is built (``engine.select``).
+exchange sends (``factor``, the expected remote ranks per token). ``LoopbackBytes.COPY``: the pull copies
+every remote row from those buffers (``pull_moves_rows``). ``LoopbackBytes.LINK``: the link time alone, as
+for the pipeline: no source buffer is built, the engine places every row itself (as without a transport)
+and the pull's programs only pace and release the GEMM's counters (``tile_pull``'s ``copy="none"``), the
+ceiling the schedule allows.
 
 Legend (the pull): P sources (the emulated EP ranks, source 0 this rank), G local experts, M received rows
 (expert-major), T tokens, H hidden.
@@ -114,9 +116,11 @@ class LoopbackTransport:
     at all; on CPU a clone): an ideal transport whose bytes land beside the GEMMs unhindered, the
     schedule's own bound.
 
-    The pull (``PullSource``, the tiles engine): ``pull_split``, ``pull_sources`` and ``pull_rate`` as in the
-    module's notes; ``bytes_moved`` counts the pulled rows' bytes (sources 1..P-1), the engine charges the
-    results' return trip at ``pull_rate`` itself."""
+    The pull (``PullSource``, the tiles engine): ``pull_split``, ``pull_sources``, ``pull_rate`` and
+    ``pull_moves_rows`` (COPY) as in the module's notes; ``bytes_moved`` counts the bytes of the sources'
+    rows it builds for the pull to copy (sources 1..P-1: LINK builds none, so the link-only pull's bytes are
+    the layer plan's, ``LayerPlan.remote_bytes``), the engine charges the results' return trip at
+    ``pull_rate`` itself."""
 
     name = "loopback"
 
@@ -131,6 +135,7 @@ class LoopbackTransport:
         self._delay_stream = None
         self.bytes_moved = 0  # emulated link bytes so far (benchmarks read it)
         self.pull_rate = link.gbps * 1e9  # bytes/s; 0: unpaced
+        self.pull_moves_rows = self.copies  # LINK: every row placed, the pull paces and releases only
 
     def pull_split(self, counts_G: torch.Tensor) -> torch.Tensor:
         """int64 [P, G], P = the emulated EP size: ``even_split``."""
