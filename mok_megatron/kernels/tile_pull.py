@@ -51,14 +51,17 @@ pipeline per step. The pipeline stays within a chunk: its last store precedes th
 as with S = 1, and the pacing and delays before a chunk are unchanged. ``check_tuning`` bounds
 S * ``block_bytes`` by the registers a thread has.
 
-Copy. ``copy="registers"`` (the default) moves each block through registers as above; one program's copy rate
-is bounded by the L1 misses an SM keeps outstanding (measured on one H200: ~40 GB/s per program whatever the
-block, warps or stages). ``copy="tma"`` moves the same blocks with Triton's on-device tensor descriptors: per
+Copy. ``copy="registers"`` (the default) moves each block through registers as above. One SM copies ~38-40
+GB/s on one H200 whatever the block, warps or stages, and beside the waiting GEMM whatever the programs it
+runs: 2 or 4 programs on each of the K SMs the GEMM leaves moved no more than one, while the same programs
+spread over 2-4x as many SMs (no GEMM beside them) moved 2-3.5x the bytes (``benchmarks.tile_pull
+--per-sm``): the SM's own path to memory is the bound, so the pull's rate is set by K. ``copy="tma"`` moves the same blocks with Triton's on-device tensor descriptors: per
 chunk one descriptor over its ``n`` source rows (clipped at the receive buffer's end) and one over its
 receive rows, both ``[rows, W]`` words at a row stride of W, so a block past the chunk's last row or word is
 clipped by the copy itself; on sm_90 they are TMA bulk copies (``cp.async.bulk.tensor``, global -> shared ->
-global), which keep a whole block in flight per SM without the register path's miss limit (the copy
-engines of DeepEP's intranode kernels use the same path). STAGES 1 loads a block into shared memory and
+global), the path DeepEP's intranode kernels copy with. Measured on one H200 with Triton 3.6 they move
+less than the register path: 175-188 GB/s at K = 8 and 344-346 at K = 16 against 308-324 and 586-591
+(64 KiB blocks; two stages lower still), so the register path is the default. STAGES 1 loads a block into shared memory and
 stores it from there; S > 1 is Triton's pipelined loop (S - 1 blocks loaded ahead, one store buffer).
 Before a chunk's release, every thread waits for its bulk stores to complete (``cp.async.bulk.wait_group
 0``) and fences the async proxy against the generic one (``fence.proxy.async.global``), then the CTA
