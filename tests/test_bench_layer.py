@@ -216,6 +216,10 @@ def test_bad_values_are_named():
 
     with pytest.raises(ValueError, match=r"unknown implementation\(s\) \['titan'\]"):
         check_impls(["mok", "titan"])
+    with pytest.raises(
+        ValueError, match=r"\['mok-tile'\]: choose from mok, .*; opt-in rows: .*\bmok-tiles\b"
+    ):
+        check_impls(["mok", "mok-tile"])
     with pytest.raises(ValueError, match="include one of mok, megatron, megatron-te"):
         check_impls(["plain-pytorch"])
 
@@ -375,4 +379,5 @@ def test_engine_rows_run_mok_on_another_engine(tmp_path):
     assert set(rows) >= {"mok", "mok-tiles"}, (rows.keys(), case["skipped"])
     tiles = rows["mok-tiles"]
     assert tiles["ms"] > 0
+    assert tiles["note"] == "--mok-engine tiles: the tile kernels' torch references", tiles["note"]
     assert tiles["rel_err_out"] < TOLERANCE["bf16"] and tiles["rel_err_dx"] < TOLERANCE["bf16"], tiles

@@ -29,9 +29,9 @@ under the same FP8 context (``MEGATRON_FP8_IMPLS``: ``megatron-te-blockwise``, `
 checked against the reference with the looser ``FP8_TOLERANCE``; a path this machine cannot run is skipped
 with the reason.
 
-Engine rows (opt-in, ``ENGINE_IMPLS``): MoK's layer with another engine, its options in the table:
-``mok-tiles`` (``--mok-engine tiles``: the tile kernels on an sm_90 GPU with QuACK, their torch references on
-CPU; skipped with the layer's own reason where it cannot run).
+Engine rows (opt-in, ``ENGINE_IMPLS``): MoK's layer with another engine, its options as flags in the row's
+note: ``mok-tiles`` (``--mok-engine tiles``: the tile kernels on an sm_90 GPU with QuACK, their torch
+references on CPU, the note saying which ran; skipped with the layer's own reason where it cannot run).
 """
 
 from __future__ import annotations
@@ -83,7 +83,10 @@ def check_impls(impls: list[str]) -> None:
     known = (*IMPLS, *FP8_IMPLS, *MEGATRON_FP8_IMPLS, *ENGINE_IMPLS)
     bad = [i for i in impls if i not in known]
     if bad:
-        raise ValueError(f"unknown implementation(s) {bad}: choose from {', '.join(IMPLS)}")
+        raise ValueError(
+            f"unknown implementation(s) {bad}: choose from {', '.join(IMPLS)}; opt-in rows: "
+            f"{', '.join((*FP8_IMPLS, *MEGATRON_FP8_IMPLS, *ENGINE_IMPLS))}"
+        )
     if not any(i in MEGATRON_IMPLS for i in impls):
         raise ValueError(
             f"--impl {','.join(impls)}: include one of {', '.join(MEGATRON_IMPLS)} (weights come from it)"
@@ -139,7 +142,7 @@ def _build(impl: str, shape: dict, dtype, device, ref_sd: dict | None, router_fu
     if impl in FP8_IMPLS:
         return _build_fp8(impl, shape, dtype, device, ref_sd, router_fusion), ""
     if impl in ENGINE_IMPLS:
-        return _build_engine(impl, shape, dtype, device, ref_sd, router_fusion), ""
+        return _build_engine(impl, shape, dtype, device, ref_sd, router_fusion)
     if impl in MEGATRON_IMPLS:
         layer = build(impl, _bench_config(shape, dtype, impl, router_fusion)).to(device)
         if ref_sd is None:
@@ -194,20 +197,24 @@ def _build_fp8(impl: str, shape: dict, dtype, device, ref_sd: dict, router_fusio
 
 
 def _build_engine(impl: str, shape: dict, dtype, device, ref_sd: dict, router_fusion: bool = False):
-    """MoK's layer with the options of ``ENGINE_IMPLS[impl]``, the reference's weights."""
+    """(MoK's layer with the options of ``ENGINE_IMPLS[impl]`` and the reference's weights, its table note:
+    the options as flags and, for the tiles engine, whether its kernels or their torch references run)."""
     from mok_megatron.bench.build import build
     from mok_megatron.experts.checkpoint import convert_state_dict
-    from mok_megatron.options import MoKOptions
+    from mok_megatron.options import MoKOptions, flag_name
 
+    fields = ENGINE_IMPLS[impl]
     try:
-        layer = build(
-            "mok", _bench_config(shape, dtype, "mok", router_fusion), options=MoKOptions(**ENGINE_IMPLS[impl])
-        )
+        layer = build("mok", _bench_config(shape, dtype, "mok", router_fusion), options=MoKOptions(**fields))
     except MoKConfigError as e:  # the engine cannot run this layer here (e.g. no QuACK on the GPU)
         raise PeerUnavailable(str(e)) from None
     layer = layer.to(device)
     layer.load_state_dict(convert_state_dict(ref_sd, "mok"), strict=True)
-    return layer
+    note = " ".join(f"{flag_name(name)} {value}" for name, value in fields.items())
+    tiles = layer.token_dispatcher.engine.tiles
+    if tiles is not None:
+        note += ": the tile kernels" if tiles.kernels else ": the tile kernels' torch references"
+    return layer, note
 
 
 def _build_megatron_fp8(impl: str, shape: dict, dtype, device, ref_sd: dict, router_fusion: bool = False):
