@@ -420,9 +420,7 @@ def _scale_from_partials(
             NO_HINT,
         )
     else:
-        amax = _column_amax(
-            x_ptr, x_ptr, cols, col_ok, start, end, width, BLOCK_M, BLOCK_K, False, NO_HINT
-        )
+        amax = _column_amax(x_ptr, x_ptr, cols, col_ok, start, end, width, BLOCK_M, BLOCK_K, False, NO_HINT)
     return _scale_of(amax)
 
 
@@ -521,9 +519,7 @@ def _weight_t_kernel(
         col_ok = cols < width
         start = g * rows
         end = start + rows
-        amax = _column_amax(
-            w_ptr, w_ptr, cols, col_ok, start, end, width, AMAX_N, BLOCK_K, False, EVICT_LAST
-        )
+        amax = _column_amax(w_ptr, w_ptr, cols, col_ok, start, end, width, AMAX_N, BLOCK_K, False, EVICT_LAST)
         scale = _scale_of(amax)
         tl.store(s_ptr + g * width + cols, scale, mask=col_ok)
         if PACK:
