@@ -17,13 +17,17 @@ Every layer run's output is checked against the GEMM with counters preset (bit f
 
 The pull's tuning (``kernels.tile_pull``: --block-bytes, --warps, --stages, --copy, each a comma list):
 every combination is timed at every K and rate in the same process, its lines labelled ``block B warps W
-stages S`` (and ``copy C`` when --copy is given, ``per-sm N`` when --per-sm is: N programs on each of the K
-SMs the GEMM leaves, more bytes in flight per SM) and its JSON rows carrying block_bytes, num_warps, stages
-and copy (the kernel's defaults where not given). --copy registers,tma times the register path against the
-TMA bulk copies (``copy="tma"``) at the same blocks; ``copy="none"`` (no row moved) is refused here, where
-the copy is what is timed: ``benchmarks.tile_layer --copy none`` times the link-only ceiling. A combination
-over the kernel's budget (``tile_pull.check_tuning``: registers, or shared memory for tma) is skipped with
-the reason; a value the kernel refuses on its own is refused.
+stages S`` (and ``copy C`` when --copy is given, ``per-sm N`` when --per-sm is: K x N programs, N for each of
+the K SMs the GEMM leaves, more bytes in flight per SM as far as the SM holds N of them at once) and its JSON
+rows carrying block_bytes, num_warps, stages and copy (the kernel's defaults where not given). --copy
+registers,tma times the register path against the TMA bulk copies (``copy="tma"``) at the same blocks;
+``copy="none"`` (no row moved) is refused here, where the copy is what is timed: ``benchmarks.tile_layer
+--copy none`` times the link-only ceiling. A combination over the kernel's budget (``tile_pull.check_tuning``:
+registers, or shared memory for tma) is skipped with the reason, and so is a --per-sm N whose N programs'
+blocks in flight alone fill an SM's registers (or exceed its shared memory for tma: ``unresident``): the
+programs past those resident would start only as others end. Below that bound whether N programs share an SM
+depends on the compiled kernel's registers, which this benchmark does not read. A value the kernel refuses on
+its own is refused.
 
 A waiting GEMM whose counters never reach their targets never ends: ``--case-timeout`` ends the process
 (status 3) after writing the JSON gathered so far (``tile_gemm_gate.CaseWatchdog``).
@@ -98,6 +102,30 @@ def parse_names(flag: str, text: str) -> list[str]:
     return values
 
 
+def unresident(per_sm: int, copy: str, block_bytes: int, stages: int) -> str | None:
+    """Why ``per_sm`` programs of this tuning cannot all be resident on one SM, or None: their blocks in flight
+    alone fill its register file (copy "registers": nothing left for addresses and indices) or exceed a CTA's
+    shared memory (copy "tma"). Programs past those resident start only as others end, so the rows would time
+    a queue of paced programs, not ``per_sm`` programs copying at once. Below these bounds residency still
+    depends on the compiled kernel's registers (``kernels.tile_pull``'s notes: 64 per thread at 16 warps and
+    64 KiB blocks, so two such programs fill an SM's registers)."""
+    from mok_megatron.kernels import tile_pull as tp
+
+    held = per_sm * stages * block_bytes
+    if copy == "tma":
+        limit, what, over = tp.SHARED_PER_CTA, "shared memory", held > tp.SHARED_PER_CTA
+    else:
+        limit, what = tp.REGISTERS_PER_SM * 4, "register file"
+        over = held >= limit
+    if per_sm == 1 or not over:
+        return None
+    return (
+        f"{per_sm} programs x stages={stages} x block_bytes={block_bytes} = {held} bytes in flight on one SM, "
+        f"against its {what} of {limit} bytes: they cannot all be resident at once (the later ones would start "
+        "as the earlier end); lower --per-sm, --stages or --block-bytes"
+    )
+
+
 def tunings(
     block_bytes: str | None,
     warps: str | None,
@@ -137,6 +165,9 @@ def tunings(
             tp.check_tuning(b, w, st, op=name, copy=cp)
         except ValueError as e:
             skipped.append(f"skipped {e}")
+            continue
+        if why := unresident(n, cp, b, st):
+            skipped.append(f"skipped {name}: {why}")
             continue
         out.append(Tuning(b, w, st, name if given else "", cp, n))
     if not out:

@@ -757,3 +757,31 @@ def test_benchmark_tunings_every_combination_labelled():
     assert tunes[0].label == "block 65536 warps 16 stages 3 copy tma"
     assert tunes[0].kwargs() == dict(block_bytes=65536, num_warps=16, stages=3, copy="tma")
     assert len(skipped) == 3 and "shared memory" in skipped[-1]
+
+
+def test_benchmark_per_sm_skips_programs_that_cannot_share_an_sm():
+    # N programs whose blocks in flight alone fill an SM's 256 KiB of registers (copy registers) or exceed a
+    # CTA's shared memory (tma) cannot all be resident: skipped with the reason, the others kept and labelled
+    from benchmarks import tile_pull as bench
+
+    tunes, skipped = bench.tunings("32768,65536", "8", None, None, "1,2,4")
+    assert [(t.block_bytes, t.per_sm) for t in tunes] == [
+        (32768, 1),
+        (65536, 1),
+        (32768, 2),
+        (65536, 2),
+        (32768, 4),
+    ]
+    assert tunes[-1].label == "block 32768 warps 8 stages 1 per-sm 4"
+    assert skipped == [
+        "skipped block 65536 warps 8 stages 1 per-sm 4: 4 programs x stages=1 x block_bytes=65536 = 262144 bytes "
+        "in flight on one SM, against its register file of 262144 bytes: they cannot all be resident at once "
+        "(the later ones would start as the earlier end); lower --per-sm, --stages or --block-bytes"
+    ]
+    tunes, skipped = bench.tunings(None, None, "1", "tma", "3,4")
+    assert [t.per_sm for t in tunes] == [3]
+    assert len(skipped) == 1 and "against its shared memory of 232448 bytes" in skipped[0]
+    with pytest.raises(
+        ValueError, match=r"^every tuning is over the kernel's budget: skipped .* per-sm 8: 8 programs"
+    ):
+        bench.tunings(None, None, None, None, "8")

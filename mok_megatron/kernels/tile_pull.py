@@ -52,10 +52,13 @@ as with S = 1, and the pacing and delays before a chunk are unchanged. ``check_t
 S * ``block_bytes`` by the registers a thread has.
 
 Copy. ``copy="registers"`` (the default) moves each block through registers as above. One SM copies ~38-40
-GB/s on one H200 whatever the block, warps or stages, and beside the waiting GEMM whatever the programs it
-runs: 2 or 4 programs on each of the K SMs the GEMM leaves moved no more than one, while the same programs
-spread over 2-4x as many SMs (no GEMM beside them) moved 2-3.5x the bytes (``benchmarks.tile_pull
---per-sm``): the SM's own path to memory is the bound, so the pull's rate is set by K. ``copy="tma"`` moves the same blocks with Triton's on-device tensor descriptors: per
+GB/s on one H200 whatever the block, warps or stages, and beside the waiting GEMM two programs on each of the
+K SMs the GEMM leaves moved no more than one, while the same programs spread over twice as many SMs (no GEMM
+beside them) moved about twice the bytes (``benchmarks.tile_pull --per-sm``): the SM's own path to memory is
+the bound, so the pull's rate is set by K. Two programs of 64 KiB blocks are as many as an SM holds at once
+(127 registers per thread at 8 warps, 64 at 16: ptxas for sm_90a); four do not fit (their blocks alone fill
+its 256 KiB of registers), so half of them start only as the others end, and the benchmark skips such
+combinations. ``copy="tma"`` moves the same blocks with Triton's on-device tensor descriptors: per
 chunk one descriptor over its ``n`` source rows (clipped at the receive buffer's end) and one over its
 receive rows, both ``[rows, W]`` words at a row stride of W, so a block past the chunk's last row or word is
 clipped by the copy itself; on sm_90 they are TMA bulk copies (``cp.async.bulk.tensor``, global -> shared ->
