@@ -341,3 +341,19 @@ def test_refuses_without_an_sm90_gpu_in_one_line():
     assert r.stderr.strip().splitlines() == [
         "tile_layer: needs an sm_90 GPU (QuACK's sm_90 kernels); none here"
     ]
+
+
+def test_a_side_stream_that_is_the_current_one_is_refused(monkeypatch):
+    # the pull launched on the waiting GEMM's own stream would queue behind it: refused before any launch
+    _, plan, x, bx = _backward_problem("three-sources")
+    current = object()
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda *a: current)
+    buf, bbuf = bench.layer_buffers(x, plan), bench.backward_buffers(bx, x, plan)
+    counters = bbuf.counters_S.clone()
+    with pytest.raises(
+        ValueError, match=r"^tiles_forward: side is the current stream; .* pass a stream other"
+    ):
+        bench.tiles_forward(buf, x, plan, bench.KERNELS, k=2, side=current)
+    with pytest.raises(ValueError, match=r"^tiles_backward: side is the current stream; "):
+        bench.tiles_backward(bbuf, bx, x, plan, bench.KERNELS, k=2, side=current, wgrad_stream=object())
+    assert torch.equal(bbuf.counters_S, counters)

@@ -530,3 +530,52 @@ def test_a_gpu_without_the_kernels_is_refused_not_run_on_the_references(monkeypa
         and "here EP=2: no pull yet" in text
         and text.endswith("--mok-engine auto on this machine.")
     )
+
+
+def test_tile_streams_are_never_the_current_stream(monkeypatch):
+    """torch hands out pool streams in turn, so a new one may be the stream the layer runs on: ``TileStreams``
+    takes three distinct others (a pull on the waiting GEMM's own stream would never run), and the layer takes
+    a new set when the stream it runs on is one of its set's."""
+    from mok_megatron.engine import tiles as te
+
+    pool = iter(["s1", "s0", "s2", "s2", "s3", "s4"])
+    monkeypatch.setattr(torch.cuda, "Stream", lambda device: next(pool))
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: "s0")
+    streams = te.TileStreams.on(torch.device("cuda", 0))
+    assert (streams.side, streams.wgrad, streams.delay) == ("s1", "s2", "s3")
+    assert streams.holds("s2") and not streams.holds("s0")
+    monkeypatch.setattr(torch.cuda, "Stream", lambda device: "s0")
+    with pytest.raises(RuntimeError, match=r"^TileStreams.on: 64 streams of cuda:0 gave 0 distinct ones"):
+        te.TileStreams.on(torch.device("cuda", 0))
+
+
+def test_the_layer_takes_new_streams_when_it_runs_on_one_of_its_own(monkeypatch):
+    from types import SimpleNamespace
+
+    from mok_megatron.adapter.dispatcher import MoKTokenDispatcher
+    from mok_megatron.engine import tiles as te
+
+    made, current = [], {"stream": "main"}
+
+    def on(device):
+        n = len(made)
+        made.append(SimpleNamespace(holds=lambda s: s == f"side{n}", n=n))
+        return made[-1]
+
+    monkeypatch.setattr(te.TileStreams, "on", on)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: current["stream"])
+    seen = []
+    monkeypatch.setattr(te, "tile_experts", lambda *a: seen.append(a[8].n))
+    d = MoKTokenDispatcher.__new__(MoKTokenDispatcher)
+    plan = SimpleNamespace(meta="meta", ids_TK=torch.zeros(2, 1, dtype=torch.long), tokens_per_expert_L=None)
+    d.__dict__.update(_tile_streams={}, profile=None, _plan=plan)
+    d.engine = SimpleNamespace(tiles=SimpleNamespace(kernels=True), pull=None)
+    monkeypatch.setattr(MoKTokenDispatcher, "plan", property(lambda self: self._plan))
+    experts = SimpleNamespace(fc1_weight=None, fc2_weight=None, main_grad_owners=lambda: (None, None))
+    x = SimpleNamespace(device=torch.device("cuda", 0))
+    probs = torch.zeros(2, 1)
+    d.run_tiles(x, probs, experts)
+    d.run_tiles(x, probs, experts)  # the same set
+    current["stream"] = "side0"  # the layer now runs on the set's side stream: a new set
+    d.run_tiles(x, probs, experts)
+    assert seen == [0, 0, 1]

@@ -208,9 +208,10 @@ class MoKTokenDispatcher(MoETokenDispatcher):
         streams = None
         if self.engine.tiles.kernels:  # the pull's, the weight gradients' and the return trip's streams
             dev = hidden_states.device
-            if dev.index not in self._tile_streams:
-                self._tile_streams[dev.index] = TileStreams.on(dev)
-            streams = self._tile_streams[dev.index]
+            streams = self._tile_streams.get(dev.index)
+            if streams is None or streams.holds(torch.cuda.current_stream(dev)):
+                # none yet, or a set taken while another stream was current holds the one this call runs on
+                streams = self._tile_streams[dev.index] = TileStreams.on(dev)
         tiles, source = self.engine.tiles, self.engine.pull
         with profiling.phase(self.profile, "experts", hidden_states.device):
             if plan.meta is not None:

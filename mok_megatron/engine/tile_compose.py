@@ -401,6 +401,17 @@ def _combine_beside(ops: Ops, y_MH, plan: LayerPlan, buf: LayerBuffers, k: int, 
     return sum_tokens()
 
 
+def _apart(op: str, side, main) -> None:
+    """Refuses a side stream that is the current one: the kernel launched there beside a waiting GEMM would
+    queue behind it, and the GEMM would wait forever."""
+    if side is not None and side == main:
+        raise ValueError(
+            f"{op}: side is the current stream; the pull or combine beside the waiting GEMM must run on "
+            "another stream (a waiting kernel launched first on one stream waits forever): pass a stream "
+            "other than torch.cuda.current_stream()"
+        )
+
+
 def tiles_forward(
     buf: LayerBuffers,
     x: LayerInputs,
@@ -437,6 +448,7 @@ def tiles_forward(
             "(side=torch.cuda.Stream()); on one stream a waiting kernel launched first waits forever"
         )
     main = torch.cuda.current_stream() if side is not None else None
+    _apart("tiles_forward", side, main)
     on_side = (lambda: torch.cuda.stream(side)) if side is not None else contextlib.nullcontext
     buf.counters_S.copy_(plan.local_counts_S if pull else plan.fc1.targets_S)
     buf.done_S.zero_()
@@ -535,6 +547,7 @@ def tiles_backward(
     offs = plan.fc1.cu_G1[1:]
     aside = wgrad == "beside" and wgrad_stream is not None
     main = torch.cuda.current_stream() if side is not None or aside else None
+    _apart("tiles_backward", side, main)
     on_side = (lambda: torch.cuda.stream(side)) if side is not None else contextlib.nullcontext
     on_wgrad = (lambda: torch.cuda.stream(wgrad_stream)) if aside else contextlib.nullcontext
     buf.counters_S.copy_(plan.local_counts_S if pull else plan.dgrad2.targets_S)

@@ -50,7 +50,8 @@ waits for, after the call's combine (the combine reads rows that stayed here fir
 before or after the link time). Unpaced, and on the references, there is nothing to wait.
 
 The streams besides the current one (``TileStreams``: the pull's, the weight gradients', the return trip's)
-belong to the layer (``adapter.dispatcher``), one set per device.
+belong to the layer (``adapter.dispatcher``), one set per device, never the stream a call runs on (torch's
+pool hands its streams out in turn; the layer takes a new set when it runs on one of its set's).
 
 The combine runs after the GEMM, not beside it on the SMs the GEMM leaves (``kernels.tile_combine``): a
 token's routes span all experts, so most tokens are complete only once fc2's last tiles are, and the
@@ -126,6 +127,9 @@ def row_routes(counts_G: torch.Tensor) -> RoutingMeta:
     return RoutingMeta(c, offs, offs, row_TK, rows, 1)
 
 
+POOL_TRIES = 64  # new streams ``TileStreams.on`` takes at most (torch's pool: 32 per priority and device)
+
+
 @dataclass(frozen=True)
 class TileStreams:
     """The CUDA streams of a layer's tiles calls besides the current one (the kernels'), one set per device,
@@ -137,7 +141,25 @@ class TileStreams:
 
     @classmethod
     def on(cls, device: torch.device) -> TileStreams:
-        return cls(*(torch.cuda.Stream(device) for _ in range(3)))
+        """Three distinct streams of ``device``, none of them its current stream: torch hands out its pool's
+        streams in turn, so a new one may be the stream the caller runs on, and a pull queued on the stream of
+        the GEMM that waits for it would never run."""
+        current = torch.cuda.current_stream(device)
+        picked: list = []
+        for _ in range(POOL_TRIES):
+            s = torch.cuda.Stream(device)
+            if s != current and s not in picked:
+                picked.append(s)
+                if len(picked) == 3:
+                    return cls(*picked)
+        raise RuntimeError(
+            f"TileStreams.on: {POOL_TRIES} streams of {device} gave {len(picked)} distinct ones besides the "
+            "current stream, 3 needed (torch's stream pool)"
+        )
+
+    def holds(self, stream) -> bool:
+        """Whether ``stream`` is one of these."""
+        return stream in (self.side, self.wgrad, self.delay)
 
 
 @dataclass(frozen=True)
