@@ -281,7 +281,8 @@ def test_a_link_only_loopback_gives_the_copying_and_the_pull_less_results_bitwis
 def test_a_link_only_loopback_places_every_row_and_pulls_without_copying(monkeypatch):
     """With the kernels (their references standing in, on CPU) and a link-only loopback at 900 GB/s: both
     directions pull (pace and release) with copy="none" at the link's rate, every row placed before the call,
-    the pull's table P zeros (no source read); the copying loopback pulls with the register copy."""
+    the pull's table P zeros (no source read); at an infinite rate nothing is pulled; the copying loopback
+    pulls with the register copy."""
     from types import SimpleNamespace
 
     from mok_megatron.engine import tile_compose as tcomp
@@ -313,6 +314,12 @@ def test_a_link_only_loopback_places_every_row_and_pulls_without_copying(monkeyp
     got = _experts_call(meta, link, config, streams=streams)
     linked = dict(pull=True, rate=900e9, copy="none", nan=False, table=[0, 0, 0, 0], sources=0)
     assert seen == [linked, linked]
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+    seen.clear()
+    infinite = LoopbackTransport(LoopbackLink(ep=4, gbps=0.0, bytes="link"), num_local_experts=6, topk=2)
+    got = _experts_call(meta, infinite, config, streams=streams)
+    placed = dict(pull=False, rate=0.0, copy="none", nan=False, table=[0, 0, 0, 0], sources=0)
+    assert seen == [placed, placed]  # no pace, no rows moved: nothing to pull, no SMs held back
     assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
     seen.clear()
     copying = LoopbackTransport(LoopbackLink(ep=4, gbps=900.0), num_local_experts=6, topk=2)

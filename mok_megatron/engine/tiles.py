@@ -177,8 +177,11 @@ class TileCall:
 
     @property
     def pulls(self) -> bool:
-        """Rows come from other sources: a pull beside the first GEMM of each direction."""
-        return self.source is not None and self.plan.remote_bytes > 0
+        """Rows come from other sources: a pull beside the first GEMM of each direction. A link that moves
+        no rows and sets no pace (the link-only loopback at an infinite rate) leaves nothing to pull: every
+        row is placed and no SMs are held back."""
+        src = self.source
+        return src is not None and self.plan.remote_bytes > 0 and (src.pull_moves_rows or src.pull_rate > 0)
 
     @property
     def copy(self) -> str:
