@@ -87,7 +87,10 @@ PACK_TILE = (128, 64, 4)
 CAST_TILE = (128, 32, 2)  # byte-wise stores (the fastest tile measured on one H200)
 PARTIAL_ROWS = 16  # rows per block amax of quantize_rowwise_partials (the FP8 experts pad segments to 16)
 # Column-block weight kernel (``_weight_t_kernel``, ``weight_t_plan``): each program reads its block twice
-# (amax, then cast; the second read mostly from L2). Two programs of 8 warps per SM (persistent, a static tile
+# (amax, then cast; the second read from L2 where the blocks in flight fit there: at two programs per SM and
+# BLOCK_K 32 they fill an H200's L2 from N ~ 3,100 rows on, and the DeepSeek-V3 weights below, N 4096 and
+# 7168, were still the fastest at that plan, its loads in flight counting more than the L2 hits). Two
+# programs of 8 warps per SM (persistent, a static tile
 # schedule; sm_90 compiles: 95-128 registers per thread, so two fit an SM's 64K): on one H200, bf16,
 # against the segment kernels' two full passes, 1.42x / 1.30x on Qwen3-30B-A3B's fc1 / fc2 weights and
 # 1.22x / 1.51x on the DeepSeek-V3 slice's at BLOCK_K 32 (1.36 / 1.29 / 1.34 / 1.40x at 16); one program of
@@ -508,9 +511,9 @@ def _weight_t_kernel(
     PACK: tl.constexpr,  # N % 4 == 0 and q is e4m3: four rows of a column per 32-bit store
 ):
     """Tile t is expert t // ceil(K / BLOCK_K)'s column block [N, BLOCK_K]; program p takes tiles p, p + P,
-    ... (P programs, sized so that the blocks being worked on fit in L2). Pass 1 reads the block with an
-    evict-last hint and keeps the per-column amax; pass 2 reads it again (from L2) with an evict-first
-    hint, casts and writes it transposed. Scale and cast are the segment kernels' (``_scale_of``,
+    ... (P programs, ``weight_t_plan``). Pass 1 reads the block with an evict-last hint and keeps the
+    per-column amax; pass 2 reads it again (from L2 where it stayed) with an evict-first hint, casts and
+    writes it transposed. Scale and cast are the segment kernels' (``_scale_of``,
     ``_to_e4m3``, ``_cast_words`` / ``_cast_bytes``)."""
     col_blocks = tl.cdiv(width, BLOCK_K)
     for tile in range(tl.program_id(0), num_tiles, tl.num_programs(0)):
