@@ -221,30 +221,40 @@ def test_pulled_rows_give_the_pull_less_results_bitwise(ep, topk):
         assert torch.equal(a, b), name
 
 
+def _spy_on_compositions(monkeypatch, record):
+    """Replaces ``tiles_forward`` / ``tiles_backward`` with versions that append ``record(args, kw)`` and then
+    run the references on CPU (unpaced, one stream): what the engine hands the composition, with the kernels'
+    config standing in on a machine without them."""
+    from mok_megatron.engine import tile_compose as tcomp
+
+    seen = []
+
+    def spy(run):
+        def call(*args, **kw):
+            seen.append(record(args, kw))
+            kw.update(rate=0.0, side=None, **({"wgrad_stream": None} if "wgrad_stream" in kw else {}))
+            return run(*args[:-1], tcomp.REFERENCES, **kw)
+
+        return call
+
+    for name in ("tiles_forward", "tiles_backward"):
+        monkeypatch.setattr(tcomp, name, spy(getattr(tcomp, name)))
+    return seen
+
+
 def test_the_pull_gets_its_sms_rate_and_stream_from_the_options_and_the_transport(monkeypatch):
     """With the kernels (their references standing in, on CPU) and a loopback at 900 GB/s: the forward pulls
     beside fc1 on ``sms`` SMs, the backward beside fc2's input gradient on ``sms_backward``, both at the
     link's rate on the layer's side stream; the weight gradients beside on the layer's stream."""
     from types import SimpleNamespace
 
-    from mok_megatron.engine import tile_compose as tcomp
     from mok_megatron.engine import tiles as te
     from mok_megatron.transport.loopback import LoopbackLink, LoopbackTransport
 
-    seen = []
-
-    def spy(run):
-        def call(*args, **kw):  # on CPU the references run unpaced, on one stream
-            seen.append({k: kw.get(k) for k in ("pull", "k", "rate", "side", "wgrad", "wgrad_stream")})
-            kw.update(rate=0.0, side=None, **({"wgrad_stream": None} if "wgrad_stream" in kw else {}))
-            return run(*args[:-1], tcomp.REFERENCES, **kw)
-
-        return call
-
     meta = _routed(30, 2, 6, seed=1)
     want = _experts_call(meta, None, te.TilesConfig(sms=3, sms_backward=2, kernels=False))
-    for name in ("tiles_forward", "tiles_backward"):
-        monkeypatch.setattr(tcomp, name, spy(getattr(tcomp, name)))
+    keys = ("pull", "k", "rate", "side", "wgrad", "wgrad_stream")
+    seen = _spy_on_compositions(monkeypatch, lambda args, kw: {k: kw.get(k) for k in keys})
     streams = SimpleNamespace(side="side stream", wgrad="wgrad stream", delay="delay stream")
     source = LoopbackTransport(LoopbackLink(ep=4, gbps=900.0), num_local_experts=6, topk=2)
     config = te.TilesConfig(sms=3, sms_backward=2, kernels=True)
@@ -285,29 +295,18 @@ def test_a_link_only_loopback_places_every_row_and_pulls_without_copying(monkeyp
     pulls with the register copy."""
     from types import SimpleNamespace
 
-    from mok_megatron.engine import tile_compose as tcomp
     from mok_megatron.engine import tiles as te
     from mok_megatron.transport.loopback import LoopbackLink, LoopbackTransport
 
-    seen = []
-
-    def spy(run):
-        def call(*args, **kw):  # on CPU the references run unpaced, on one stream
-            buf, inputs = args[0], args[1]
-            rows = buf.recv_MH if hasattr(buf, "recv_MH") else buf.dy_MH
-            seen.append(
-                dict({k: kw.get(k) for k in ("pull", "rate", "copy")}, nan=bool(torch.isnan(rows).any()),
-                     table=inputs.table_P.tolist(), sources=len(inputs.sources))
-            )  # fmt: skip
-            kw.update(rate=0.0, side=None, **({"wgrad_stream": None} if "wgrad_stream" in kw else {}))
-            return run(*args[:-1], tcomp.REFERENCES, **kw)
-
-        return call
+    def record(args, kw):
+        buf, inputs = args[0], args[1]
+        rows = buf.recv_MH if hasattr(buf, "recv_MH") else buf.dy_MH
+        return dict({k: kw.get(k) for k in ("pull", "rate", "copy")}, nan=bool(torch.isnan(rows).any()),
+                    table=inputs.table_P.tolist(), sources=len(inputs.sources))  # fmt: skip
 
     meta = _routed(30, 2, 6, seed=2)
     want = _experts_call(meta, None, te.TilesConfig(sms=3, sms_backward=2, kernels=False))
-    for name in ("tiles_forward", "tiles_backward"):
-        monkeypatch.setattr(tcomp, name, spy(getattr(tcomp, name)))
+    seen = _spy_on_compositions(monkeypatch, record)
     streams = SimpleNamespace(side="side stream", wgrad="wgrad stream", delay="delay stream")
     config = te.TilesConfig(sms=3, sms_backward=2, kernels=True)
     link = LoopbackTransport(LoopbackLink(ep=4, gbps=900.0, bytes="link"), num_local_experts=6, topk=2)
